@@ -1,0 +1,204 @@
+"""Attaching a method to a transformers model: AttentionInterface + mask function + a per-layer method state.
+
+* One attention function, registered at import as ``"sparse_eval"`` in transformers' ``AttentionInterface``,
+  together with transformers' own ``sdpa_mask`` under the same name, so padding always arrives as a mask.
+* ``attach(model, method, ...)`` stores a ``SparseSession`` on each attention module (an instance attribute,
+  no class is patched) and a forward pre-hook that hands the module the cache object of the current call.
+* The method's index (hash codes, page bounds, label cache) lives in the cache layer: ``SparseCache`` builds
+  ``SparseLayer``s that own a ``method_state`` dict and drop it whenever the cache is reset or cropped.  Any
+  other cache (e.g. the ``DynamicCache`` that ``generate`` makes by itself) gets the same dict attached.
+
+Which calls are sparse (the evaluation protocol, recorded with every result):
+  A: the prompt is prefilled densely, sparsity starts at the first generated token (q_len == 1);
+  B: the context is prefilled densely and the question and the generation are sparse (the engine marks the
+     context phase with ``session.phase("dense")`` and the rest with ``session.phase("sparse")``);
+  S: every query position attends sparsely, prefill included.
+Layers in ``method.dense_layers`` are always dense.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from ..methods.base import Method
+from ..methods.core import key_validity, sparse_attention, static_keys
+from .recorder import StatsRecorder
+
+ATTENTION_NAME = "sparse_eval"
+PROTOCOLS = ("A", "B", "S")
+_SESSION_ATTR = "_sparse_eval_session"
+_CACHE_ATTR = "_sparse_eval_cache"
+_STATE_ATTR = "method_state"
+
+
+@dataclass
+class Runtime:
+    """Settings of a session that are not the method's own (all recorded with results)."""
+
+    protocol: str = "A"
+    compute_error: bool = True
+    query_chunk: int = 512  # query rows per block in the sparse path (memory bound, not a result-changing knob)
+
+
+class SparseLayer(DynamicLayer):
+    """A dynamic cache layer that also owns the method's per-layer index."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.method_state: dict[str, Any] = {}
+
+    def reset(self) -> None:
+        super().reset()
+        self.method_state = {}
+
+    def crop(self, max_length: int) -> None:
+        super().crop(max_length)
+        self.method_state = {}  # the index covered keys that are gone: rebuild on the next call
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.method_state = {}
+
+
+class SparseCache(Cache):
+    """A cache of ``SparseLayer``s, one per decoder layer."""
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[SparseLayer() for _ in range(num_layers)])
+
+
+def make_cache(model: torch.nn.Module) -> SparseCache:
+    return SparseCache(model.config.get_text_config().num_hidden_layers)
+
+
+def _layer_state(cache: Any, layer_idx: int) -> dict[str, Any]:
+    if cache is None or not hasattr(cache, "layers") or layer_idx >= len(cache.layers):
+        return {}  # no cache: every call indexes from scratch (teacher-forced perplexity)
+    layer = cache.layers[layer_idx]
+    state = getattr(layer, _STATE_ATTR, None)
+    if state is None:
+        state = {}
+        setattr(layer, _STATE_ATTR, state)
+    return state
+
+
+class SparseSession:
+    """A method attached to one model, with its protocol and the statistics of the calls it served."""
+
+    def __init__(self, method: Method, runtime: Runtime, num_layers: int, num_heads: int):
+        if runtime.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol={runtime.protocol!r}; valid: {list(PROTOCOLS)}")
+        method.validate(num_layers=num_layers)
+        self.method = method
+        self.runtime = runtime
+        self.num_layers = num_layers
+        self.dense_layers = {int(i) for i in method.config.dense_layers}
+        self.recorder = StatsRecorder(num_layers, num_heads)
+        self._phase: str | None = None
+        self.layer_inputs: dict[int, tuple] = {}  # per layer: (hidden_states, position_embeddings) of the last call
+
+    # -- protocol ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str | None) -> Iterator[None]:
+        """Force the calls inside to be ``"dense"`` or ``"sparse"`` (protocol B's context/question split)."""
+        if name not in (None, "dense", "sparse"):
+            raise ValueError(f"phase={name!r}; valid: None, 'dense', 'sparse'")
+        old, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = old
+
+    def is_sparse(self, layer_idx: int, q_len: int) -> bool:
+        if layer_idx in self.dense_layers:
+            return False
+        if self._phase is not None:
+            return self._phase == "sparse"
+        if self.runtime.protocol == "S":
+            return True
+        return q_len == 1  # A (and B without an explicit context/question split)
+
+    # -- the attention call -----------------------------------------------------------------------
+    def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        layer_idx = module.layer_idx
+        b, hq, q_len, d = query.shape
+        scaling = module.scaling if scaling is None else scaling
+        if not self.is_sparse(layer_idx, q_len):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        valid = key_validity(attention_mask, b, q_len, key.shape[2], query.device)
+        if self.method.dense:
+            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+            static, n_valid = static_keys(valid, self.method.config.sink, self.method.config.local)
+            self.recorder.add_full(layer_idx, static, n_valid, hq)
+            return out, None
+        state = _layer_state(getattr(module, _CACHE_ATTR, None), layer_idx)
+        out, stats = sparse_attention(
+            self.method, query, key, value, valid, scaling, state, layer_idx,
+            compute_error=self.runtime.compute_error, query_chunk=self.runtime.query_chunk,
+        )
+        self.recorder.add(layer_idx, stats)
+        return out.transpose(1, 2).contiguous(), None
+
+
+def sparse_eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The registered attention function: the module's session decides; no session means stock sdpa."""
+    session: SparseSession | None = getattr(module, _SESSION_ATTR, None)
+    if session is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return session.attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+AttentionInterface.register(ATTENTION_NAME, sparse_eval_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The self-attention modules of a decoder (Llama, Mistral, Qwen2/3, ...): they carry ``layer_idx`` and
+    ``num_key_value_groups`` and are called through the attention interface."""
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups") and hasattr(m, "scaling")]
+    if not mods:
+        raise ValueError(f"found no attention modules with layer_idx/num_key_value_groups in {type(model).__name__}")
+    return mods
+
+
+def _grab_cache(module, args, kwargs):
+    setattr(module, _CACHE_ATTR, kwargs.get("cache", kwargs.get("past_key_values")))
+    session = getattr(module, _SESSION_ATTR, None)
+    if session is not None and "hidden_states" in kwargs:
+        session.layer_inputs[module.layer_idx] = (kwargs["hidden_states"], kwargs.get("position_embeddings"))
+
+
+def attach(model: torch.nn.Module, method: Method, runtime: Runtime | None = None) -> SparseSession:
+    """Route ``model``'s attention through ``method``.  Returns the session (statistics, phases)."""
+    detach(model)
+    cfg = model.config.get_text_config()
+    session = SparseSession(method, runtime or Runtime(), cfg.num_hidden_layers, cfg.num_attention_heads)
+    session.modules = attention_modules(model)
+    for m in session.modules:
+        setattr(m, _SESSION_ATTR, session)
+        m._sparse_eval_hook = m.register_forward_pre_hook(_grab_cache, with_kwargs=True)
+    model.set_attn_implementation(ATTENTION_NAME)
+    model._sparse_eval_session = session
+    return session
+
+
+def detach(model: torch.nn.Module) -> None:
+    """Undo ``attach`` (the model keeps the registered name, which without a session is stock sdpa)."""
+    for m in model.modules():
+        hook = getattr(m, "_sparse_eval_hook", None)
+        if hook is not None:
+            hook.remove()
+            del m._sparse_eval_hook
+        for attr in (_SESSION_ATTR, _CACHE_ATTR):
+            if hasattr(m, attr):
+                delattr(m, attr)
+    if hasattr(model, "_sparse_eval_session"):
+        del model._sparse_eval_session

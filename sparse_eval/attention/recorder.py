@@ -1,0 +1,67 @@
+"""Accumulates per-row attention statistics per layer and head, on the device, until a sample ends."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+# statistics averaged over the query rows of sparse calls (one row = one query position of one head)
+MEAN_KEYS = ("cost1", "cost2", "static_frac", "error")
+
+
+class StatsRecorder:
+    def __init__(self, num_layers: int, num_heads: int):
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: dict[str, dict[int, torch.Tensor]] = {}
+        self.rows: dict[int, torch.Tensor] = {}
+        self.empty: dict[int, torch.Tensor] = {}
+
+    def _acc(self, table: dict[int, torch.Tensor], layer: int, value: torch.Tensor) -> None:
+        if layer in table:
+            table[layer] = table[layer] + value
+        else:
+            table[layer] = value
+
+    def add(self, layer: int, stats: dict[str, Any]) -> None:
+        """stats: per-row tensors [B, Hq, Q] plus ``rows`` (bool, row has valid keys) and ``empty``."""
+        rows = stats["rows"]
+        w = rows.to(torch.float32)
+        self._acc(self.rows, layer, w.sum((0, 2)))
+        self._acc(self.empty, layer, (stats["empty"] & rows).to(torch.float32).sum((0, 2)))
+        for key, val in stats.items():
+            if key in ("rows", "empty", "keep") or not torch.is_tensor(val) or val.shape != rows.shape:
+                continue
+            self._acc(self.sums.setdefault(key, {}), layer, (val.float() * w).sum((0, 2)))
+
+    def add_full(self, layer: int, static: torch.Tensor, n_valid: torch.Tensor, num_heads: int) -> None:
+        """Full attention in a would-be-sparse call: every valid key is attended, the output is exact."""
+        rows = (n_valid > 0).squeeze(-1).expand(-1, num_heads, -1)  # [B, Hq, Q]
+        frac = (static.sum(-1).float() / n_valid.squeeze(-1).clamp_min(1).float()).expand(-1, num_heads, -1)
+        zeros = torch.zeros_like(frac)
+        self.add(layer, {"rows": rows, "empty": torch.zeros_like(rows), "cost1": zeros, "cost2": torch.ones_like(frac),
+                         "static_frac": frac, "error": zeros})
+
+    def summary(self) -> dict[str, Any]:
+        """Means over all recorded rows (sparse layers and heads), per-layer means and per-layer-head means."""
+        out: dict[str, Any] = {}
+        layers = sorted(self.rows)
+        total_rows = sum(float(self.rows[l].sum()) for l in layers)
+        out["sparse_rows"] = total_rows
+        out["empty_selections"] = sum(float(self.empty[l].sum()) for l in layers)
+        out["sparse_layers"] = layers
+        for key, table in self.sums.items():
+            tot = sum(float(table[l].sum()) for l in layers if l in table)
+            out[key] = tot / total_rows if total_rows else None
+            out[f"{key}_per_layer"] = {
+                int(l): float(table[l].sum() / self.rows[l].sum().clamp_min(1)) for l in layers if l in table
+            }
+            out[f"{key}_per_layer_head"] = {
+                int(l): (table[l] / self.rows[l].clamp_min(1)).tolist() for l in layers if l in table
+            }
+        return out

@@ -1,0 +1,74 @@
+"""Structured-config schemas (Hydra ConfigStore), so a wrong key or value fails at start.
+
+``conf/`` mirrors the code: ``conf/model`` -> ``models.loading.ModelConfig``, ``conf/method/<name>`` -> the
+method's config dataclass (registered here as ``<name>_schema``), ``conf/task/<name>`` -> the task's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from .methods import METHODS
+from .models.loading import ModelConfig
+from .tasks import TASKS
+
+
+
+@dataclass
+class EvalConfig:
+    protocol: str | None = None  # A | B | S; null: the task's default (S for perplexity, A for generation)
+    compute_error: bool = True  # estimation error ‖ô − o‖/‖o‖ against dense attention, every sparse call
+    prefill_chunk: int | None = None  # tokens per prefill forward (MagicPIG's RULER runs used 1024); null: one pass
+    query_chunk: int = 512  # query rows per block in the sparse path (memory only; does not change results)
+    rerun_failed: bool = False  # on resume, run again the samples that ended in an error
+
+
+@dataclass
+class PathsConfig:
+    data_dir: str | None = None  # folder with wikitext-2-raw/, paul-graham-essays/, ... (tests: ../shared/data)
+    runs_dir: str = "runs"  # each run writes runs_dir/<task>/<model>/<method>-<hash>/
+    models_dir: str = "~/.cache/sparse_eval/models"  # where conf/model files look for downloaded checkpoints
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"  # none | wandb
+    mode: str = "offline"  # wandb mode when name=wandb: offline (no network) | online | disabled
+    project: str = "sparse_eval"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: Any = None  # one method (``method=NAME``); null: run every method in ``compare``
+    task: Any = None
+    # methods run when ``method`` is null: config names from conf/method/ or {name: ..., option: value} mappings
+    compare: list[Any] = field(default_factory=lambda: ["full"])
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    seed: int = 0
+    print_table: bool = True
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    for name, cls in METHODS.items():
+        cs.store(group="method", name=f"{name}_schema", node=cls.config_class)
+    for name, cls in TASKS.items():
+        cs.store(group="task", name=f"{name}_schema", node=cls.config_class)
+
+
+def to_plain(node: Any) -> Any:
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=True)
+    if dataclasses.is_dataclass(node):
+        return dataclasses.asdict(node)
+    return node

@@ -1,0 +1,80 @@
+"""Sparse-attention methods: one class each behind ``Method`` (selection + logit correction) and a registry.
+
+Public API for studying a method on captured tensors::
+
+    out, stats = sparse_eval.methods.attend("topk", q, k, v, budget=0.05)
+
+The runner's attention plug-in calls the same ``sparse_attention`` function.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from . import full, oracle, topk  # noqa: F401  (registration)
+from .base import AttentionContext, Method, MethodConfig, Selection
+from .core import key_validity, sparse_attention
+from .registry import METHODS, build_method, make_config, method_class, register
+
+for _optional in ("magicpig", "quest", "double_sparsity"):
+    try:  # the three paper methods live in their own modules
+        __import__(f"{__name__}.{_optional}")
+    except ModuleNotFoundError as _e:  # pragma: no cover - only while a module is absent
+        if _e.name != f"{__name__}.{_optional}":
+            raise
+
+
+def attend(
+    method: str | Method,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    layer_idx: int = 0,
+    state: dict[str, Any] | None = None,
+    compute_error: bool = True,
+    **options: Any,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Run one decode step of ``method`` over a given cache.
+
+    q: [B, Hq, 1, D] (also [B, Hq, Q, D]: Q rows aligned to the last Q keys, causally), k/v: [B, Hkv, N, D].
+    ``options`` are the method's config fields (budget, K, L, page_size, ...).  ``dense_layers`` does not
+    apply here: the step is always run sparse.  ``state`` may be passed in to keep the method's index across
+    calls (e.g. growing k by one key per step); a fresh one is built otherwise.
+
+    Returns ``(output [B, Hq, Q, D], stats)``; stats has per-row ``cost1``, ``cost2``, ``static_frac``,
+    ``error`` (‖ô − o‖/‖o‖ against dense attention on the same q, K, V), ``keep`` (bool [B, Hq, Q, N], the
+    keys that entered the output), ``indices`` (for B = Q = 1: a list per head of kept key positions) and the
+    method's own extras.
+    """
+    if not isinstance(method, Method):
+        method = build_method(make_config(method, options))
+    elif options:
+        raise ValueError("pass options either in the Method's config or as keyword arguments, not both")
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q [B, Hq, Q, D] and k, v [B, Hkv, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    b, _, ql, d = q.shape
+    n = k.shape[2]
+    method.validate(context=n)
+    scaling = 1.0 / math.sqrt(d) if scaling is None else scaling
+    valid = key_validity(attention_mask, b, ql, n, q.device)
+    out, stats = sparse_attention(
+        method, q, k, v, valid, scaling, {} if state is None else state, layer_idx,
+        compute_error=compute_error, keep_masks=True,
+    )
+    if b == 1 and ql == 1:
+        stats["indices"] = [torch.nonzero(stats["keep"][0, h, 0]).flatten() for h in range(q.shape[1])]
+    return out, stats
+
+
+__all__ = [
+    "AttentionContext", "METHODS", "Method", "MethodConfig", "Selection", "attend", "build_method",
+    "make_config", "method_class", "register", "sparse_attention",
+]

@@ -1,0 +1,178 @@
+"""The method interface: a sparse-attention method is its *selection* and its *logit correction*.
+
+Every method in this package answers one question per attention call: given the query rows, the keys in
+the cache and the static keys (sink + local window), which keys enter the output and with what additive
+correction to their logits?  The attention over that selection is shared (`sparse_eval.methods.core`):
+
+    o = softmax( s + b  over the kept keys ) · V          s = q Kᵀ · scaling   (MagicPIG eq. 11 form)
+
+* TopK, Quest and Double Sparsity only pick keys (b = 0).
+* MagicPIG picks by SimHash collisions and corrects with b = −log u (eq. 10–11).
+* Oracle sampling picks i.i.d. draws from the true attention and weights by counts (eq. 4–5), which is the
+  same form with b chosen so that softmax(s + b) puts mass f_i / B on sampled key i.
+
+A method may also keep an index across decoding steps (Quest page bounds, DS label cache, MagicPIG hash
+codes); that index lives in a per-layer ``state`` dict owned by the cache layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+GQA_MODES = ("query_head", "kv_head")
+
+
+@dataclass
+class MethodConfig:
+    """Fields every method has.  Defaults are the MagicPIG paper's baseline settings (§5.1)."""
+
+    name: str = "full"
+    # keys kept exactly, never searched or sampled: the first `sink` and the last `local` keys of each row
+    sink: int = 4
+    local: int = 64
+    # layers that always run dense attention (MagicPIG: [0, 16]; Quest/TopK/oracle in the MagicPIG repo: [0, 1])
+    dense_layers: list[int] = field(default_factory=lambda: [0, 1])
+    # selection per query head (paper setting for all methods) or shared per KV group
+    gqa: str = "query_head"
+    # seed of the method's own randomness (sampling, random projections)
+    seed: int = 0
+
+
+@dataclass
+class Selection:
+    """What a method returns for a block of query rows.
+
+    keep: bool [B, Hq, Q, N]: keys that enter the output (static keys are added by the core).
+    bias: float [B, Hq, Q, N] or None: additive correction of the logits of kept keys.
+    stats: extra per-row statistics ([B, Hq, Q] tensors or python scalars) the method wants recorded.
+    """
+
+    keep: torch.Tensor
+    bias: torch.Tensor | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AttentionContext:
+    """Everything a method may look at when it selects keys for a block of query rows.
+
+    Shapes: B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv, Q query rows, N keys, D head dim.
+    """
+
+    q: torch.Tensor  # [B, Hq, Q, D]
+    k: torch.Tensor  # [B, Hkv, N, D]
+    v: torch.Tensor  # [B, Hkv, N, D]
+    scores: torch.Tensor  # [B, Hq, Q, N] float32, q kᵀ · scaling, -inf where not valid
+    valid: torch.Tensor  # [B, 1, Q, N] bool: causal and not padding
+    static: torch.Tensor  # [B, 1, Q, N] bool: sink + local keys (subset of valid)
+    n_valid: torch.Tensor  # [B, 1, Q, 1] long: number of valid keys of each row (the context size n)
+    scaling: float
+    layer_idx: int
+    state: dict[str, Any]
+    generator_seed: int
+    query_offset: int = 0  # index of the first row of this block among the call's query rows
+
+    @property
+    def groups(self) -> int:
+        return self.q.shape[1] // self.k.shape[1]
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        """bool [B, 1, Q, N]: keys a method may choose (valid and not static)."""
+        return self.valid & ~self.static
+
+    def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, ...] -> [B, Hq, ...] (each KV head repeated for its G query heads)."""
+        return x.repeat_interleave(self.groups, dim=1)
+
+    def group_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Hq, ...] -> [B, Hq, ...]: sum over the query heads of each KV group, broadcast back."""
+        b, hq = x.shape[:2]
+        g = self.groups
+        summed = x.reshape(b, hq // g, g, *x.shape[2:]).sum(2, keepdim=True)
+        return summed.expand(b, hq // g, g, *x.shape[2:]).reshape(x.shape)
+
+
+def resolve_budget(budget: float | int, n: torch.Tensor, what: str = "budget") -> torch.Tensor:
+    """Budget semantics shared by TopK, oracle sampling, Quest and DS.
+
+    A float is a ratio of the row's context size n (the number of valid keys), in (0, 1]; the count is
+    floor(ratio·n), as the MagicPIG reference code takes int(ratio·n).  An int is a number of tokens, >= 1.
+    Returns a long tensor shaped like ``n``.
+    """
+    check_budget(budget, what)
+    if isinstance(budget, float):
+        return torch.floor(n.to(torch.float64) * budget).to(torch.long)
+    return torch.full_like(n, int(budget))
+
+
+def check_budget(budget: object, what: str = "budget", context: int | None = None) -> None:
+    """Start-time check of a budget value: raises ValueError naming the parameter and the valid values."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"{what}={budget!r}: give a ratio of the context in (0, 1] (a float) or a token count >= 1 (an int)")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(f"{what}={budget!r}: a ratio must lie in (0, 1] (write an int for a token count)")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"{what}={budget!r}: a token count must be >= 1")
+    if isinstance(budget, int) and context is not None and budget > context:
+        raise ValueError(f"{what}={budget!r} is larger than the context ({context} tokens)")
+
+
+class Method:
+    """Base class.  Subclasses set ``name`` and ``config_class`` and implement ``select``."""
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[MethodConfig]] = MethodConfig
+    # methods that compute no selection at all (full attention) run stock sdpa everywhere
+    dense: ClassVar[bool] = False
+    # a method that never needs the exact scores of all keys to select (MagicPIG, Quest, DS) can say so;
+    # the core then still computes them for the estimation error, but that is measurement, not method cost
+    supported_gqa: ClassVar[tuple[str, ...]] = GQA_MODES
+
+    def __init__(self, config: MethodConfig):
+        self.config = config
+        self.validate()
+
+    # -- configuration -------------------------------------------------------------------------
+    def validate(self, num_layers: int | None = None, context: int | None = None) -> None:
+        c = self.config
+        if c.sink < 0:
+            raise ValueError(f"method.sink={c.sink}: must be >= 0")
+        if c.local < 0:
+            raise ValueError(f"method.local={c.local}: must be >= 0")
+        if c.gqa not in self.supported_gqa:
+            raise ValueError(
+                f"method.gqa={c.gqa!r} is not supported by method {self.name!r}; valid: {list(self.supported_gqa)}"
+            )
+        if num_layers is not None:
+            bad = [i for i in c.dense_layers if not 0 <= int(i) < num_layers]
+            if bad:
+                raise ValueError(
+                    f"method.dense_layers={list(c.dense_layers)}: {bad} out of range for a model with "
+                    f"{num_layers} layers (valid 0..{num_layers - 1})"
+                )
+
+    def describe(self) -> str:
+        return self.name
+
+    # -- per-layer index ------------------------------------------------------------------------
+    def prepare(self, state: dict[str, Any], k: torch.Tensor, v: torch.Tensor, layer_idx: int, module: Any = None) -> None:
+        """Bring the method's per-layer index up to date with the keys k [B, Hkv, N, D] (called once per
+        attention call before any selection).  Default: nothing to index."""
+
+    # -- selection ------------------------------------------------------------------------------
+    def select(self, ctx: AttentionContext) -> Selection:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def cost1(self, ctx: AttentionContext, sel: Selection) -> torch.Tensor | float:
+        """Search/sampling FLOPs to find the keys, as a fraction of full attention's qKᵀ + softmax·V
+        (4·n·d FLOPs per query row and head).  Override per method."""
+        return 0.0
+
+
+def log_or_neg_inf(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x > 0, torch.log(x.clamp_min(torch.finfo(x.dtype).tiny)), torch.full_like(x, -math.inf))

@@ -1,0 +1,29 @@
+"""Full (dense) attention: the reference every other method is measured against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import AttentionContext, Method, MethodConfig, Selection
+from .registry import register
+
+
+@dataclass
+class FullConfig(MethodConfig):
+    name: str = "full"
+
+
+@register
+class Full(Method):
+    """Attends every valid key.  In a model it runs stock ``scaled_dot_product_attention``; through
+    ``attend`` (and in tests) it runs the shared sparse path with every key kept, which must agree."""
+
+    name = "full"
+    config_class = FullConfig
+    dense = True
+
+    def select(self, ctx: AttentionContext) -> Selection:
+        return Selection(keep=ctx.valid.expand_as(ctx.scores))
+
+    def cost1(self, ctx, sel):
+        return 0.0

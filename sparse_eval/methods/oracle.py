@@ -1,0 +1,75 @@
+"""Oracle sampling (MagicPIG §3.2, Definition 3.1, eq. 4–5).
+
+B indices are drawn i.i.d. from the true attention distribution w and the output is the mean of their
+values, ō = Σ_{i∈S} (f_i / B) v_i with S the unique draws and f_i their counts (eq. 5).  With static keys
+(sink + local) the static part is exact and the draws estimate the rest:
+
+    ô = Σ_{i∈static} w_i v_i + W_c · Σ_{i∈S} (f_i / B) v_i,        W_c = Σ_{i∉static} w_i,
+
+which the shared attention computes as softmax(s + b) with b_i = log Z_c + log f_i − log B − s_i on sampled
+keys (Z_c = Σ_{i∉static} e^{s_i}).  The computation cost is |S| (Theorem 3.3: E|S| ≤ 1 + B·(1 − max_i w_i)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
+from .random import uniforms
+from .registry import register
+
+
+@dataclass
+class OracleConfig(MethodConfig):
+    name: str = "oracle"
+    # sampling budget B: ratio of the context (float) or number of draws (int)
+    budget: Any = 0.02
+
+
+@register
+class OracleSampling(Method):
+    """Draws by inverse CDF with counter-based uniforms (so a padded batch draws what each row alone draws).
+
+    Cost1 = 0.5: the exact distribution w needs the full qKᵀ (MagicPIG §5.1).
+    """
+
+    name = "oracle"
+    config_class = OracleConfig
+    supported_gqa = ("query_head",)
+
+    def validate(self, num_layers=None, context=None):
+        super().validate(num_layers, context)
+        check_budget(self.config.budget, "method.budget", context)
+
+    def select(self, ctx: AttentionContext) -> Selection:
+        draws = resolve_budget(self.config.budget, ctx.n_valid, "method.budget")  # [B, 1, Q, 1]
+        s = ctx.scores.masked_fill(~ctx.candidates, float("-inf"))  # [B, Hq, Q, N]
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)  # log Z_c  (-inf when no candidate)
+        has = torch.isfinite(lse)
+        w = torch.exp(s - torch.where(has, lse, torch.zeros_like(lse))).to(torch.float64)
+        cdf = w.cumsum(-1)
+        bmax = int(draws.max().item()) if draws.numel() else 0
+        b, hq, ql, n = s.shape
+        if bmax == 0:
+            empty = torch.zeros_like(s, dtype=torch.bool)
+            return Selection(keep=empty, stats={"draws": torch.zeros(b, hq, ql, device=s.device)})
+        dev = s.device
+        head = torch.arange(hq, device=dev).view(1, hq, 1, 1)
+        j = torch.arange(bmax, device=dev).view(1, 1, 1, bmax)
+        u = uniforms(ctx.generator_seed, head, ctx.n_valid.view(-1, 1, ql, 1), j)  # [B, Hq, Q, Bmax]
+        x = u * cdf[..., -1:]
+        idx = torch.searchsorted(cdf.contiguous(), x.contiguous(), right=True).clamp_max(n - 1)
+        take = (j < draws).to(torch.float32).expand(b, hq, ql, bmax) * has.to(torch.float32)
+        counts = torch.zeros_like(s).scatter_add_(-1, idx, take)  # f_i
+        keep = counts > 0
+        log_b = torch.log(draws.clamp_min(1).to(torch.float32))
+        bias = lse + torch.log(counts.clamp_min(1.0)) - log_b - s.nan_to_num(0.0, neginf=0.0)
+        bias = torch.where(keep, bias, torch.zeros_like(bias))  # static keys keep their exact logits
+        return Selection(keep=keep, bias=bias, stats={"draws": draws.squeeze(-1).float().expand(b, hq, ql)})
+
+    def cost1(self, ctx, sel):
+        return 0.5

@@ -1,0 +1,57 @@
+"""Exact TopK attention: the keys with the highest true scores q·k (MagicPIG eq. 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
+from .registry import register
+
+
+@dataclass
+class TopKConfig(MethodConfig):
+    name: str = "topk"
+    # ratio of the context in (0, 1] (float) or a number of tokens (int); keys chosen besides the static ones
+    budget: Any = 0.02
+
+
+def topk_mask(score: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """bool mask of the k[...] highest finite entries of ``score`` along the last dim (k broadcasts)."""
+    kmax = int(k.max().item()) if k.numel() else 0
+    kmax = min(kmax, score.shape[-1])
+    mask = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
+    if kmax <= 0:
+        return mask
+    vals, idx = score.topk(kmax, dim=-1)
+    rank = torch.arange(kmax, device=score.device)
+    take = (rank < k) & torch.isfinite(vals)
+    return mask.scatter_(-1, idx, take)
+
+
+@register
+class TopK(Method):
+    """Keeps the ``budget`` candidate keys with the largest q·k of each query head (or, with
+    ``gqa=kv_head``, the largest attention probability summed over the KV group's query heads).
+
+    Cost1 = 0.5: finding the exact top keys needs the full qKᵀ, half of full attention's FLOPs (MagicPIG §5.1).
+    """
+
+    name = "topk"
+    config_class = TopKConfig
+
+    def validate(self, num_layers=None, context=None):
+        super().validate(num_layers, context)
+        check_budget(self.config.budget, "method.budget", context)
+
+    def select(self, ctx: AttentionContext) -> Selection:
+        k = resolve_budget(self.config.budget, ctx.n_valid, "method.budget")  # [B, 1, Q, 1]
+        score = ctx.scores.masked_fill(~ctx.candidates, float("-inf"))
+        if self.config.gqa == "kv_head":
+            score = ctx.group_sum(torch.softmax(ctx.scores, -1).nan_to_num(0.0)).masked_fill(~ctx.candidates, float("-inf"))
+        return Selection(keep=topk_mask(score, k))
+
+    def cost1(self, ctx, sel):
+        return 0.5
