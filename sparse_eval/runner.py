@@ -110,6 +110,7 @@ class Experiment:
         todo = [s for s in samples if not samples_log.done(s.id)]
         method = build_method(make_config(method_opts["name"], method_opts))
         method.validate(num_layers=self.num_layers, context=self.context)
+        method.setup(self.model, self.model_cfg.name)
         torch.manual_seed(self.cfg.seed)
         session = attach(self.model, method, Runtime(self.protocol, self.cfg.eval.compute_error, self.cfg.eval.query_chunk))
         engine = Engine(self.model, self.tokenizer, session, self.cfg.eval.prefill_chunk)

@@ -159,6 +159,10 @@ class Method:
     def describe(self) -> str:
         return self.name
 
+    def setup(self, model: Any, model_name: str) -> None:
+        """Called once by the runner before the method is attached to ``model`` (e.g. Double Sparsity loads
+        the model's calibrated channels here).  Default: nothing."""
+
     # -- per-layer index ------------------------------------------------------------------------
     def prepare(self, state: dict[str, Any], k: torch.Tensor, v: torch.Tensor, layer_idx: int, module: Any = None) -> None:
         """Bring the method's per-layer index up to date with the keys k [B, Hkv, N, D] (called once per
