@@ -1,0 +1,52 @@
+"""Shared fixtures: the shipped model, tiny random-weight models, the shared data folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+STORIES_DIR = REPO / "sparse_eval" / "models" / "stories260K"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.exists():
+        pytest.skip(f"shared data folder {SHARED_DATA} not present")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def stories():
+    """(model, tokenizer) of the shipped stories260K, fp32 on CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import sparse_eval.attention.plugin  # noqa: F401
+
+    tok = AutoTokenizer.from_pretrained(STORIES_DIR)
+    tok.pad_token, tok.padding_side = tok.eos_token, "left"
+    model = AutoModelForCausalLM.from_pretrained(STORIES_DIR, dtype=torch.float32).eval()
+    return model, tok
+
+
+def tiny_model(kind: str = "llama", layers: int = 3, seed: int = 0):
+    """A random-weight model of the given architecture with GQA (4 query heads, 2 KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    import sparse_eval.attention.plugin  # noqa: F401
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+    torch.manual_seed(seed)
+    return model_cls(cfg_cls(**common)).eval()

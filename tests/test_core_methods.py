@@ -1,0 +1,166 @@
+"""The shared sparse attention and the reference methods (full, TopK, oracle sampling) against brute force."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparse_eval.methods import attend, build_method, make_config
+from sparse_eval.methods.base import resolve_budget
+from sparse_eval.methods.core import key_validity, static_keys
+
+
+def rand_qkv(b=1, hq=4, hkv=2, n=200, d=16, q_len=1, seed=0, peaked=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, q_len, d, generator=g) * peaked
+    k = torch.randn(b, hkv, n, d, generator=g)
+    v = torch.randn(b, hkv, n, d, generator=g)
+    return q, k, v
+
+
+def dense_reference(q, k, v, valid=None):
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if valid is not None:
+        s = s.masked_fill(~valid, float("-inf"))
+    return torch.softmax(s, -1) @ vv, s
+
+
+def test_full_equals_dense_attention():
+    q, k, v = rand_qkv()
+    out, st = attend("full", q, k, v)
+    ref, _ = dense_reference(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert torch.all(st["cost2"] == 1) and torch.all(st["error"] < 1e-6)
+
+
+@pytest.mark.parametrize("budget", [0.1, 17])
+@pytest.mark.parametrize("gqa", ["query_head", "kv_head"])
+def test_topk_matches_brute_force(budget, gqa):
+    q, k, v = rand_qkv(n=300, seed=3)
+    sink, local = 4, 16
+    out, st = attend("topk", q, k, v, budget=budget, sink=sink, local=local, gqa=gqa)
+    _, s = dense_reference(q, k, v)
+    n = k.shape[2]
+    kcount = int(budget * n) if isinstance(budget, float) else budget
+    probs = torch.softmax(s, -1)
+    g = q.shape[1] // k.shape[1]
+    for h in range(q.shape[1]):
+        if gqa == "query_head":
+            score = s[0, h, 0]
+        else:
+            grp = h // g
+            score = probs[0, grp * g:(grp + 1) * g, 0].sum(0)
+        cand = list(range(sink, n - local))
+        best = sorted(cand, key=lambda i: -float(score[i]))[:kcount]
+        expect = set(best) | set(range(sink)) | set(range(n - local, n))
+        assert set(st["indices"][h].tolist()) == expect
+        # output = softmax over the kept keys, exactly
+        idx = torch.tensor(sorted(expect))
+        w = torch.softmax(s[0, h, 0, idx], -1)
+        torch.testing.assert_close(out[0, h, 0], w @ v[0, h // g, idx], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(st["cost2"], torch.full_like(st["cost2"], (kcount + sink + local) / n))
+    assert torch.all(st["cost1"] == 0.5)
+
+
+def test_budget_semantics_and_errors():
+    n = torch.tensor([[[[100]]]])
+    assert int(resolve_budget(0.05, n)) == 5
+    assert int(resolve_budget(7, n)) == 7
+    assert int(resolve_budget(1.0, n)) == 100
+    for bad in (0, -3, 0.0, 1.5, -0.1, "x", True):
+        with pytest.raises(ValueError, match="budget"):
+            build_method(make_config("topk", {"budget": bad}))
+    with pytest.raises(ValueError, match="larger than the context"):
+        q, k, v = rand_qkv(n=50)
+        attend("topk", q, k, v, budget=51)
+    with pytest.raises(ValueError, match="unknown method 'nope'.*valid methods"):
+        attend("nope", *rand_qkv())
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['bogus'\]"):
+        attend("topk", *rand_qkv(), bogus=1)
+    with pytest.raises(ValueError, match="dense_layers"):
+        build_method(make_config("topk", {"dense_layers": [0, 9]})).validate(num_layers=4)
+
+
+def test_oracle_sampling_is_unbiased():
+    """Theorem 3.2: E[ô] = o.  Average over independent seeds converges to dense attention."""
+    q, k, v = rand_qkv(n=64, hq=2, hkv=1, seed=1, peaked=2.0)
+    ref, _ = dense_reference(q, k, v)
+    outs = torch.stack([attend("oracle", q, k, v, budget=8, sink=0, local=0, seed=s, compute_error=False)[0]
+                        for s in range(600)])
+    mean, sd = outs.mean(0), outs.std(0)
+    # each coordinate within 5 standard errors of the truth
+    assert torch.all((mean - ref).abs() <= 5 * sd / math.sqrt(outs.shape[0]) + 1e-6)
+    # and far from a biased estimator: TopK with the same budget is off by much more than the sampling noise
+    topk, _ = attend("topk", q, k, v, budget=8, sink=0, local=0)
+    assert (topk - ref).norm() > 3 * (mean - ref).norm()
+
+
+def test_oracle_unique_count_eq14_and_theorem_33():
+    """E|S| = n − Σ (1 − w_i)^B (eq. 14) ≤ 1 + B·ε with ε = 1 − max w (Theorem 3.3)."""
+    q, k, v = rand_qkv(n=80, hq=1, hkv=1, seed=2, peaked=3.0)
+    _, s = dense_reference(q, k, v)
+    w = torch.softmax(s[0, 0, 0].double(), -1)
+    budget = 20
+    expected = float(len(w) - ((1 - w) ** budget).sum())
+    bound = 1 + budget * float(1 - w.max())
+    counts = []
+    for seed in range(400):
+        _, st = attend("oracle", q, k, v, budget=budget, sink=0, local=0, seed=seed, compute_error=False)
+        counts.append(int(st["keep"].sum()))
+    c = torch.tensor(counts, dtype=torch.float64)
+    assert abs(c.mean() - expected) <= 5 * c.std() / math.sqrt(len(c))
+    assert expected <= bound
+    assert c.mean() <= bound + 5 * c.std() / math.sqrt(len(c))
+
+
+def test_oracle_static_part_exact_and_costs():
+    q, k, v = rand_qkv(n=120, seed=4)
+    out, st = attend("oracle", q, k, v, budget=1.0, sink=4, local=8, seed=0)
+    assert torch.isfinite(out).all()
+    assert torch.all(st["cost1"] == 0.5)
+    # cost2 counts unique keys (static + distinct draws), never more than the context
+    assert torch.all(st["cost2"] <= 1) and torch.all(st["cost2"] >= 12 / 120)
+
+
+def test_nothing_selected_falls_back_without_nan():
+    q, k, v = rand_qkv(n=30)
+    out, st = attend("topk", q, k, v, budget=0.01, sink=0, local=0)  # floor(0.3) = 0 keys
+    assert torch.isfinite(out).all()
+    assert st["empty"].all()
+    g = q.shape[1] // k.shape[1]
+    for h in range(q.shape[1]):  # falls back to the newest key
+        torch.testing.assert_close(out[0, h, 0], v[0, h // g, -1])
+
+
+def test_static_keys_skip_left_padding():
+    valid = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool).view(1, 1, 1, 10)
+    static, n = static_keys(valid, sink=2, local=3)
+    assert static[0, 0, 0].nonzero().flatten().tolist() == [3, 4, 7, 8, 9]
+    assert int(n) == 7
+
+
+def test_key_validity_shapes():
+    v = key_validity(None, 2, 3, 5, "cpu")
+    assert v.shape == (2, 1, 3, 5)
+    assert v[0, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    float_mask = torch.zeros(1, 1, 1, 4)
+    float_mask[..., 0] = torch.finfo(torch.float32).min
+    assert key_validity(float_mask, 1, 1, 4, "cpu")[0, 0, 0].tolist() == [False, True, True, True]
+
+
+def test_padded_batch_equals_rows_alone_for_attend():
+    q, k, v = rand_qkv(b=1, n=60, seed=5)
+    pad = 7
+    kp = torch.cat([torch.randn(1, 2, pad, 16), k], 2)
+    vp = torch.cat([torch.randn(1, 2, pad, 16), v], 2)
+    mask = torch.ones(1, 1, 1, 60 + pad, dtype=torch.bool)
+    mask[..., :pad] = False
+    for name, opts in [("topk", {"budget": 0.2}), ("oracle", {"budget": 0.3})]:
+        a, sa = attend(name, q, k, v, sink=2, local=4, **opts)
+        b, sb = attend(name, q, kp, vp, attention_mask=mask, sink=2, local=4, **opts)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert torch.equal(sa["keep"], sb["keep"][..., pad:]) and not sb["keep"][..., :pad].any()

@@ -1,0 +1,115 @@
+"""The attention plug-in inside real models: parity with stock sdpa, padding, protocols, architectures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from sparse_eval.attention.plugin import Runtime, attach, detach, make_cache
+from sparse_eval.engine import Engine
+from sparse_eval.methods import build_method, make_config
+
+
+def method(name, **opts):
+    return build_method(make_config(name, opts))
+
+
+@torch.inference_mode()
+def test_full_equals_stock_sdpa_on_shipped_model(stories):
+    model, tok = stories
+    ids = tok(["Once upon a time, there was a little dog who", "Tom and Lily went to the park"],
+              return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=24, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              pad_token_id=tok.pad_token_id)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(**ids, **kw)
+    attach(model, method("full"))
+    try:
+        out = model.generate(**ids, **kw)
+    finally:
+        detach(model)
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(ref.sequences, out.sequences)
+    for a, b in zip(ref.logits, out.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,opts", [("topk", {"budget": 0.3}), ("oracle", {"budget": 0.5})])
+@torch.inference_mode()
+def test_padded_batch_equals_rows_alone(name, opts):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    attach(model, method(name, sink=2, local=4, dense_layers=[0], **opts))
+    kw = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    batched = model.generate(ids, attention_mask=mask, **kw)
+    alone = model.generate(ids[1:, 9:], **kw)
+    detach(model)
+    assert torch.equal(batched.sequences[1, -8:], alone.sequences[0, -8:])
+    for a, b in zip(batched.logits, alone.logits):
+        torch.testing.assert_close(a[1], b[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@torch.inference_mode()
+def test_generate_on_architectures_with_custom_cache(kind):
+    model = tiny_model(kind)
+    session = attach(model, method("topk", budget=0.25, sink=1, local=2, dense_layers=[0]))
+    ids = torch.randint(3, 256, (1, 30))
+    out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, cache=make_cache(model))
+    s = session.recorder.summary()
+    detach(model)
+    assert out.shape[1] == 36
+    # decode steps 2..6 each run layers 1 and 2 sparse (step 1 is the prefill's last logits), 4 heads each
+    assert s["sparse_rows"] == 5 * 2 * 4
+    assert s["sparse_layers"] == [1, 2] and 0 < s["cost2"] < 1
+
+
+@pytest.mark.parametrize("protocol", ["A", "B", "S"])
+@torch.inference_mode()
+def test_protocols_make_the_right_positions_sparse(protocol):
+    model = tiny_model("llama", layers=2)
+    session = attach(model, method("topk", budget=0.5, sink=1, local=1, dense_layers=[0]), Runtime(protocol=protocol))
+    engine = Engine(model, tokenizer=_NoTok(), session=session)
+    prompt = list(range(5, 35))  # 30 tokens: 20 context + 10 question
+    res = engine.generate(prompt, max_new_tokens=5, context_len=20, stop_token_ids=[])
+    rows = session.recorder.summary()["sparse_rows"] / 4  # per head, one sparse layer
+    new = len(res.tokens)
+    assert new == 5
+    expected = {"A": new - 1, "B": 10 + new - 1, "S": 30 + new - 1}[protocol]
+    assert rows == expected
+    detach(model)
+
+
+@torch.inference_mode()
+def test_dense_layers_are_exact_and_checked():
+    model = tiny_model("llama", layers=3)
+    with pytest.raises(ValueError, match="dense_layers"):
+        attach(model, method("topk", dense_layers=[0, 7]))
+    session = attach(model, method("topk", budget=0.1, dense_layers=[0, 1, 2]), Runtime(protocol="S"))
+    ids = torch.randint(3, 256, (1, 20))
+    logits = model(ids).logits
+    detach(model)
+    model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(logits, model(ids).logits)
+    assert session.recorder.summary()["sparse_rows"] == 0
+
+
+@torch.inference_mode()
+def test_chunked_prefill_matches_single_pass():
+    model = tiny_model("llama", layers=2)
+    session = attach(model, method("full"))
+    ids = list(range(3, 60))
+    one = Engine(model, _NoTok(), session).nll(ids)
+    chunked = Engine(model, _NoTok(), session, prefill_chunk=16).nll(ids)
+    detach(model)
+    assert one[1] == chunked[1] and abs(one[0] - chunked[0]) < 1e-3
+
+
+class _NoTok:
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
