@@ -60,6 +60,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
     for name, cls in METHODS.items():
         cs.store(group="method", name=f"{name}_schema", node=cls.config_class)
     for name, cls in TASKS.items():

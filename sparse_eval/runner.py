@@ -200,7 +200,7 @@ class _Logger:
         import wandb
 
         self.run = wandb.init(project=cfg.project, mode=cfg.mode, dir=str(run_dir), config=identity,
-                              name=run_dir.name, settings=wandb.Settings(start_method="thread"))
+                              name=run_dir.name)
 
     def log_sample(self, rec: dict[str, Any]) -> None:
         if self.run is not None:

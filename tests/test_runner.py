@@ -143,3 +143,10 @@ def test_config_errors_fail_at_start_with_a_clear_message(tmp_path, args, needle
     assert res.returncode != 0
     assert needle in res.stderr, res.stderr[-2000:]
     assert not list(Path(tmp_path).glob("wikitext/*/*/samples.jsonl"))  # nothing ran
+
+
+def test_wandb_offline_logger(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the config's mode (offline) decides
+    (summary,) = run(cfg_for(tmp_path, "method=topk", "logger=wandb", "task.num_samples=1", "task.window=96"))
+    assert list(Path(summary["run_dir"]).glob("wandb/offline-run-*/run-*.wandb"))

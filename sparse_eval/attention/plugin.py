@@ -59,8 +59,8 @@ class SparseLayer(DynamicLayer):
         super().reset()
         self.method_state = {}
 
-    def crop(self, max_length: int) -> None:
-        super().crop(max_length)
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
         self.method_state = {}  # the index covered keys that are gone: rebuild on the next call
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:

@@ -1,0 +1,142 @@
+"""Accuracy-path speed: decode wall time of each method relative to full attention, same model and inputs.
+
+The accuracy path is what `python -m sparse_eval` runs (the shared masked attention of ``methods/core.py`` plus
+each method's selection).  For every method this prefills one context densely (protocol A), then times
+``--steps`` greedy decode steps with the method attached, with the estimation error on (the default of a run)
+and off.  The same prefilled cache is reused for every method (cropped back after each), and full attention
+is timed in the same process as the baseline.  Medians over ``--repeats``.
+
+    python benchmarks/bench_accuracy_path.py --model stories260k --context 448 --out experiments/accuracy_path/cpu
+    python benchmarks/bench_accuracy_path.py --model llama3_8b_random --context 16384 --out $OUT   # GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sparse_eval.attention.plugin import Runtime, attach, detach, make_cache  # noqa: E402
+from sparse_eval.methods import build_method, make_config  # noqa: E402
+from sparse_eval.results import hardware, versions  # noqa: E402
+from sparse_eval.runner import method_options  # noqa: E402
+
+LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                  rope_theta=500000.0, rms_norm_eps=1e-5)
+
+
+def build_model(name: str, device: torch.device, dtype: torch.dtype, layers: int | None):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if name == "stories260k":
+        model = AutoModelForCausalLM.from_pretrained(REPO / "sparse_eval/models/stories260K", dtype=dtype)
+        return model.to(device).eval()
+    if name == "llama3_8b_random":
+        cfg = dict(LLAMA31_8B)
+        if layers:
+            cfg["num_hidden_layers"] = layers
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM._from_config(LlamaConfig(**cfg), dtype=dtype)
+        return model.eval()
+    raise ValueError(f"--model {name!r}; valid: stories260k, llama3_8b_random")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def time_decode(model, cache, prefill_len: int, first_token: torch.Tensor, steps: int, device) -> float:
+    """ms per decode step, greedy, starting from a cache holding ``prefill_len`` tokens."""
+    extra = cache.get_seq_length() - prefill_len
+    if extra > 0:
+        cache.crop(-extra)  # transformers 5: a negative count removes that many tokens
+    tok = first_token
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1]
+        tok = logits.argmax(-1, keepdim=True)
+    sync(device)
+    return (time.perf_counter() - t0) * 1000.0 / steps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="stories260k")
+    ap.add_argument("--context", type=int, default=448)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=None, help="override the number of layers (random models)")
+    ap.add_argument("--methods", default="full,topk,oracle,magicpig,quest,double_sparsity")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16}[args.dtype]
+    model = build_model(args.model, device, dtype, args.layers)
+    n_layers = model.config.num_hidden_layers
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (args.batch, args.context), generator=g).to(device)
+    cache = make_cache(model)
+    with torch.inference_mode():
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+    first = logits.argmax(-1, keepdim=True)
+
+    rows = []
+    for name in [m for m in args.methods.split(",") if m]:
+        opts = method_options(name)
+        opts["dense_layers"] = [i for i in opts.get("dense_layers", []) if i < n_layers] or [0]
+        if name == "magicpig" and n_layers < 16:
+            opts["dense_layers"] = [0, n_layers // 2]
+        if name == "double_sparsity":
+            opts.setdefault("channels", "identity")  # no calibration file for a random model: first r channels
+        try:
+            method = build_method(make_config(name, opts))
+        except (ValueError, TypeError) as exc:
+            print(f"skip {name}: {exc}")
+            continue
+        for err in (True, False):
+            session = attach(model, method, Runtime(protocol="A", compute_error=err))
+            time_decode(model, cache, args.context, first, 2, device)  # warm-up
+            times = [time_decode(model, cache, args.context, first, args.steps, device) for _ in range(args.repeats)]
+            summ = session.recorder.summary()
+            detach(model)
+            rows.append({"method": name, "est_error_on": err, "ms_per_step": statistics.median(times),
+                         "all_ms": times, "cost2": summ.get("cost2"), "est_error": summ.get("error")})
+            print(f"{name:16s} error={'on ' if err else 'off'} {statistics.median(times):9.3f} ms/step  "
+                  f"cost2={summ.get('cost2')}")
+    base = {r["est_error_on"]: r["ms_per_step"] for r in rows if r["method"] == "full"}
+    for r in rows:
+        r["ratio_vs_full"] = r["ms_per_step"] / base[r["est_error_on"]] if base else None
+    print("\nmethod            ratio vs full (error on / off)")
+    for name in dict.fromkeys(r["method"] for r in rows):
+        on = next((r for r in rows if r["method"] == name and r["est_error_on"]), None)
+        off = next((r for r in rows if r["method"] == name and not r["est_error_on"]), None)
+        print(f"{name:16s}  {on['ratio_vs_full']:.2f}x / {off['ratio_vs_full']:.2f}x")
+    record = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "args": vars(args),
+              "device": str(device), "dtype": str(dtype), "hardware": hardware(), "versions": versions(), "rows": rows}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"accuracy_path_{args.model}_{args.context}.json").write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
