@@ -1,0 +1,1 @@
+"""Benchmark metrics, one module per benchmark (written from the benchmarks' definitions)."""
