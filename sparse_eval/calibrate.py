@@ -1,0 +1,261 @@
+"""Offline channel calibration for Double Sparsity (DS §4.1):  ``python -m sparse_eval.calibrate model=NAME``.
+
+The model runs over calibration text in blocks of ``block_size`` tokens (the authors: 512-token blocks of Pile
+validation text; here any text file, by default the WikiText-2 head bundled with the package).  For every layer
+and head, the channels are ranked by the mean over all tokens of
+
+    qk:  |q_c · k_c|   of each token's query with its own key (the authors' "Method 1"; the paper's choice),
+    q:   |q_c|         (per query head),          k:  |k_c|   (per KV head),
+
+where, following the authors' calibration script, q and k are taken *after* RoPE for ``qk`` (the keys the
+label cache is cut from are the rotated ones) and as the q_proj / k_proj outputs, *before* RoPE, for ``q`` and
+``k`` (``rope=authors``; ``rope=after`` / ``rope=before`` take all three on one side).  With GQA each query head
+is paired with its KV head for ``qk``.  Sums are accumulated in float64, ties keep the lower channel first, and
+the file has no time stamp, so the output is a deterministic function of (model, text, settings).
+
+The file (JSON) records the model's name and shape, the data (origin and sha256), the number of tokens and
+blocks, the settings, the command, and for each statistic the channel order [layer][head][channel] (best
+first) and the mean values.  ``Method.setup`` of ``double_sparsity`` reads it from
+``sparse_eval/calibration/<model.name>.json`` (or ``method.channels_file``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+
+from .config import PathsConfig, register_configs, to_plain
+from .methods.double_sparsity import CALIBRATION_DIR
+from .models.loading import ModelConfig, load_model, max_context
+from .runner import CONF_DIR
+
+FORMAT = "sparse_eval.double_sparsity.channels/1"
+BUNDLED_TEXT = Path(__file__).resolve().parent / "data" / "wikitext2_test_head.txt"
+LOCAL_WIKITEXT = "wikitext-2-raw/wikitext-test.txt"
+ROPE_MODES = {  # which side of RoPE each statistic is taken on
+    "authors": {"qk": "after", "q": "before", "k": "before"},
+    "after": {"qk": "after", "q": "after", "k": "after"},
+    "before": {"qk": "before", "q": "before", "k": "before"},
+}
+
+
+@dataclass
+class CalibrateConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # bundled (the package's WikiText-2 head) | local (paths.data_dir/wikitext-2-raw/wikitext-test.txt) | a text file
+    data: str = "bundled"
+    block_size: int = 512  # tokens per forward (authors: 512); at most the model's context
+    num_blocks: int | None = None  # null: every whole block of the text (authors: 256 blocks)
+    rope: str = "authors"  # authors (qk after RoPE, q/k before) | after | before
+    output: str | None = None  # null: sparse_eval/calibration/<model.name>.json
+    paths: PathsConfig = field(default_factory=PathsConfig)
+
+
+def load_text(data: str, data_dir: str | None) -> tuple[str, str]:
+    """Returns (text, a description of where it came from)."""
+    if data == "bundled":
+        return BUNDLED_TEXT.read_text(encoding="utf-8"), f"bundled:{BUNDLED_TEXT.name}"
+    if data == "local":
+        if not data_dir:
+            raise ValueError("data=local needs paths.data_dir (a folder holding wikitext-2-raw/wikitext-test.txt)")
+        p = Path(data_dir).expanduser() / LOCAL_WIKITEXT
+        if not p.exists():
+            raise FileNotFoundError(f"data=local: {p} does not exist")
+        with open(p, encoding="utf-8", newline="") as f:
+            return f.read().replace("\r\n", "\n"), f"local:{LOCAL_WIKITEXT}"
+    p = Path(data).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"data={data!r}: not 'bundled', 'local' or an existing text file")
+    return p.read_text(encoding="utf-8").replace("\r\n", "\n"), f"file:{p.name}"
+
+
+def _rope_fn(attn: Any):
+    fn = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+    if fn is None:
+        raise ValueError(f"{type(attn).__name__}: its module has no apply_rotary_pos_emb; calibration supports RoPE models")
+    return fn
+
+
+@torch.no_grad()
+def channel_statistics(model: Any, blocks: list[torch.Tensor], rope: str = "authors") -> dict[str, torch.Tensor]:
+    """Mean |q∘k|, |q|, |k| per layer, head and channel over every token of ``blocks`` (each long [1, T]).
+
+    Returns {"qk": [L, Hq, D], "q": [L, Hq, D], "k": [L, Hkv, D]} (float64).
+    """
+    from .attention.plugin import attention_modules
+
+    if rope not in ROPE_MODES:
+        raise ValueError(f"rope={rope!r}; valid: {list(ROPE_MODES)}")
+    side = ROPE_MODES[rope]
+    mods = sorted(attention_modules(model), key=lambda m: m.layer_idx)
+    sums: dict[int, dict[str, torch.Tensor]] = {}
+    counts: dict[int, int] = {}
+
+    def hook(mod, args, kwargs):
+        h = kwargs.get("hidden_states", args[0] if args else None)
+        pos = kwargs.get("position_embeddings")
+        if pos is None:
+            raise ValueError(f"{type(mod).__name__} got no position_embeddings; calibration needs a RoPE model")
+        b, t, _ = h.shape
+        d = mod.head_dim
+        q = mod.q_proj(h).view(b, t, -1, d)
+        k = mod.k_proj(h).view(b, t, -1, d)
+        if hasattr(mod, "q_norm"):
+            q = mod.q_norm(q)
+        if hasattr(mod, "k_norm"):
+            k = mod.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D]
+        qr, kr = _rope_fn(mod)(q, k, *pos)
+        pick = {"before": (q, k), "after": (qr, kr)}
+        g = q.shape[1] // k.shape[1]
+        qq, kk = pick[side["qk"]]
+        stats = {
+            "qk": (qq.double() * kk.double().repeat_interleave(g, 1)).abs().sum((0, 2)),
+            "q": pick[side["q"]][0].double().abs().sum((0, 2)),
+            "k": pick[side["k"]][1].double().abs().sum((0, 2)),
+        }
+        acc = sums.setdefault(mod.layer_idx, {})
+        for key, val in stats.items():
+            acc[key] = acc[key] + val if key in acc else val
+        counts[mod.layer_idx] = counts.get(mod.layer_idx, 0) + b * t
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in mods]
+    try:
+        device = next(model.parameters()).device
+        for ids in blocks:
+            model(input_ids=ids.to(device), use_cache=False)
+    finally:
+        for hd in handles:
+            hd.remove()
+    layers = sorted(sums)
+    return {key: torch.stack([sums[l][key] / counts[l] for l in layers]) for key in ("qk", "q", "k")}
+
+
+def rank_channels(score: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> long [..., D]: channel indices by decreasing score (ties: lower index first)."""
+    return torch.sort(score, dim=-1, descending=True, stable=True).indices
+
+
+def calibrate(
+    model: Any,
+    tokenizer: Any,
+    text: str,
+    *,
+    model_name: str,
+    model_path: str = "",
+    data_origin: str = "",
+    block_size: int = 512,
+    num_blocks: int | None = None,
+    rope: str = "authors",
+    command: str = "",
+) -> dict[str, Any]:
+    """Runs the calibration and returns the file's content (a JSON-ready dict)."""
+    import transformers
+
+    if block_size < 2:
+        raise ValueError(f"block_size={block_size}: must be >= 2")
+    if num_blocks is not None and num_blocks < 1:
+        raise ValueError(f"num_blocks={num_blocks}: must be >= 1 or null (all)")
+    ids = tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
+    total = len(ids) // block_size
+    if total == 0:
+        raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than one block (block_size={block_size})")
+    nb = total if num_blocks is None else min(total, num_blocks)
+    t = torch.tensor(ids[: nb * block_size], dtype=torch.long)
+    blocks = [t[i * block_size:(i + 1) * block_size].unsqueeze(0) for i in range(nb)]
+    scores = channel_statistics(model, blocks, rope)
+    cfg = model.config.get_text_config()
+    hq = cfg.num_attention_heads
+    return {
+        "format": FORMAT,
+        "model": {
+            "name": model_name,
+            "path": model_path,
+            "num_layers": cfg.num_hidden_layers,
+            "num_heads": hq,
+            "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or hq,
+            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // hq,
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        },
+        "calibration": {
+            "command": command,
+            "data": data_origin,
+            "data_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            "tokens": nb * block_size,
+            "blocks": nb,
+            "block_size": block_size,
+            "rope": ROPE_MODES[rope] | {"mode": rope},
+            "statistic": {
+                "qk": "mean over tokens of |q_c * k_c| (token with itself), per query head",
+                "q": "mean over tokens of |q_c|, per query head",
+                "k": "mean over tokens of |k_c|, per KV head",
+            },
+            "software": {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__},
+        },
+        "channels": {key: rank_channels(val).tolist() for key, val in scores.items()},
+        "scores": {key: [[[float(f"{x:.6g}") for x in head] for head in layer] for layer in val.tolist()]
+                   for key, val in scores.items()},
+    }
+
+
+def dumps(result: dict[str, Any]) -> str:
+    """JSON with one line per head (innermost number lists inlined)."""
+    text = json.dumps(result, indent=1)
+    compact = re.sub(r"\[([^\[\]{}\"]*)\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+    return (compact if json.loads(compact) == result else text) + "\n"
+
+
+def write(result: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dumps(result), encoding="utf-8")
+    return path
+
+
+def run(cfg: Any, command: str = "") -> Path:
+    model_cfg = ModelConfig(**to_plain(cfg.model))
+    if cfg.rope not in ROPE_MODES:
+        raise ValueError(f"rope={cfg.rope!r}; valid: {list(ROPE_MODES)}")
+    text, origin = load_text(cfg.data, cfg.paths.data_dir)
+    model, tokenizer = load_model(model_cfg)
+    context = max_context(model_cfg, model)
+    if cfg.block_size > context:
+        raise ValueError(f"block_size={cfg.block_size} exceeds the model's context ({context} tokens)")
+    result = calibrate(
+        model, tokenizer, text, model_name=model_cfg.name, model_path=model_cfg.path, data_origin=origin,
+        block_size=cfg.block_size, num_blocks=cfg.num_blocks, rope=cfg.rope, command=command,
+    )
+    out = Path(cfg.output).expanduser() if cfg.output else CALIBRATION_DIR / f"{model_cfg.name}.json"
+    write(result, out)
+    c = result["calibration"]
+    print(f"wrote {out}: {result['model']['num_layers']} layers, {c['tokens']} tokens ({c['blocks']} x {c['block_size']}) of {c['data']}")
+    return out
+
+
+register_configs()
+ConfigStore.instance().store(name="calibrate_schema", node=CalibrateConfig)
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="calibrate")
+def main(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides = list(HydraConfig.get().overrides.task)
+    command = " ".join(["python -m sparse_eval.calibrate", *overrides])
+    try:
+        run(cfg, command)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

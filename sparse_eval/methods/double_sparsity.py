@@ -1,0 +1,353 @@
+"""Double Sparsity (Yang et al., 2024): token selection by a few offline-calibrated channels.
+
+Algorithm 1 (DS Decode), per query head, with C the head's r = α·d calibrated channels:
+
+    Q_label = Q[C]                     (r channels of the query)                         line 3
+    ŝ       = Q_label · K_labelᵀ       (K_label: the label cache, K[:, C], [S, r])        line 4
+    i       = argtopk(ŝ, k),  k = β·S                                                     line 5
+    y       = softmax(Q·K[i]ᵀ / √d) · V[i]                                                lines 6-7
+
+* Channels (§4.1, offline calibration): per layer and query head, channels ranked by the mean |q_c·k_c| of
+  each token with itself ("qk" outliers; "q" / "k" variants: mean |q_c| / |k_c|), written by
+  ``python -m sparse_eval.calibrate model=<name>`` to ``sparse_eval/calibration/<model.name>.json``
+  (``channels_file`` overrides; ``channels`` passes them directly).  The statistic is taken on the keys and
+  queries *after* RoPE for "qk", as the authors' calibration did, and the channels index the post-RoPE cache
+  at decode, as the authors' simulation and kernels did (their label cache is cut from the rotated keys).
+* Label cache (§4.2): K[:, C] per query head, kept in the layer's ``state`` and appended as keys arrive;
+  quantized to ``label_bits`` (default 4, §4.2: "we can store the label cache in 4-bit"; 16 = not quantized).
+  The quantizer is the authors' simulation's: per token, asymmetric min/max over the r label channels,
+  2^bits − 1 levels, dequantized.  The authors' simulation quantizes the query label the same way
+  (``quantize_query``, default true).  Their conversion helper drops ``label_bits`` when it recurses, so their
+  runs always used 4 bits whatever was asked; here the setting is honoured.
+* Defaults.  α = 1/4, β = 1/16 (``alpha=0.25, beta=0.0625``).  The paper's "1/16 channel sparsity" is the
+  label cache's size relative to the K cache, α·label_bits/16: the authors' plot code computes channel
+  sparsity as group_factor·16/bits, their README runs group_factor 4 (α = 1/4) with 4-bit labels, and §4.2
+  says a 4-bit label cache is 1/16 of the K cache — all α = 1/4.  Token sparsity 1/16 is β = 1/16.
+  A float β is a ratio of the row's context n (k = floor(β·n), at least 1 token; the row's
+  ``one_token_floor`` says when the floor acted); an int β is the authors' absolute ``heavy_const`` (with it,
+  rows whose context is at most heavy_const are dense, as in the authors' perplexity runs).
+* Sink / local: DS keeps none (its top-k is over all keys), so ``sink=0, local=0`` by default; set them to
+  compare with the other methods' static keys.  Dense layers [0, 1], as the authors' HF simulation.
+* Protocol: the authors' perplexity ran every position sparse (protocol S, the wikitext task's default).
+* GQA: ``query_head`` (default; the authors repeat K per query head) or ``kv_head`` (label scores summed over
+  the query heads of a KV group, one token set per group).
+* DS-Offload simulation (§5.1, ``offload=true``): layer l's token set is chosen with an approximate query from
+  layer l−1's input passed through layer l's query projection and RoPE at the current positions (the real
+  system prefetches those tokens while layer l−1 runs).  ``offload_input``: ``residual`` (default; the
+  authors' simulation feeds the previous layer's residual-stream input, un-normalized, to q_proj; here it is
+  recovered from the stored attention input h = RMSNorm(x)·w as h / w = x / rms(x), a positive per-token
+  multiple of x, which selects the same tokens for a bias-free q_proj) or ``attn_input`` (layer l−1's
+  attention input h itself).  Layer 0, and any layer whose predecessor's input was not recorded, uses its own
+  query (row stat ``offload_own_query`` = 1).  ``offload_recall`` = fraction of the tokens plain DS would pick
+  that the predicted query picked too.
+
+Cost1 = α/2 (r/(2d) measured): the label scores are r of the d channels of qKᵀ, half of full attention's
+FLOPs.  Cost2 (kept / context) is measured by the core.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
+from .registry import register
+from .topk import topk_mask
+
+CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "calibration"
+CHANNEL_TYPES = ("qk", "q", "k")
+OFFLOAD_INPUTS = ("residual", "attn_input")
+LABEL_BITS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
+
+
+def calibration_command(model_name: str) -> str:
+    return f"python -m sparse_eval.calibrate model={model_name}"
+
+
+def default_channels_file(model_name: str) -> Path:
+    return CALIBRATION_DIR / f"{model_name}.json"
+
+
+@dataclass
+class DoubleSparsityConfig(MethodConfig):
+    name: str = "double_sparsity"
+    sink: int = 0  # DS keeps no static keys
+    local: int = 0
+    # channel ratio α: r = floor(α·d) label channels (at least 1; row stat ``one_channel_floor``)
+    alpha: float = 0.25
+    # token ratio β of the context (float) or absolute token count (int, the authors' heavy_const)
+    beta: Any = 0.0625
+    # bits of the label cache (1..8, or 16 = not quantized); paper §4.2: 4
+    label_bits: int = 4
+    # quantize the query label too (authors' HF simulation)
+    quantize_query: bool = True
+    # which calibrated outliers: qk (paper's choice, Table 3), q, k
+    channel_type: str = "qk"
+    # calibration file; null: sparse_eval/calibration/<model.name>.json
+    channels_file: str | None = None
+    # channels given directly (attend() API, tests): [layer][head][channels, best first] or [head][channels]
+    channels: Any = None
+    # DS-Offload simulation (§5.1): predict layer l's tokens from layer l-1's input
+    offload: bool = False
+    offload_input: str = "residual"
+
+
+def pseudo_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Asymmetric min/max quantization over the last dim, 2^bits − 1 levels, dequantized (fp32).
+    A constant vector is returned unchanged."""
+    x = x.float()
+    if bits >= 16:
+        return x
+    levels = 2 ** bits - 1
+    lo = x.amin(-1, keepdim=True)
+    hi = x.amax(-1, keepdim=True)
+    rng = hi - lo
+    rng = torch.where(rng > 0, rng, torch.ones_like(rng))
+    scale = levels / rng
+    return torch.round((x - lo) * scale).clamp(0, levels) / scale + lo
+
+
+def load_channels(path: Path, channel_type: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Reads a calibration file; returns (channel order long [L, H, d], the file's metadata)."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    chans = data.get("channels", {})
+    if channel_type not in chans:
+        raise ValueError(
+            f"method.channel_type={channel_type!r} is not in {path} (it has {sorted(chans)}); valid: {list(CHANNEL_TYPES)}"
+        )
+    meta = {k: v for k, v in data.items() if k not in ("channels", "scores")}
+    return torch.tensor(chans[channel_type], dtype=torch.long), meta
+
+
+@register
+class DoubleSparsity(Method):
+    """Double Sparsity with a label cache and optional DS-Offload prediction (see the module docstring).
+
+    Row statistics: ``channels`` (r), ``one_channel_floor``, ``one_token_floor``, and with ``offload``:
+    ``offload_own_query``, ``offload_recall``.
+    """
+
+    name = "double_sparsity"
+    config_class = DoubleSparsityConfig
+
+    def __init__(self, config: DoubleSparsityConfig):
+        super().__init__(config)
+        self._channels: torch.Tensor | None = None  # long [L, H, ≥r] or [H, ≥r] (every layer)
+        self._channels_source: str | None = None
+        self._model = None
+        self._attn: dict[int, Any] = {}
+        self._norm_w: dict[int, torch.Tensor] = {}
+        if config.channels is not None:
+            self._channels = self._as_channels(config.channels)
+            self._channels_source = "method.channels"
+
+    # -- configuration -------------------------------------------------------------------------
+    def validate(self, num_layers=None, context=None):
+        super().validate(num_layers, context)
+        c = self.config
+        if isinstance(c.alpha, bool) or not isinstance(c.alpha, (int, float)) or not 0.0 < float(c.alpha) <= 1.0:
+            raise ValueError(f"method.alpha={c.alpha!r}: the channel ratio must lie in (0, 1] (paper default 1/4)")
+        check_budget(c.beta, "method.beta", context)
+        if c.label_bits not in LABEL_BITS:
+            raise ValueError(f"method.label_bits={c.label_bits!r}; valid: {list(LABEL_BITS)} (16 = not quantized)")
+        if c.channel_type not in CHANNEL_TYPES:
+            raise ValueError(f"method.channel_type={c.channel_type!r}; valid: {list(CHANNEL_TYPES)}")
+        if c.offload_input not in OFFLOAD_INPUTS:
+            raise ValueError(f"method.offload_input={c.offload_input!r}; valid: {list(OFFLOAD_INPUTS)}")
+        if not isinstance(c.offload, bool) or not isinstance(c.quantize_query, bool):
+            raise ValueError(f"method.offload={c.offload!r} / method.quantize_query={c.quantize_query!r}: must be true or false")
+
+    def describe(self) -> str:
+        c = self.config
+        return f"double_sparsity(alpha={c.alpha}, beta={c.beta}, bits={c.label_bits}{', offload' if c.offload else ''})"
+
+    @staticmethod
+    def _as_channels(ch: Any) -> torch.Tensor:
+        t = torch.as_tensor(ch, dtype=torch.long) if not torch.is_tensor(ch) else ch.long()
+        if t.dim() not in (2, 3):
+            raise ValueError(
+                f"method.channels: expected [layer][head][channels] or [head][channels], got shape {tuple(t.shape)}"
+            )
+        return t
+
+    def setup(self, model: Any, model_name: str) -> None:
+        """Loads the model's calibrated channels (unless given directly) and, for offload, finds each layer's
+        attention module and input norm."""
+        from ..attention.plugin import attention_modules
+
+        cfg = model.config.get_text_config()
+        num_layers, hq = cfg.num_hidden_layers, cfg.num_attention_heads
+        hkv = getattr(cfg, "num_key_value_heads", None) or hq
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+        if self.config.channels is None:
+            path = Path(self.config.channels_file).expanduser() if self.config.channels_file else default_channels_file(model_name)
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"Double Sparsity needs offline-calibrated channels for model {model_name!r} and found no file at "
+                    f"{path}. Make one with:  {calibration_command(model_name)}  (or point method.channels_file at one)"
+                )
+            chans, meta = load_channels(path, self.config.channel_type)
+            m = meta.get("model", {})
+            got = (m.get("num_layers"), m.get("head_dim"))
+            if got != (num_layers, head_dim) or chans.shape[0] != num_layers or chans.shape[1] not in (hq, hkv):
+                raise ValueError(
+                    f"{path} was calibrated for model {m.get('name')!r} ({m.get('num_layers')} layers, head_dim "
+                    f"{m.get('head_dim')}, {chans.shape[1]} heads) but {model_name!r} has {num_layers} layers, "
+                    f"head_dim {head_dim}, {hq} query / {hkv} KV heads; recalibrate: {calibration_command(model_name)}"
+                )
+            self._channels = chans
+            self._channels_source = str(path)
+        self._model = model
+        self._attn = {m.layer_idx: m for m in attention_modules(model)}
+        self._norm_w = {}
+        if self.config.offload and self.config.offload_input == "residual":
+            parents = {}
+            for name, mod in model.named_modules():
+                for child_name, child in mod.named_children():
+                    parents[id(child)] = mod
+            for idx, attn in self._attn.items():
+                norm = getattr(parents.get(id(attn)), "input_layernorm", None)
+                w = getattr(norm, "weight", None)
+                if w is None:
+                    raise ValueError(
+                        f"method.offload_input='residual' needs each decoder layer's input_layernorm weight (layer {idx} "
+                        f"has none); use method.offload_input=attn_input"
+                    )
+                self._norm_w[idx] = w.detach()
+
+    # -- channels and labels -------------------------------------------------------------------
+    def _layer_channels(self, layer_idx: int, hq: int, hkv: int, d: int, device) -> tuple[torch.Tensor, bool]:
+        """long [Hq, r] channels of one layer (query head h), and whether r was floored up to 1."""
+        if self._channels is None:
+            raise ValueError(
+                "Double Sparsity has no channels: give method.channels, or run it through the runner, which loads "
+                "sparse_eval/calibration/<model>.json (make it with: python -m sparse_eval.calibrate model=<name>)"
+            )
+        ch = self._channels
+        if ch.dim() == 3:
+            if layer_idx >= ch.shape[0]:
+                raise ValueError(f"method.channels has {ch.shape[0]} layers; layer {layer_idx} was asked for")
+            ch = ch[layer_idx]
+        raw = math.floor(float(self.config.alpha) * d + 1e-9)
+        r = max(1, raw)
+        if ch.shape[-1] < r:
+            raise ValueError(f"method.channels gives {ch.shape[-1]} channels per head, alpha={self.config.alpha} needs {r}")
+        if ch.shape[0] == hkv and hkv != hq:  # per KV head ("k" outliers): each query head uses its group's
+            ch = ch.repeat_interleave(hq // hkv, 0)
+        if ch.shape[0] != hq:
+            raise ValueError(f"method.channels has {ch.shape[0]} heads; the layer has {hq} query / {hkv} KV heads")
+        ch = ch[:, :r]
+        if int(ch.max()) >= d or int(ch.min()) < 0:
+            raise ValueError(f"method.channels: channel indices must lie in 0..{d - 1}")
+        return ch.to(device), raw < 1
+
+    def _labels(self, x: torch.Tensor, ch: torch.Tensor, groups: int) -> torch.Tensor:
+        """x [B, H, N, D] (H = Hkv for keys, Hq for queries), ch [Hq, r] -> fp32 [B, Hq, N, r]."""
+        if x.shape[1] != ch.shape[0]:
+            x = x.repeat_interleave(groups, 1)
+        idx = ch.view(1, ch.shape[0], 1, ch.shape[1]).expand(x.shape[0], -1, x.shape[2], -1)
+        return x.gather(-1, idx).float()
+
+    def _label_cache(self, ctx: AttentionContext, ch: torch.Tensor) -> torch.Tensor:
+        """The label cache ``state['ds']['labels']`` fp32 [B, Hq, N, r], brought up to date with the keys: only the
+        keys that arrived since the last call are labelled (and quantized) and appended (§4.2).  It is rebuilt
+        from scratch if the cache no longer matches (fewer keys, other batch, channels or bits)."""
+        k = ctx.k
+        b, hkv, n, d = k.shape
+        bits = self.config.label_bits
+        st = ctx.state.get("ds")
+        fresh = (
+            st is None or st["n"] > n or st["batch"] != b or st["bits"] != bits or not torch.equal(st["channels"], ch)
+            or (st["n"] > 0 and not torch.equal(st["last_key"], k[:, :, st["n"] - 1]))
+        )
+        if fresh:
+            labels = pseudo_quantize(self._labels(k, ch, ctx.groups), bits)
+        elif st["n"] < n:
+            new = pseudo_quantize(self._labels(k[:, :, st["n"]:], ch, ctx.groups), bits)
+            labels = torch.cat([st["labels"], new], 2)
+        else:
+            labels = st["labels"]
+        ctx.state["ds"] = {"n": n, "batch": b, "bits": bits, "channels": ch, "labels": labels,
+                           "last_key": k[:, :, n - 1].clone() if n else None}
+        return labels
+
+    # -- offload prediction --------------------------------------------------------------------
+    def _predicted_query(self, ctx: AttentionContext) -> torch.Tensor | None:
+        """Layer l's approximate query from layer l-1's input (DS-Offload §5.1), [B, Hq, Q, D]; None if unknown."""
+        layer = ctx.layer_idx
+        session = getattr(self._model, "_sparse_eval_session", None) if self._model is not None else None
+        if layer == 0 or session is None:
+            return None
+        prev = session.layer_inputs.get(layer - 1)
+        cur = session.layer_inputs.get(layer)
+        attn = self._attn.get(layer)
+        if prev is None or cur is None or attn is None:
+            return None
+        h = prev[0]
+        pos = cur[1] if cur[1] is not None else prev[1]
+        b, hq, ql, d = ctx.q.shape
+        start = ctx.query_offset
+        if pos is None or h.shape[0] != b or h.shape[1] < start + ql:
+            return None
+        h = h[:, start:start + ql]
+        if self.config.offload_input == "residual":
+            w = self._norm_w[layer - 1]
+            h = h / torch.where(w == 0, torch.ones_like(w), w).to(h.dtype)
+        q = attn.q_proj(h).view(b, ql, -1, d)
+        if hasattr(attn, "q_norm"):  # Qwen3-style per-head query norm before RoPE
+            q = attn.q_norm(q)
+        q = q.transpose(1, 2)
+        cos, sin = pos[0][:, start:start + ql], pos[1][:, start:start + ql]
+        rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+        if rope is None:
+            return None
+        q, _ = rope(q, q, cos, sin)
+        return q
+
+    # -- selection -----------------------------------------------------------------------------
+    def _select_with(self, ctx, q, ch, labels, want):
+        ql_lab = self._labels(q, ch, ctx.groups)  # [B, Hq, Q, r]
+        if self.config.quantize_query:
+            ql_lab = pseudo_quantize(ql_lab, self.config.label_bits)
+        s_hat = torch.matmul(ql_lab, labels.transpose(-1, -2))  # [B, Hq, Q, N]   (Algorithm 1 line 4)
+        if self.config.gqa == "kv_head":
+            s_hat = ctx.group_sum(s_hat.masked_fill(~ctx.valid, 0.0))
+        s_hat = s_hat.masked_fill(~ctx.candidates, float("-inf"))
+        return topk_mask(s_hat, want), s_hat  # line 5
+
+    def select(self, ctx: AttentionContext) -> Selection:
+        b, hq, ql, d = ctx.q.shape
+        ch, ch_floor = self._layer_channels(ctx.layer_idx, hq, ctx.k.shape[1], d, ctx.q.device)
+        labels = self._label_cache(ctx, ch)
+        tokens = resolve_budget(self.config.beta, ctx.n_valid, "method.beta")  # [B, 1, Q, 1]
+        tok_floor = (tokens < 1) & (ctx.n_valid > 0)
+        want = tokens.clamp_min(1)
+        stats: dict[str, Any] = {
+            "channels": torch.full((b, hq, ql), float(ch.shape[1]), device=ctx.q.device),
+            "one_channel_floor": torch.full((b, hq, ql), float(ch_floor), device=ctx.q.device),
+            "one_token_floor": tok_floor.squeeze(-1).float().expand(b, hq, ql).clone(),
+        }
+        if not self.config.offload:
+            keep, _ = self._select_with(ctx, ctx.q, ch, labels, want)
+            return Selection(keep=keep, stats=stats)
+        own, _ = self._select_with(ctx, ctx.q, ch, labels, want)
+        qp = self._predicted_query(ctx)
+        if qp is None:
+            keep = own
+            stats["offload_own_query"] = torch.ones(b, hq, ql, device=ctx.q.device)
+        else:
+            keep, _ = self._select_with(ctx, qp.to(ctx.q.dtype), ch, labels, want)
+            stats["offload_own_query"] = torch.zeros(b, hq, ql, device=ctx.q.device)
+        n_own = own.sum(-1).float()
+        stats["offload_recall"] = torch.where(n_own > 0, (own & keep).sum(-1).float() / n_own.clamp_min(1), torch.ones_like(n_own))
+        return Selection(keep=keep, stats=stats)
+
+    def cost1(self, ctx: AttentionContext, sel: Selection) -> torch.Tensor:
+        """α/2 measured: r label channels out of d, on the qKᵀ half of full attention."""
+        return sel.stats["channels"] / (2.0 * ctx.q.shape[-1])

@@ -1,0 +1,276 @@
+"""Quest: query-aware page selection by a per-page upper bound of q·k (Tang et al., ICML 2024).
+
+The keys of a row are split into pages of ``page_size`` tokens, counted from the row's first valid key (so
+left padding never shifts the pages).  For page p and channel c Quest keeps the element-wise minimum and
+maximum key, m_{p,c} = min_{i∈p} k_{i,c} and M_{p,c} = max_{i∈p} k_{i,c}, and scores the page by
+
+    U_p(q) = Σ_c max(q_c · m_{p,c}, q_c · M_{p,c})  ≥  max_{i∈p} q·k_i                       (Quest §3.2)
+
+(each term bounds q_c·k_{i,c} from above for every key of the page, so the sum bounds every q·k_i).  The top
+``floor(budget_tokens / page_size)`` pages by U_p are attended exactly, together with the static sink/local
+keys, which the MagicPIG paper's Quest baseline keeps besides the budget (MagicPIG §5.1: 4 initial tokens,
+local 64).  Computed as U = q⁺·Mᵀ + q⁻·mᵀ with q⁺ = max(q, 0), q⁻ = min(q, 0) (same value, two matmuls).
+
+Budget (``budget``): a ratio of the row's context (float; MagicPIG's configs (page, ratio) = (16, 0.04),
+(32, 0.06), (64, 0.08)) or a token count (int; the Quest paper's token budgets 256 … 4096).  There is no hidden
+minimum of pages (the Quest repo keeps max(3, budget // page) pages): when the budget is below one page, one
+page is used and the row's ``one_page_floor`` statistic says so.
+
+The page metadata lives in the layer's ``state`` and is updated incrementally while decoding: the last,
+partial page's min/max absorbs the new keys and new pages are appended (``update_pages=True``, Quest's own
+behaviour).  ``update_pages=False`` reproduces the MagicPIG repo's Quest baseline (pages built once from the
+keys present at the first sparse call, i.e. after prefill, whole pages only, left of the local window; every
+later key is always attended).  It is a parity option for protocol A, not the Quest algorithm.
+
+When a block of query rows is scored at once (protocol S: prefill sparse too), the page holding a row's
+newest valid key is bounded over that page's keys up to the row only (prefix min/max), so future keys never
+enter a row's selection.  In decode (one row, newest key last) this is the page's stored metadata.
+
+Cost1 (MagicPIG §5.1: 1/page_size for Quest) is measured per row as pages scored / context keys: scoring a
+page takes two d-vectors (m and M), i.e. the FLOPs of ~one key's q·k and p·v, out of full attention's n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
+from .registry import register
+from .topk import topk_mask
+
+
+@dataclass
+class QuestConfig(MethodConfig):
+    name: str = "quest"
+    # tokens per page (Quest default and MagicPIG Table 3: 16)
+    page_size: int = 16
+    # ratio of the context (float) or tokens (int); pages selected = floor(budget_tokens / page_size), min 1
+    budget: Any = 0.04
+    # True: page min/max follow the generated keys (Quest).  False: MagicPIG-repo parity (pages frozen at the
+    # first sparse call, later keys always attended); protocol A only.
+    update_pages: bool = True
+
+
+def first_valid_key(valid: torch.Tensor) -> torch.Tensor:
+    """valid bool [B, 1, Q, N] -> long [B]: index of each row's first valid key (N if none)."""
+    anyv = valid[:, 0].any(1)  # [B, N]
+    n = anyv.shape[-1]
+    idx = torch.arange(n, device=valid.device).expand_as(anyv)
+    return torch.where(anyv, idx, torch.full_like(idx, n)).amin(-1)
+
+
+def page_ids(first: torch.Tensor, n: int, page_size: int) -> torch.Tensor:
+    """long [B, N]: page of each key counted from the row's first valid key; -1 before it."""
+    j = torch.arange(n, device=first.device).unsqueeze(0)  # [1, N]
+    rel = j - first.unsqueeze(1)
+    return torch.where(rel >= 0, torch.div(rel, page_size, rounding_mode="floor"), torch.full_like(rel, -1))
+
+
+def build_pages(k: torch.Tensor, pid: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From-scratch page metadata.  k [B, Hkv, N, D], pid [B, N] (-1 = no page) ->
+    (kmin, kmax) [B, Hkv, P, D] in k's dtype; a page without keys holds +inf / -inf."""
+    b, h, _, d = k.shape
+    kmin = torch.full((b, h, num_pages, d), float("inf"), dtype=k.dtype, device=k.device)
+    kmax = torch.full((b, h, num_pages, d), float("-inf"), dtype=k.dtype, device=k.device)
+    return _absorb(kmin, kmax, k, pid)
+
+
+def _absorb(kmin, kmax, k, pid):
+    """Fold keys k [B, Hkv, n, D] with pages pid [B, n] into (kmin, kmax) [B, Hkv, P, D] (scatter min/max)."""
+    b, h, p, d = kmin.shape
+    if k.shape[2] == 0:
+        return kmin, kmax
+    # keys outside any page go to a scratch page P that is dropped
+    target = torch.where(pid >= 0, pid, torch.full_like(pid, p)).clamp_max(p)
+    idx = target.view(b, 1, -1, 1).expand(b, h, k.shape[2], d)
+    kmin = torch.cat([kmin, kmin.new_full((b, h, 1, d), float("inf"))], 2).scatter_reduce(2, idx, k, "amin")
+    kmax = torch.cat([kmax, kmax.new_full((b, h, 1, d), float("-inf"))], 2).scatter_reduce(2, idx, k, "amax")
+    return kmin[:, :, :p], kmax[:, :, :p]
+
+
+def page_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """U[b, h, q, p] = Σ_c max(q_c m_{p,c}, q_c M_{p,c}) for q [B, Hq, Q, D] and kmin/kmax [B, Hkv, P, D]
+    (query head h reads KV head h // G).  Empty pages (±inf) give -inf.  Returns fp32 [B, Hq, Q, P]."""
+    b, hq, ql, d = q.shape
+    hkv = kmin.shape[1]
+    empty = ~torch.isfinite(kmin).all(-1)  # [B, Hkv, P]
+    mn = torch.where(torch.isfinite(kmin), kmin, torch.zeros_like(kmin)).float()
+    mx = torch.where(torch.isfinite(kmax), kmax, torch.zeros_like(kmax)).float()
+    qg = q.float().reshape(b, hkv, hq // hkv, ql, d)
+    u = torch.matmul(qg.clamp_min(0), mx.unsqueeze(2).transpose(-1, -2)) \
+        + torch.matmul(qg.clamp_max(0), mn.unsqueeze(2).transpose(-1, -2))  # [B, Hkv, G, Q, P]
+    u = u.masked_fill(empty.view(b, hkv, 1, 1, -1), float("-inf"))
+    return u.reshape(b, hq, ql, -1)
+
+
+def row_bound(q: torch.Tensor, rmin: torch.Tensor, rmax: torch.Tensor) -> torch.Tensor:
+    """Per-row bound: q [B, Hq, Q, D], rmin/rmax [B, Hkv, Q, D] (one page per row) -> [B, Hq, Q]."""
+    b, hq, ql, d = q.shape
+    hkv = rmin.shape[1]
+    qg = q.float().reshape(b, hkv, hq // hkv, ql, d)
+    mn = torch.where(torch.isfinite(rmin), rmin, torch.zeros_like(rmin)).float().unsqueeze(2)
+    mx = torch.where(torch.isfinite(rmax), rmax, torch.zeros_like(rmax)).float().unsqueeze(2)
+    return torch.maximum(qg * mn, qg * mx).sum(-1).reshape(b, hq, ql)
+
+
+def prefix_page_minmax(k: torch.Tensor, first: torch.Tensor, last: torch.Tensor, page_size: int):
+    """min/max over the keys from the start of the page holding key ``last`` up to ``last`` (inclusive).
+
+    k [B, Hkv, N, D], first [B] (first valid key), last [B, Q] (each row's newest valid key, >= first).
+    Returns (rmin, rmax) [B, Hkv, Q, D].  Done by gathering each row's page into an aligned
+    [B, Hkv, Q, page_size, D] block and taking a masked min/max (cheap: page_size keys per row).
+    """
+    b, h, n, d = k.shape
+    start = first.unsqueeze(1) + torch.div(last - first.unsqueeze(1), page_size, rounding_mode="floor") * page_size
+    off = torch.arange(page_size, device=k.device)
+    pos = start.unsqueeze(-1) + off  # [B, Q, ps]
+    inside = pos <= last.unsqueeze(-1)
+    g = k.gather(2, pos.clamp(0, n - 1).reshape(b, 1, -1, 1).expand(b, h, -1, d)).reshape(b, h, *pos.shape[1:], d)
+    m = inside.view(b, 1, *inside.shape[1:], 1)
+    rmin = torch.where(m, g, torch.full_like(g, float("inf"))).amin(3)
+    rmax = torch.where(m, g, torch.full_like(g, float("-inf"))).amax(3)
+    return rmin, rmax
+
+
+@register
+class Quest(Method):
+    """Quest page selection.  Per-row statistics: ``pages`` (pages selected), ``pages_scored`` (pages with at
+    least one candidate key), ``one_page_floor`` (1 where the budget was below one page and one page was used).
+    """
+
+    name = "quest"
+    config_class = QuestConfig
+
+    def validate(self, num_layers=None, context=None):
+        super().validate(num_layers, context)
+        ps = self.config.page_size
+        if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1:
+            raise ValueError(f"method.page_size={ps!r}: must be an int >= 1 (Quest default 16; MagicPIG 16, 32, 64)")
+        check_budget(self.config.budget, "method.budget", context)
+        if not isinstance(self.config.update_pages, bool):
+            raise ValueError(f"method.update_pages={self.config.update_pages!r}: must be true or false")
+
+    def describe(self) -> str:
+        return f"quest(page={self.config.page_size}, budget={self.config.budget})"
+
+    # -- page metadata ---------------------------------------------------------------------------
+    def _update_pages(self, ctx: AttentionContext, first: torch.Tensor) -> dict[str, Any]:
+        """Brings ``ctx.state['quest']`` up to date with all keys (once per attention call); ``first`` [B] is
+        each row's first valid key."""
+        ps = self.config.page_size
+        k = ctx.k
+        b, hkv, n, d = k.shape
+        st = ctx.state.get("quest")
+        fresh = (
+            st is None or st["n"] > n or st["batch"] != b or st["page_size"] != ps
+            or not torch.equal(st["first"], first) or st["kmin"].shape[-1] != d
+            or (st["n"] > 0 and not torch.equal(st["last_key"], k[:, :, st["n"] - 1]))
+        )
+        if not self.config.update_pages:
+            if fresh:
+                # MagicPIG parity: pages over the keys present before this (first sparse) call, whole pages only,
+                # left of the local window; the remainder and all later keys are always attended.
+                before = n - ctx.q.shape[2]
+                whole = torch.div((before - self.config.local - first).clamp_min(0), ps, rounding_mode="floor")
+                pages = int(whole.max().item()) if b else 0
+                pid = page_ids(first, n, ps)
+                pid = torch.where((pid >= 0) & (pid < whole.unsqueeze(1)), pid, torch.full_like(pid, -1))
+                kmin, kmax = build_pages(k, pid, pages)
+                st = {"n": n, "batch": b, "page_size": ps, "first": first, "kmin": kmin, "kmax": kmax,
+                      "frozen_end": first + whole * ps, "last_key": k[:, :, n - 1].clone()}
+                ctx.state["quest"] = st
+            return st
+        pages = int(torch.div((n - first).clamp_min(0) + ps - 1, ps, rounding_mode="floor").max().item()) if b else 0
+        if fresh:
+            pid = page_ids(first, n, ps)
+            kmin, kmax = build_pages(k, pid, pages)
+        else:
+            kmin, kmax = st["kmin"], st["kmax"]
+            grow = pages - kmin.shape[2]
+            if grow > 0:  # append new (empty) pages, then fold the new keys in (the last partial page included)
+                kmin = torch.cat([kmin, kmin.new_full((b, hkv, grow, d), float("inf"))], 2)
+                kmax = torch.cat([kmax, kmax.new_full((b, hkv, grow, d), float("-inf"))], 2)
+            old = st["n"]
+            pid_new = page_ids(first, n, ps)[:, old:]
+            kmin, kmax = _absorb(kmin, kmax, k[:, :, old:], pid_new)
+        st = {"n": n, "batch": b, "page_size": ps, "first": first, "kmin": kmin, "kmax": kmax,
+              "frozen_end": None, "last_key": k[:, :, n - 1].clone() if n else None}
+        ctx.state["quest"] = st
+        return st
+
+    # -- selection -------------------------------------------------------------------------------
+    def select(self, ctx: AttentionContext) -> Selection:
+        cfg = self.config
+        ps = cfg.page_size
+        b, hq, ql, n = ctx.scores.shape
+        first = first_valid_key(ctx.valid)
+        st = ctx.state.get("quest")
+        if ctx.query_offset == 0 or st is None:
+            st = self._update_pages(ctx, first)
+        else:
+            # a later query block may be the first to show a row's first valid key (left padding longer than a
+            # block): rows whose start was unknown take it now and the pages are rebuilt
+            known = first < n
+            if bool((known & (first != st["first"])).any()):
+                st = self._update_pages(ctx, torch.where(known, first, st["first"]))
+        first = st["first"]
+        kmin, kmax = st["kmin"], st["kmax"]
+        num_pages = kmin.shape[2]
+        dev = ctx.q.device
+
+        pid = page_ids(first, n, ps)  # [B, N]
+        if st["frozen_end"] is not None:  # parity mode: pages only inside the frozen region of each row
+            inside = torch.arange(n, device=dev).view(1, n) < st["frozen_end"].view(b, 1)
+            pid = torch.where(inside, pid, torch.full_like(pid, -1))
+        cand = ctx.candidates  # [B, 1, Q, N]
+        in_page = (pid >= 0).view(b, 1, 1, n)
+        # pages that hold at least one candidate key of the row: [B, 1, Q, P]
+        target = torch.where(pid >= 0, pid, torch.full_like(pid, num_pages)).view(b, 1, 1, n).expand(b, 1, ql, n)
+        cand_pages = torch.zeros(b, 1, ql, num_pages + 1, device=dev).scatter_add_(
+            -1, target, (cand & in_page).float())[..., :num_pages] > 0
+
+        u = page_bound(ctx.q, kmin, kmax)  # [B, Hq, Q, P]
+        if ql > 1 and num_pages > 0:
+            # the page holding each row's newest valid key: bound over its keys up to the row only
+            last = torch.where(ctx.valid[:, 0], torch.arange(n, device=dev), torch.full((1,), -1, device=dev)).amax(-1)
+            has = last >= first.unsqueeze(1)  # [B, Q]
+            lastc = torch.where(has, last, first.unsqueeze(1).clamp_max(n - 1))
+            rmin, rmax = prefix_page_minmax(ctx.k, first.clamp_max(n - 1), lastc, ps)
+            own = row_bound(ctx.q, rmin, rmax)  # [B, Hq, Q]
+            lp = torch.div(lastc - first.unsqueeze(1), ps, rounding_mode="floor").clamp(0, num_pages - 1)  # [B, Q]
+            fix = has & (lp < num_pages)
+            if st["frozen_end"] is not None:
+                fix = fix & (lastc < st["frozen_end"].unsqueeze(1))
+            lp_idx = lp.view(b, 1, ql, 1).expand(b, hq, ql, 1)
+            cur = u.gather(-1, lp_idx).squeeze(-1)
+            u = u.scatter(-1, lp_idx, torch.where(fix.view(b, 1, ql), own, cur).unsqueeze(-1))
+        if cfg.gqa == "kv_head":
+            u = ctx.group_sum(torch.where(cand_pages, u, torch.zeros_like(u)))
+        u = u.masked_fill(~cand_pages, float("-inf"))
+
+        tokens = resolve_budget(cfg.budget, ctx.n_valid, "method.budget")  # [B, 1, Q, 1]
+        want = torch.div(tokens, ps, rounding_mode="floor")
+        floor = (want < 1) & (ctx.n_valid > 0)
+        want = want.clamp_min(1)
+        chosen = topk_mask(u, want)  # [B, Hq, Q, P]
+        # key j is kept if its page is chosen (and it is a candidate)
+        chosen_ext = torch.cat([chosen, torch.zeros_like(chosen[..., :1])], -1)
+        keep = chosen_ext.gather(-1, target.expand(b, hq, ql, n)) & cand
+        if st["frozen_end"] is not None:  # parity: keys after the frozen pages are always attended
+            later = torch.arange(n, device=dev).view(1, n) >= st["frozen_end"].view(b, 1)
+            keep = keep | (later.view(b, 1, 1, n) & cand)
+        scored = cand_pages.sum(-1).float()  # [B, 1, Q]
+        stats = {
+            "pages": chosen.sum(-1).float(),
+            "pages_scored": scored.expand(b, hq, ql).clone(),
+            "one_page_floor": floor.squeeze(-1).float().expand(b, hq, ql).clone(),
+        }
+        return Selection(keep=keep, stats=stats)
+
+    def cost1(self, ctx: AttentionContext, sel: Selection) -> torch.Tensor:
+        """Pages scored / context keys, per row (≈ 1 / page_size)."""
+        nv = ctx.n_valid.squeeze(-1).clamp_min(1).float()  # [B, 1, Q]
+        return sel.stats["pages_scored"] / nv
