@@ -1,0 +1,351 @@
+"""task=lm_eval: the lm-eval bridge end to end on the shipped model, the offline GSM8K/MMLU variants, CoQA's
+metric, and the errors.  Skipped when lm-eval is not installed; nothing here needs the network."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from sparse_eval.tasks import build_task  # noqa: E402
+from sparse_eval.tasks import lm_eval_task as le  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+needs_gsm8k = pytest.mark.skipif(not (DATA_DIR / "gsm8k" / "test.jsonl").is_file(), reason=f"no GSM8K under {DATA_DIR}")
+needs_mmlu = pytest.mark.skipif(not (DATA_DIR / "mmlu" / "data" / "test").is_dir(), reason=f"no MMLU under {DATA_DIR}")
+
+# three TinyStories-style prompts, long enough (~80-100 tokens of the 512-token vocabulary) that a small TopK
+# budget plus sink/local keeps far fewer keys than the prompt has
+TOY_DOCS = [
+    {"story": "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, "
+              "she saw a big, red ball. She wanted to play with it, but it was too high. Lily asked her mom for help. "
+              "Her mom said yes and they played together all day. At the end of the day, Lily was very happy. She said "
+              "thank you to her mom and went to", "answer": "bed"},
+    {"story": "Tom had a small dog named Max. Max liked to run and jump in the garden. One sunny day, Tom and Max went "
+              "to the lake. They saw a duck swimming in the water. Max wanted to catch the duck, but Tom said no. The "
+              "duck flew away and Max was sad. Tom gave Max a big hug and they went", "answer": "home"},
+    {"story": "Sue found a shiny box under her bed. She opened it and saw a tiny bird inside. The bird was cold and "
+              "hungry. Sue gave it some bread and water. The bird ate the bread and sang a happy song. Sue smiled and "
+              "said the bird could stay with her. Every morning the bird sang for", "answer": "Sue"},
+]
+
+
+def _toy_task(folder: Path) -> Path:
+    """A generate_until task over TOY_DOCS: greedy, until '.', 12 new tokens, exact_match (lm-eval metric)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "toy.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in TOY_DOCS), encoding="utf-8")
+    (folder / "toy_story.yaml").write_text(
+        "task: toy_story\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs: {{data_files: {{test: {json.dumps(str(data))}}}, cache_dir: {json.dumps(str(folder / 'cache'))}}}\n"
+        "test_split: test\n"
+        "output_type: generate_until\n"
+        "doc_to_text: '{{story}}'\n"
+        "doc_to_target: ' {{answer}}'\n"
+        "generation_kwargs: {until: ['.'], max_gen_toks: 12, do_sample: false}\n"
+        "metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true, ignore_case: true}]\n"
+        "metadata: {version: 1.0}\n", encoding="utf-8")
+    return folder
+
+
+HAVE_GSM8K = (DATA_DIR / "gsm8k" / "test.jsonl").is_file()
+LIMIT = 2  # documents per lm-eval task
+
+
+@pytest.fixture(scope="module")
+def lm_runs(tmp_path_factory):
+    """One runner call (composed Hydra config) with full and a small-budget TopK on the toy task and, when the
+    shared data is there, the offline GSM8K-CoT (LIMIT documents, 8 new tokens each: the model cannot solve it)."""
+    from hydra import compose, initialize_config_dir
+
+    from sparse_eval.config import register_configs
+    from sparse_eval.runner import run
+
+    tmp = tmp_path_factory.mktemp("lm_eval")
+    tasks = _toy_task(tmp / "tasks")
+    register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        cfg = compose(config_name="config", overrides=[
+            "task=lm_eval", f"task.tasks=[toy_story{',gsm8k_cot' if HAVE_GSM8K else ''}]", f"task.include_path={tasks}",
+            "task.bootstrap_iters=0", "task.offline=true", f"task.limit={LIMIT}", "task.gen_kwargs={max_gen_toks:8}",
+            f"paths.data_dir={DATA_DIR}", f"task.work_dir={tmp / 'work'}", "task.log_inputs=true",
+            f"paths.runs_dir={tmp / 'runs'}", "print_table=false", "compare=[full,{name:topk,budget:0.1,local:8}]",
+        ])
+    summaries = run(cfg)
+    return {s["method"]: s for s in summaries}
+
+
+def _records(summary):
+    lines = (Path(summary["run_dir"]) / "samples.jsonl").read_text(encoding="utf-8").splitlines()
+    return {r["id"]: r for r in map(json.loads, lines)}
+
+
+def test_bridge_full_and_topk_through_runner(lm_runs):
+    for method in ("full", "topk"):
+        s = lm_runs[method]
+        assert s["failed"] == 0 and s["samples"] == 1 + HAVE_GSM8K and s["protocol"] == "A"
+        rec = _records(s)["toy_story"]
+        assert rec["status"] == "ok" and rec["lm_eval_task"] == "toy_story" and rec["source"] == "include_path"
+        res = rec["results"]["toy_story"]
+        assert "exact_match,none" in res and 0.0 <= res["exact_match,none"] <= 1.0
+        assert rec["score"] == res["exact_match,none"] == s["metrics"]["toy_story"]
+        docs = rec["docs"]
+        assert sorted(d["doc_id"] for d in docs) == list(range(LIMIT))
+        for d in docs:
+            assert isinstance(d["response"], str) and d["target"] == " " + TOY_DOCS[d["doc_id"]]["answer"]
+            assert d["metrics"]["exact_match"] in (0.0, 1.0)
+            assert d["prompt"] == TOY_DOCS[d["doc_id"]]["story"]  # log_inputs=true
+        # lm-eval's aggregate is the mean of its own per-document scores
+        assert res["exact_match,none"] == pytest.approx(sum(d["metrics"]["exact_match"] for d in docs) / len(docs))
+        assert rec["sparse_rows"] > 0  # generated tokens went through the attention plug-in
+    full, topk = lm_runs["full"], lm_runs["topk"]
+    assert full["cost2"] == pytest.approx(1.0) and full["est_error"] == pytest.approx(0.0)
+    # TopK keeps sink 4 + local 8 + 10% of ~100 prompt keys: decode steps attended to a fraction of the cache
+    assert 0 < topk["cost2"] < 0.5
+    assert topk["est_error"] is not None and topk["est_error"] > 0
+    assert set(topk["cost2_per_layer"]) == {"2", "3", "4"}  # stories260K has 5 layers, {0, 1} dense
+
+
+def test_full_method_matches_stock_model(lm_runs):
+    """The 'full' run's generations are exactly lm-eval's generations of the unpatched (sdpa) model."""
+    import lm_eval
+    import lm_eval.evaluator
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from sparse_eval.models.loading import ModelConfig, load_model
+
+    model, tok = load_model(ModelConfig())
+    folder = Path(lm_runs["full"]["task_config"]["include_path"])
+    with mock.patch.object(lm_eval.evaluator, "add_env_info", lambda results: None):  # slow and irrelevant here
+        out = lm_eval.simple_evaluate(model=HFLM(pretrained=model, tokenizer=tok, batch_size=1, max_length=512),
+                                      tasks=["toy_story"], task_manager=TaskManager(include_path=str(folder), include_defaults=False),
+                                      bootstrap_iters=0, log_samples=True, limit=LIMIT, gen_kwargs={"max_gen_toks": 8})
+    stock = {r["doc_id"]: r["resps"][0][0] for r in out["samples"]["toy_story"]}
+    ours = {d["doc_id"]: d["response"] for d in _records(lm_runs["full"])["toy_story"]["docs"]}
+    assert ours == stock
+
+
+@needs_gsm8k
+def test_offline_gsm8k_end_to_end(lm_runs):
+    for method, s in lm_runs.items():
+        rec = _records(s)["gsm8k_cot"]
+        assert rec["status"] == "ok" and rec["lm_eval_task"] == "gsm8k_cot_local" and rec["source"].startswith("local:")
+        res = rec["results"]["gsm8k_cot_local"]
+        assert rec["primary_metric"] == "exact_match,strict-match" and rec["score"] == res["exact_match,strict-match"]
+        assert rec["n_shot"] == {"gsm8k_cot_local": 8} and rec["documents"] == LIMIT
+        assert sorted((d["doc_id"], d["filter"]) for d in rec["docs"]) == \
+            sorted((i, f) for i in range(LIMIT) for f in ("strict-match", "flexible-extract"))
+        assert all(d["prompt"].endswith("\nA:") for d in rec["docs"])
+        assert rec["cost2"] is not None and (rec["cost2"] < 1) == (method == "topk")
+        # the run's score is the plain mean of the task scores (MagicPIG Table 1 "Avg.")
+        assert s["score"] == pytest.approx((s["metrics"]["toy_story"] + s["metrics"]["gsm8k_cot"]) / 2)
+
+
+def test_protocol_b_is_refused():
+    task = build_task({"name": "lm_eval", "tasks": ["toy"]})
+
+    class Eng:
+        protocol = "B"
+
+    from sparse_eval.tasks.base import Sample
+
+    with pytest.raises(ValueError, match="protocol"):
+        task.run(Sample(id="toy", data={"lm_eval_task": "toy"}), Eng())
+
+
+# ---------------------------------------------------------------------------------------------- offline data
+@needs_gsm8k
+def test_offline_gsm8k_builds_official_requests(tmp_path):
+    task = build_task({"name": "lm_eval", "tasks": ["gsm8k_cot"], "offline": True, "num_samples": 2,
+                       "work_dir": str(tmp_path)}, data_dir=str(DATA_DIR))
+    (sample,) = task.samples(None, 4096)
+    assert sample.id == "gsm8k_cot" and sample.data["lm_eval_task"] == "gsm8k_cot_local" and task.limit == 2
+    loaded = task._manager.load(["gsm8k_cot_local"])
+    (lt,) = loaded["tasks"].values()
+    lt.set_fewshot_seed(1234)
+    lt.build_all_requests(limit=task.limit)
+    rows = [json.loads(x) for x in (DATA_DIR / "gsm8k" / "test.jsonl").read_text(encoding="utf-8").splitlines()[:2]]
+    assert len(lt.instances) == 2
+    for inst in lt.instances:
+        prompt, gen = inst.args
+        row = rows[inst.doc_id]
+        assert prompt.endswith(f"Q: {row['question']}\nA:")
+        assert prompt.count("The answer is") == 8  # the 8 fixed chain-of-thought exemplars
+        assert "Q:" in gen["until"] and gen["do_sample"] is False
+        assert lt.doc_to_target(inst.doc) == row["answer"].split("####")[-1].strip()
+    assert [f.name for f in lt._filters] == ["strict-match", "flexible-extract"]
+
+
+def _load(path):
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    return load_yaml(path, resolve_func=False)
+
+
+DATA_KEYS = {"task", "tag", "dataset_path", "dataset_name", "dataset_kwargs"}
+
+
+@needs_gsm8k
+@needs_mmlu
+def test_local_variants_keep_the_official_task(tmp_path):
+    """Merged local configs equal lm-eval's own ones except for the task name and the data source."""
+    work = le.build_work_dir(DATA_DIR, tmp_path)
+    tasks = le._lm_eval_tasks_dir()
+    ours, theirs = _load(work / "gsm8k_cot_local.yaml"), _load(tasks / "gsm8k" / "gsm8k-cot.yaml")
+    assert {k: v for k, v in ours.items() if k not in DATA_KEYS} == {k: v for k, v in theirs.items() if k not in DATA_KEYS}
+    assert Path(ours["dataset_kwargs"]["data_files"]["test"]) == (DATA_DIR / "gsm8k" / "test.jsonl").resolve()
+    subjects = le._official_mmlu_subjects()
+    assert len(subjects) == 57
+    for s in subjects:
+        mine = _load(work / "mmlu_flan_cot_fewshot_local" / f"{s['task']}_local.yaml")
+        off = _load(s["file"])
+        assert {k: v for k, v in mine.items() if k not in DATA_KEYS} == {k: v for k, v in off.items() if k not in DATA_KEYS}
+        assert mine["tag"] == off["tag"] + "_local"
+    # the group: the official tree with every name suffixed (same aggregation)
+    group = _load(work / "mmlu_flan_cot_fewshot_local" / "_mmlu_flan_cot_fewshot_local.yaml")
+    official = _load(tasks / "mmlu" / "flan_cot_fewshot" / "_mmlu.yaml")
+    assert group["aggregate_metric_list"] == official["aggregate_metric_list"]
+    assert [t["task"] for t in group["task"]] == [[n + "_local" for n in t["task"]] for t in official["task"]]
+    assert [t["aggregate_metric_list"] for t in group["task"]] == [t["aggregate_metric_list"] for t in official["task"]]
+    # the work directory is reused as long as its inputs are unchanged
+    assert le.build_work_dir(DATA_DIR, tmp_path) == work
+
+
+@needs_mmlu
+def test_offline_mmlu_subject_rows_and_prompt(tmp_path):
+    import csv
+
+    work = le.build_work_dir(DATA_DIR, tmp_path)
+    src = DATA_DIR / "mmlu" / "data" / "test" / "abstract_algebra_test.csv"
+    with open(src, encoding="utf-8", newline="") as f:
+        rows = list(csv.reader(f))
+    conv = [json.loads(x) for x in (work / "mmlu_flan_cot_fewshot_local" / "data" / "abstract_algebra_test.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(conv) == len(rows)
+    assert all(c["question"] == r[0] and c["choices"] == r[1:5] and "ABCD"[c["answer"]] == r[5] for c, r in zip(conv, rows))
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=str(work), include_defaults=False)
+    assert "mmlu_flan_cot_fewshot_local" in tm.all_groups
+    (lt,) = tm.load(["mmlu_flan_cot_fewshot_abstract_algebra_local"])["tasks"].values()
+    lt.set_fewshot_seed(1234)
+    lt.build_all_requests(limit=1)
+    (inst,) = lt.instances
+    q, a, b, c, d, ans = rows[0]
+    assert inst.args[0].endswith(f"Q: {q.strip()}\n(A) {a} (B) {b} (C) {c} (D) {d}\nA: Let's think step by step.")
+    assert inst.args[0].startswith("The following are multiple choice questions (with answers) about abstract algebra.")
+    assert inst.args[0].count("The answer is") == 4  # num_fewshot 4 of the fixed CoT exemplars
+    assert lt.doc_to_target(inst.doc) == f"({ans})"
+
+
+# ------------------------------------------------------------------------------------------------- errors
+def test_unknown_task_name_lists_real_ones(tmp_path):
+    task = build_task({"name": "lm_eval", "tasks": ["gsm8k_cto"], "include_defaults": False, "work_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match="unknown lm-eval task") as err:
+        task.samples(None, 512)
+    for name in ("gsm8k_cot", "mmlu_flan_cot_fewshot", "coqa", "gsm8k_cot_local", "mmlu_flan_cot_fewshot_local"):
+        assert repr(name) in str(err.value)
+
+
+def test_coqa_offline_is_a_clear_error(tmp_path):
+    task = build_task({"name": "lm_eval", "tasks": ["coqa"], "offline": "true", "work_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match="needs the Hugging Face hub"):
+        task.samples(None, 512)
+
+
+def test_offline_without_data_is_a_clear_error(tmp_path):
+    task = build_task({"name": "lm_eval", "tasks": ["gsm8k_cot"], "offline": True, "work_dir": str(tmp_path)},
+                      data_dir=str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match=r"gsm8k/test\.jsonl"):
+        task.samples(None, 512)
+
+
+@pytest.mark.parametrize("opts, bad", [
+    ({"offline": "sometimes"}, "task.offline"), ({"tasks": []}, "task.tasks"), ({"tasks": "gsm8k_cot"}, "task.tasks"),
+    ({"limit": 0}, "task.limit"), ({"batch_size": 0}, "task.batch_size"), ({"limit": 5, "num_samples": 3}, "disagree"),
+    ({"num_fewshot": -1}, "task.num_fewshot"), ({"bogus": 1}, "bogus"), ({"primary_metric": {"x": 1}}, "primary_metric"),
+])
+def test_bad_options(opts, bad):
+    with pytest.raises(ValueError, match=bad):
+        build_task({"name": "lm_eval", **opts})
+
+
+def test_primary_metric_choice(caplog):
+    task = build_task({"name": "lm_eval", "tasks": ["t"]})
+    entry = {"alias": "x", "exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": 0.1,
+             "exact_match,flexible-extract": 0.5, "f1,none": 0.75}
+    assert task._primary("gsm8k_cot", "gsm8k_cot_local", entry) == "exact_match,strict-match"
+    assert task._primary("gsm8k_cot_local", "gsm8k_cot_local", entry) == "exact_match,strict-match"  # base name
+    assert task._primary("coqa", "coqa_compat", entry) == "f1,none"
+    assert task._primary("other", "other", {"alias": "o", "acc,none": 0.3, "acc_stderr,none": 0.1}) == "acc,none"
+    task.config.primary_metric = {"mine": "exact_match", "bad": "exact_match,none"}
+    assert task._primary("mine", "mine", entry) == "exact_match,strict-match"  # bare metric: its first filter
+    assert task._primary("bad", "bad", entry) is None and "not among" in caplog.text  # no silent substitution
+
+
+def test_compose_default_config():
+    from hydra import compose, initialize_config_dir
+
+    from sparse_eval.config import register_configs, to_plain
+
+    register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        cfg = compose(config_name="config", overrides=["task=lm_eval", "task.offline=true", "task.limit=2"])
+    assert list(cfg.task.tasks) == list(le.PAPER_TASKS) and cfg.task.batch_size == 1
+    task = build_task(to_plain(cfg.task))
+    assert task.offline == "true" and task.limit == 2
+
+
+# -------------------------------------------------------------------------------------------- CoQA metric
+def test_squad_metric_properties():
+    assert le.squad_normalize("  The  Cat, sat!  ") == "cat sat"
+    assert le.squad_exact("The cat.", "cat") == 1 and le.squad_exact("cat", "dog") == 0
+    # "cat sat" vs "cat sat on mat": 2 common tokens, precision 2/4, recall 2/2
+    assert le.squad_f1("The cat sat.", "cat sat on the mat") == pytest.approx(2 * 0.5 * 1.0 / 1.5)
+    assert le.squad_f1("a b c", "c b a") == 1.0 and le.squad_f1("x", "y") == 0.0
+    assert le.squad_f1("", "") == 1.0 and le.squad_f1("the", "cat") == 0.0  # 'the' normalizes to nothing
+    for g, p in [("red ball in the park", "a red ball"), ("two", "two two three"), ("Lily and Tom", "Tom")]:
+        assert le.squad_f1(g, p) == pytest.approx(le.squad_f1(p, g))
+    # one gold: the plain scores; several: mean over leave-one-out maxima
+    assert le.coqa_scores(["white"], "White.") == {"em": 1.0, "f1": 1.0}
+    assert le.coqa_scores(["x", "y"], "x")["em"] == pytest.approx(0.5)
+    assert le.coqa_scores(["a b", "a b", "c"], "a b")["em"] == pytest.approx(1.0)
+
+
+COQA_DOC = {
+    "story": "Lily had a red ball.",
+    "questions": {"input_text": ["What did Lily have?", "What color?"]},
+    "answers": {"input_text": ["a ball", "red"]},
+    "additional_answers": {"0": {"input_text": ["ball", "Red"]}, "1": {"input_text": ["x", "bright red"]}},
+}
+
+
+def test_coqa_prompt_and_targets():
+    assert le.coqa_doc_to_text(COQA_DOC) == "Lily had a red ball.\n\nQ: What did Lily have?\n\nA: a ball\n\nQ: What color?\n\nA:"
+    assert le.coqa_doc_to_target(COQA_DOC) == ["red", "bright red"]  # "Red" duplicates "red" case-insensitively
+    assert le.coqa_process_results(COQA_DOC, [" red\nQ: next"]) == le.coqa_scores(["red", "bright red"], "red")
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    # coqa_compat is lm-eval's coqa apart from the name and the three functions, which resolve to ours
+    ours = load_yaml(le.CONFIG_DIR / "coqa_compat.yaml", resolve_func=True)
+    official = load_yaml(le._lm_eval_tasks_dir() / "coqa" / "default.yaml", resolve_func=False)
+    funcs = {"task", "doc_to_text", "doc_to_target", "process_results"}
+    assert {k: v for k, v in ours.items() if k not in funcs} == {k: v for k, v in official.items() if k not in funcs}
+    assert ours["doc_to_text"] is le.coqa_doc_to_text and ours["process_results"] is le.coqa_process_results
+    assert ours["doc_to_target"] is le.coqa_doc_to_target and ours["task"] == "coqa_compat"
+
+
+@pytest.mark.skipif(le._squad_metrics_available() is False, reason="transformers >= 5 has no squad_metrics to compare with")
+def test_coqa_matches_lm_eval_utils():  # pragma: no cover - transformers 4.x only
+    from lm_eval.tasks.coqa import utils
+
+    assert utils.doc_to_text(COQA_DOC) == le.coqa_doc_to_text(COQA_DOC)
+    assert utils.doc_to_target(COQA_DOC) == le.coqa_doc_to_target(COQA_DOC)
+    for pred in ("red", "bright red car", "blue", ""):
+        assert utils.process_results(COQA_DOC, [pred]) == pytest.approx(le.coqa_process_results(COQA_DOC, [pred]))
