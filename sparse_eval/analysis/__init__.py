@@ -1,0 +1,19 @@
+"""Analyses of attention on captured tensors, one module each, one command each:
+
+    python -m sparse_eval.analysis geometry        model=<name> [option=value ...]   # MagicPIG Fig. 2, 5, 10, 11
+    python -m sparse_eval.analysis error_vs_budget model=<name> [option=value ...]   # MagicPIG Fig. 3, 4, 6a/b, Thm 3.3
+    python -m sparse_eval.analysis ds_checks       model=<name> [option=value ...]   # DS Fig. 7b, Fig. 8
+
+Each writes the raw numbers (JSON + CSV) and PNG/PDF figures to ``out=`` (default ``analysis/<name>/<model>``).
+See ``docs/analysis.md``.
+"""
+
+from __future__ import annotations
+
+ANALYSES = {
+    "geometry": ("sparse_eval.analysis.geometry", "GeometryOptions"),
+    "error_vs_budget": ("sparse_eval.analysis.error_vs_budget", "ErrorOptions"),
+    "ds_checks": ("sparse_eval.analysis.ds_checks", "DSCheckOptions"),
+}
+
+__all__ = ["ANALYSES"]

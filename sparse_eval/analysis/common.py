@@ -1,0 +1,178 @@
+"""Shared pieces of the analyses: options, model and text loading, output files and figures."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..models.loading import ModelConfig, load_model, max_context
+
+REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
+BUNDLED_TEXT = Path(__file__).resolve().parents[1] / "data" / "wikitext2_test_head.txt"
+LOCAL_WIKITEXT = "wikitext-2-raw/wikitext-test.txt"
+TEXT_SOURCES = ("bundled", "local")
+
+
+# -- options ------------------------------------------------------------------------------------------------
+
+def model_config(name: str = "stories260k", overrides: Mapping[str, Any] | None = None) -> ModelConfig:
+    """``conf/model/<name>.yaml`` (as ``python -m sparse_eval model=<name>`` reads it) with ``overrides``."""
+    from omegaconf import OmegaConf
+
+    path = REPO_CONF / "model" / f"{name}.yaml"
+    if not path.exists():
+        valid = sorted(p.stem for p in (REPO_CONF / "model").glob("*.yaml"))
+        raise ValueError(f"model={name!r}: no conf/model/{name}.yaml; valid: {valid}")
+    node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    node.pop("defaults", None)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    node = {k: v for k, v in node.items() if k in fields}
+    for key, val in (overrides or {}).items():
+        if key not in fields:
+            raise ValueError(f"model.{key}: unknown model option; valid: {sorted(fields)}")
+        node[key] = val
+    return ModelConfig(**node)
+
+
+def parse_value(text: str) -> Any:
+    """``key=value`` values as Hydra reads them: YAML scalars and lists (``[1,2]``, ``true``, ``null``, ``0.1``)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def build_options(cls: type, values: Mapping[str, Any]) -> Any:
+    """A dataclass of analysis options from plain values, refusing unknown keys by name."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for {cls.__name__}; valid options: {sorted(fields)}")
+    return cls(**dict(values))
+
+
+# -- model and text -----------------------------------------------------------------------------------------
+
+def load(model: ModelConfig) -> tuple[Any, Any, int]:
+    """(model in eval mode, tokenizer, usable context)."""
+    m, tok = load_model(model)
+    return m, tok, max_context(model, m)
+
+
+def load_text(source: str = "bundled", data_dir: str | None = None, path: str | None = None) -> tuple[str, str]:
+    """Analysis text: ``path`` if given; ``bundled`` (the WikiText-2 head shipped in the package) or ``local``
+    (``paths.data_dir``/wikitext-2-raw/wikitext-test.txt).  Returns (text, where it came from)."""
+    if path:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"text_path={path!r} is not a file")
+        return p.read_text(encoding="utf-8").replace("\r\n", "\n"), str(p)
+    if source not in TEXT_SOURCES:
+        raise ValueError(f"text={source!r}; valid: {list(TEXT_SOURCES)} (or text_path=<file>)")
+    if source == "bundled":
+        return BUNDLED_TEXT.read_text(encoding="utf-8"), f"bundled:{BUNDLED_TEXT.name}"
+    if not data_dir:
+        raise ValueError("text=local needs paths.data_dir (a folder with wikitext-2-raw/wikitext-test.txt)")
+    p = Path(data_dir).expanduser() / LOCAL_WIKITEXT
+    if not p.exists():
+        raise FileNotFoundError(f"text=local: {p} does not exist")
+    with open(p, encoding="utf-8", newline="") as f:
+        return f.read().replace("\r\n", "\n"), str(p)
+
+
+def token_windows(tokenizer: Any, text: str, length: int, count: int, add_bos: bool = True,
+                  skip: int = 0) -> torch.Tensor:
+    """``count`` consecutive non-overlapping windows of ``length`` tokens of ``text`` (after the first ``skip``
+    windows), each starting with BOS when the tokenizer has one and ``add_bos``: long [count, length]."""
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    bos = tokenizer.bos_token_id if add_bos else None
+    body = length - (1 if bos is not None else 0)
+    if body < 1:
+        raise ValueError(f"window length {length} is too short")
+    need = (skip + count) * body
+    if len(ids) < need:
+        raise ValueError(
+            f"the text has {len(ids)} tokens; {count} windows of {length} tokens (after skipping {skip}) need {need}: "
+            "use fewer/shorter windows or a longer text (text=local with paths.data_dir, or text_path=<file>)")
+    rows = []
+    for i in range(skip, skip + count):
+        chunk = ids[i * body:(i + 1) * body]
+        rows.append(([bos] if bos is not None else []) + chunk)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def random_tokens(tokenizer: Any, vocab_size: int, count: int, length: int, seed: int) -> torch.Tensor:
+    """``count`` sequences of ``length`` tokens drawn uniformly from the vocabulary minus special tokens."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    allowed = torch.tensor([i for i in range(vocab_size) if i not in special], dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(allowed), (count, length), generator=g)
+    return allowed[idx]
+
+
+def pick_layers(spec: Any, num_layers: int) -> list[int]:
+    """``null``/``all`` -> every layer; an int or a list of ints (negative counts from the end)."""
+    if spec is None or spec == "all":
+        return list(range(num_layers))
+    items = [spec] if isinstance(spec, int) else list(spec)
+    out = []
+    for i in items:
+        if not isinstance(i, int) or not -num_layers <= i < num_layers:
+            raise ValueError(f"layers={spec!r}: {i!r} is not a layer of this model (valid 0..{num_layers - 1}, or negative)")
+        out.append(i % num_layers)
+    return sorted(set(out))
+
+
+# -- output -------------------------------------------------------------------------------------------------
+
+def out_dir(path: str | None, analysis: str, model_name: str) -> Path:
+    p = Path(path).expanduser() if path else Path("analysis") / analysis / model_name
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def jsonable(obj: Any) -> Any:
+    if torch.is_tensor(obj):
+        return jsonable(obj.tolist())
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if dataclasses.is_dataclass(obj):
+        return jsonable(dataclasses.asdict(obj))
+    if hasattr(obj, "item") and callable(obj.item):
+        return jsonable(obj.item())
+    return obj
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    path.write_text(json.dumps(jsonable(obj), indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def provenance(model: ModelConfig, options: Any, text_origin: str | None = None) -> dict[str, Any]:
+    from ..results import git_commit, versions
+
+    return {"model": dataclasses.asdict(model), "options": dataclasses.asdict(options), "text": text_origin,
+            "git": git_commit(), "versions": versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def save_figure(fig: Any, out: Path, stem: str) -> list[Path]:
+    """Writes ``stem``.png (150 dpi) and ``stem``.pdf; returns both paths."""
+    import matplotlib.pyplot as plt
+
+    paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    plt.close(fig)
+    return paths

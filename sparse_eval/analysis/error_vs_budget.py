@@ -1,0 +1,277 @@
+"""Estimation error against the budget (MagicPIG Fig. 3, Fig. 4, Fig. 6a/b; Theorem 3.3).
+
+    python -m sparse_eval.analysis error_vs_budget model=stories260k [length=512 num_queries=4 ...]
+
+On real text (a WikiText-2 passage of ``length`` tokens), the attention inputs of every layer are captured
+(post-RoPE q, K, V) and, for the last ``num_queries`` query rows (each a decoding step over the densely
+prefilled prefix), each method is run through ``sparse_eval.methods.attend`` on exactly those tensors:
+
+* relative error ‖ô − o‖/‖o‖ (``stats["error"]``, o = exact attention) per layer, mean over query heads and rows;
+* TopK (eq. 3) and oracle sampling (Def. 3.1, eq. 4–5) over ``budgets`` (a ratio of the context: keys kept by
+  TopK, i.i.d. draws B for oracle sampling; each with ``repeats`` seeds for the sampling methods);
+* MagicPIG (eq. 10–11) over ``magicpig`` (K, L) pairs; its x-value is the measured Cost2 (kept keys / context);
+* oracle sampling's unique-sample count |S| against Theorem 3.3's bound 1 + B·ε, ε = 1 − max_i w_i, with w the
+  attention over the keys the sampler draws from.
+
+Static keys: ``sink`` and ``local`` default to 0, the pure estimators of §3 (Fig. 3, 4 and 6 have no static
+keys); set ``sink=4 local=64`` for the methods as deployed (§5.1).  Layers are all layers by default (the
+method's ``dense_layers`` do not apply to a single captured step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..methods import attend
+from ..methods.core import key_validity, scores_gqa, static_keys
+from . import common
+from .capture import capture_qkv, model_shape
+
+DEFAULT_BUDGETS = [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
+DEFAULT_KL = [[10, 75], [10, 150], [10, 300], [9, 120], [8, 75], [8, 90], [7, 35], [7, 150]]
+METHOD_NAMES = ("topk", "oracle", "magicpig")
+
+
+@dataclass
+class ErrorOptions:
+    length: int | None = None  # context (tokens, BOS included); null: min(model context, 16384) (paper: 16K)
+    num_queries: int = 4  # decoding steps: the passage's last query rows
+    layers: Any = None  # null: all; an int or a list (negative from the end)
+    methods: list[str] = field(default_factory=lambda: list(METHOD_NAMES))
+    budgets: list[float] = field(default_factory=lambda: list(DEFAULT_BUDGETS))  # ratio of the context, (0, 1]
+    magicpig: list[list[int]] = field(default_factory=lambda: [list(x) for x in DEFAULT_KL])  # (K, L) pairs
+    min_collisions: int = 2  # MagicPIG eq. 10
+    center: bool = True  # MagicPIG §4.3 key centering
+    repeats: int = 3  # seeds for oracle sampling and MagicPIG
+    sink: int = 0
+    local: int = 0
+    plot_layers: Any = None  # layers drawn one panel each (Fig. 6a/b); null: ~1/3 and ~3/5 of the depth (8B: 11, 19)
+    text: str = "bundled"
+    text_path: str | None = None
+    data_dir: str | None = None
+    seed: int = 0
+    out: str | None = None
+
+    def validate(self) -> None:
+        bad = [m for m in self.methods if m not in METHOD_NAMES]
+        if bad or not self.methods:
+            raise ValueError(f"methods={self.methods!r}: valid entries {list(METHOD_NAMES)}")
+        badb = [b for b in self.budgets if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1]
+        if badb or not self.budgets:
+            raise ValueError(f"budgets={self.budgets!r}: each a ratio of the context in (0, 1]")
+        for kl in self.magicpig:
+            if not (isinstance(kl, (list, tuple)) and len(kl) == 2 and all(isinstance(x, int) and x >= 1 for x in kl)):
+                raise ValueError(f"magicpig={self.magicpig!r}: give a list of [K, L] pairs of positive ints, e.g. [[10,150],[8,75]]")
+        if self.num_queries < 1 or self.repeats < 1:
+            raise ValueError(f"num_queries={self.num_queries}, repeats={self.repeats}: both must be >= 1")
+        if self.sink < 0 or self.local < 0:
+            raise ValueError(f"sink={self.sink}, local={self.local}: must be >= 0")
+
+
+def oracle_bound(q: torch.Tensor, k: torch.Tensor, scaling: float, sink: int, local: int,
+                 draws: torch.Tensor) -> torch.Tensor:
+    """Theorem 3.3: 1 + B·ε per row, ε = 1 − max_i w_i over the non-static keys the sampler draws from.
+    q [B, Hq, Q, D], k [B, Hkv, N, D], draws [B, 1, Q, 1] -> [B, Hq, Q]."""
+    b, _, ql, _ = q.shape
+    valid = key_validity(None, b, ql, k.shape[2], q.device)
+    static, _ = static_keys(valid, sink, local)
+    cand = valid & ~static
+    s = scores_gqa(q, k, scaling).masked_fill(~cand, float("-inf"))
+    w = torch.softmax(s.double(), -1).nan_to_num(0.0)
+    eps = 1.0 - w.amax(-1)
+    return (1.0 + draws.squeeze(-1).double() * eps).float()
+
+
+def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progress: bool = False) -> list[dict[str, Any]]:
+    """Returns one record per (layer, method, setting, seed): error, cost2 and (oracle) unique count and bound."""
+    opts.validate()
+    shape = model_shape(model)
+    layers = common.pick_layers(opts.layers, shape["num_layers"])
+    length = min(context, 16384) if opts.length is None else int(opts.length)
+    if not 2 <= length <= context:
+        raise ValueError(f"length={length}: must lie in [2, {context}] (the model's context)")
+    if opts.num_queries >= length:
+        raise ValueError(f"num_queries={opts.num_queries} must be smaller than length={length}")
+    text, origin = common.load_text(opts.text, opts.data_dir, opts.text_path)
+    ids = common.token_windows(tokenizer, text, length, 1)
+    cap = capture_qkv(model, ids, layers=layers, query_rows=opts.num_queries)
+    common_opts = {"sink": opts.sink, "local": opts.local}
+    n_min = length - opts.num_queries + 1  # keys of the first query row
+    records: list[dict[str, Any]] = []
+    seeds = [opts.seed + r for r in range(opts.repeats)]
+    for li, l in enumerate(layers):
+        c = cap[l]
+        q, k, v = c.q, c.k, c.v
+        dev_k = dict(layer_idx=l, scaling=c.scaling)
+
+        def run(method, seed=None, **kw):
+            o = dict(common_opts, **kw)
+            if seed is not None:
+                o["seed"] = seed
+            _, st = attend(method, q, k, v, **dev_k, **o)
+            return st
+
+        for b in opts.budgets:
+            b = float(b)
+            if math.floor(b * (n_min - opts.sink - opts.local)) < 1 and b < 1.0:
+                continue  # fewer than one key of budget at this length
+            if "topk" in opts.methods:
+                st = run("topk", budget=b)
+                records.append(_record(l, "topk", st, budget=b))
+            if "oracle" in opts.methods:
+                for s in seeds:
+                    st = run("oracle", seed=s, budget=b)
+                    keep = st["keep"]
+                    b_, _, ql, n = keep.shape
+                    valid = key_validity(None, b_, ql, n, keep.device)
+                    stat, nval = static_keys(valid, opts.sink, opts.local)
+                    unique = (keep & ~stat).sum(-1).float()  # [B, Hq, Q]
+                    draws = torch.floor(nval.double() * b).long()
+                    bound = oracle_bound(q, k, c.scaling, opts.sink, opts.local, draws)
+                    records.append(_record(l, "oracle", st, budget=b, seed=s, unique=float(unique.mean()),
+                                           bound=float(bound.mean()), draws=float(draws.float().mean()),
+                                           unique_le_bound=float((unique <= bound + 1e-6).float().mean())))
+        if "magicpig" in opts.methods:
+            for K, L in opts.magicpig:
+                for s in seeds:
+                    st = run("magicpig", seed=s, K=int(K), L=int(L), min_collisions=opts.min_collisions,
+                                center=opts.center)
+                    records.append(_record(l, "magicpig", st, K=int(K), L=int(L), seed=s))
+        if progress:
+            print(f"  layer {l}: done ({li + 1}/{len(layers)})", flush=True)
+    for r in records:
+        r["length"] = length
+        r["text"] = origin
+    return records
+
+
+def _record(layer: int, method: str, st: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    rows = st["rows"]
+    w = rows.float()
+    tot = float(w.sum().clamp_min(1))
+    mean = lambda x: float((x.float() * w).sum() / tot)  # noqa: E731
+    rec = {"layer": layer, "method": method, "budget": None, "K": None, "L": None, "seed": None,
+           "error": mean(st["error"]), "error_max": float(st["error"][rows].max()) if rows.any() else float("nan"),
+           "cost2": mean(st["cost2"]), "static_frac": mean(st["static_frac"])}
+    rec.update(extra)
+    return rec
+
+
+def summarize(records: list[dict[str, Any]]):
+    """Mean over seeds: one row per (layer, method, budget | K, L); plus 'mean' layer rows (mean over layers)."""
+    import pandas as pd
+
+    df = pd.DataFrame(records)
+    keys = ["method", "budget", "K", "L"]
+    val = [c for c in ("error", "error_max", "cost2", "static_frac", "unique", "bound", "draws", "unique_le_bound") if c in df]
+    g = df.groupby(["layer", *keys], dropna=False)[val].mean().reset_index()
+    m = g.groupby(keys, dropna=False)[val].mean().reset_index()
+    m.insert(0, "layer", "mean")
+    out = pd.concat([g.astype({"layer": object}), m], ignore_index=True)
+    return out
+
+
+def _default_plot_layers(layers: list[int], num_layers: int) -> list[int]:
+    """Two layers at about 1/3 and 3/5 of the depth (Llama-3.1-8B: 11 and 19, as Fig. 6a/b)."""
+    want = sorted({round(num_layers * 11 / 32), round(num_layers * 19 / 32)})
+    return [min(layers, key=lambda l: abs(l - w)) for w in want] if layers else []
+
+
+def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers: int) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    paths: list[Path] = []
+    layers = sorted(x for x in summary["layer"].unique() if x != "mean")
+    length = opts.length
+    settings = f"{model_name}, context {summary.attrs.get('length', length)} tokens, last {opts.num_queries} query rows"
+    if opts.sink or opts.local:
+        settings += f", sink {opts.sink} + local {opts.local} static"
+    plot_layers = (common.pick_layers(opts.plot_layers, num_layers) if opts.plot_layers is not None
+                   else _default_plot_layers(layers, num_layers))
+    plot_layers = [l for l in plot_layers if l in layers]
+    panels = ["mean", *plot_layers]
+
+    # Fig. 3 / 6a-b: TopK vs oracle sampling (vs MagicPIG at its measured Cost2)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4), constrained_layout=True, squeeze=False)
+    for ax, layer in zip(axes[0], panels):
+        d = summary[summary["layer"] == layer]
+        for method, style, label in (("topk", dict(color="C0", marker="o"), "TopK (x = keys kept)"),
+                                     ("oracle", dict(color="C1", marker="s"), "oracle sampling (x = draws B)")):
+            dm = d[d["method"] == method].sort_values("budget")
+            if len(dm):
+                ax.plot(dm["budget"], dm["error"], label=label, ms=4, **style)
+        dm = d[d["method"] == "magicpig"]
+        if len(dm):
+            ax.scatter(dm["cost2"], dm["error"], color="C2", marker="^", zorder=3, label="MagicPIG (x = measured Cost2)")
+            for _, r in dm.iterrows():
+                ax.annotate(f"({int(r.K)},{int(r.L)})", (r.cost2, r.error), fontsize=6, xytext=(3, 2),
+                            textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("budget (fraction of the context)")
+        ax.set_ylabel("relative error ‖ô − o‖ / ‖o‖")
+        ax.set_title("mean over layers" if layer == "mean" else f"layer {layer}", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Attention estimation error vs budget (MagicPIG Fig. 3, 6a/b) — {settings}", fontsize=10)
+    paths += common.save_figure(fig, out, "fig6_error_vs_budget")
+
+    # Fig. 4: TopK error per layer
+    d = summary[(summary["method"] == "topk") & (summary["layer"] != "mean")]
+    if len(d):
+        fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
+        cmap = plt.get_cmap("viridis")
+        for i, l in enumerate(layers):
+            dl = d[d["layer"] == l].sort_values("budget")
+            ax.plot(dl["budget"], dl["error"], marker="o", ms=3, color=cmap(i / max(len(layers) - 1, 1)), label=f"layer {l}")
+        ax.set_xscale("log")
+        ax.set_xlabel("TopK budget (fraction of the context kept)")
+        ax.set_ylabel("relative error ‖ô − o‖ / ‖o‖")
+        ax.grid(alpha=0.3, which="both")
+        h, lab = ax.get_legend_handles_labels()
+        step = max(1, math.ceil(len(h) / 12))
+        ax.legend(h[::step], lab[::step], fontsize=7, ncol=2)
+        ax.set_title(f"TopK estimation error per layer (MagicPIG Fig. 4)\n{settings}", fontsize=10)
+        paths += common.save_figure(fig, out, "fig4_topk_error_per_layer")
+
+    # Theorem 3.3: unique samples vs budget
+    d = summary[summary["method"] == "oracle"]
+    if len(d) and "unique" in d:
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4), constrained_layout=True, squeeze=False)
+        for ax, layer in zip(axes[0], panels):
+            dl = d[d["layer"] == layer].sort_values("draws")
+            ax.plot(dl["draws"], dl["unique"], marker="o", ms=4, label="measured E|S| (unique keys)")
+            ax.plot(dl["draws"], dl["bound"], ls="--", label="Theorem 3.3 bound 1 + Bε")
+            ax.plot(dl["draws"], dl["draws"], ls=":", color="grey", label="B (draws)")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("sampling budget B (draws per row)")
+            ax.set_ylabel("keys attended per row")
+            ax.set_title("mean over layers" if layer == "mean" else f"layer {layer}", fontsize=10)
+            ax.grid(alpha=0.3, which="both")
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"Oracle sampling: unique samples vs budget (MagicPIG Theorem 3.3) — {settings}", fontsize=10)
+        paths += common.save_figure(fig, out, "thm33_oracle_unique_samples")
+    return paths
+
+
+def run(model_cfg, opts: ErrorOptions) -> dict[str, Any]:
+    opts.validate()
+    model, tok, context = common.load(model_cfg)
+    records = measure(model, tok, context, opts, progress=True)
+    out = common.out_dir(opts.out, "error_vs_budget", model_cfg.name)
+    import pandas as pd
+
+    pd.DataFrame(records).to_csv(out / "error_records.csv", index=False)
+    summary = summarize(records)
+    summary.attrs["length"] = records[0]["length"] if records else opts.length
+    summary.to_csv(out / "error_vs_budget.csv", index=False)
+    common.write_json(out / "error_vs_budget.json", {
+        "provenance": common.provenance(model_cfg, opts, records[0]["text"] if records else None),
+        "records": records})
+    paths = figures(summary, out, model_cfg.name, opts, model_shape(model)["num_layers"])
+    return {"out": out, "summary": summary, "records": records, "figures": paths}

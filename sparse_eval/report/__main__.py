@@ -1,0 +1,39 @@
+"""python -m sparse_eval.report <collected table (.csv/.parquet) or runs folder> [--out DIR]"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sparse_eval.report",
+                                 description="The MagicPIG / Double Sparsity tables and figures from collected results.")
+    ap.add_argument("path", help="a table written by `python -m sparse_eval.collect` (.csv/.parquet) or a runs folder")
+    ap.add_argument("--out", help="output folder (default: <path's folder>/report)")
+    args = ap.parse_args(argv)
+    from . import write_report
+
+    path = Path(args.path)
+    out = Path(args.out) if args.out else (path.parent if path.is_file() else path) / "report"
+    try:
+        res = write_report(path, out)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for t in res["tables"]:
+        print(f"table  {t.name}: {len(t.rows)} rows")
+    for p in res["figures"]:
+        if p.suffix == ".png":
+            print(f"figure {p.relative_to(out)}")
+    for k, v in res["skipped_tables"].items():
+        print(f"skipped table {k}: {v}")
+    for k, v in res["skipped_figures"].items():
+        print(f"skipped figure {k}: {v}")
+    print(f"wrote {out} (report.md, tables/*.md|.tex|.csv, figures/*.png|.pdf)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""The papers' figures from a results table (``load.load_results``), PNG and PDF.
+
+  fig1_topk_retrieval_vs_aggregation   MagicPIG Fig. 1: TopK accuracy vs budget, niah vs cwe / fwe (RULER)
+  fig6c_oracle_vs_topk                 MagicPIG Fig. 6c: oracle sampling vs TopK downstream, by budget
+  fig9a_centering                      MagicPIG Fig. 9a: MagicPIG with / without key centering, fixed K, by L
+  fig9bc_magicpig_vs_topk              MagicPIG Fig. 9b/c: MagicPIG vs TopK on CWE / FWE against measured Cost2
+  ds_fig4_retrieval                    DS Fig. 4: key-value retrieval accuracy vs sparsity level and vs length
+  ds_fig1_ppl_sparsity                 DS Fig. 1 / 9: perplexity vs token and channel sparsity
+  pareto_<task>                        every method: score against measured Cost2, with the Pareto front
+
+Each function returns the written paths or raises ``tables.Skip`` with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from .load import param, run_rows, subtask_rows
+from .tables import Skip, ds_levels
+
+NIAH_PREFIX = "niah"
+MARKERS = {"Full": "*", "TopK": "o", "Oracle sampling": "s", "MagicPIG": "^", "Quest": "D", "DS": "v",
+           "DS-Offload": "P"}
+COLORS = {"Full": "black", "TopK": "C0", "Oracle sampling": "C1", "MagicPIG": "C2", "Quest": "C3", "DS": "C4",
+          "DS-Offload": "C5"}
+
+
+def _save(fig, out: Path, stem: str) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def _panels(n: int, w: float = 4.6, h: float = 3.8):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, n, figsize=(w * n, h), constrained_layout=True, squeeze=False)
+    return fig, list(axes[0])
+
+
+def _len_label(n: Any) -> str:
+    return "" if n is None or (isinstance(n, float) and math.isnan(n)) else f"{int(n) // 1024}K" if int(n) >= 1024 else str(int(n))
+
+
+def _setting_text(d) -> str:
+    s = sorted({str(x) for x in d["setting"].dropna()})
+    if len(s) == 1:
+        return s[0]
+    protos = sorted({str(x) for x in d["protocol"].dropna()}) if "protocol" in d else []
+    return f"protocol {'/'.join(protos)}; static keys and dense layers per method (see the tables)"
+
+
+def _frac_ticks(ax) -> None:
+    """x axis in 1/x notation (x = 2, 4, 8, ...)."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: "1" if v == 1 else f"1/{v:g}"))
+
+
+def _group_score(d, group: Callable[[str], str | None]):
+    """Subtask rows -> mean score per (run_dir or config, group label)."""
+    d = d.copy()
+    d["group"] = [group(str(s)) for s in d["subtask"]]
+    return d[d["group"].notna()]
+
+
+def _ruler_group(s: str) -> str | None:
+    if s.startswith(NIAH_PREFIX):
+        return "niah (mean of niah_*)"
+    return s if s in ("cwe", "fwe") else None
+
+
+def fig1_topk(df, out: Path) -> list[Path]:
+    sub = subtask_rows(df, "ruler")
+    topk = sub[sub["method"] == "topk"]
+    if topk.empty or topk["config"].nunique() < 2:
+        raise Skip("needs RULER runs of topk at two or more budgets")
+    g = _group_score(topk, _ruler_group)
+    if g.empty:
+        raise Skip("topk RULER runs have no niah_*, cwe or fwe subtask")
+    full = _group_score(sub[sub["method"] == "full"], _ruler_group)
+    keys = sorted(g.groupby(["model", "length"]).groups.keys(), key=str)
+    fig, axes = _panels(len(keys))
+    for ax, (model, length) in zip(axes, keys):
+        d = g[(g["model"] == model) & (g["length"] == length)]
+        for i, (grp, dd) in enumerate(sorted(d.groupby("group"), key=lambda x: x[0])):
+            dd = dd.assign(budget=[param(r, "budget") for _, r in dd.iterrows()])
+            m = dd.groupby("budget")["score"].mean().sort_index()
+            ax.plot(m.index, m.values, marker="o", color=f"C{i}", label=f"TopK: {grp}")
+            f = full[(full["model"] == model) & (full["length"] == length) & (full["group"] == grp)]
+            if not f.empty:
+                ax.axhline(f["score"].mean(), color=f"C{i}", ls="--", lw=0.9, label=f"Full: {grp}")
+        ax.set_xscale("log")
+        ax.set_xlabel("TopK budget (fraction of the context's keys)")
+        ax.set_ylabel("RULER score (0-100)")
+        ax.set_ylim(-2, 102)
+        ax.set_title(f"{model}, RULER {_len_label(length)}", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"TopK on retrieval (niah) vs aggregation (cwe, fwe) (MagicPIG Fig. 1) — {_setting_text(topk)}",
+                 fontsize=10)
+    return _save(fig, out, "fig1_topk_retrieval_vs_aggregation")
+
+
+def fig6c_oracle_vs_topk(df, out: Path) -> list[Path]:
+    runs = run_rows(df)
+    d = runs[runs["method"].isin(["topk", "oracle"])]
+    both = [k for k, g in d.groupby(["model", "task", "length"], dropna=False) if g["method"].nunique() == 2]
+    if not both:
+        raise Skip("needs topk and oracle runs of the same model, task and length")
+    fig, axes = _panels(len(both))
+    for ax, (model, task, length) in zip(axes, both):
+        g = d[(d["model"] == model) & (d["task"] == task) & ((d["length"] == length) if length == length else d["length"].isna())]
+        for method, name in (("topk", "TopK"), ("oracle", "Oracle sampling")):
+            dm = g[g["method"] == method]
+            dm = dm.assign(budget=[param(r, "budget") for _, r in dm.iterrows()])
+            m = dm.groupby("budget").agg(score=("score", "mean"), cost2=("cost2", "mean")).sort_index()
+            ax.plot(m.index, m["score"], marker=MARKERS[name], color=COLORS[name], label=name)
+            if method == "oracle":
+                for b, r in m.iterrows():
+                    ax.annotate(f"Cost2 {r.cost2:.3g}", (b, r.score), fontsize=6, xytext=(3, -9), textcoords="offset points")
+        f = runs[(runs["model"] == model) & (runs["task"] == task) & (runs["method"] == "full")]
+        if length == length:
+            f = f[f["length"] == length]
+        if not f.empty:
+            ax.axhline(f["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
+        metric = g["metric"].iloc[0]
+        ax.set_xscale("log")
+        ax.set_xlabel("budget (fraction of the context: keys kept / draws)")
+        ax.set_ylabel(f"{task} {metric}")
+        ax.set_title(f"{model}, {task} {_len_label(length)}".strip(), fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Oracle sampling vs TopK downstream (MagicPIG Fig. 6c) — {_setting_text(d)}", fontsize=10)
+    return _save(fig, out, "fig6c_oracle_vs_topk")
+
+
+def fig9a_centering(df, out: Path) -> list[Path]:
+    runs = run_rows(df)
+    mp = runs[runs["method"] == "magicpig"].copy()
+    if mp.empty:
+        raise Skip("no magicpig runs")
+    mp["K"] = [param(r, "K") for _, r in mp.iterrows()]
+    mp["L"] = [param(r, "L") for _, r in mp.iterrows()]
+    mp["center"] = [param(r, "center") is not False for _, r in mp.iterrows()]
+    keys = [k for k, g in mp.groupby(["model", "task", "length", "K"], dropna=False) if g["center"].nunique() == 2]
+    if not keys:
+        raise Skip("needs magicpig runs with center=true and center=false at the same K (model, task, length)")
+    sub = subtask_rows(df)
+    fig, axes = _panels(len(keys))
+    for ax, (model, task, length, K) in zip(axes, keys):
+        rows = mp[(mp["model"] == model) & (mp["task"] == task) & (mp["K"] == K)]
+        if length == length:
+            rows = rows[rows["length"] == length]
+        s = sub[sub["run_dir"].isin(rows["run_dir"])] if "run_dir" in sub else sub.iloc[0:0]
+        series = []
+        if task == "ruler" and not s.empty:
+            s = _group_score(s, lambda x: "niah (mean of niah_*)" if x.startswith(NIAH_PREFIX) else (x if x == "fwe" else None))
+            for grp, dd in s.groupby("group"):
+                series.append((grp, dd.merge(rows[["run_dir", "L", "center"]], on="run_dir")))
+        if not series:
+            series = [(f"{task} score", rows)]
+        for i, (grp, dd) in enumerate(series):
+            for center, ls in ((True, "-"), (False, ":")):
+                m = dd[dd["center"] == center].groupby("L")["score"].mean().sort_index()
+                ax.plot(m.index, m.values, ls=ls, marker="o" if center else "x", color=f"C{i}",
+                        label=f"{grp}, {'centered' if center else 'no centering'}")
+        ax.set_xlabel(f"L (hash tables), K = {int(K)}")
+        ax.set_ylabel(f"{task} score")
+        ax.set_title(f"{model}, {task} {_len_label(length)}".strip(), fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Importance of key centering (MagicPIG Fig. 9a) — {_setting_text(mp)}", fontsize=10)
+    return _save(fig, out, "fig9a_centering")
+
+
+def fig9bc_magicpig_vs_topk(df, out: Path) -> list[Path]:
+    sub = subtask_rows(df, "ruler")
+    d = sub[sub["method"].isin(["topk", "magicpig"]) & sub["subtask"].isin(["cwe", "fwe"])]
+    if d.empty or d["method"].nunique() < 2:
+        raise Skip("needs RULER runs of both topk and magicpig with the cwe / fwe subtasks")
+    keys = sorted({(m, l, s) for m, l, s in zip(d["model"], d["length"], d["subtask"])}, key=str)
+    fig, axes = _panels(len(keys))
+    for ax, (model, length, st) in zip(axes, keys):
+        g = d[(d["model"] == model) & (d["length"] == length) & (d["subtask"] == st)]
+        t = g[g["method"] == "topk"].groupby("config").agg(cost2=("cost2", "mean"), score=("score", "mean")).sort_values("cost2")
+        ax.plot(t["cost2"], t["score"], marker="o", color=COLORS["TopK"], label="TopK (exact)")
+        mp = g[g["method"] == "magicpig"].groupby("config").agg(cost2=("cost2", "mean"), score=("score", "mean"))
+        ax.scatter(mp["cost2"], mp["score"], marker="^", color=COLORS["MagicPIG"], zorder=3, label="MagicPIG (K, L)")
+        for cfg, r in mp.iterrows():
+            ax.annotate(cfg, (r.cost2, r.score), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        f = sub[(sub["method"] == "full") & (sub["model"] == model) & (sub["length"] == length) & (sub["subtask"] == st)]
+        if not f.empty:
+            ax.axhline(f["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
+        ax.set_xscale("log")
+        ax.set_xlabel("measured Cost2 (fraction of keys attended)")
+        ax.set_ylabel(f"RULER {st} score (0-100)")
+        ax.set_title(f"{model}, RULER {_len_label(length)}: {st.upper()}", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"MagicPIG vs TopK on aggregation tasks (MagicPIG Fig. 9b/c) — {_setting_text(d)}", fontsize=10)
+    return _save(fig, out, "fig9bc_magicpig_vs_topk")
+
+
+def ds_fig4_retrieval(df, out: Path) -> list[Path]:
+    runs = run_rows(df, "kv_retrieval")
+    if runs.empty:
+        raise Skip("no kv_retrieval runs")
+    runs = runs.copy()
+    runs["level"] = [ds_levels(r)[0] if r["method"] == "double_sparsity" else
+                     (param(r, "budget") if r["method"] in ("topk", "oracle", "quest") else None) for _, r in runs.iterrows()]
+    lengths = sorted(runs["length"].dropna().unique())
+    ref_len = max(lengths, key=lambda L: (runs["length"] == L).sum()) if lengths else None
+    fig, axes = _panels(2, 5.2)
+    # (a) vs sparsity level at the most common length
+    ax = axes[0]
+    a = runs if ref_len is None else runs[runs["length"] == ref_len]
+    for name, dd in a[a["level"].notna()].groupby("method_name"):
+        m = dd.groupby("level")["score"].mean().sort_index(ascending=False)
+        ax.plot([1 / x for x in m.index], m.values, marker=MARKERS.get(name, "o"), color=COLORS.get(name), label=name)
+    f = a[a["method"] == "full"]
+    if not f.empty:
+        ax.axhline(f["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
+    ax.set_xscale("log", base=2)
+    _frac_ticks(ax)
+    ax.set_xlabel("sparsity level (keys selected / context)")
+    ax.set_ylabel("retrieval accuracy (%)")
+    ax.set_ylim(-2, 102)
+    ax.set_title(f"(a) by sparsity level" + (f", context {int(ref_len)} tokens" if ref_len else ""), fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    # (b) vs context length, per method config
+    ax = axes[1]
+    if len(lengths) >= 2:
+        for (name, cfg), dd in runs.groupby(["method_name", "config"]):
+            m = dd.groupby("length")["score"].mean().sort_index()
+            if len(m) >= 2:
+                ax.plot(m.index, m.values, marker=MARKERS.get(name, "o"), color=COLORS.get(name),
+                        label=f"{name} {cfg}" if cfg != "–" else name)
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "one context length only", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("retrieval accuracy (%)")
+    ax.set_ylim(-2, 102)
+    ax.set_title("(b) by context length", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    models = ", ".join(sorted(runs["model"].unique()))
+    fig.suptitle(f"Key-value retrieval (DS Fig. 4) — {models}; {_setting_text(runs)}", fontsize=10)
+    return _save(fig, out, "ds_fig4_retrieval")
+
+
+def ds_fig1_ppl(df, out: Path) -> list[Path]:
+    runs = run_rows(df, "wikitext")
+    ds = runs[runs["method"] == "double_sparsity"].copy()
+    if ds.empty:
+        raise Skip("no double_sparsity runs on wikitext")
+    lv = [ds_levels(r) for _, r in ds.iterrows()]
+    ds["tok"], ds["chan"] = [x[0] for x in lv], [x[1] for x in lv]
+    ds["ctype"] = [param(r, "channel_type") for _, r in ds.iterrows()]
+    ds["offload"] = [bool(param(r, "offload")) for _, r in ds.iterrows()]
+    paths: list[Path] = []
+    models = sorted(ds["model"].unique())
+    fig, axes = _panels(len(models), 5.2)
+    for ax, model in zip(axes, models):
+        d = ds[ds["model"] == model]
+        diag = d[[t is not None and c is not None and math.isclose(t, min(c, 1.0), rel_tol=1e-6) for t, c in zip(d["tok"], d["chan"])]]
+        for (ct, off), dd in diag.groupby(["ctype", "offload"]):
+            m = dd.groupby("tok")["score"].mean().sort_index(ascending=False)
+            ax.plot([1 / x for x in m.index], m.values, marker="o", label=f"{'DS-Offload' if off else 'DS'}, {ct} channels")
+        full = runs[(runs["model"] == model) & (runs["method"] == "full")]
+        if not full.empty:
+            ax.axhline(full["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
+        ax.set_xscale("log", base=2)
+        _frac_ticks(ax)
+        ax.set_yscale("log")
+        ax.set_xlabel("sparsity level (token = channel sparsity)")
+        ax.set_ylabel("WikiText-2 perplexity (log scale)")
+        ax.set_title(model, fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Perplexity vs sparsity level (DS Table 2 / Fig. 1) — {_setting_text(ds)}", fontsize=10)
+    paths += _save(fig, out, "ds_fig1_ppl_sparsity")
+    # Fig. 9: token x channel grid, when present
+    grids = [m for m in models if ds[ds["model"] == m]["tok"].nunique() >= 2 and ds[ds["model"] == m]["chan"].nunique() >= 2]
+    if grids:
+        import numpy as np
+
+        fig, axes = _panels(len(grids), 5.2, 4.4)
+        for ax, model in zip(axes, grids):
+            d = ds[(ds["model"] == model) & ~ds["offload"]]
+            toks = sorted(d["tok"].dropna().unique(), reverse=True)
+            chans = sorted(d["chan"].dropna().unique(), reverse=True)
+            mat = np.full((len(chans), len(toks)), np.nan)
+            for i, c in enumerate(chans):
+                for j, t in enumerate(toks):
+                    v = d[(d["tok"] == t) & (d["chan"] == c)]["score"]
+                    if len(v):
+                        mat[i, j] = v.mean()
+            im = ax.imshow(mat, cmap="viridis_r", aspect="auto", norm=_lognorm(mat))
+            ax.set_xticks(range(len(toks)), [f"1/{1 / t:g}" for t in toks])
+            ax.set_yticks(range(len(chans)), [f"1/{1 / c:g}" for c in chans])
+            ax.set_xlabel("token sparsity (β)")
+            ax.set_ylabel("channel sparsity (α·bits/16)")
+            for (i, j), v in np.ndenumerate(mat):
+                if v == v:
+                    ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=7, color="white")
+            ax.set_title(model, fontsize=10)
+            fig.colorbar(im, ax=ax, label="perplexity")
+        fig.suptitle("Perplexity by token and channel sparsity (DS Fig. 9)", fontsize=10)
+        paths += _save(fig, out, "ds_fig9_ppl_grid")
+    return paths
+
+
+def _lognorm(mat):
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    v = mat[np.isfinite(mat)]
+    return LogNorm(vmin=v.min(), vmax=v.max()) if len(v) and v.min() > 0 and v.max() > v.min() else None
+
+
+def pareto(df, out: Path) -> list[Path]:
+    runs = run_rows(df)
+    runs = runs[runs["cost2"].notna() & runs["score"].notna()]
+    if runs.empty:
+        raise Skip("no runs with a score and a measured Cost2")
+    paths: list[Path] = []
+    for (task, model), d in runs.groupby(["task", "model"]):
+        lengths = sorted(d["length"].dropna().unique()) if task == "ruler" else [None]
+        fig, axes = _panels(len(lengths), 5.4, 4.2)
+        metric = str(d["metric"].iloc[0])
+        lower = metric in ("ppl", "perplexity")
+        for ax, length in zip(axes, lengths):
+            g = d if length is None else d[d["length"] == length]
+            for name, dd in g.groupby("method_name"):
+                ax.scatter(dd["cost2"], dd["score"], marker=MARKERS.get(name, "o"), color=COLORS.get(name), label=name,
+                           s=30, zorder=3)
+                if len(dd) <= 8:
+                    for _, r in dd.iterrows():
+                        if r["config"] != "–":
+                            ax.annotate(r["config"], (r["cost2"], r["score"]), fontsize=5.5, xytext=(3, 2),
+                                        textcoords="offset points")
+            pts = sorted(zip(g["cost2"], g["score"]))
+            front, best = [], None
+            for c, s in pts:  # cheapest first: keep points better than every cheaper one
+                if best is None or (s < best if lower else s > best):
+                    front.append((c, s))
+                    best = s
+            if front:
+                ax.step([c for c, _ in front], [s for _, s in front], where="post", color="grey", lw=1, ls="--",
+                        label="Pareto front", zorder=2)
+            ax.set_xscale("log")
+            ax.set_xlabel("measured Cost2 (fraction of keys attended, log scale)")
+            ax.set_ylabel(f"{metric} ({'lower' if lower else 'higher'} is better)")
+            ax.set_title(f"{task} {_len_label(length)}".strip(), fontsize=10)
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7)
+        fig.suptitle(f"Accuracy vs attention cost, every method — {model}, {task}; {_setting_text(d)}", fontsize=10)
+        paths += _save(fig, out, f"pareto_{task}_{model}")
+    return paths
+
+
+FIGURES: dict[str, Callable[[Any, Path], list[Path]]] = {
+    "fig1_topk_retrieval_vs_aggregation": fig1_topk, "fig6c_oracle_vs_topk": fig6c_oracle_vs_topk,
+    "fig9a_centering": fig9a_centering, "fig9bc_magicpig_vs_topk": fig9bc_magicpig_vs_topk,
+    "ds_fig4_retrieval": ds_fig4_retrieval, "ds_fig1_ppl_sparsity": ds_fig1_ppl, "pareto": pareto,
+}
+
+
+def build_figures(df, out: Path) -> tuple[list[Path], dict[str, str]]:
+    made: list[Path] = []
+    skipped: dict[str, str] = {}
+    for name, fn in FIGURES.items():
+        try:
+            made += fn(df, Path(out))
+        except Skip as exc:
+            skipped[name] = str(exc)
+    return made, skipped

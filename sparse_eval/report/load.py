@@ -1,0 +1,186 @@
+"""The results table the report reads: a collected table (``python -m sparse_eval.collect``) or a folder of runs.
+
+``load_results(path)`` returns one pandas DataFrame in ``sparse_eval.collect``'s layout (one row per model ×
+method with its parameters × task × subtask × length × protocol; ``subtask`` "all" = the whole run when it has
+several subtasks, None when it has none) plus a few derived columns the tables and figures use:
+
+  method_name  display name: Full, TopK, Oracle sampling, MagicPIG, Quest, DS, DS-Offload
+  config       the paper's config notation: (K,L) for MagicPIG, (page size, budget) for Quest, the budget for
+               TopK / oracle sampling, "α=…, β=…, b-bit, <channels>" for Double Sparsity, "–" for Full
+  cost_total   cost1 + cost2 (MagicPIG §5.1)
+  setting      protocol, static keys and dense layers, e.g. "A, sink 4 + local 64, dense 0,16"
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+METHOD_NAMES = {"full": "Full", "topk": "TopK", "oracle": "Oracle sampling", "magicpig": "MagicPIG",
+                "quest": "Quest", "double_sparsity": "DS"}
+TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
+
+
+def load_results(path: str | Path):
+    """A collected CSV/parquet file, a folder holding ``results.csv``/``results.parquet`` and no runs, or a
+    folder of runs (collected here with ``sparse_eval.collect.collect``)."""
+    import pandas as pd
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"{p} does not exist: give a collected table (.csv/.parquet) or a runs folder")
+    if p.is_file():
+        if p.suffix not in TABLE_SUFFIXES:
+            raise ValueError(f"{p}: not a collected table; valid suffixes: {list(TABLE_SUFFIXES)} (or a runs folder)")
+        df = pd.read_csv(p) if p.suffix == ".csv" else pd.read_parquet(p)
+    else:
+        from ..collect import collect
+        from ..status import find_run_dirs
+
+        if find_run_dirs(p):
+            df = collect(p)
+        else:
+            tables = [p / f"results{s}" for s in (".parquet", ".csv")]
+            found = [t for t in tables if t.exists()]
+            if not found:
+                raise ValueError(f"{p} holds no run directories (config.yaml + samples.jsonl) and no results.csv/parquet")
+            return load_results(found[0])
+    if df.empty:
+        raise ValueError(f"{p}: the results table is empty")
+    return normalize(df)
+
+
+def _num(v: Any) -> Any:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    if isinstance(v, str):
+        low = v.strip().lower()
+        if low in ("true", "false"):
+            return low == "true"
+        try:
+            f = float(v)
+        except ValueError:
+            return v
+        return int(f) if f.is_integer() and "." not in v else f
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and v.is_integer() and abs(v) < 1e15:
+        return v  # keep floats as floats (a float budget is a ratio, an int a token count)
+    return v
+
+
+def param(row: Any, name: str) -> Any:
+    """A method parameter of a row (``method.<name>`` column), None when absent."""
+    return _num(row.get(f"method.{name}")) if hasattr(row, "get") else None
+
+
+def _fmt_budget(b: Any) -> str:
+    """A ratio of the context (<= 1) as is; a token count (> 1; ints may come back as floats from a CSV)."""
+    if b is None:
+        return "?"
+    return f"{float(b):g}" if float(b) <= 1.0 else f"{int(b)} tok"
+
+
+def _int(v: Any) -> Any:
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def config_label(row: Any) -> str:
+    m = row["method"]
+    if m == "full":
+        return "–"
+    if m == "magicpig":
+        lab = f"({_int(param(row, 'K'))},{_int(param(row, 'L'))})"
+        extra = []
+        if param(row, "center") is False:
+            extra.append("no centering")
+        mc = param(row, "min_collisions")
+        if mc not in (None, 2):
+            extra.append(f"≥{mc} coll.")
+        if param(row, "mips"):
+            extra.append("MIPS")
+        return lab + (" " + ", ".join(extra) if extra else "")
+    if m == "quest":
+        return f"({_int(param(row, 'page_size'))},{_fmt_budget(param(row, 'budget'))})"
+    if m in ("topk", "oracle"):
+        return _fmt_budget(param(row, "budget"))
+    if m == "double_sparsity":
+        a, b = param(row, "alpha"), param(row, "beta")
+        bits, ch = _int(param(row, "label_bits")), param(row, "channel_type")
+        return f"α={a:g}, β={_fmt_budget(b)}, {bits}-bit, {ch}"
+    return str(row.get("method_config", m))
+
+
+def method_display(row: Any) -> str:
+    m = row["method"]
+    if m == "double_sparsity" and param(row, "offload"):
+        return "DS-Offload"
+    return METHOD_NAMES.get(m, m)
+
+
+def setting_label(row: Any) -> str:
+    parts = [str(row.get("protocol") or "?")]
+    sink, local = _num(row.get("sink")), _num(row.get("local"))
+    if row["method"] != "full":
+        parts.append(f"sink {sink} + local {local}" if (sink or local) else "no static keys")
+        dl = row.get("dense_layers")
+        parts.append(f"dense {dl}" if isinstance(dl, str) and dl else "no dense layers")
+    return ", ".join(parts)
+
+
+def normalize(df):
+    """Types and derived columns on a table in ``sparse_eval.collect``'s layout."""
+    import pandas as pd
+
+    df = df.copy()
+    missing = [c for c in ("model", "method", "task", "score") if c not in df.columns]
+    if missing:
+        raise ValueError(f"the results table lacks column(s) {missing}; expected sparse_eval.collect's layout")
+    for col in ("subtask", "length", "protocol", "cost1", "cost2", "est_error", "dense_layers", "sink", "local"):
+        if col not in df.columns:
+            df[col] = None
+    df["subtask"] = df["subtask"].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+    df["length"] = pd.to_numeric(df["length"], errors="coerce")
+    for col in ("score", "cost1", "cost2", "est_error"):
+        df[col] = pd.to_numeric(df[col], errors="coerce")
+    df["dense_layers"] = df["dense_layers"].map(
+        lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+    df["method_name"] = [method_display(r) for _, r in df.iterrows()]
+    df["config"] = [config_label(r) for _, r in df.iterrows()]
+    df["cost_total"] = df["cost1"].fillna(0) + df["cost2"]
+    df["setting"] = [setting_label(r) for _, r in df.iterrows()]
+    return df
+
+
+def task_config(row: Any) -> dict[str, Any]:
+    tc = row.get("task_config")
+    if isinstance(tc, dict):
+        return tc
+    if isinstance(tc, str):
+        try:
+            return json.loads(tc)
+        except json.JSONDecodeError:
+            return {}
+    return {}
+
+
+def run_rows(df, task: str | None = None):
+    """The rows that stand for whole runs (subtask "all" or None; a run with a single subtask has only that
+    subtask's row, which then stands for the run), optionally of one task."""
+    d = df if task is None else df[df["task"] == task]
+    whole = d["subtask"].isna() | (d["subtask"] == "all")
+    if "run_dir" not in d.columns:
+        return d[whole]
+    covered = set(d.loc[whole, "run_dir"])
+    single = ~whole & ~d["run_dir"].isin(covered)
+    counts = d[single].groupby(["run_dir", "length"], dropna=False)["subtask"].transform("count")
+    single_ok = single.copy()
+    single_ok[single] = (counts == 1).values
+    return d[whole | single_ok]
+
+
+def subtask_rows(df, task: str | None = None):
+    d = df if task is None else df[df["task"] == task]
+    return d[d["subtask"].notna() & (d["subtask"] != "all")]

@@ -1,0 +1,471 @@
+"""The papers' tables in their own layout, from a results table (``load.load_results``).
+
+Rows are model × method × config (× setting when a table mixes protocols or static keys); columns are the
+paper's (tasks or lengths), then Avg, Cost1, Cost2, Cost_total = Cost1 + Cost2 (MagicPIG §5.1).  Where the model
+and config match a row of the paper (``paper.py``), a cell shows ``ours (paper, ours − paper)``; the CSV has
+``<col>``, ``<col>_paper`` and ``<col>_diff`` columns.  A table whose data is absent is skipped with the reason.
+
+Costs are the measured means over a row's runs (Cost1: search FLOPs ratio, Cost2: attended-key fraction incl.
+static keys); the paper's Cost2 of MagicPIG is measured too, its Quest/TopK Cost1 are nominal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from . import paper as P
+from .load import run_rows, subtask_rows
+
+KEY_COLS = ["Model", "Method", "Config"]
+PARAM_NAMES = ("K", "L", "page_size", "budget", "offload", "channel_type", "center", "min_collisions", "mips",
+               "alpha", "beta", "label_bits")
+LM_EVAL_COLUMNS = (("gsm8k", "GSM"), ("coqa", "COQA"), ("mmlu", "MMLU"))
+LONGBENCH_COLUMNS = {"qasper": "QaS", "repobench-p": "RbP", "lcc": "LCC", "passage_retrieval_en": "PrE",
+                     "trec": "TrC", "triviaqa": "TrQ"}
+RULER_LENGTHS = {16384: "16K", 32768: "32K", 65536: "64K", 98304: "96K"}
+COST_COLS = ["Cost1", "Cost2", "Cost_total"]
+MAGICPIG_70B = "llama3_1_70b_instruct"
+
+
+class Skip(Exception):
+    """A table that cannot be made from the data present (the message says why)."""
+
+
+@dataclass
+class Table:
+    name: str  # file stem
+    title: str
+    caption: str
+    key_cols: list[str]
+    value_cols: list[str]
+    rows: list[dict[str, Any]]  # key cols + value cols (floats / None)
+    paper: list[dict[str, float | None]] = field(default_factory=list)  # per row: col -> paper value
+    paper_source: list[str | None] = field(default_factory=list)  # per row: the paper table matched
+    digits: dict[str, int] = field(default_factory=dict)  # decimals per column (default 1)
+
+    def frame(self):
+        """Plain numbers: key cols, each value col, and <col>_paper / <col>_diff where a paper value exists."""
+        import pandas as pd
+
+        recs = []
+        for i, r in enumerate(self.rows):
+            rec = {k: r.get(k) for k in self.key_cols}
+            for c in self.value_cols:
+                rec[c] = r.get(c)
+                pv = self.paper[i].get(c) if self.paper else None
+                if any(p.get(c) is not None for p in self.paper):
+                    rec[f"{c}_paper"] = pv
+                    rec[f"{c}_diff"] = None if pv is None or r.get(c) is None else r[c] - pv
+            if any(self.paper_source):
+                rec["paper_source"] = self.paper_source[i]
+            recs.append(rec)
+        return pd.DataFrame(recs)
+
+
+# -- helpers --------------------------------------------------------------------------------------------------
+
+def _params(row: Any) -> dict[str, Any]:
+    from .load import param
+
+    out = {}
+    for name in PARAM_NAMES:
+        v = param(row, name)
+        if v is not None:
+            out[name] = v
+    return out
+
+
+def _group_cols(d) -> list[str]:
+    cols = ["model", "method", "method_name", "config"]
+    if d["setting"].nunique(dropna=False) > 1:
+        cols.append("setting")
+    return cols
+
+
+def _mean(vals) -> float | None:
+    vals = [float(v) for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _sort_key(r: dict[str, Any]):
+    order = {"Full": 0, "MagicPIG": 1, "Quest": 2, "TopK": 3, "Oracle sampling": 4, "DS": 5, "DS-Offload": 6}
+    return (str(r["Model"]), order.get(r["Method"], 9), str(r["Config"]))
+
+
+def _build(values, costs, d, name: str, title: str, caption: str, columns: list[str], paper_tables: list[str],
+           avg: bool = True, digits: dict[str, int] | None = None, with_costs: bool = True) -> Table:
+    """values: DataFrame with group cols + 'col' + 'score'; costs: DataFrame with group cols + cost1/cost2."""
+    gcols = _group_cols(d)
+    rows, papers, sources = [], [], []
+    for key, grp in values.groupby(gcols, dropna=False, sort=False):
+        key = dict(zip(gcols, key if isinstance(key, tuple) else (key,)))
+        row: dict[str, Any] = {"Model": key["model"], "Method": key["method_name"], "Config": key["config"]}
+        if "setting" in key:
+            row["Setting"] = key["setting"]
+        for col in columns:
+            row[col] = _mean(grp.loc[grp["col"] == col, "score"])
+        present = [row[c] for c in columns if row[c] is not None]
+        if avg:
+            row["Avg"] = sum(present) / len(present) if present else None
+        if with_costs:
+            cm = costs
+            for k, v in key.items():
+                cm = cm[(cm[k] == v) | (cm[k].isna() & (v is None or (isinstance(v, float) and math.isnan(v))))]
+            c1, c2 = _mean(cm["cost1"]), _mean(cm["cost2"])
+            row["Cost1"], row["Cost2"] = c1, c2
+            row["Cost_total"] = None if c2 is None else (c1 or 0.0) + c2
+        first = grp.iloc[0]
+        pr = None
+        for t in paper_tables:
+            pr = P.lookup(t, key["model"], key["method"], _params(first))
+            if pr is not None:
+                break
+        pv = dict(pr.values) if pr else {}
+        if avg and pv.get("Avg") is not None and any(pv.get(c) is not None and row[c] is None for c in columns):
+            pv["Avg"] = None  # the paper averages columns this row lacks: not comparable
+        rows.append(row)
+        papers.append(pv)
+        sources.append(pr.table if pr else None)
+    if not rows:
+        raise Skip("no rows")
+    order = sorted(range(len(rows)), key=lambda i: _sort_key(rows[i]))
+    value_cols = [c for c in columns if any(rows[i][c] is not None for i in order)]
+    value_cols += (["Avg"] if avg else []) + (COST_COLS if with_costs else [])
+    key_cols = KEY_COLS + (["Setting"] if "setting" in gcols else [])
+    if "setting" not in gcols:
+        caption += f" Setting of every row: {d['setting'].iloc[0]}."
+    if avg and any(papers):
+        caption += " The paper's Avg is compared only where the row has every column the paper averaged."
+    dg = {"Cost1": 3, "Cost2": 3, "Cost_total": 3}
+    dg.update(digits or {})
+    return Table(name, title, caption, key_cols, value_cols, [rows[i] for i in order], [papers[i] for i in order],
+                 [sources[i] for i in order], dg)
+
+
+def _with_col(d, col_of: Callable[[Any], str | None], scale: float = 1.0):
+    d = d.copy()
+    d["col"] = [col_of(r) for _, r in d.iterrows()]
+    d = d[d["col"].notna()]
+    d["score"] = d["score"] * scale
+    return d
+
+
+# -- MagicPIG tables ------------------------------------------------------------------------------------------
+
+def magicpig_table1(df) -> Table:
+    """lm-eval-harness (GSM8K-CoT, CoQA, MMLU-Flan-CoT); lm-eval's fractions shown as %."""
+    sub = subtask_rows(df, "lm_eval")
+    if sub.empty:
+        raise Skip("no lm_eval runs with per-task rows (task=lm_eval, tasks gsm8k_cot / coqa / mmlu_flan_cot_fewshot)")
+
+    def col(r):
+        name = str(r["subtask"]).lower()
+        return next((lab for pre, lab in LM_EVAL_COLUMNS if name.startswith(pre)), None)
+
+    vals = _with_col(sub, col, 100.0)
+    if vals.empty:
+        raise Skip("lm_eval runs have none of gsm8k*, coqa*, mmlu* tasks")
+    costs = run_rows(df, "lm_eval")
+    return _build(vals, costs, sub, "magicpig_table1_lm_eval", "MagicPIG Table 1: lm-eval-harness",
+                  "Scores in % (lm-eval's headline metric ×100: GSM8K-CoT exact match, CoQA F1, MMLU-Flan-CoT exact "
+                  "match); Avg over the columns present; costs measured over the decode steps.",
+                  ["GSM", "COQA", "MMLU"], ["MagicPIG Table 1"])
+
+
+def magicpig_table2(df) -> Table:
+    sub = subtask_rows(df, "longbench")
+    if sub.empty:
+        raise Skip("no longbench runs")
+    vals = _with_col(sub, lambda r: LONGBENCH_COLUMNS.get(str(r["subtask"]), str(r["subtask"])))
+    cols = [c for c in LONGBENCH_COLUMNS.values()] + sorted(set(vals["col"]) - set(LONGBENCH_COLUMNS.values()))
+    return _build(vals, run_rows(df, "longbench"), sub, "magicpig_table2_longbench", "MagicPIG Table 2: LongBench",
+                  "LongBench scores (0-100, LongBench's metric per dataset); Avg over the datasets present.",
+                  cols, ["MagicPIG Table 2"])
+
+
+def _length_label(n: Any) -> str | None:
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return None
+    n = int(n)
+    return RULER_LENGTHS.get(n, f"{n / 1024:g}K")
+
+
+def _ruler(df, name: str, title: str, models_in: Callable[[str], bool], paper_tables: list[str]) -> Table:
+    runs = run_rows(df, "ruler")
+    runs = runs[np.array([models_in(m) for m in runs["model"]], dtype=bool)]
+    if runs.empty:
+        raise Skip("no ruler runs" + (" of these models" if name.endswith("5") else ""))
+    vals = _with_col(runs, lambda r: _length_label(r["length"]))
+    labels = sorted(set(vals["col"]), key=lambda s: float(s[:-1]))
+    cols = [c for c in RULER_LENGTHS.values()] + [c for c in labels if c not in RULER_LENGTHS.values()]
+    cols = sorted(cols, key=lambda s: float(s[:-1]))
+    return _build(vals, runs, runs, name, title,
+                  "RULER: mean over the subtasks run of RULER's score (0-100), one column per context length; Avg over "
+                  "the lengths present; costs: mean over the lengths' runs.", cols, paper_tables)
+
+
+def magicpig_table3(df) -> Table:
+    return _ruler(df, "magicpig_table3_ruler", "MagicPIG Table 3: RULER by context length",
+                  lambda m: m != MAGICPIG_70B, ["MagicPIG Table 3"])
+
+
+def magicpig_table5(df) -> Table:
+    return _ruler(df, "magicpig_table5_ruler_70b", "MagicPIG Table 5: RULER, Llama-3.1-70B-Instruct",
+                  lambda m: m == MAGICPIG_70B, ["MagicPIG Table 5"])
+
+
+def _magicpig_kl(df, name: str, title: str, keep: Callable[[int, int], bool], paper_table: str,
+                 with_score: bool) -> Table:
+    from .load import param
+
+    runs = run_rows(df)
+    runs = runs[runs["method"] == "magicpig"]
+    if with_score:
+        runs = runs[(runs["task"] == "ruler") & (runs["length"] == 16384)]
+    if runs.empty:
+        raise Skip("no magicpig runs" + (" on RULER 16K" if with_score else ""))
+    runs = runs[np.array([keep(param(r, "K"), param(r, "L")) for _, r in runs.iterrows()], dtype=bool)]
+    if runs.empty:
+        raise Skip("no magicpig runs with the table's (K, L)")
+    from ..methods.magicpig import sampling_probability
+
+    rows, papers, sources = [], [], []
+    gcols = ["model", "task", "config", "setting"]
+    for key, grp in runs.groupby(gcols, dropna=False, sort=False):
+        first = grp.iloc[0]
+        K, L, mc = param(first, "K"), param(first, "L"), param(first, "min_collisions") or 2
+        row = {"Model": key[0], "Task": key[1], "Config": key[2], "Setting": key[3],
+               "Cost2": _mean(grp["cost2"]), "u(p=1/2)": float(sampling_probability(0.5, int(K), int(L), int(mc)))}
+        if with_score:
+            row["16K"] = _mean(grp["score"])
+        pr = P.lookup(paper_table, key[0], "magicpig", _params(first))
+        rows.append(row)
+        papers.append(dict(pr.values) if pr else {})
+        sources.append(pr.table if pr else None)
+    order = sorted(range(len(rows)), key=lambda i: (rows[i]["Model"], rows[i]["Task"], rows[i]["Config"]))
+    vals = (["16K"] if with_score else []) + ["Cost2", "u(p=1/2)"]
+    return Table(name, title,
+                 "Cost2 measured (mean over the runs; static keys included), u(p=1/2): eq. 10's sampling "
+                 "probability of a key orthogonal to the query (p = 1/2), the paper's analytic estimate of Cost2.",
+                 ["Model", "Task", "Config", "Setting"], vals, [rows[i] for i in order], [papers[i] for i in order],
+                 [sources[i] for i in order], {"Cost2": 4, "u(p=1/2)": 4, "16K": 1})
+
+
+def magicpig_table9(df) -> Table:
+    return _magicpig_kl(df, "magicpig_table9_cost_by_KL", "MagicPIG Table 9: Cost2 by (K, L)", lambda k, l: True,
+                        "MagicPIG Table 9", with_score=False)
+
+
+def magicpig_table12(df) -> Table:
+    return _magicpig_kl(df, "magicpig_table12_equal_cost", "MagicPIG Table 12: RULER 16K at about equal cost",
+                        lambda k, l: (k, l) in {(10, 240), (9, 120), (8, 65), (7, 35)}, "MagicPIG Table 12", True)
+
+
+def magicpig_table13(df) -> Table:
+    return _magicpig_kl(df, "magicpig_table13_L120", "MagicPIG Table 13: RULER 16K with L = 120", lambda k, l: l == 120,
+                        "MagicPIG Table 13", True)
+
+
+# -- Double Sparsity tables -----------------------------------------------------------------------------------
+
+def _level_label(x: float | None) -> str | None:
+    """A sparsity level as the paper writes it: 1, 1/2, 1/4, ... (other values as a decimal)."""
+    if x is None or not x > 0:
+        return None
+    inv = 1.0 / x
+    if abs(inv - round(inv)) < 1e-6 * inv:
+        return "1" if round(inv) == 1 else f"1/{round(inv)}"
+    return f"{x:.3g}"
+
+
+def ds_levels(row: Any) -> tuple[float | None, float | None]:
+    """(token sparsity, channel sparsity) of a Double Sparsity row.
+
+    token: a float β is the ratio of the context; an int β (the authors' heavy_const) is β / (window / 2) for
+    WikiText-2 windows (a row of a causal window of W tokens has W / 2 keys on average), else β / length.
+    channel: α · label_bits / 16, the label cache's size relative to the K cache (DS §4.2).
+    """
+    from .load import param, task_config
+
+    a, b, bits = param(row, "alpha"), param(row, "beta"), param(row, "label_bits")
+    chan = None if a is None or bits is None else float(a) * float(bits) / 16.0
+    tok = None
+    if b is not None:
+        if float(b) <= 1.0:
+            tok = float(b)
+        else:
+            tc = task_config(row)
+            ctx = (tc.get("window") / 2.0) if tc.get("window") else (row.get("length") or None)
+            tok = float(b) / float(ctx) if ctx else None
+    return tok, chan
+
+
+def ds_table2(df) -> Table:
+    runs = run_rows(df, "wikitext")
+    ds = runs[runs["method"] == "double_sparsity"]
+    if ds.empty:
+        raise Skip("no double_sparsity runs on wikitext")
+    recs = []
+    for _, r in ds.iterrows():
+        tok, chan = ds_levels(r)
+        lab = _level_label(tok)
+        same = tok is not None and chan is not None and math.isclose(min(chan, 1.0), tok, rel_tol=1e-6)
+        from .load import param
+
+        recs.append({"model": r["model"], "Variant": r["method_name"], "Channels": param(r, "channel_type"),
+                     "Channel sparsity": "= token" if same else f"{_level_label(chan)}",
+                     "col": lab, "score": r["score"], "offload": bool(param(r, "offload")),
+                     "setting": r["setting"]})
+    import pandas as pd
+
+    d = pd.DataFrame(recs)
+    full = runs[runs["method"] == "full"]
+    rows, papers, sources = [], [], []
+    cols = ["1"] + sorted({c for c in d["col"] if c and c != "1"}, key=lambda s: -_frac(s))
+    for key, grp in d.groupby(["model", "Variant", "Channels", "Channel sparsity", "setting"], sort=False):
+        row = {"Model": key[0], "Variant": key[1], "Channels": key[2], "Channel sparsity": key[3], "Setting": key[4]}
+        for c in cols:
+            row[c] = _mean(grp.loc[grp["col"] == c, "score"])
+        f = full[full["model"] == key[0]]
+        if row["1"] is None and not f.empty:
+            row["1"] = _mean(f["score"])  # level 1 = the dense model
+        pr = P.lookup("DS Table 2", key[0], "double_sparsity",
+                      {"offload": bool(grp["offload"].iloc[0]), "channel_type": key[2]}) if key[3] == "= token" else None
+        rows.append(row)
+        papers.append(dict(pr.values) if pr else {})
+        sources.append(pr.table if pr else None)
+    value_cols = [c for c in cols if any(r[c] is not None for r in rows)]
+    return Table("ds_table2_ppl_by_sparsity", "Double Sparsity Table 2: WikiText-2 perplexity by sparsity level",
+                 "Columns: token sparsity level (β as a ratio of the context; an absolute β over a W-token window counts "
+                 "as β / (W/2)); 'Channel sparsity' = α·label_bits/16 (the label cache's share of the K cache), '= token' "
+                 "when equal to the column's level as in the paper; column 1 = full attention.  Paper values are "
+                 "compared only for qk channels with channel = token sparsity.",
+                 ["Model", "Variant", "Channels", "Channel sparsity", "Setting"], value_cols, rows, papers, sources,
+                 {c: 2 for c in value_cols})
+
+
+def _frac(s: str) -> float:
+    if s == "1":
+        return 1.0
+    if s.startswith("1/"):
+        return 1.0 / float(s[2:])
+    try:
+        return float(s)
+    except ValueError:
+        return 0.0
+
+
+def ds_table3(df) -> Table:
+    from .load import param
+
+    runs = run_rows(df, "wikitext")
+    not_off = [not param(r, "offload") for _, r in runs.iterrows()]
+    ds = runs[(runs["method"] == "double_sparsity").to_numpy() & np.array(not_off, dtype=bool)]
+    sel = []
+    for _, r in ds.iterrows():
+        tok, chan = ds_levels(r)
+        if tok is not None and chan is not None and math.isclose(tok, 1 / 16, rel_tol=1e-6) and \
+                math.isclose(chan, 1 / 16, rel_tol=1e-6):
+            sel.append(r)
+    if not sel:
+        raise Skip("no double_sparsity wikitext runs at token and channel sparsity 1/16")
+    full = runs[runs["method"] == "full"]
+    rows, papers, sources = [], [], []
+    for model in sorted({r["model"] for r in sel}):
+        row: dict[str, Any] = {"Model": model}
+        f = full[full["model"] == model]
+        row["Original"] = _mean(f["score"]) if not f.empty else None
+        for ct in ("random", "q", "k", "qk"):
+            row[ct] = _mean([r["score"] for r in sel if r["model"] == model and param(r, "channel_type") == ct])
+        pr = P.lookup("DS Table 3", model, "double_sparsity", {})
+        rows.append(row)
+        papers.append(dict(pr.values) if pr else {})
+        sources.append(pr.table if pr else None)
+    cols = [c for c in P.DS_T3_COLS if any(r[c] is not None for r in rows)]
+    return Table("ds_table3_channel_types", "Double Sparsity Table 3: outlier channel types at sparsity 1/16",
+                 "WikiText-2 perplexity with token and channel sparsity 1/16 by the calibrated channel type "
+                 "(q / k / qk outliers; 'random' when such runs exist); Original = full attention.",
+                 ["Model"], cols, rows, papers, sources, {c: 2 for c in cols})
+
+
+TABLES: dict[str, Callable[[Any], Table]] = {
+    "magicpig_table1": magicpig_table1, "magicpig_table2": magicpig_table2, "magicpig_table3": magicpig_table3,
+    "magicpig_table5": magicpig_table5, "magicpig_table9": magicpig_table9, "magicpig_table12": magicpig_table12,
+    "magicpig_table13": magicpig_table13, "ds_table2": ds_table2, "ds_table3": ds_table3,
+}
+
+
+def build_tables(df) -> tuple[list[Table], dict[str, str]]:
+    """Every table the data allows; returns (tables, {skipped table: reason})."""
+    made, skipped = [], {}
+    for name, fn in TABLES.items():
+        try:
+            made.append(fn(df))
+        except Skip as exc:
+            skipped[name] = str(exc)
+    return made, skipped
+
+
+# -- writers --------------------------------------------------------------------------------------------------
+
+def _fmt(v: Any, digits: int) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def cells(t: Table) -> list[list[str]]:
+    """Display strings: 'ours (paper, ours − paper)' where the paper has the cell."""
+    out = []
+    for i, r in enumerate(t.rows):
+        line = [_fmt(r.get(k), 0) for k in t.key_cols]
+        for c in t.value_cols:
+            dg = t.digits.get(c, 1)
+            ours = r.get(c)
+            pv = t.paper[i].get(c) if t.paper else None
+            s = _fmt(ours, dg)
+            if pv is not None:
+                diff = "" if ours is None else f", {ours - pv:+.{dg}f}"
+                s = f"{s} ({_fmt(pv, dg)}{diff})"
+            line.append(s)
+        out.append(line)
+    return out
+
+
+def to_markdown(t: Table) -> str:
+    head = t.key_cols + t.value_cols
+    lines = [f"### {t.title}", "", t.caption, ""]
+    if any(t.paper_source):
+        lines += ["Cells: ours (paper, ours − paper) where the paper reports the same model and config.", ""]
+    esc = lambda s: s.replace("|", "\\|")  # noqa: E731
+    lines.append("| " + " | ".join(esc(h) for h in head) + " |")
+    lines.append("|" + "|".join("---" if i < len(t.key_cols) else "---:" for i in range(len(head))) + "|")
+    for row in cells(t):
+        lines.append("| " + " | ".join(esc(c) for c in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _tex(s: str) -> str:
+    rep = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+           "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}", "α": r"$\alpha$", "β": r"$\beta$", "–": "--",
+           "−": "-", "≥": r"$\geq$"}
+    return "".join(rep.get(ch, ch) for ch in s)
+
+
+def to_latex(t: Table) -> str:
+    head = t.key_cols + t.value_cols
+    spec = "l" * len(t.key_cols) + "r" * len(t.value_cols)
+    lines = [r"\begin{table}[t]", r"\centering", r"\small", rf"\caption{{{_tex(t.title)}. {_tex(t.caption)}"
+             + (" Cells: ours (paper, ours $-$ paper)." if any(t.paper_source) else "") + "}",
+             rf"\label{{tab:{t.name}}}", rf"\begin{{tabular}}{{{spec}}}", r"\toprule",
+             " & ".join(_tex(h) for h in head) + r" \\", r"\midrule"]
+    for row in cells(t):
+        lines.append(" & ".join(_tex(c) for c in row) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+    return "\n".join(lines) + "\n"

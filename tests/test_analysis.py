@@ -1,0 +1,165 @@
+"""Analyses on the shipped stories260K at tiny sizes: brute-force references and real properties."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from sparse_eval.analysis import common, ds_checks, error_vs_budget, geometry
+from sparse_eval.analysis.__main__ import main as analysis_main
+from sparse_eval.analysis.capture import capture_qkv, decoder_layers
+
+
+def test_pairwise_cos_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 7, generator=g)  # [N, heads, D]
+    mean, mn = geometry.pairwise_cos(x)
+    for h in range(3):
+        vals = [float(torch.dot(x[i, h], x[j, h]) / (x[i, h].norm() * x[j, h].norm()))
+                for i, j in itertools.combinations(range(5), 2)]
+        assert mean[h] == pytest.approx(sum(vals) / len(vals), abs=1e-6)
+        assert mn[h] == pytest.approx(min(vals), abs=1e-6)
+
+
+def test_top_mass_brute_force_and_monotone():
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(2, 3, 4, 10, generator=g) * 3, -1)
+    valid = torch.ones(1, 1, 4, 10, dtype=torch.bool)
+    valid[..., 0, 8:] = False  # a row with 8 keys
+    p = p.masked_fill(~valid, 0.0)
+    p = p / p.sum(-1, keepdim=True)
+    fr = [0.1, 0.25, 0.5, 1.0]
+    m = geometry.top_mass(p, valid, fr)
+    for b, h, r in itertools.product(range(2), range(3), range(4)):
+        row = p[b, h, r][valid[0, 0, r]]
+        srt = sorted(row.tolist(), reverse=True)
+        for i, x in enumerate(fr):
+            k = max(1, math.ceil(x * len(srt) - 1e-9))
+            assert m[b, h, r, i] == pytest.approx(sum(srt[:k]), abs=1e-5)
+    assert (m[..., 1:] >= m[..., :-1] - 1e-6).all()
+    assert torch.allclose(m[..., -1], torch.ones_like(m[..., -1]), atol=1e-5)
+
+
+def test_capture_keeps_outputs_and_gives_post_rope_keys(stories):
+    model, tok = stories
+    ids = torch.tensor([[1, 45, 300, 22, 17, 99, 250, 3]])
+    with torch.no_grad():
+        ref = model(ids).logits
+    cap = capture_qkv(model, ids)
+    with torch.no_grad():
+        again = model(ids).logits
+    assert torch.equal(ref, again)  # the model is switched back
+    assert sorted(cap) == list(range(model.config.num_hidden_layers))
+    c = cap[1]
+    assert c.q.shape == (1, 8, 8, 8) and c.k.shape == (1, 4, 8, 8)
+    # pre-RoPE keys of the same layer: equal at position 0 (RoPE(0) = I), same norms elsewhere, rotated
+    from sparse_eval.analysis.capture import capture_layer_inputs
+
+    h = capture_layer_inputs(model, ids)[1]["attn_input"]
+    attn = decoder_layers(model)[1].self_attn
+    with torch.no_grad():
+        k_pre = attn.k_proj(h).view(1, 8, 4, 8).transpose(1, 2)
+    assert torch.allclose(c.k[:, :, 0], k_pre[:, :, 0], atol=1e-5)
+    assert torch.allclose(c.k.norm(dim=-1), k_pre.norm(dim=-1), atol=1e-4)
+    assert not torch.allclose(c.k[:, :, 3:], k_pre[:, :, 3:], atol=1e-3)
+
+
+def test_geometry_measures(stories):
+    model, tok = stories
+    opts = geometry.GeometryOptions(num_random=4, random_len=3, num_sentences=3, sentence_len=16, length=48,
+                                    num_queries=3, fractions=[0.05, 0.2, 0.5, 1.0], batch=4)
+    res = geometry.measure(model, tok, 512, opts)
+    # k_sink across random inputs equals a brute-force recomputation from captured keys
+    rnd = common.random_tokens(tok, model.config.vocab_size, 4, 3, 0)
+    k0 = [capture_qkv(model, rnd[i:i + 1])[2].k[0, :, 0] for i in range(4)]  # layer 2, [Hkv, D] each
+    for h in range(k0[0].shape[0]):
+        vals = [float(torch.nn.functional.cosine_similarity(k0[i][h], k0[j][h], dim=0))
+                for i, j in itertools.combinations(range(4), 2)]
+        assert float(res["sink_cos"]["min"][2][h]) == pytest.approx(min(vals), abs=1e-5)
+        assert float(res["sink_cos"]["mean"][2][h]) == pytest.approx(sum(vals) / len(vals), abs=1e-5)
+    for key in ("with_sink", "without_sink"):
+        for layer in res["top_mass"][key]:
+            m = torch.as_tensor(layer)
+            assert (m[1:] >= m[:-1] - 1e-6).all() and m[-1] == pytest.approx(1.0, abs=1e-5)
+    ss = res["score_spread"]
+    assert all((torch.as_tensor(x) >= 0).all() for x in ss["score_range"])
+    table = geometry.per_layer_table(res)
+    assert len(table) == model.config.num_hidden_layers
+    assert ((table["sink_cos_min"] <= table["sink_cos_mean"] + 1e-6) & (table["kavg_cos_min"] <= 1 + 1e-6)).all()
+
+
+def test_geometry_figures_written(stories, tmp_path):
+    model, tok = stories
+    opts = geometry.GeometryOptions(num_random=2, random_len=2, num_sentences=2, sentence_len=8, length=24,
+                                    num_queries=2, fractions=[0.5, 1.0])
+    res = geometry.measure(model, tok, 512, opts)
+    paths = geometry.figures(res, tmp_path, "stories260k", opts)
+    pngs = [p for p in paths if p.suffix == ".png"]
+    assert len(pngs) == 4 and all(p.stat().st_size > 10_000 for p in pngs)
+    assert all(p.exists() for p in paths if p.suffix == ".pdf")
+
+
+def test_error_vs_budget(stories, tmp_path):
+    model, tok = stories
+    opts = error_vs_budget.ErrorOptions(length=64, num_queries=2, layers=[1, 3], budgets=[0.1, 0.5, 1.0],
+                                        magicpig=[[4, 8]], repeats=2)
+    recs = error_vs_budget.measure(model, tok, 512, opts)
+    topk = {(r["layer"], r["budget"]): r for r in recs if r["method"] == "topk"}
+    for layer in (1, 3):
+        assert topk[(layer, 1.0)]["error"] < 1e-5  # every key kept: exact
+        assert topk[(layer, 1.0)]["cost2"] == pytest.approx(1.0)
+        assert topk[(layer, 0.1)]["error"] >= topk[(layer, 0.5)]["error"] - 1e-6
+    oracle = [r for r in recs if r["method"] == "oracle"]
+    assert oracle and all(r["unique"] <= r["draws"] + 1e-9 for r in oracle)
+    # Theorem 3.3 bounds E|S|: the mean over rows, seeds and layers stays under the mean bound
+    assert sum(r["unique"] for r in oracle) <= sum(r["bound"] for r in oracle) + 1e-6
+    mp = [r for r in recs if r["method"] == "magicpig"]
+    assert len(mp) == 4 and all(0 < r["cost2"] <= 1 for r in mp)
+    summary = error_vs_budget.summarize(recs)
+    assert set(summary["layer"]) == {1, 3, "mean"}
+    paths = error_vs_budget.figures(summary, tmp_path, "stories260k", opts, 5)
+    assert {p.name for p in paths if p.suffix == ".png"} == {
+        "fig6_error_vs_budget.png", "fig4_topk_error_per_layer.png", "thm33_oracle_unique_samples.png"}
+    assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_ds_online_scores_brute_force():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 3, 5, generator=g)
+    k = torch.randn(1, 2, 7, 5, generator=g)
+    s = ds_checks.online_scores(q, k, "qk")
+    for h, r, c in itertools.product(range(4), range(3), range(5)):
+        t = 7 - 3 + r  # key index of the row
+        want = sum(abs(float(q[0, h, r, c] * k[0, h // 2, j, c])) for j in range(t + 1)) / (t + 1)
+        assert float(s[0, h, r, c]) == pytest.approx(want, rel=1e-5)
+    rank = ds_checks.rank_channels(torch.tensor([[0.1, 0.9, 0.5, 0.3]]))
+    assert rank.tolist() == [[1, 2, 3, 0]]
+    ov = ds_checks.topk_overlap(rank, torch.tensor([[[0.1, 0.9, 0.5, 0.3]]]), [0.25, 0.5, 1.0])
+    assert torch.allclose(ov, torch.ones_like(ov))  # identical rankings overlap fully
+    ov = ds_checks.topk_overlap(rank, torch.tensor([[[0.9, 0.1, 0.3, 0.5]]]), [0.25, 0.5, 1.0])
+    assert ov[0, 0].tolist() == [0.0, 0.0, 1.0]
+
+
+def test_ds_checks_measure(stories):
+    model, tok = stories
+    opts = ds_checks.DSCheckOptions(block_size=48, calib_blocks=1, online_blocks=1, num_queries=4, hidden_blocks=1,
+                                    ratios=[0.25, 0.5, 1.0])
+    res = ds_checks.measure(model, tok, 512, opts)
+    m = torch.as_tensor(res["overlap_mean"])
+    assert ((m >= 0) & (m <= 1)).all() and m[-1] == pytest.approx(1.0)
+    sim = res["layer_similarity"]
+    assert len(sim["hidden_cos"]) == model.config.num_hidden_layers - 1
+    assert all(-1 <= x <= 1 for x in sim["hidden_cos"] + sim["query_cos"])
+
+
+def test_cli_errors_name_the_bad_value(capsys):
+    assert analysis_main(["geometry", "bogus=1"]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert analysis_main(["nope"]) == 2
+    assert "valid" in capsys.readouterr().err
+    assert analysis_main(["error_vs_budget", "budgets=[0,2]"]) == 2
+    assert "budgets" in capsys.readouterr().err
+    assert analysis_main(["geometry", "model=not_a_model"]) == 2

@@ -1,0 +1,127 @@
+"""The report on the shipped results fixture (synthetic numbers): loading, the tables' numbers and paper
+columns, skipped tables, figures written, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sparse_eval.report import build_tables, load_results, to_latex, to_markdown, write_report
+from sparse_eval.report.__main__ import main as report_main
+from sparse_eval.report.paper import lookup
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "results" / "runs"
+
+
+@pytest.fixture(scope="module")
+def df():
+    return load_results(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    return out, write_report(FIXTURE, out)
+
+
+def _summaries(task: str):
+    for p in sorted((FIXTURE / task).rglob("summary.json")):
+        yield p.parent, json.loads(p.read_text())
+
+
+def test_collected_table_and_runs_folder_agree(df, tmp_path):
+    from sparse_eval.collect import collect, write_table
+
+    paths = write_table(collect(FIXTURE), tmp_path / "results")
+    for p in paths:  # CSV, and parquet where pyarrow is installed
+        other = load_results(p)
+        assert len(other) == len(df)
+        a = df.sort_values("run_dir").reset_index(drop=True)
+        b = other.sort_values("run_dir").reset_index(drop=True)
+        assert list(a["config"]) == list(b["config"])
+        assert (a["score"] - b["score"]).abs().max() < 1e-9
+    assert load_results(tmp_path / "results.csv")["method_name"].notna().all()
+
+
+def test_ruler_table_has_the_fixture_numbers_and_paper_diffs(df):
+    tables = {t.name: t for t in build_tables(df)[0]}
+    t3 = tables["magicpig_table3_ruler"]
+    frame = t3.frame()
+    md = to_markdown(t3)
+    checked = 0
+    for run, s in _summaries("ruler"):
+        m = s["method_config"]
+        if s["model"] != "llama3_1_8b_instruct" or m["name"] != "magicpig" or (m["K"], m["L"]) != (10, 150) \
+                or not m["center"]:
+            continue
+        col = {16384: "16K", 32768: "32K"}[s["task_config"]["length"]]
+        row = frame[(frame["Method"] == "MagicPIG") & (frame["Config"] == "(10,150)")].iloc[0]
+        assert row[col] == pytest.approx(s["score"])  # the run's own aggregate
+        paper = lookup("MagicPIG Table 3", "llama3_1_8b_instruct", "magicpig",
+                       {"K": 10, "L": 150, "center": True, "min_collisions": 2, "mips": False}).values[col]
+        assert row[f"{col}_paper"] == paper
+        assert row[f"{col}_diff"] == pytest.approx(s["score"] - paper)
+        assert f"{s['score']:.1f} ({paper:.1f}, {s['score'] - paper:+.1f})" in md
+        checked += 1
+    assert checked == 2
+    # no centering is not the paper's MagicPIG: no paper column for it
+    nc = frame[frame["Config"] == "(10,150) no centering"].iloc[0]
+    assert nc["16K_paper"] is None or nc["16K_paper"] != nc["16K_paper"]
+    # Avg is compared only when the row has every length the paper averaged (we have 16K and 32K only)
+    assert "Avg_paper" not in frame or all(v is None or v != v for v in frame["Avg_paper"])
+    assert "\\begin{tabular}" in to_latex(t3) and "\\toprule" in to_latex(t3)
+
+
+def test_costs_and_other_tables(df):
+    tables, skipped = build_tables(df)
+    names = {t.name for t in tables}
+    assert {"magicpig_table1_lm_eval", "magicpig_table2_longbench", "magicpig_table5_ruler_70b",
+            "magicpig_table9_cost_by_KL", "magicpig_table12_equal_cost", "magicpig_table13_L120",
+            "ds_table2_ppl_by_sparsity", "ds_table3_channel_types"} <= names
+    t1 = next(t for t in tables if t.name == "magicpig_table1_lm_eval").frame()
+    for run, s in _summaries("lm_eval"):
+        recs = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+        gsm = next(r for r in recs if r["id"].startswith("gsm8k"))
+        label = "MagicPIG" if s["method"] == "magicpig" else "Full"
+        row = t1[t1["Method"] == label].iloc[0]
+        assert row["GSM"] == pytest.approx(100 * gsm["score"])  # lm-eval fractions shown as %
+        assert row["Cost_total"] == pytest.approx(row["Cost1"] + row["Cost2"])
+        assert row["Cost2"] == pytest.approx(sum(r["cost2"] for r in recs) / len(recs))
+    ds2 = next(t for t in tables if t.name == "ds_table2_ppl_by_sparsity").frame()
+    qk = ds2[(ds2["Variant"] == "DS") & (ds2["Channels"] == "qk") & (ds2["Channel sparsity"] == "= token")].iloc[0]
+    assert qk["1/16_paper"] == 5.76 and qk["1/16_diff"] == pytest.approx(qk["1/16"] - 5.76)
+
+
+def test_tables_without_data_are_skipped_with_a_reason(df):
+    tables, skipped = build_tables(df[df["task"] == "wikitext"])
+    assert {t.name for t in tables} == {"ds_table2_ppl_by_sparsity", "ds_table3_channel_types"}
+    assert "ruler" in skipped["magicpig_table3"] and "lm_eval" in skipped["magicpig_table1"]
+
+
+def test_report_files_and_figures(report):
+    out, res = report
+    assert (out / "report.md").read_text().count("### ") == len(res["tables"])
+    for t in res["tables"]:
+        for suffix in (".md", ".tex", ".csv"):
+            assert (out / "tables" / f"{t.name}{suffix}").stat().st_size > 0
+    pngs = {p.name for p in res["figures"] if p.suffix == ".png"}
+    assert {"fig1_topk_retrieval_vs_aggregation.png", "fig6c_oracle_vs_topk.png", "fig9a_centering.png",
+            "fig9bc_magicpig_vs_topk.png", "ds_fig4_retrieval.png", "ds_fig1_ppl_sparsity.png",
+            "ds_fig9_ppl_grid.png", "pareto_ruler_llama3_1_8b_instruct.png"} <= pngs
+    for p in res["figures"]:
+        assert p.stat().st_size > 5_000, p
+    assert not res["skipped_figures"] and not res["skipped_tables"]
+
+
+def test_cli(tmp_path, capsys):
+    from sparse_eval.collect import collect, write_table
+
+    write_table(collect(FIXTURE / "lm_eval"), tmp_path / "results")
+    assert report_main([str(tmp_path / "results.csv"), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "magicpig_table1_lm_eval" in out and "skipped table magicpig_table3" in out
+    assert (tmp_path / "rep" / "tables" / "magicpig_table1_lm_eval.md").exists()
+    assert report_main([str(tmp_path / "missing.csv")]) == 2
+    assert "does not exist" in capsys.readouterr().err
