@@ -132,6 +132,9 @@ class Method:
     # a method that never needs the exact scores of all keys to select (MagicPIG, Quest, DS) can say so;
     # the core then still computes them for the estimation error, but that is measurement, not method cost
     supported_gqa: ClassVar[tuple[str, ...]] = GQA_MODES
+    # a method whose index must know which keys are padding sets this; ``prepare`` then also gets
+    # ``valid``: bool [B, N], the keys the call's last query row may attend (left padding is False)
+    prepare_with_valid: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig):
         self.config = config
@@ -164,9 +167,11 @@ class Method:
         the model's calibrated channels here).  Default: nothing."""
 
     # -- per-layer index ------------------------------------------------------------------------
-    def prepare(self, state: dict[str, Any], k: torch.Tensor, v: torch.Tensor, layer_idx: int, module: Any = None) -> None:
+    def prepare(self, state: dict[str, Any], k: torch.Tensor, v: torch.Tensor, layer_idx: int, module: Any = None,
+                **kwargs: Any) -> None:
         """Bring the method's per-layer index up to date with the keys k [B, Hkv, N, D] (called once per
-        attention call before any selection).  Default: nothing to index."""
+        attention call before any selection; with ``prepare_with_valid`` also ``valid=`` bool [B, N]).
+        Default: nothing to index."""
 
     # -- selection ------------------------------------------------------------------------------
     def select(self, ctx: AttentionContext) -> Selection:  # pragma: no cover - abstract

@@ -100,7 +100,10 @@ def sparse_attention(
     own extras; with ``keep_masks`` also ``keep`` bool [B, Hq, Q, N].
     """
     cfg = method.config
-    method.prepare(state, k, v, layer_idx)
+    if method.prepare_with_valid:  # keys valid for the last query row: left padding is the only invalid key
+        method.prepare(state, k, v, layer_idx, valid=valid[:, 0, -1])
+    else:
+        method.prepare(state, k, v, layer_idx)
     step = state.get("_calls", 0)
     state["_calls"] = step + 1
     b, hq, ql, _ = q.shape

@@ -1,0 +1,406 @@
+"""MagicPIG: LSH (SimHash) sampling with importance correction (MagicPIG, arXiv 2410.16179, §4.3, Algorithm 1).
+
+For one query head with query q and keys k_1..k_n (the static sink/local keys excluded):
+
+* Hashing (§4.3 "Hash function selection"; Alg. 1 line 1).  K·L Gaussian hyperplanes W ∈ R^{d×(K·L)}; table l of
+  a vector x is the K-bit integer of the signs of x·W[:, lK:(l+1)K].  Keys are hashed once (the index), the
+  query at every step.
+* Centering (§4.3 "Data pre-processing").  Keys are hashed as k̄_i = k_i − μ, μ = the mean of the keys being
+  hashed (here: of the non-static, non-padding keys when the table is built).  Softmax is translation invariant,
+  so the output is unchanged; only which keys collide (and u) changes.  ``center=False`` is the ablation of
+  §5.3 / Fig. 9a.
+  The index is built on a layer's first sparse call (after the dense prefill under protocols A/B; on the prefill
+  call itself under protocol S, where μ is then the mean over the prompt's non-static keys) and extended by one
+  key per decoding step with μ kept fixed.
+* Optional MIPS transform (eq. 8): r = max_i |k̄_i|, q̄ = [q, 0], k̄_i = [k̄_i, √(r² − |k̄_i|²)], so that the
+  angle tracks the inner product.  Off by default: the paper's experiments do not use it.
+* Sampling (§4.3, eq. 10).  Key i is sampled when its code equals the query's in at least ``min_collisions``
+  of the L tables (the paper: "at least two hash tables"; ``min_collisions=1`` is the textbook LSH rule).
+  With p_i = 1 − θ_i/π (θ_i the angle between q and k̄_i) each table collides independently with probability
+  p_i^K, so
+
+      u_i = P[Binomial(L, p_i^K) ≥ min_collisions]          (= eq. 10 for min_collisions = 2)
+
+* Estimate (eq. 9, eq. 11): ô = softmax over S ∪ static of (q·k_i/√d − log u_i) · v, with b = 0 for static keys;
+  the shared core (``core.sparse_attention``) computes it from ``Selection(keep=S, bias=−log u)``.
+
+Costs as the paper counts them (§5.1, Table 1): Cost1 = 0 (hashing runs beside the linear layers); the query's
+projection, 2·d·K·L FLOPs, is reported per row as ``proj_cost`` = 2·d·K·L / (4·n·d) (a fraction of full
+attention's 4·n·d FLOPs) and ``sampled`` = |S|.  Cost2 (|S ∪ static| / n) is measured by the core.
+
+Differences from the authors' RULER reference code (``evaluations/RULER/pred/cache_ref.py``), read for facts:
+* it draws one projection matrix per KV head, shared by every 16 layers; here one matrix per layer group
+  (``projection_group`` consecutive layers) is shared by all heads, as §4.4 says ("all heads can share the same
+  random projectors").  Each head's sampling law is the same either way.
+* its static set is sink + the last 64 *prompt* keys + every generated key; here the local window slides (the
+  last ``local`` keys), and keys leaving it are hashed and sampled like the others.
+* it uses −log(u + 1e-4) (``u_offset=1e-4``); eq. 11 and the default here use −log u.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .base import AttentionContext, Method, MethodConfig, Selection
+from .core import static_keys
+from .registry import register
+
+_STATE_KEY = "magicpig"
+_MAX_K = 62  # codes are packed into int64
+_P_MIN = 1e-300  # a sampled key has p > 0; the clamp only keeps log u finite against rounding
+
+
+@dataclass
+class MagicPIGConfig(MethodConfig):
+    name: str = "magicpig"
+    # bits per hash table (SimHash hyperplanes per table); paper configs (K, L): (10,150) RULER/LongBench,
+    # (10,220) and (8,90) lm-eval, (9,120), (8,75)
+    K: int = 10
+    # number of hash tables
+    L: int = 150
+    # a key is sampled when it collides with the query in >= this many tables (eq. 10: 2; 1: textbook LSH)
+    min_collisions: int = 2
+    # center the keys by the mean of the non-static keys before hashing (§4.3); false: the Fig. 9a ablation
+    center: bool = True
+    # eq. 8 simple-LSH transform for maximum inner product search (the paper's experiments do not use it)
+    mips: bool = False
+    # consecutive layers sharing one random projection matrix (1: a matrix per layer; the authors' code: 16)
+    projection_group: int = 1
+    # bias = −log(u + u_offset); eq. 11: 0; the authors' RULER code: 1e-4 (caps 1/u at 10^4)
+    u_offset: float = 0.0
+    sink: int = 4
+    local: int = 64
+    # MagicPIG keeps layers 0 and 16 of a 32-layer Llama dense (§5.1)
+    dense_layers: list[int] = field(default_factory=lambda: [0, 16])
+    gqa: str = "query_head"
+
+
+# -- analytic quantities ---------------------------------------------------------------------------
+
+
+def _upper_terms(m: int, L: int, tol: float = 1e-20) -> int:
+    """Terms j = m, m+1, … of the upper tail needed when the pmf decreases from j = m (mode ≤ m): there
+    pmf(j+1)/pmf(j) < (m+1)/(j+1), so pmf(m+T)/pmf(m) < (m+1)^T m!/(m+T)!; stop once that is below ``tol``."""
+    t = 1
+    while t < L - m + 1 and t * math.log(m + 1) + math.lgamma(m + 1) - math.lgamma(m + t + 1) > math.log(tol):
+        t += 1
+    return min(t + 1, L - m + 1)
+
+
+def log_sampling_probability(p: torch.Tensor, K: int, L: int, min_collisions: int,
+                             element_budget: int = 1 << 24) -> torch.Tensor:
+    """log u, u = P[Binomial(L, p^K) ≥ min_collisions] (eq. 10 for min_collisions = 2), elementwise in float64.
+
+    Exact in log space without cancellation: when the binomial's mode (⌊(L+1)·p^K⌋) exceeds m, u ≥ 1/2 and
+    u = 1 − P[X < m] (m terms); otherwise the pmf decreases from j = m and the upper tail is summed over the
+    terms that matter (relative error < 1e-20, ``_upper_terms``), so tiny u stays exact.  p = 1 gives 0, p = 0
+    gives −inf (clamp p first where −inf must not occur).  At most ``element_budget`` (element, term) pairs
+    exist at once.
+    """
+    p = p.to(torch.float64).clamp(0.0, 1.0)
+    m = int(min_collisions)
+    if m <= 0:
+        return torch.zeros_like(p)
+    if m > L:
+        return torch.full_like(p, -math.inf)
+    dev = p.device
+
+    def log_pmf(j: torch.Tensor, log_r: torch.Tensor, log_1mr: torch.Tensor) -> torch.Tensor:
+        log_c = math.lgamma(L + 1) - torch.lgamma(j + 1) - torch.lgamma(L - j + 1)
+        rest = L - j
+        fail = torch.where(rest > 0, rest * log_1mr, torch.zeros_like(log_1mr))  # 0·(−inf) := 0
+        return log_c + torch.where(j > 0, j * log_r, torch.zeros_like(log_r)) + fail
+
+    j_lo = torch.arange(0, m, dtype=torch.float64, device=dev)  # [m]
+    j_hi = torch.arange(m, m + _upper_terms(m, L), dtype=torch.float64, device=dev)  # [T]
+    flat = p.reshape(-1)
+    out = torch.empty_like(flat)
+    step = max(1, element_budget // (m + j_hi.numel()))
+    for s in range(0, flat.numel(), step):
+        pc = flat[s:s + step, None]
+        log_r = K * torch.log(pc)  # log p^K (−inf at p = 0)
+        log_1mr = torch.log1p(-torch.exp(log_r))  # log(1 − p^K) (−inf at p = 1)
+        upper = torch.logsumexp(log_pmf(j_hi, log_r, log_1mr), dim=-1)
+        lower = torch.logsumexp(log_pmf(j_lo, log_r, log_1mr), dim=-1).clamp_max(0.0)
+        complement = torch.log(-torch.expm1(lower))  # log(1 − P[X < m])
+        big = torch.floor((L + 1) * torch.exp(log_r[:, 0])) > m
+        out[s:s + step] = torch.where(big, complement, upper).clamp_max(0.0)
+    return out.reshape(p.shape)
+
+
+def sampling_probability(p: torch.Tensor | float, K: int, L: int, min_collisions: int = 2) -> torch.Tensor:
+    """u(p) = P[key sampled] for per-table bit agreement p (eq. 10 generalised), float64."""
+    return torch.exp(log_sampling_probability(torch.as_tensor(p, dtype=torch.float64), K, L, min_collisions))
+
+
+def collision_probability(cos: torch.Tensor) -> torch.Tensor:
+    """SimHash per-bit agreement p = 1 − arccos(cos)/π (eq. 10), float64."""
+    return 1.0 - torch.arccos(cos.to(torch.float64).clamp(-1.0, 1.0)) / math.pi
+
+
+def expected_sampling_rate(K: int, L: int, min_collisions: int = 2, p: float = 0.5) -> float:
+    """Expected fraction of sampled keys (the analytic Cost2 of the non-static keys) when every key has bit
+    agreement p with the query; p = 0.5 is a key orthogonal to the query (random centered keys in high
+    dimension).  E.g. (10,150) → 1.0 %; MagicPIG Table 9 measures 2 % on Llama-3.1-8B (real keys spread around
+    p = 0.5, and u is convex there, so the mean of u exceeds u(0.5))."""
+    return float(sampling_probability(p, K, L, min_collisions))
+
+
+def hash_table_bytes(num_layers: int, num_kv_heads: int, L: int, n: int) -> int:
+    """Memory of the authors' CPU hash tables: every key appears once in each of the L tables of each layer and
+    KV head, as a uint16 index up to 65,536 keys and uint32 above (MagicPIG Table 8 / issue #12:
+    32 layers × 8 KV heads × 150 tables × 98,304 keys × 4 B = 14.06 GiB for Llama-3.1-8B at 96K)."""
+    width = 2 if n <= 65536 else 4
+    return int(num_layers) * int(num_kv_heads) * int(L) * int(n) * width
+
+
+def code_dtype(K: int) -> torch.dtype:
+    """Smallest signed integer type that holds a K-bit code."""
+    return torch.int16 if K <= 15 else torch.int32 if K <= 31 else torch.int64
+
+
+def pack_signs(proj: torch.Tensor, K: int, L: int) -> torch.Tensor:
+    """proj [..., L·K] (projections, table-major) -> codes [..., L]: bit b of table l is proj[..., l·K + b] > 0."""
+    dt = code_dtype(K)  # K-bit sums never overflow it
+    bits = (proj > 0).reshape(*proj.shape[:-1], L, K).to(dt)
+    pow2 = torch.pow(2, torch.arange(K, device=proj.device, dtype=torch.int64)).to(dt)
+    return (bits * pow2).sum(-1, dtype=dt)
+
+
+def collision_counts(q_codes: torch.Tensor, k_codes: torch.Tensor, element_budget: int = 1 << 26) -> torch.Tensor:
+    """Number of tables in which each key's code equals the query's.
+
+    q_codes [B, Hq, Q, L], k_codes [B, Hkv, N, L] -> int16 [B, Hq, Q, N].  Never materialises more than
+    ``element_budget`` (query, key, table) comparisons: keys (and, if needed, query rows) are taken in chunks,
+    so one decode step is a handful of vectorised compares whatever N.
+    """
+    b, hq, ql, nt = q_codes.shape
+    hkv, n = k_codes.shape[1], k_codes.shape[2]
+    g = hq // hkv
+    qg = q_codes.reshape(b, hkv, g * ql, 1, nt)
+    out = torch.empty(b, hkv, g * ql, n, dtype=torch.int16, device=q_codes.device)
+    rows = g * ql
+    row_step = max(1, min(rows, element_budget // max(1, b * hkv * nt)))
+    for r0 in range(0, rows, row_step):
+        qr = qg[:, :, r0:r0 + row_step]
+        per_key = b * hkv * qr.shape[2] * nt
+        key_step = max(1, element_budget // per_key)
+        for s in range(0, n, key_step):
+            kk = k_codes[:, :, None, s:s + key_step, :]  # [B, Hkv, 1, n', L]
+            out[:, :, r0:r0 + row_step, s:s + key_step] = (qr == kk).sum(-1, dtype=torch.int16)
+    return out.reshape(b, hq, ql, n)
+
+
+def _mix_seed(seed: int, group: int) -> int:
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(group) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & ((1 << 64) - 1)
+    x ^= x >> 31
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+@register
+class MagicPIG(Method):
+    """LSH sampling + importance-weighted attention (MagicPIG §4.3, Algorithm 1); see the module docstring."""
+
+    name = "magicpig"
+    config_class = MagicPIGConfig
+    supported_gqa = ("query_head",)  # the query's hash codes are per query head
+    prepare_with_valid = True
+    # comparisons materialised at once (memory only; does not change results)
+    element_budget: int = 1 << 26
+
+    def __init__(self, config: MagicPIGConfig):
+        super().__init__(config)
+        self._proj: dict[tuple, torch.Tensor] = {}
+
+    def validate(self, num_layers=None, context=None):
+        super().validate(num_layers, context)
+        c = self.config
+        for what, val, lo in (("K", c.K, 1), ("L", c.L, 1), ("min_collisions", c.min_collisions, 1),
+                              ("projection_group", c.projection_group, 1)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+                raise ValueError(f"method.{what}={val!r}: must be an integer >= {lo}")
+        if c.K > _MAX_K:
+            raise ValueError(f"method.K={c.K}: codes are packed into 64-bit integers; valid: 1..{_MAX_K}")
+        for what in ("center", "mips"):
+            if not isinstance(getattr(c, what), bool):
+                raise ValueError(f"method.{what}={getattr(c, what)!r}: must be true or false")
+        if isinstance(c.u_offset, bool) or not isinstance(c.u_offset, (int, float)) or not c.u_offset >= 0:
+            raise ValueError(f"method.u_offset={c.u_offset!r}: must be a number >= 0 (eq. 11: 0; authors' code: 1e-4)")
+
+    def describe(self) -> str:
+        c = self.config
+        return f"magicpig(K={c.K},L={c.L},min_collisions={c.min_collisions})"
+
+    # -- random projections -----------------------------------------------------------------------
+    def projection(self, layer_idx: int, dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """W [dim, L·K] float32 (table-major columns), N(0, 1) entries drawn on the CPU from a generator seeded by
+        (config.seed, layer_idx // projection_group), then moved to ``device``: reproducible and independent of
+        the batch."""
+        c = self.config
+        group = int(layer_idx) // c.projection_group
+        key = (group, dim, str(device))
+        w = self._proj.get(key)
+        if w is None:
+            gen = torch.Generator(device="cpu").manual_seed(_mix_seed(c.seed, group))
+            w = torch.randn(dim, c.L * c.K, generator=gen, dtype=torch.float32).to(device)
+            self._proj[key] = w
+        return w
+
+    def _chunk(self, per_item: int) -> int:
+        """Items per chunk so that a chunk holds about ``element_budget`` elements."""
+        return max(1, self.element_budget // max(1, per_item))
+
+    def _hash(self, x: torch.Tensor, mean: torch.Tensor | None, r: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+        """Codes [B', H, n, L] of x [B', H, n, D] (keys in any dtype, or queries), taken in chunks along n:
+        x − mean (centering, ``mean`` [B', H, D]), then with ``r`` [B', H] (eq. 8) the extra coordinate
+        √(r² − |x − μ|²) (clamped at 0 for a later key longer than r), projected on W and packed."""
+        c = self.config
+        b, h, n, _ = x.shape
+        out = torch.empty(b, h, n, c.L, dtype=code_dtype(c.K), device=x.device)
+        step = self._chunk(8 * b * h * c.K * c.L)
+        for s in range(0, n, step):
+            xs = x[:, :, s:s + step].float()
+            if mean is not None:
+                xs = xs - mean[:, :, None]
+            if r is not None:
+                extra = (r[:, :, None] ** 2 - xs.pow(2).sum(-1)).clamp_min(0.0).sqrt()
+                xs = torch.cat([xs, extra.unsqueeze(-1)], dim=-1)
+            out[:, :, s:s + step] = pack_signs(torch.matmul(xs, w), c.K, c.L)
+        return out
+
+    def _fix_center(self, k: torch.Tensor, wts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """μ [B', H, D] (mean of the keys with weight 1 in wts [B', N], in float64; zeros without centering) and
+        r [B', H] (max |k − μ| over them, eq. 8) for k [B', H, N, D], in chunks along N."""
+        c = self.config
+        b, h, n, d = k.shape
+        step = self._chunk(2 * b * h * d)
+        mean = torch.zeros(b, h, d, dtype=torch.float64, device=k.device)
+        if c.center:
+            for s in range(0, n, step):
+                mean += torch.einsum("bn,bhnd->bhd", wts[:, s:s + step], k[:, :, s:s + step].double())
+            mean /= wts.sum(-1)[:, None, None]
+        mean = mean.float()
+        r = torch.zeros(b, h, dtype=torch.float32, device=k.device)
+        if c.mips:
+            for s in range(0, n, step):
+                norms = (k[:, :, s:s + step].float() - mean[:, :, None]).norm(dim=-1)
+                norms = norms.masked_fill(wts[:, None, s:s + step] == 0, 0.0)
+                r = torch.maximum(r, norms.amax(-1))
+        return mean, r
+
+    # -- index ------------------------------------------------------------------------------------
+    def prepare(self, state: dict[str, Any], k: torch.Tensor, v: torch.Tensor, layer_idx: int, module: Any = None,
+                valid: torch.Tensor | None = None, **kwargs: Any) -> None:
+        """Hash codes of the keys, kept in ``state["magicpig"]``:
+
+        codes [B, Hkv, capacity, L] (K-bit integers), n (keys indexed), mean [B, Hkv, D] (centering μ),
+        r [B, Hkv] (eq. 8 radius), built [B] (row's μ fixed).  A row's μ is fixed at the first call in which the
+        row has a non-static valid key (normally the first sparse call after prefill): the mean of those keys,
+        padding excluded.  Later keys are hashed incrementally with that μ; a cache with fewer keys than indexed
+        (or different first/last indexed keys, a new batch or device) is re-indexed from scratch.
+        """
+        c = self.config
+        b, hkv, n, d = k.shape
+        dev = k.device
+        if n == 0:
+            return
+        if valid is None:
+            valid = torch.ones(b, n, dtype=torch.bool, device=dev)
+        dim = d + 1 if c.mips else d
+        w = self.projection(layer_idx, dim, dev)
+        sig = (c.K, c.L, c.center, c.mips, c.sink, c.local, c.seed, int(layer_idx) // c.projection_group)
+        st = state.get(_STATE_KEY)
+        if st is not None and not self._reusable(st, k, sig):
+            st = None
+        if st is None:
+            st = {
+                "n": 0, "b": b, "hkv": hkv, "d": d, "device": str(dev), "sig": sig,
+                "codes": torch.empty(b, hkv, max(n, 16), c.L, dtype=code_dtype(c.K), device=dev),
+                "mean": torch.zeros(b, hkv, d, dtype=torch.float32, device=dev),
+                "r": torch.zeros(b, hkv, dtype=torch.float32, device=dev),
+                "built": torch.zeros(b, dtype=torch.bool, device=dev),
+            }
+            state[_STATE_KEY] = st
+        done = st["n"]
+        if n > st["codes"].shape[2]:  # grow geometrically, so appending one key is O(1) amortised
+            grown = torch.empty(b, hkv, max(n, 2 * st["codes"].shape[2]), c.L, dtype=st["codes"].dtype, device=dev)
+            grown[:, :, :done] = st["codes"][:, :, :done]
+            st["codes"] = grown
+        # rows whose table is built now: the first call with a non-static valid key fixes μ (and r)
+        static, _ = static_keys(valid[:, None, None, :], c.sink, c.local)
+        cand = (valid & ~static[:, 0, 0]).to(torch.float64)  # [B, N]: the keys being hashed, padding excluded
+        new_rows = (cand.sum(-1) > 0) & ~st["built"]
+        idx = torch.nonzero(new_rows).flatten() if bool(new_rows.any()) else None
+        if idx is not None:
+            st["mean"][idx], st["r"][idx] = self._fix_center(k[idx], cand[idx])
+            st["built"][idx] = True
+        r = st["r"] if c.mips else None
+        if n > done:  # incremental: hash the keys added since the last call (rows built now are redone below)
+            old = None if idx is None else torch.nonzero(~new_rows).flatten()
+            if old is None:
+                st["codes"][:, :, done:n] = self._hash(k[:, :, done:n], st["mean"], r, w)
+            elif old.numel():
+                st["codes"][old, :, done:n] = self._hash(k[old, :, done:n], st["mean"][old], None if r is None else r[old], w)
+        if idx is not None:  # (re)hash every key of the rows whose μ was just fixed
+            st["codes"][idx, :, :n] = self._hash(k[idx], st["mean"][idx], None if r is None else r[idx], w)
+        st["n"] = n
+        if n:
+            st["ends"] = k[:, :, [0, n - 1]]  # (a copy) to recognise a different cache of the same length
+
+    @staticmethod
+    def _reusable(st: dict[str, Any], k: torch.Tensor, sig: tuple) -> bool:
+        b, hkv, n, d = k.shape
+        if (st["b"], st["hkv"], st["d"], st["device"], st["sig"]) != (b, hkv, d, str(k.device), sig) or n < st["n"]:
+            return False
+        if st["n"] == 0:
+            return True
+        ends = k[:, :, [0, st["n"] - 1]]
+        return ends.dtype == st["ends"].dtype and torch.equal(ends, st["ends"])
+
+    # -- selection --------------------------------------------------------------------------------
+    def select(self, ctx: AttentionContext) -> Selection:
+        c = self.config
+        st = ctx.state[_STATE_KEY]
+        q, k = ctx.q, ctx.k
+        b, hq, ql, d = q.shape
+        n = k.shape[2]
+        w = self.projection(ctx.layer_idx, d + 1 if c.mips else d, q.device)
+        # Alg. 1 line 1: the query's codes (q̄ = [q, 0] under eq. 8, so only the first d rows of W matter)
+        q_codes = self._hash(q, None, None, w[:d])  # [B, Hq, Q, L]
+        counts = collision_counts(q_codes, st["codes"][:, :, :n], self.element_budget)  # [B, Hq, Q, N]
+        keep = (counts >= c.min_collisions) & ctx.candidates
+        bias = torch.zeros(b, hq, ql, n, dtype=torch.float32, device=q.device)
+        bi, hi, qi, ni = torch.nonzero(keep, as_tuple=True)  # the sampled (row, key) pairs only
+        g = ctx.groups
+        step = self._chunk(4 * (d + max(1, c.L - c.min_collisions + 1)))
+        for s in range(0, bi.numel(), step):
+            bs, hs, qs, ns = bi[s:s + step], hi[s:s + step] // g, qi[s:s + step], ni[s:s + step]
+            # eq. 10 on the hashed vectors: cos(q, k̄_i), k̄_i the centered (with mips: transformed) key, float64
+            kr = k[bs, hs, ns].double() - st["mean"][bs, hs].double()  # [M, D]
+            qr = q[bs, hi[s:s + step], qs].double()
+            knorm = kr.norm(dim=-1)
+            if c.mips:
+                knorm = torch.maximum(knorm, st["r"][bs, hs].double())
+            den = knorm * qr.norm(dim=-1)
+            cos = torch.where(den > 0, (kr * qr).sum(-1) / den.clamp_min(1e-300), torch.zeros_like(den))  # 0-vector: p=1/2
+            p = collision_probability(cos).clamp_min(_P_MIN)
+            log_u = log_sampling_probability(p, c.K, c.L, c.min_collisions, self.element_budget // 8)
+            if c.u_offset > 0:
+                log_u = torch.logaddexp(log_u, torch.full_like(log_u, math.log(c.u_offset)))
+            bias[bs, hi[s:s + step], qs, ns] = (-log_u).to(torch.float32)  # eq. 11: s_i − log u_i
+        n_rows = ctx.n_valid.squeeze(-1).clamp_min(1).to(torch.float32)  # [B, 1, Q]
+        dim = d + 1 if c.mips else d
+        stats = {
+            "sampled": keep.sum(-1).to(torch.float32),
+            # the query's K·L projections, 2·dim·K·L FLOPs, as a fraction of full attention (4·n·d)
+            "proj_cost": (2.0 * dim * c.K * c.L / (4.0 * d * n_rows)).expand(b, hq, ql),
+        }
+        return Selection(keep=keep, bias=bias, stats=stats)
+
+    def cost1(self, ctx, sel):
+        """0, as the paper counts it (Table 1): hashing is not attention work; see ``proj_cost`` in the stats."""
+        return 0.0
