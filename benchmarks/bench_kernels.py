@@ -1,0 +1,351 @@
+"""GPU attention-operator benchmark: Double Sparsity and Quest decode kernels vs dense sdpa decode.
+
+Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head dim 128, bf16), one query token per sequence,
+batch 4–32 × context 2K–16K and batch 1–4 × 32K–128K.  Double Sparsity at α = β = 1/16 (r = 8 label channels
+per KV head, top N/16 tokens; labels 16/8/4-bit; selection per query head or shared per KV group), Quest at
+(page size, token fraction) budgets.  The baseline is ``torch.nn.functional.scaled_dot_product_attention`` on
+the same q, K, V (DS paper §6.2.2).  Records per shape: median time (CUDA events; eager launches and a CUDA
+graph replay of the whole step), the bytes each step must move at least (label cache / page bounds + gathered
+K/V rows; dense: all K/V), achieved GB/s, speedup over sdpa, the time of each stage (scores, top-k,
+attention), and the device-to-device copy bandwidth measured in the same run.  Inputs rotate among enough
+copies that every timed step reads from HBM, not L2.
+
+    python benchmarks/bench_kernels.py --out $OUT/kernels              # GPU machine
+    python benchmarks/bench_kernels.py --quick --out /tmp/kb           # CPU smoke check (torch references)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _kernel_bench_util import hardware, print_table, time_cpu, time_cuda, write_json  # noqa: E402
+
+from kernels import ds, quest, sparse_decode  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+G = HQ // HKV
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions (smoke check)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--contexts", type=int, nargs="+", default=None)
+    ap.add_argument("--long-batches", type=int, nargs="+", default=None)
+    ap.add_argument("--long-contexts", type=int, nargs="+", default=None)
+    ap.add_argument("--alpha", type=float, default=1 / 16, help="DS channel ratio r / d")
+    ap.add_argument("--beta", type=float, default=1 / 16, help="DS token ratio k / N")
+    ap.add_argument("--label-bits", type=int, nargs="+", default=None)
+    ap.add_argument("--gqa", nargs="+", default=["kv_head", "query_head"], choices=["kv_head", "query_head"])
+    ap.add_argument("--quest", type=str, nargs="+", default=None,
+                    help="Quest budgets 'page_size,token_fraction' (MagicPIG Table 3: 16,0.04 32,0.06 64,0.08)")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--no-graph", action="store_true", help="time eager launches only")
+    ap.add_argument("--rotate-bytes", type=float, default=4e8, help="inputs rotate until they exceed this")
+    ap.add_argument("--no-tune", action="store_true", help="skip the launch-configuration sweep of the attention")
+    a = ap.parse_args(argv)
+    q = a.quick
+    a.batches = a.batches or ([2] if q else [4, 8, 16, 32])
+    a.contexts = a.contexts or ([512] if q else [2048, 4096, 8192, 16384])
+    a.long_batches = a.long_batches or ([] if q else [1, 4])
+    a.long_contexts = a.long_contexts or ([] if q else [32768, 65536, 131072])
+    a.label_bits = a.label_bits or ([4] if q else [16, 8, 4])
+    a.quest = [(int(p), float(f)) for p, f in (s.split(",") for s in (a.quest or (["16,0.0625"] if q else
+                                                                                 ["16,0.0625", "16,0.04", "32,0.06", "64,0.08"])))]
+    a.reps = a.reps or (3 if q else 50)
+    a.warmup = a.warmup or (1 if q else 10)
+    return a
+
+
+class Timer:
+    def __init__(self, device, args):
+        self.device = device
+        self.args = args
+        self.graph = device.type == "cuda" and not args.no_graph
+
+    def eager(self, fns):
+        """fns: one callable per rotated input set; each timed call takes the next one."""
+        state = {"i": 0}
+
+        def step():
+            state["i"] = (state["i"] + 1) % len(fns)
+            fns[state["i"]]()
+
+        t = time_cuda if self.device.type == "cuda" else time_cpu
+        return t(step, self.args.warmup, self.args.reps)
+
+    def graphed(self, fns):
+        if not self.graph:
+            return None
+        graphs = []
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for f in fns:  # warm-up on a side stream (allocations, autotuning) before capture
+                f()
+        torch.cuda.current_stream().wait_stream(stream)
+        for f in fns:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                f()
+            graphs.append(g)
+        return self.eager([g.replay for g in graphs])
+
+
+def copy_bandwidth(device) -> dict | None:
+    if device.type != "cuda":
+        return None
+    x = torch.empty(int(2e9) // 2, dtype=torch.bfloat16, device=device).normal_()
+    y = torch.empty_like(x)
+    t = time_cuda(lambda: y.copy_(x), 3, 20)
+    return {"bytes_read_plus_written": 2 * x.numel() * 2, "median_ms": t["median_ms"],
+            "gbps": 2 * x.numel() * 2 / (t["median_ms"] * 1e-3) / 1e9}
+
+
+def sdpa_decode(q, k, v):
+    """q [B, Hq, D] -> [B, Hq, D] through sdpa with enable_gqa (no repeated K/V)."""
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True).squeeze(2)
+
+
+def make_inputs(b, n, args, device, gen):
+    dt = torch.bfloat16
+    kv_bytes = b * HKV * n * D * 2 * 2
+    copies = 1 if device.type != "cuda" else max(1, min(8, math.ceil(args.rotate_bytes / kv_bytes)))
+    r = max(1, round(args.alpha * D))
+    sets = []
+    for _ in range(copies):  # drawn on the device (fast), never zeros
+        k = torch.randn(b, HKV, n, D, generator=gen, device=device, dtype=torch.float32).to(dt)
+        v = torch.randn(b, HKV, n, D, generator=gen, device=device, dtype=torch.float32).to(dt)
+        q = torch.randn(b, HQ, D, generator=gen, device=device, dtype=torch.float32).to(dt)
+        channels = torch.stack([torch.randperm(D, generator=gen, device=device)[:r] for _ in range(HKV)])
+        sets.append({"q": q, "k": k, "v": v, "channels": channels})
+    return sets, kv_bytes
+
+
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def bench_shape(b, n, args, device, timer, gen, rows):
+    sets, kv_bytes = make_inputs(b, n, args, device, gen)
+    be = args.backend
+    base = {"batch": b, "context": n, "hq": HQ, "hkv": HKV, "d": D, "dtype": "bfloat16", "copies": len(sets)}
+    out = []
+
+    def record(name, fns, nbytes, extra=None, stages=None):
+        t = timer.eager(fns)
+        rec = {**base, "impl": name, "eager": t, "ms": t["median_ms"], "bytes": nbytes, **(extra or {})}
+        tg = timer.graphed(fns)
+        if tg is not None:
+            rec["graph"] = tg
+            rec["ms_graph"] = tg["median_ms"]
+        best = min(rec["ms"], rec.get("ms_graph", float("inf")))
+        rec["ms_best"] = best
+        rec["gbps"] = nbytes / (best * 1e-3) / 1e9
+        if stages:
+            rec["stages_ms"] = {k: timer.eager(v)["median_ms"] for k, v in stages.items()}
+        out.append(rec)
+        return rec
+
+    dense = record("sdpa", [lambda s=s: sdpa_decode(s["q"], s["k"], s["v"]) for s in sets], kv_bytes)
+    s0 = sets[0]
+    budget = max(1, round(args.beta * n))
+    r = s0["channels"].shape[1]
+    for bits in args.label_bits:
+        caches = [ds.build_label_cache(s["k"], s["channels"], bits) for s in sets]
+        label_bytes = caches[0].nbytes()
+        for gqa in args.gqa:
+            hi = HKV if gqa == "kv_head" else HQ
+            gathered = b * hi * budget * D * 2 * 2
+            fns = [lambda s=s, c=c, gqa=gqa: ds.decode(s["q"], s["k"], s["v"], c, s["channels"], budget, gqa=gqa,
+                                                       backend=be) for s, c in zip(sets, caches)]
+            # stages on precomputed inputs
+            ql = ds.gather_query_channels(s0["q"], s0["channels"])
+            qs = ql.view(b, HKV, G, r).sum(2) if gqa == "kv_head" else ql
+            scores = ds.label_scores(qs, caches[0], backend=be)
+            idx = ds.topk_indices(scores, budget)
+            stages = {
+                "label_scores": [lambda: ds.label_scores(qs, caches[0], backend=be)],
+                "topk": [lambda: ds.topk_indices(scores, budget)],
+                "attention": [lambda: sparse_decode.attention(s0["q"], s0["k"], s0["v"], idx, backend=be)],
+            }
+            o, lse, sel = ds.decode(s0["q"], s0["k"], s0["v"], caches[0], s0["channels"], budget, gqa=gqa, backend=be)
+            o_ref, _ = sparse_decode.attention_reference(s0["q"], s0["k"], s0["v"], sel, out_dtype=torch.float32)
+            rec = record(f"ds_{bits}bit_{gqa}", fns, label_bytes + gathered,
+                         {"label_bits": bits, "gqa": gqa, "alpha": r / D, "beta": budget / n, "budget": budget,
+                          "label_bytes": label_bytes, "gathered_bytes": gathered, "rel_err_vs_reference": rel_err(o, o_ref)},
+                         stages)
+            rec["speedup_vs_sdpa"] = dense["ms_best"] / rec["ms_best"]
+            rec["goal_12x"] = rec["speedup_vs_sdpa"] >= 12.0
+    for ps, frac in args.quest:
+        n_sel = max(1, round(frac * n / ps))
+        meta = [quest.page_metadata(s["k"], ps) for s in sets]
+        p = meta[0][0].shape[2]
+        meta_bytes = 2 * b * HKV * p * D * 2
+        for gqa in args.gqa:
+            hi = HKV if gqa == "kv_head" else HQ
+            gathered = b * hi * min(n, n_sel * ps) * D * 2 * 2
+            fns = [lambda s=s, m=m, gqa=gqa: quest.decode(s["q"], s["k"], s["v"], m[0], m[1], ps, n_sel, gqa=gqa,
+                                                          backend=be) for s, m in zip(sets, meta)]
+            pscores = quest.page_scores(s0["q"], *meta[0], reduce=gqa == "kv_head", backend=be)
+            pages = quest.top_pages(pscores, n_sel)
+            tok = quest.pages_to_tokens(pages, ps, n)
+            stages = {
+                "page_scores": [lambda g=gqa: quest.page_scores(s0["q"], *meta[0], reduce=g == "kv_head", backend=be)],
+                "topk": [lambda: quest.top_pages(pscores, n_sel)],
+                "expand": [lambda: quest.pages_to_tokens(pages, ps, n)],
+                "attention": [lambda: sparse_decode.attention(s0["q"], s0["k"], s0["v"], tok, backend=be)],
+            }
+            o, lse, sel = quest.decode(s0["q"], s0["k"], s0["v"], *meta[0], ps, n_sel, gqa=gqa, backend=be)
+            o_ref, _ = sparse_decode.attention_reference(s0["q"], s0["k"], s0["v"], sel, out_dtype=torch.float32)
+            rec = record(f"quest_p{ps}_{frac:g}_{gqa}", fns, meta_bytes + gathered,
+                         {"page_size": ps, "token_fraction": frac, "pages_selected": n_sel, "gqa": gqa,
+                          "meta_bytes": meta_bytes, "gathered_bytes": gathered, "rel_err_vs_reference": rel_err(o, o_ref)},
+                         stages)
+            rec["speedup_vs_sdpa"] = dense["ms_best"] / rec["ms_best"]
+    rows.extend(out)
+    del sets
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+TUNE_CONFIGS = [  # (BLOCK_N, num_warps, num_stages, split multiplier)
+    (64, 4, None, 1), (64, 4, 2, 1), (64, 4, 4, 1), (64, 8, 3, 1), (32, 4, 3, 1), (32, 4, 2, 1), (128, 8, 3, 1),
+    (16, 4, 3, 1), (64, 4, None, 2), (64, 4, None, 0.5),
+]
+
+
+def tune_attention(b, n, args, device, gen, rows):
+    """Time ``sparse_decode.attention`` alone over N/16 random indices (shared per KV group, and per query head)
+    for several launch configurations: data for choosing the defaults on this GPU."""
+    sets, _ = make_inputs(b, n, args, device, gen)
+    s_len = max(1, round(args.beta * n))
+    for hi, mode in ((HKV, "kv_head"), (HQ, "query_head")):
+        idxs = [torch.stack([torch.randperm(n, device=device, generator=gen)[:s_len] for _ in range(b * hi)])
+                .view(b, hi, s_len).to(torch.int32) for _ in sets]
+        nbytes = b * hi * s_len * D * 2 * 2
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        base_splits, _ = sparse_decode.split_plan(b * hi, s_len, 64, sms)
+        for bn, nw, ns, mult in TUNE_CONFIGS:
+            splits = max(1, int(round(base_splits * mult)))
+            fns = [lambda s=s, ix=ix: sparse_decode.attention(s["q"], s["k"], s["v"], ix, block_n=bn, num_warps=nw,
+                                                              num_stages=ns, num_splits=splits if mult != 1 else None)
+                   for s, ix in zip(sets, idxs)]
+            try:
+                t = (time_cuda if device.type == "cuda" else time_cpu)(lambda: [f() for f in fns], args.warmup, args.reps)
+            except Exception as e:  # a configuration the compiler rejects: record and go on
+                rows.append({"kind": "tune", "batch": b, "context": n, "gqa": mode, "block_n": bn, "num_warps": nw,
+                             "num_stages": ns, "split_mult": mult, "error": str(e)[:300]})
+                continue
+            ms = t["median_ms"] / len(fns)
+            rows.append({"kind": "tune", "batch": b, "context": n, "gqa": mode, "block_n": bn, "num_warps": nw,
+                         "num_stages": ns, "split_mult": mult, "splits": splits if mult != 1 else base_splits,
+                         "ms": ms, "bytes": nbytes, "gbps": nbytes / (ms * 1e-3) / 1e9})
+    del sets
+
+
+def plot(rows, out: Path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    impls = sorted({r["impl"] for r in rows if r["impl"] != "sdpa"})
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4.2), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        for impl in impls:
+            pts = sorted((r["context"], r["speedup_vs_sdpa"]) for r in rows if r["batch"] == b and r["impl"] == impl)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=impl, ms=3)
+        ax.axhline(12, color="gray", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("context")
+        ax.set_ylabel("speedup vs sdpa decode")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    path = out / "kernels_speedup.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.quick:
+        print("no CUDA device: running the CPU smoke check (--quick sizes)")
+        args = parse_args(list(argv or sys.argv[1:]) + ["--quick"])
+    timer = Timer(device, args)
+    hw = hardware()
+    bw = copy_bandwidth(device)
+    if bw:
+        print(f"device-to-device copy: {bw['gbps']:.0f} GB/s (read + write)")
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows: list[dict] = []
+    shapes = [(b, n) for b in args.batches for n in args.contexts] + \
+             [(b, n) for b in args.long_batches for n in args.long_contexts]
+    for b, n in shapes:
+        try:
+            bench_shape(b, n, args, device, timer, gen, rows)
+        except torch.cuda.OutOfMemoryError as e:  # pragma: no cover - GPU only
+            print(f"B={b} N={n}: out of memory ({e}); skipped")
+            torch.cuda.empty_cache()
+        print(f"done B={b} N={n}", flush=True)
+    tune_rows: list[dict] = []
+    if device.type == "cuda" and not args.no_tune and args.backend != "torch":
+        for b, n in ((32, 16384), (1, 131072)) if not args.quick else ((2, 4096),):
+            tune_attention(b, n, args, device, gen, tune_rows)
+    for r in rows + tune_rows:
+        r["hardware"] = {"gpu_name": hw.get("gpu_name"), "cpu_model": hw.get("cpu_model"),
+                         "logical_cpus": hw.get("logical_cpus")}
+        r["copy_gbps"] = bw["gbps"] if bw else None
+        if bw and "gbps" in r:
+            r["frac_of_copy_bw"] = r["gbps"] / bw["gbps"]
+    payload = {"hardware": hw, "copy_bandwidth": bw, "args": {k: str(v) for k, v in vars(args).items()},
+               "records": rows, "tune": tune_rows}
+    path = write_json(args.out, "kernels.json", payload)
+    png = plot(rows, args.out)
+    table = print_table(rows, [
+        ("batch", "B", ""), ("context", "N", ""), ("impl", "impl", ""), ("ms", "eager ms", ".4f"),
+        ("ms_graph", "graph ms", ".4f"), ("gbps", "GB/s", ".0f"), ("speedup_vs_sdpa", "x sdpa", ".2f"),
+        ("rel_err_vs_reference", "rel err", ".1e")])
+    if tune_rows:
+        print("\nsparse attention launch configurations (N/16 random indices):")
+        table += "\n" + print_table(tune_rows, [
+            ("batch", "B", ""), ("context", "N", ""), ("gqa", "selection", ""), ("block_n", "BLOCK_N", ""),
+            ("num_warps", "warps", ""), ("num_stages", "stages", ""), ("splits", "splits", ""), ("ms", "ms", ".4f"),
+            ("gbps", "GB/s", ".0f")])
+    (args.out / "kernels.txt").write_text(table + "\n")
+    best = {}
+    for r in rows:
+        if "speedup_vs_sdpa" in r:
+            key = r["impl"].split("_")[0]
+            if key not in best or r["speedup_vs_sdpa"] > best[key]["speedup_vs_sdpa"]:
+                best[key] = r
+    for key, r in best.items():
+        print(f"best {key}: {r['impl']} at B={r['batch']} N={r['context']}: {r['speedup_vs_sdpa']:.2f}x sdpa")
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

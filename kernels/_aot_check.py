@@ -1,0 +1,92 @@
+"""Compile the Triton kernels for sm_90 (H100/H200) without a GPU and report registers and spills.
+
+    python -m kernels._aot_check            # exit code 1 if a kernel fails to compile or spills
+
+Uses Triton's ahead-of-time path (``ASTSource`` + ``triton.compile`` for a ``GPUTarget``) and the ``ptxas``
+shipped in Triton's NVIDIA backend, so compile errors that the CPU interpreter cannot see (types, layouts,
+unsupported ops) and register spills of the default launch configurations show up on any machine.  Must run
+without ``TRITON_INTERPRET`` (the kernels must be JIT functions).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def _configs():
+    from . import _tl_hash, _tl_scores, _tl_sparse_decode
+
+    sd = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "IDX": "*i32", "CNT": "*i32", "PACC": "*fp32", "PM": "*fp32",
+          "PL": "*fp32", "O": "*bf16", "LSE": "*fp32"}
+    sd32 = {**sd, "Q": "*fp32", "K": "*fp32", "V": "*fp32", "O": "*fp32", "IDX": "*i64"}
+    base = dict(G=4, D=128, BLOCK_D=128, BLOCK_Q=16, BLOCK_N=64, INTERP=False, N_ITER=0)
+    out = []
+    for qpi, cnt, single in ((4, False, False), (1, True, True)):
+        out.append((_tl_sparse_decode._sparse_decode_split, sd,
+                    dict(base, QPI=qpi, HAS_CNT=cnt, SINGLE=single, UPCAST=False), ("qk_scale",), 4))
+    out.append((_tl_sparse_decode._sparse_decode_split, sd32,
+                dict(base, QPI=4, HAS_CNT=False, SINGLE=False, UPCAST=True), ("qk_scale",), 8))
+    out.append((_tl_sparse_decode._sparse_decode_reduce,
+                {"PACC": "*fp32", "PM": "*fp32", "PL": "*fp32", "O": "*bf16", "LSE": "*fp32"},
+                dict(D=128, BLOCK_D=128, BLOCK_S=4), (), 4))
+    lab = {"QL": "*fp32", "SC": "*fp16", "ZE": "*fp16", "LEN": "*i32", "OUT": "*fp32"}
+    for bits, lt in ((16, "*bf16"), (8, "*u8"), (4, "*u8")):
+        out.append((_tl_scores._label_scores_kernel, {**lab, "LAB": lt},
+                    dict(QPL=4, R=8, BLOCK_R=4 if bits == 4 else 8, BITS=bits, REDUCE=bits == 4, HAS_LEN=bits == 8,
+                         BLOCK_N=256), (), 4))
+    out.append((_tl_scores._page_scores_kernel,
+                {"Q": "*bf16", "KMIN": "*bf16", "KMAX": "*bf16", "NP": "*i32", "OUT": "*fp32"},
+                dict(G=4, D=128, BLOCK_D=128, REDUCE=True, HAS_NP=False, BLOCK_P=32), (), 4))
+    out.append((_tl_hash._simhash_kernel, {"X": "*bf16", "W": "*fp32", "OUT": "*i32"},
+                dict(D=128, K=10, BLOCK_M=64, BLOCK_D=128, BLOCK_L=32), (), 8))
+    return out
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the AOT check compiles JIT functions")
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    bad = 0
+    for fn, ptrs, consts, floats, warps in _configs():
+        sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
+        name = f"{fn.__name__}{ {k: v for k, v in consts.items() if k in ('QPI', 'BITS', 'UPCAST', 'REDUCE', 'K')} }"
+        try:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
+                               options={"num_warps": warps})
+        except Exception as e:  # noqa: BLE001 - report every failure
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:800]}")
+            bad += 1
+            continue
+        info = ""
+        if os.path.exists(ptxas):
+            with tempfile.TemporaryDirectory() as d:
+                src = os.path.join(d, "k.ptx")
+                with open(src, "w") as fh:
+                    fh.write(k.asm["ptx"])
+                r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                                   capture_output=True, text=True)
+                info = " | ".join(line.split("info    :")[-1].strip() for line in r.stderr.splitlines()
+                                  if "registers" in line or "spill" in line)
+                if r.returncode != 0:
+                    print(f"FAIL {name}: ptxas: {r.stderr[-800:]}")
+                    bad += 1
+                    continue
+                if " 0 bytes spill stores" not in info:
+                    print(f"SPILL {name} (num_warps={warps}): {info}")
+                    bad += 1
+                    continue
+        print(f"ok   {name} (num_warps={warps}, shared {k.metadata.shared} B): {info}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

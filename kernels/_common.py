@@ -1,0 +1,93 @@
+"""Backend choice shared by the kernel modules.
+
+GPU kernels are written in Triton and run on CUDA tensors; under ``TRITON_INTERPRET=1`` the same kernels run
+on CPU tensors through Triton's interpreter (slow, for tests only).  CPU kernels are numba.  Every public
+function takes ``backend=``:
+
+* ``"auto"``   -- the fast path where it can run (Triton for CUDA tensors, numba for CPU tensors where the
+  module has a numba kernel), the torch reference otherwise;
+* ``"triton"`` / ``"numba"`` -- that path or a clear error;
+* ``"torch"``  -- the ``*_reference`` function.
+
+Nothing here imports triton or numba at module import: the kernel modules are imported by ``import
+transformers`` probes (see the package docstring) and by the accuracy path, which need neither.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from typing import Iterable
+
+import torch
+
+BACKENDS = ("auto", "triton", "numba", "torch")
+
+
+def triton_interpret() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1`` at kernel definition)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@functools.lru_cache(maxsize=None)
+def module_available(name: str) -> bool:
+    if importlib.util.find_spec(name) is None:
+        return False
+    try:
+        importlib.import_module(name)
+    except Exception:  # pragma: no cover - a broken install counts as absent
+        return False
+    return True
+
+
+def triton_available() -> bool:
+    return module_available("triton")
+
+
+def numba_available() -> bool:
+    return module_available("numba")
+
+
+def check_backend(backend: str, allowed: Iterable[str]) -> None:
+    allowed = tuple(allowed)
+    if backend not in allowed:
+        raise ValueError(f"backend={backend!r}: valid values are {list(allowed)}")
+
+
+def resolve_gpu_backend(backend: str, *tensors: torch.Tensor) -> str:
+    """'triton' or 'torch' for a GPU-kernel module (Triton kernel + torch reference)."""
+    check_backend(backend, ("auto", "triton", "torch"))
+    on_cuda = all(t.is_cuda for t in tensors if t is not None)
+    if backend == "auto":
+        return "triton" if on_cuda and triton_available() else "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
+        if not on_cuda and not triton_interpret():
+            raise RuntimeError(
+                "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before the "
+                "first kernel call (or move the tensors to CUDA)"
+            )
+    return backend
+
+
+def resolve_cpu_backend(backend: str) -> str:
+    """'numba' or 'torch' for a CPU-kernel module."""
+    check_backend(backend, ("auto", "numba", "torch"))
+    if backend == "auto":
+        return "numba" if numba_available() else "torch"
+    if backend == "numba" and not numba_available():
+        raise RuntimeError("backend='numba' needs the numba package (pip install numba)")
+    return backend
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def check_heads(hq: int, hkv: int, what: str = "query heads") -> int:
+    if hkv <= 0 or hq % hkv:
+        raise ValueError(f"{what} ({hq}) must be a positive multiple of KV heads ({hkv})")
+    return hq // hkv

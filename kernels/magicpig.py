@@ -1,0 +1,118 @@
+"""MagicPIG (arXiv 2410.16179), the GPU part and the shared math.
+
+SimHash codes (§4.3 "Hash function selection"): W [D, K·L] holds K·L random hyperplanes; for a vector x the
+code of table l is the K-bit integer
+
+    code_l(x) = Σ_{j<K} [x · W[:, l·K + j] > 0] · 2^j         (column l·K + j of W = bit j of table l)
+
+Queries are hashed as they are; keys are hashed after centering (§4.3 "Data pre-processing":
+k̄_i = k_i − mean_i k_i).  ``hash_codes`` is one Triton kernel (projection + sign + bit packing) for
+x [..., D] → codes [..., L] int32; it serves the per-step query codes (q [B, Hq, D]) and the key codes at table
+build.
+
+Sampling probability (eq. 10), with p_i = 1 − arccos(cos(q, k̄_i))/π (eq. 11) and a = p^K:
+
+    u_i = P[key i collides with q in ≥ m of the L tables] = 1 − Σ_{j<m} C(L, j) a^j (1 − a)^{L−j}
+
+m = ``min_collisions`` = 2 in the paper (u = 1 − (1−a)^L − L a (1−a)^{L−1}).  The attention logit of a sampled
+key is q·k_i/√d − log u_i (eq. 11).  ``collision_probability`` evaluates u in float64 without cancellation: for
+small L·a it sums the binomial tail directly (10 terms) instead of subtracting from 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._common import resolve_gpu_backend
+
+__all__ = [
+    "hash_codes", "hash_codes_reference", "random_projections", "center_keys", "collision_probability",
+    "collision_probability_from_cos", "TAIL_TERMS", "TAIL_SWITCH",
+]
+
+TAIL_TERMS = 10  # terms of the direct tail sum (truncation < 1e-12 relative below the switch)
+TAIL_SWITCH = 0.1  # use the tail sum when L·a < this (each term < 1/18 of the one before)
+
+
+def _check_kl(k_bits: int, n_tables: int) -> None:
+    if not 1 <= int(k_bits) <= 16:
+        raise ValueError(f"K={k_bits}: bits per table must lie in [1, 16] (codes are stored as uint16)")
+    if int(n_tables) < 1:
+        raise ValueError(f"L={n_tables}: the number of tables must be >= 1")
+
+
+def random_projections(d: int, k_bits: int, n_tables: int, *, seed: int = 0, device=None,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W [D, K·L] with i.i.d. N(0, 1) entries (SimHash hyperplanes), from a fixed seed."""
+    _check_kl(k_bits, n_tables)
+    gen = torch.Generator().manual_seed(int(seed))
+    return torch.randn(d, k_bits * n_tables, generator=gen).to(device=device, dtype=dtype)
+
+
+def center_keys(k: torch.Tensor, dim: int = -2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k − mean, mean) over the token dimension (float32)."""
+    mean = k.float().mean(dim=dim, keepdim=True)
+    return k.float() - mean, mean.squeeze(dim)
+
+
+def hash_codes_reference(x: torch.Tensor, w: torch.Tensor, k_bits: int, n_tables: int) -> torch.Tensor:
+    """x [..., D], W [D, K·L] -> int32 codes [..., L] (see the module docstring)."""
+    _check_kl(k_bits, n_tables)
+    if w.dim() != 2 or w.shape[0] != x.shape[-1] or w.shape[1] != k_bits * n_tables:
+        raise ValueError(f"W {tuple(w.shape)}: expected [D={x.shape[-1]}, K·L={k_bits * n_tables}]")
+    proj = x.float() @ w.float()  # [..., K·L]
+    bits = (proj > 0).view(*x.shape[:-1], n_tables, k_bits).to(torch.int32)
+    weights = 1 << torch.arange(k_bits, device=x.device, dtype=torch.int32)
+    return (bits * weights).sum(-1, dtype=torch.int32)
+
+
+def hash_codes(x: torch.Tensor, w: torch.Tensor, k_bits: int, n_tables: int, *, backend: str = "auto",
+               block_m: int | None = None, block_l: int | None = None) -> torch.Tensor:
+    """SimHash codes; Triton on CUDA (one kernel: projections, signs, bit packing)."""
+    _check_kl(k_bits, n_tables)
+    if w.dim() != 2 or w.shape[0] != x.shape[-1] or w.shape[1] != k_bits * n_tables:
+        raise ValueError(f"W {tuple(w.shape)}: expected [D={x.shape[-1]}, K·L={k_bits * n_tables}]")
+    if resolve_gpu_backend(backend, x, w) == "torch":
+        return hash_codes_reference(x, w, k_bits, n_tables)
+    from . import _tl_hash
+
+    return _tl_hash.hash_codes(x, w, k_bits, n_tables, block_m=block_m, block_l=block_l)
+
+
+def collision_probability(a: torch.Tensor, n_tables: int, min_collisions: int = 2) -> torch.Tensor:
+    """u = P[Binomial(L, a) ≥ m] in float64, a = p^K (eq. 10 for m = 2)."""
+    m = int(min_collisions)
+    n = int(n_tables)
+    if not 1 <= m <= n:
+        raise ValueError(f"min_collisions={min_collisions}: must lie in [1, L={n_tables}]")
+    a = a.double().clamp(0.0, 1.0)
+    one = a >= 1.0
+    a_s = torch.where(one, torch.full_like(a, 0.5), a)  # keep logs finite; fixed below
+    log_a = torch.log(a_s.clamp_min(1e-300))
+    log_1ma = torch.log1p(-a_s)
+    ratio = a_s / (1.0 - a_s)
+    # direct tail: t_m = C(L,m) a^m (1-a)^(L-m), t_{j+1} = t_j (L-j)/(j+1) · a/(1-a)
+    log_c = math.lgamma(n + 1) - math.lgamma(m + 1) - math.lgamma(n - m + 1)
+    t = torch.exp(log_c + m * log_a + (n - m) * log_1ma)
+    tail = torch.zeros_like(a_s)
+    for j in range(m, min(n, m + TAIL_TERMS - 1) + 1):
+        tail = tail + t
+        t = t * ((n - j) / (j + 1)) * ratio
+    # complement: 1 - Σ_{j<m} t_j, t_0 = (1-a)^L
+    t = torch.exp(n * log_1ma)
+    head = torch.zeros_like(a_s)
+    for j in range(m):
+        head = head + t
+        t = t * ((n - j) / (j + 1)) * ratio
+    comp = 1.0 - head
+    u = torch.where(n * a_s < TAIL_SWITCH, tail, comp)
+    u = torch.where(a_s <= 0, torch.zeros_like(u), u)
+    return torch.where(one, torch.ones_like(u), u).clamp(0.0, 1.0)
+
+
+def collision_probability_from_cos(cos: torch.Tensor, k_bits: int, n_tables: int, min_collisions: int = 2) -> torch.Tensor:
+    """u_i from cos(q, k̄_i): p = 1 − arccos(cos)/π (eq. 11), a = p^K, u by ``collision_probability``."""
+    p = 1.0 - torch.arccos(cos.double().clamp(-1.0, 1.0)) / math.pi
+    return collision_probability(p ** int(k_bits), n_tables, min_collisions)

@@ -1,0 +1,346 @@
+"""MagicPIG CPU kernels (kernels.magicpig_cpu: numba) against brute force and torch references, eq. 10, and the
+exact LSE merge (kernels.merge).  The numba tests skip cleanly without numba; the torch paths always run."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import magicpig, magicpig_cpu, merge_by_lse, sparse_decode
+from kernels._common import numba_available
+
+needs_numba = pytest.mark.skipif(not numba_available(), reason="numba not installed")
+BACKENDS = ["torch", pytest.param("numba", marks=needs_numba)]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _problem(seed, b=2, hq=8, hkv=2, n=1500, d=64, k_bits=6, n_tables=20, dtype=torch.bfloat16, shift=0.5):
+    """Keys with a common offset (so centring matters), their codes after centring, query codes."""
+    gen = _gen(seed)
+    k = (torch.randn(b, hkv, n, d, generator=gen) + shift).to(dtype)
+    v = torch.randn(b, hkv, n, d, generator=gen).to(dtype)
+    q = torch.randn(b, hq, d, generator=gen).to(dtype)
+    kc, mean = magicpig.center_keys(k)
+    w = magicpig.random_projections(d, k_bits, n_tables, seed=seed)
+    kcodes = magicpig.hash_codes_reference(kc, w, k_bits, n_tables)
+    qcodes = magicpig.hash_codes_reference(q, w, k_bits, n_tables)
+    return q, k, v, mean, kcodes, qcodes
+
+
+# ----------------------------------------------------------------------------------------- eq. 10
+def test_collision_probability_matches_binomial_tail_and_paper_form():
+    n_tables = 150
+    a = torch.tensor([0.0, 1e-12, 1e-8, 1e-5, 1e-3, 0.01, 0.3, 0.9, 1.0], dtype=torch.float64)
+    for m in (1, 2, 3):
+        u = magicpig.collision_probability(a, n_tables, m)
+        # exact tail Σ_{j≥m} C(L, j) a^j (1-a)^(L-j) in high precision via lgamma, term by term
+        exact = []
+        for x in a.tolist():
+            if x == 0.0:
+                exact.append(0.0)
+                continue
+            if x == 1.0:
+                exact.append(1.0)
+                continue
+            s = 0.0
+            for j in range(m, n_tables + 1):
+                s += math.exp(math.lgamma(n_tables + 1) - math.lgamma(j + 1) - math.lgamma(n_tables - j + 1)
+                              + j * math.log(x) + (n_tables - j) * math.log1p(-x))
+            exact.append(s)
+        exact = torch.tensor(exact, dtype=torch.float64)
+        assert torch.allclose(u, exact, rtol=1e-9, atol=0.0), (m, u, exact)
+    # the paper's closed form (eq. 10, m = 2) where it does not cancel
+    a = torch.tensor([0.01, 0.05, 0.2], dtype=torch.float64)
+    paper = 1 - (1 - a) ** n_tables - n_tables * a * (1 - a) ** (n_tables - 1)
+    assert torch.allclose(magicpig.collision_probability(a, n_tables, 2), paper, rtol=1e-12)
+    with pytest.raises(ValueError, match="min_collisions"):
+        magicpig.collision_probability(a, 4, 5)
+
+
+def test_sampling_rate_matches_eq10():
+    """Empirical P[key sampled] over random hyperplanes ≈ u from eq. 10 at the pair's angle."""
+    gen = _gen(1)
+    d, k_bits, n_tables, trials = 32, 3, 12, 600
+    q = torch.randn(d, generator=gen)
+    x = torch.randn(d, generator=gen)
+    x = x - (x @ q) / (q @ q) * q
+    k = 0.8 * q / q.norm() + 0.6 * x / x.norm()  # cos = 0.8
+    hits = 0
+    for t in range(trials):
+        w = torch.randn(d, k_bits * n_tables, generator=gen)
+        qc = magicpig.hash_codes_reference(q.view(1, d), w, k_bits, n_tables)
+        kc = magicpig.hash_codes_reference(k.view(1, d), w, k_bits, n_tables)
+        hits += int((qc == kc).sum() >= 2)
+    u = float(magicpig.collision_probability_from_cos(torch.tensor(0.8), k_bits, n_tables, 2))
+    sd = math.sqrt(u * (1 - u) / trials)
+    assert abs(hits / trials - u) < 5 * sd
+
+
+# ----------------------------------------------------------------------------------------- tables + sampling
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tables_are_bucketed_sorts(backend):
+    _, _, _, _, kcodes, _ = _problem(2, n=700)
+    t = magicpig_cpu.build_tables(kcodes, 6, keep_codes=True, backend=backend)
+    ref = magicpig_cpu.build_tables_reference(kcodes, 6)
+    assert torch.equal(t.perm, ref.perm) and torch.equal(t.offsets, ref.offsets)
+    assert t.perm.dtype == t.offsets.dtype == torch.int32 and t.codes.dtype == torch.uint16
+    b, h, n, l_ = kcodes.shape
+    assert t.offsets.shape == (b, h, l_, 65) and int(t.offsets[..., -1].min()) == n
+    # every bucket holds exactly the keys with that code, ascending (stable sort)
+    for c in (0, 17, 63):
+        lo, hi = t.offsets[1, 0, 3, c], t.offsets[1, 0, 3, c + 1]
+        keys = t.perm[1, 0, 3, lo:hi]
+        assert torch.equal(keys, torch.nonzero(kcodes[1, 0, :, 3] == c).flatten().to(torch.int32))
+    assert torch.equal(t.key_codes(), kcodes)
+    assert torch.equal(ref.key_codes(), kcodes)  # recovered from the buckets
+    assert t.nbytes() == 4 * b * h * l_ * (n + 65) + 2 * b * h * l_ * n
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("min_collisions", [1, 2, 3])
+def test_sample_equals_brute_force(backend, min_collisions):
+    _, _, _, _, kcodes, qcodes = _problem(3 + min_collisions)
+    tables = magicpig_cpu.build_tables(kcodes, 6, backend=backend)
+    idx, cnt = magicpig_cpu.sample(tables, qcodes, min_collisions, backend=backend)
+    ref_idx, ref_cnt = magicpig_cpu.sample_reference(kcodes, qcodes, min_collisions)
+    assert torch.equal(cnt, ref_cnt)
+    assert torch.equal(idx, ref_idx)  # ascending, −1 padded
+    assert int(cnt.min()) > 0 and int(cnt.max()) < kcodes.shape[2]  # a non-trivial sample
+
+
+@needs_numba
+def test_sample_unsorted_is_same_set_and_bad_codes_match_nothing():
+    _, _, _, _, kcodes, qcodes = _problem(9)
+    tables = magicpig_cpu.build_tables(kcodes, 6)
+    idx, cnt = magicpig_cpu.sample(tables, qcodes, 2)
+    idx_u, cnt_u = magicpig_cpu.sample(tables, qcodes, 2, sort=False)
+    assert torch.equal(cnt, cnt_u)
+    assert torch.equal(torch.sort(torch.where(idx_u < 0, 1 << 30, idx_u), -1).values,
+                       torch.where(idx < 0, 1 << 30, idx))
+    bad = qcodes.clone()
+    bad[0, 0] = -1  # out of range: no bucket
+    bad[0, 1] = 64
+    idx_b, cnt_b = magicpig_cpu.sample(tables, bad, 1)
+    assert int(cnt_b[0, 0]) == 0 and int(cnt_b[0, 1]) == 0
+
+
+def test_table_input_errors():
+    with pytest.raises(ValueError, match="range"):
+        magicpig_cpu.build_tables(torch.full((1, 1, 4, 2), 64), 6)
+    with pytest.raises(ValueError, match="K=17"):
+        magicpig_cpu.build_tables(torch.zeros(1, 1, 4, 2, dtype=torch.int32), 17)
+    tables = magicpig_cpu.build_tables_reference(torch.zeros(1, 2, 4, 3, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="q_codes"):
+        magicpig_cpu.sample(tables, torch.zeros(1, 4, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple"):
+        magicpig_cpu.sample(tables, torch.zeros(1, 3, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="backend"):
+        magicpig_cpu.sample(tables, torch.zeros(1, 4, 3, dtype=torch.int32), backend="gpu")
+
+
+# ----------------------------------------------------------------------------------------- attention
+def _brute_attention(q, k, v, idx, cnt, mean, k_bits, n_tables, m, scaling):
+    """Per-row loop in float64, straight from eq. 11."""
+    b, hq, d = q.shape
+    g = hq // k.shape[1]
+    o = torch.zeros(b, hq, d, dtype=torch.float64)
+    lse = torch.full((b, hq), float("-inf"), dtype=torch.float64)
+    for bi in range(b):
+        for h in range(hq):
+            ids = idx[bi, h, : int(cnt[bi, h])].long()
+            if len(ids) == 0:
+                continue
+            ks = k[bi, h // g, ids].double()
+            vs = v[bi, h // g, ids].double()
+            qq = q[bi, h].double()
+            kc = ks - mean[bi, h // g].double()
+            cos = (kc @ qq) / (kc.norm(dim=-1) * qq.norm())
+            u = magicpig.collision_probability_from_cos(cos, k_bits, n_tables, m)
+            logit = ks @ qq * scaling - torch.log(u)
+            lse[bi, h] = torch.logsumexp(logit, 0)
+            o[bi, h] = torch.softmax(logit, 0) @ vs
+    return o, lse
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_matches_eq11(backend):
+    q, k, v, mean, kcodes, qcodes = _problem(4)
+    tables = magicpig_cpu.build_tables_reference(kcodes, 6)
+    idx, cnt = magicpig_cpu.sample(tables, qcodes, 2, backend="torch")
+    cnt[1, 3] = 0  # an empty row: o = 0, lse = -inf
+    o, lse = magicpig_cpu.attention(q, k, v, idx, cnt, k_bits=6, n_tables=20, k_mean=mean, backend=backend)
+    o_ref, lse_ref = _brute_attention(q.float(), k, v, idx, cnt, mean, 6, 20, 2, 1 / 8)
+    assert o.dtype == lse.dtype == torch.float32
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)) and bool(torch.isinf(lse[1, 3]))
+    fin = torch.isfinite(lse_ref)
+    assert torch.allclose(lse[fin].double(), lse_ref[fin], atol=1e-4, rtol=1e-5)
+    assert torch.allclose(o.double(), o_ref, atol=1e-4, rtol=1e-4)
+    assert (o[1, 3] == 0).all()
+    # the correction matters: without it the output differs
+    o_plain, _ = magicpig_cpu.attention(q, k, v, idx, cnt, k_bits=6, n_tables=20, k_mean=mean, correct=False,
+                                        backend=backend)
+    assert float((o_plain - o).abs().max()) > 1e-3
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.float32, marks=pytest.mark.slow)])
+def test_attention_other_storage_dtypes(dtype):
+    q, k, v, mean, kcodes, qcodes = _problem(5, dtype=dtype, n=600)
+    idx, cnt = magicpig_cpu.sample_reference(kcodes, qcodes, 2)
+    o, lse = magicpig_cpu.attention(q, k, v, idx, cnt, k_bits=6, n_tables=20, k_mean=mean)
+    o_ref, lse_ref = magicpig_cpu.attention_reference(q, k, v, idx, cnt, k_bits=6, n_tables=20, k_mean=mean)
+    assert torch.allclose(o, o_ref, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(lse, lse_ref, atol=1e-4, rtol=1e-5)
+
+
+@needs_numba
+def test_half_and_bfloat16_widening_is_exact():
+    import numpy as np
+
+    from kernels import _nb_magicpig as nb
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    out = np.empty(bits.shape, np.float32)
+    nb.to_f32_array(bits.view(np.int16), out)  # float16 bit patterns (normal, subnormal, ±0, inf, NaN)
+    ref = bits.view(np.float16).astype(np.float32)
+    assert np.array_equal(np.isnan(out), np.isnan(ref))
+    assert np.array_equal(out[~np.isnan(ref)], ref[~np.isnan(ref)])
+    nb.to_f32_array(bits, out)  # bfloat16 bit patterns
+    ref = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy()
+    assert np.array_equal(np.isnan(out), np.isnan(ref))
+    assert np.array_equal(out[~np.isnan(ref)], ref[~np.isnan(ref)])
+
+
+@needs_numba
+def test_attention_padding_strides_threads_and_errors():
+    q, k, v, mean, kcodes, qcodes = _problem(6, n=400)
+    idx, cnt = magicpig_cpu.sample_reference(kcodes, qcodes, 2)
+    # count omitted: every index >= 0 is used, wherever the padding sits
+    shuffled = torch.cat([torch.full_like(idx[..., :3], -1), idx], -1)
+    o1, l1 = magicpig_cpu.attention(q, k, v, shuffled, None, k_bits=6, n_tables=20, k_mean=mean)
+    o2, l2 = magicpig_cpu.attention(q, k, v, idx, cnt, k_bits=6, n_tables=20, k_mean=mean)
+    assert torch.allclose(o1, o2, atol=1e-6) and torch.allclose(l1, l2, atol=1e-6)
+    # a slice of a larger preallocated cache is read in place; any thread count gives the same result
+    big_k = torch.zeros(2, 2, 500, 64, dtype=k.dtype)
+    big_v = torch.zeros_like(big_k)
+    big_k[:, :, :400], big_v[:, :, :400] = k, v
+    before = magicpig_cpu.get_num_threads()
+    try:
+        magicpig_cpu.set_num_threads(1)
+        o3, l3 = magicpig_cpu.attention(q, big_k[:, :, :400], big_v[:, :, :400], idx, cnt, k_bits=6, n_tables=20,
+                                        k_mean=mean, prefetch=0)
+    finally:
+        magicpig_cpu.set_num_threads(before)
+    assert torch.allclose(o3, o2, atol=1e-6) and torch.allclose(l3, l2, atol=1e-6)
+    bad = idx.clone()
+    bad[0, 0, 0] = 400
+    with pytest.raises(ValueError, match="N=400"):
+        magicpig_cpu.attention(q, k, v, bad, cnt, k_bits=6, n_tables=20)
+    with pytest.raises(ValueError, match="threads"):
+        magicpig_cpu.set_num_threads(0)
+    with pytest.raises(ValueError, match="KV dtype"):
+        magicpig_cpu.attention(q, k.to(torch.float64), v.to(torch.float64), idx, cnt, k_bits=6, n_tables=20)
+
+
+def test_cpu_features_reports_the_machine():
+    info = magicpig_cpu.cpu_features()
+    assert info["logical_cpus"] >= 1
+    if numba_available():
+        assert isinstance(info["avx512f"], bool) and info["numba_threads"] >= 1
+
+
+# ----------------------------------------------------------------------------------------- LSE merge
+def test_merge_two_halves_equals_union():
+    gen = _gen(8)
+    b, hq, hkv, n, d = 2, 8, 2, 300, 32
+    q = torch.randn(b, hq, d, generator=gen)
+    k = torch.randn(b, hkv, n, d, generator=gen)
+    v = torch.randn(b, hkv, n, d, generator=gen)
+    union = torch.stack([torch.randperm(n, generator=gen)[:60] for _ in range(b * hq)]).view(b, hq, 60)
+    o, lse = sparse_decode.attention_reference(q, k, v, union, out_dtype=torch.float32)
+    o1, l1 = sparse_decode.attention_reference(q, k, v, union[..., :25], out_dtype=torch.float32)
+    o2, l2 = sparse_decode.attention_reference(q, k, v, union[..., 25:], out_dtype=torch.float32)
+    om, lm = merge_by_lse(o1, l1, o2, l2)
+    assert torch.allclose(om, o, atol=1e-5) and torch.allclose(lm, lse, atol=1e-5)
+    # an empty part (lse = -inf, o = NaN even) leaves the other unchanged; two empty parts give 0 / -inf
+    inf = torch.full_like(l1, float("-inf"))
+    om, lm = merge_by_lse(o1, l1, torch.full_like(o1, float("nan")), inf)
+    assert torch.allclose(om, o1) and torch.equal(lm, l1)
+    om, lm = merge_by_lse(o1, inf, o2, inf)
+    assert (om == 0).all() and torch.isinf(lm).all()
+    with pytest.raises(ValueError, match="merge_by_lse"):
+        merge_by_lse(o1, l1[..., :1], o2, l2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_magicpig_cpu_part_merges_with_static_gpu_part(backend):
+    """MagicPIG's split (§4.4): sampled keys on the CPU with −log u, sink + local keys (u = 1) elsewhere;
+    the LSE merge equals one softmax over both parts' logits (eq. 11 with u = 1 for static keys)."""
+    q, k, v, mean, kcodes, qcodes = _problem(7, n=800)
+    b, hq, d = q.shape
+    static = torch.cat([torch.arange(4), torch.arange(800 - 64, 800)])  # sink 4, local 64
+    cand = torch.ones(800, dtype=torch.bool)
+    cand[static] = False
+    off = torch.nonzero(cand).flatten()  # offloaded keys: tables are over these only
+    tables = magicpig_cpu.build_tables(kcodes[:, :, off], 6, backend=backend)
+    idx, cnt = magicpig_cpu.sample(tables, qcodes, 2, backend=backend)
+    k_off, v_off = k[:, :, off].contiguous(), v[:, :, off].contiguous()
+    o_cpu, l_cpu = magicpig_cpu.attention(q, k_off, v_off, idx, cnt, k_bits=6, n_tables=20, k_mean=mean,
+                                          backend=backend)
+    st = static.view(1, 1, -1).expand(b, hq, -1).to(torch.int32)
+    o_gpu, l_gpu = sparse_decode.attention_reference(q.float(), k, v, st, out_dtype=torch.float32)
+    o, lse = merge_by_lse(o_cpu, l_cpu, o_gpu, l_gpu)
+    o_ref, lse_ref = _brute_attention(q.float(), k_off, v_off, idx, cnt, mean, 6, 20, 2, d ** -0.5)
+    # union by hand: concatenate logits (static keys with u = 1)
+    g = hq // k.shape[1]
+    for bi in range(b):
+        for h in range(hq):
+            ids = off[idx[bi, h, : int(cnt[bi, h])].long()]
+            ks, vs = k[bi, h // g].double(), v[bi, h // g].double()
+            qq = q[bi, h].double()
+            kc = ks[ids] - mean[bi, h // g].double()
+            u = magicpig.collision_probability_from_cos((kc @ qq) / (kc.norm(dim=-1) * qq.norm()), 6, 20, 2)
+            logits = torch.cat([ks[ids] @ qq * d ** -0.5 - torch.log(u), ks[static] @ qq * d ** -0.5])
+            rows = torch.cat([ids, static])
+            assert torch.allclose(o[bi, h].double(), torch.softmax(logits, 0) @ vs[rows], atol=1e-4)
+            assert abs(float(lse[bi, h]) - float(torch.logsumexp(logits, 0))) < 1e-4
+    assert torch.allclose(l_cpu.double(), lse_ref, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------- packaging
+def test_import_is_light_and_not_mistaken_for_hf_kernels():
+    """``import kernels`` pulls in neither triton nor numba, and transformers' probe for the unrelated Hugging
+    Face ``kernels`` package stays False with this package on the path."""
+    code = (
+        "import sys, kernels, kernels.ds, kernels.quest, kernels.magicpig, kernels.magicpig_cpu, kernels.merge\n"
+        "assert 'triton' not in sys.modules and 'numba' not in sys.modules, sorted(m for m in sys.modules if m in ('triton','numba'))\n"
+        "from transformers.utils import import_utils\n"
+        "assert not import_utils.is_kernels_available()\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_torch_fallback_without_numba(monkeypatch):
+    """backend='auto' without numba: the torch path, same results, one RuntimeWarning."""
+    import kernels._common as common
+
+    _, _, _, _, kcodes, qcodes = _problem(10, n=300)
+    ref = magicpig_cpu.sample_reference(kcodes, qcodes, 2)
+    monkeypatch.setattr(common, "numba_available", lambda: False)
+    monkeypatch.setattr(magicpig_cpu, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="numba"):
+        tables = magicpig_cpu.build_tables(kcodes, 6)
+    idx, cnt = magicpig_cpu.sample(tables, qcodes, 2)
+    assert torch.equal(idx, ref[0]) and torch.equal(cnt, ref[1])
+    with pytest.raises(RuntimeError, match="numba"):
+        magicpig_cpu.sample(tables, qcodes, 2, backend="numba")
