@@ -1,0 +1,58 @@
+"""Where a method's accuracy path spends its time: torch.profiler over a few decode steps.
+
+    python benchmarks/profile_method.py --model llama3_8b_random --context 16384 --method magicpig
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_accuracy_path import build_model, time_decode  # noqa: E402
+from sparse_eval.attention.plugin import Runtime, attach, detach, make_cache  # noqa: E402
+from sparse_eval.methods import build_method, make_config  # noqa: E402
+from sparse_eval.runner import method_options  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="stories260k")
+    ap.add_argument("--context", type=int, default=448)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--method", default="magicpig")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--error", action="store_true")
+    ap.add_argument("--rows", type=int, default=30)
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32, args.layers)
+    ids = torch.randint(3, model.config.vocab_size, (1, args.context)).to(device)
+    cache = make_cache(model)
+    with torch.inference_mode():
+        first = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    opts = method_options(args.method)
+    n_layers = model.config.num_hidden_layers
+    opts["dense_layers"] = [i for i in opts.get("dense_layers", []) if i < n_layers] or [0]
+    if args.method == "double_sparsity":
+        hd = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        opts["channels"] = [list(range(hd))] * model.config.num_attention_heads
+    method = build_method(make_config(args.method, opts))
+    method.setup(model, args.model)
+    attach(model, method, Runtime(protocol="A", compute_error=args.error))
+    time_decode(model, cache, args.context, first, 2, device)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        ms = time_decode(model, cache, args.context, first, args.steps, device)
+    detach(model)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(f"{args.method}: {ms:.2f} ms/step")
+    print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
