@@ -24,7 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sparse_eval.attention.plugin import Runtime, attach, detach, make_cache  # noqa: E402
+from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, make_cache  # noqa: E402
 from sparse_eval.methods import build_method, make_config  # noqa: E402
 from sparse_eval.results import hardware, versions  # noqa: E402
 from sparse_eval.runner import method_options  # noqa: E402
@@ -66,7 +66,7 @@ def time_decode(model, cache, prefill_len: int, first_token: torch.Tensor, steps
     sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        logits = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
         tok = logits.argmax(-1, keepdim=True)
     sync(device)
     return (time.perf_counter() - t0) * 1000.0 / steps
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     ids = torch.randint(3, vocab, (args.batch, args.context), generator=g).to(device)
     cache = make_cache(model)
     with torch.inference_mode():
-        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
     first = logits.argmax(-1, keepdim=True)
 
     methods = []

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_accuracy_path import build_model, time_decode  # noqa: E402
-from sparse_eval.attention.plugin import Runtime, attach, detach, make_cache  # noqa: E402
+from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, make_cache  # noqa: E402
 from sparse_eval.methods import build_method, make_config  # noqa: E402
 from sparse_eval.runner import method_options  # noqa: E402
 
@@ -34,7 +34,7 @@ def main() -> None:
     ids = torch.randint(3, model.config.vocab_size, (1, args.context)).to(device)
     cache = make_cache(model)
     with torch.inference_mode():
-        first = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        first = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
     opts = method_options(args.method)
     n_layers = model.config.num_hidden_layers
     opts["dense_layers"] = [i for i in opts.get("dense_layers", []) if i < n_layers] or [0]

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .attention.plugin import SparseSession, make_cache
+from .attention.plugin import SparseSession, cache_kwargs, make_cache
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Engine:
         self.protocol = session.runtime.protocol
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
+        self._cache_kw = next(iter(cache_kwargs(model, None)))  # "cache" (transformers >= 5.24) or "past_key_values"
 
     def _ids(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         t = torch.as_tensor(ids, dtype=torch.long, device=self.device)
@@ -41,7 +42,7 @@ class Engine:
         step = self.prefill_chunk or ids.shape[1]
         logits = []
         for start in range(0, ids.shape[1], step):
-            out = self.model(input_ids=ids[:, start:start + step], cache=cache, use_cache=cache is not None)
+            out = self.model(input_ids=ids[:, start:start + step], use_cache=cache is not None, **{self._cache_kw: cache})
             logits.append(out.logits)
         return logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
 
@@ -97,7 +98,7 @@ class Engine:
                         break
                 if len(out) == max_new_tokens:
                     break
-                logits = self.model(input_ids=self._ids([nxt]), cache=cache, use_cache=True).logits[:, -1]
+                logits = self.model(input_ids=self._ids([nxt]), use_cache=True, **{self._cache_kw: cache}).logits[:, -1]
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         if stopped == "stop_string":
             cut = min(text.index(s) for s in stop_strings if s in text)

@@ -79,6 +79,15 @@ def make_cache(model: torch.nn.Module) -> SparseCache:
     return SparseCache(model.config.get_text_config().num_hidden_layers)
 
 
+def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """The forward keyword that takes a cache: ``cache`` from transformers 5.24, ``past_key_values`` before
+    (an unknown keyword would be swallowed by ``**kwargs`` and the model would silently make its own cache)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
 def _layer_state(cache: Any, layer_idx: int) -> dict[str, Any]:
     if cache is None or not hasattr(cache, "layers") or layer_idx >= len(cache.layers):
         return {}  # no cache: every call indexes from scratch (teacher-forced perplexity)
