@@ -20,6 +20,7 @@ from .engine import Engine
 from .methods import build_method, make_config
 from .models.loading import ModelConfig, load_model, max_context
 from .results import SampleLog, provenance, run_dir_for, write_summary
+from .status import clear_failure, run_lock, write_failure, write_progress
 from .tasks import build_task
 
 log = logging.getLogger("sparse_eval")
@@ -108,6 +109,7 @@ class Experiment:
             samples_log.drop_failed()
         samples = self.samples()
         todo = [s for s in samples if not samples_log.done(s.id)]
+        write_progress(run_dir, len(samples), len(samples) - len(todo))  # for `python -m sparse_eval.status`
         method = build_method(make_config(method_opts["name"], method_opts))
         method.validate(num_layers=self.num_layers, context=self.context)
         method.setup(self.model, self.model_cfg.name)
@@ -237,7 +239,20 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
 def run(cfg: Any) -> list[dict[str, Any]]:
     exp = Experiment(cfg)
     methods = exp.method_configs()
-    summaries = [exp.run_method(m) for m in methods]
+    summaries = []
+    for m in methods:
+        run_dir = run_dir_for(cfg.paths.runs_dir, exp.identity(m))
+        try:
+            with run_lock(run_dir):  # one process per run dir: a duplicate job waits, then finds the samples done
+                clear_failure(run_dir)
+                summaries.append(exp.run_method(m))
+        except Exception as exc:  # recorded in the run dir (failed.json) for sweeps and `sparse_eval.status`
+            write_failure(run_dir, exc)
+            try:
+                exc.run_dir = str(run_dir)  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+            raise
     if cfg.print_table:
         first = summaries[0]
         print(f"\nmodel={first['model']} task={first['task']} protocol={first['protocol']} "

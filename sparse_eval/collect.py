@@ -1,0 +1,237 @@
+"""Every run under a folder gathered into one tidy table (CSV and parquet).
+
+    python -m sparse_eval.collect runs/                       # writes runs/results.csv and runs/results.parquet
+    python -m sparse_eval.collect runs/ruler --out /tmp/ruler  # /tmp/ruler.csv, /tmp/ruler.parquet
+    python -m sparse_eval.collect runs/ --no-subtasks          # one row per run
+
+One row per (model, method with its parameters, task with its parameters, subtask, length, protocol, seed).  A
+run (``<runs_dir>/<task>/<model>/<method>-<hash>``: config.yaml, samples.jsonl, summary.json, meta.json) gives one
+row per subtask and length found in its per-sample records (fields ``subtask`` -- or ``lm_eval_task`` -- and,
+for tasks with a ``length`` setting, ``length``), plus one row ``subtask = "all"`` with the task's own aggregate
+over all its samples when it has several subtasks.  Scores of a row are the task's own ``aggregate`` over that
+row's finished samples (e.g. perplexity = exp(mean NLL), LongBench = mean of per-dataset means), so a subtask row
+equals what the task reports for that subtask.
+
+Columns (see also docs/sweeps.md):
+
+  model, model_path                  model config name and path
+  method, method_config              method name; "name-key=value-..." of its own parameters (results.method_label)
+  method.<field>                     every method field (budget, K, L, page_size, alpha, beta, ...; NaN if absent)
+  sink, local, dense_layers, gqa     the shared method fields (dense_layers as "0,16")
+  task, task_config                  task name; its config as JSON (all fields)
+  subtask, length                    from the per-sample records ("all": the whole run; length: the task's
+                                     length setting, or the records' when they vary)
+  protocol, prefill_chunk, seed      evaluation settings
+  metric, score                      the task's headline metric name and value for this row
+  cost1, cost2, est_error, static_frac, empty_selections
+                                     means over the row's samples (each sample's value is a mean over sparse
+                                     layers, heads and query rows): Cost1 search/sampling FLOPs ratio, Cost2
+                                     attended-key fraction, relative L2 error of the attention output
+  samples, failed_samples            finished / errored sample records in the row
+  expected_samples, complete         the run's expected sample count; all of them written (run-level)
+  state                              done / running / failed / pending (sparse_eval.status)
+  time_s                             sum of the row's per-sample times
+  git_commit, git_dirty, sparse_eval_version, torch_version, transformers_version, python_version, hardware,
+  started                            provenance from meta.json (the run's first start)
+  run_dir, config_hash               where the row came from
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from .status import _read_json, find_run_dirs, read_samples, run_state
+
+SUBTASK_FIELDS = ("subtask", "lm_eval_task")
+MEAN_FIELDS = ("cost1", "cost2", "est_error", "static_frac", "empty_selections")
+LEAD_COLUMNS = ["model", "method", "method_config", "task", "subtask", "length", "protocol", "metric", "score",
+                "cost1", "cost2", "est_error", "samples", "failed_samples", "expected_samples", "complete", "state"]
+
+
+def _load_yaml(path: Path) -> dict[str, Any] | None:
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=False)  # type: ignore[return-value]
+    except Exception:  # noqa: BLE001 - a torn or foreign file: the run is skipped with a warning
+        return None
+
+
+def _task_aggregator(task_cfg: dict[str, Any]):
+    """The task's own ``aggregate`` (None when the task is unknown here); builds the task without loading data."""
+    try:
+        from .tasks import build_task
+
+        task = build_task(task_cfg)
+        return task.aggregate, task.metric
+    except Exception:  # noqa: BLE001 - an unknown/renamed task or option: fall back to the mean of `score`
+        return None, None
+
+
+def _mean(values: list[Any]) -> float | None:
+    vals = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _subtask(rec: dict[str, Any]) -> Any:
+    for key in SUBTASK_FIELDS:
+        if rec.get(key) is not None:
+            return rec[key]
+    return None
+
+
+def _provenance(meta: dict[str, Any]) -> dict[str, Any]:
+    git = meta.get("git") or {}
+    ver = meta.get("versions") or {}
+    hw = meta.get("hardware") or {}
+    return {
+        "git_commit": git.get("commit"), "git_dirty": git.get("dirty"),
+        "sparse_eval_version": ver.get("sparse_eval"), "torch_version": ver.get("torch"),
+        "transformers_version": ver.get("transformers"), "python_version": ver.get("python"),
+        "hardware": hw.get("gpu") or hw.get("cpu") or hw.get("machine"), "started": meta.get("started"),
+    }
+
+
+def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) -> list[dict[str, Any]]:
+    """The table rows of one run directory."""
+    from .results import method_label
+
+    identity = _load_yaml(run_dir / "config.yaml")
+    if not identity or "method" not in identity or "task" not in identity:
+        print(f"warning: {run_dir}: no readable config.yaml; skipped", file=sys.stderr)
+        return []
+    method, task_cfg = identity["method"], identity["task"]
+    model, ev = identity.get("model") or {}, identity.get("eval") or {}
+    summary = _read_json(run_dir / "summary.json") or {}
+    meta = _read_json(run_dir / "meta.json") or {}
+    state = run_state(run_dir, recent_s=recent_s)
+    records = list(read_samples(run_dir / "samples.jsonl").values())
+    aggregate, metric = _task_aggregator(task_cfg)
+    metric = metric or summary.get("metric") or "score"
+    base: dict[str, Any] = {
+        "model": model.get("name"), "model_path": model.get("path"),
+        "method": method.get("name"), "method_config": method_label(method),
+        **{f"method.{k}": v for k, v in method.items() if k not in ("name", "sink", "local", "dense_layers", "gqa")
+           and not isinstance(v, (dict, list))},
+        "sink": method.get("sink"), "local": method.get("local"),
+        "dense_layers": ",".join(str(x) for x in method.get("dense_layers") or []) or None, "gqa": method.get("gqa"),
+        "task": task_cfg.get("name"), "task_config": json.dumps(task_cfg, sort_keys=True, default=str),
+        "protocol": ev.get("protocol"), "prefill_chunk": ev.get("prefill_chunk"), "seed": identity.get("seed"),
+        "metric": metric, "expected_samples": state["expected"], "complete": state["expected"] is not None
+        and state["written"] >= state["expected"], "state": state["state"],
+        **_provenance(meta), "run_dir": str(run_dir), "config_hash": run_dir.name.rsplit("-", 1)[-1],
+    }
+    task_length = task_cfg.get("length")
+    has_length = "length" in task_cfg  # a task whose length is an experimental setting (RULER, kv_retrieval)
+
+    def row(recs: list[dict[str, Any]], subtask: Any, length: Any) -> dict[str, Any]:
+        ok = [r for r in recs if r.get("status") == "ok"]
+        score = None
+        if aggregate is not None and ok:
+            try:
+                score = aggregate(ok).get(metric)
+            except Exception:  # noqa: BLE001 - records of an older task version: mean of the per-sample score
+                score = None
+        if score is None and ok:
+            score = _mean([r.get("score") for r in ok])
+        out = dict(base, subtask=subtask, length=length, score=score, samples=len(ok), failed_samples=len(recs) - len(ok),
+                   time_s=sum(float(r.get("time_s") or 0.0) for r in recs))
+        for key in MEAN_FIELDS:
+            out[key] = _mean([r.get(key) for r in ok])
+        return out
+
+    if not records:
+        return [dict(row([], None, task_length), score=summary.get("score"))]
+    groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for r in records:
+        length = r.get("length", task_length) if has_length else task_length
+        groups.setdefault((_subtask(r), length), []).append(r)
+    keys = sorted(groups, key=lambda k: (str(k[0]), str(k[1])))
+    subtasks = {k[0] for k in keys}
+    rows = []
+    if by_subtask and (len(keys) > 1 or keys[0][0] is not None):
+        rows += [row(groups[k], k[0], k[1]) for k in keys]
+    if not rows or len(subtasks) > 1 or not by_subtask:
+        lengths = {k[1] for k in keys}
+        for length in sorted(lengths, key=str):
+            recs = [r for k in keys if k[1] == length for r in groups[k]]
+            rows.append(row(recs, "all" if len(subtasks) > 1 else next(iter(subtasks)), length))
+    return rows
+
+
+def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0):
+    """A pandas DataFrame of every run under ``root`` (see the module docstring for the columns)."""
+    import pandas as pd
+
+    rows = []
+    for run_dir in find_run_dirs(root):
+        rows.extend(run_rows(run_dir, by_subtask=by_subtask, recent_s=recent_s))
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    lead = [c for c in LEAD_COLUMNS if c in df.columns]
+    method_cols = sorted(c for c in df.columns if c.startswith("method."))
+    rest = [c for c in df.columns if c not in lead and c not in method_cols]
+    df = df[lead + method_cols + rest]
+    return df.sort_values(["task", "model", "method", "method_config", "subtask", "length"], na_position="first",
+                          key=lambda s: s.astype(str)).reset_index(drop=True)
+
+
+def write_table(df, out: Path) -> list[Path]:
+    """``<out>.csv`` and, when pyarrow is installed, ``<out>.parquet``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written = [out.with_suffix(".csv")]
+    df.to_csv(written[0], index=False)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        print("note: pyarrow is not installed; wrote CSV only (pip install pyarrow for parquet)", file=sys.stderr)
+        return written
+    table = df.copy()
+    for col in table.columns:  # parquet needs one type per column: mixed objects become strings
+        if table[col].dtype == object:
+            kinds = {type(v) for v in table[col].dropna()}
+            if len(kinds) > 1 or kinds - {str, bool}:
+                table[col] = table[col].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v))
+                                            else str(v))
+    table.to_parquet(out.with_suffix(".parquet"), index=False)
+    written.append(out.with_suffix(".parquet"))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sparse_eval.collect", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", help="a runs folder (paths.runs_dir) or any folder below it")
+    ap.add_argument("--out", help="output path without suffix (default <dir>/results)")
+    ap.add_argument("--no-subtasks", action="store_true", help="one row per run (and length), no subtask rows")
+    ap.add_argument("--recent", type=float, default=300.0, help="seconds within which a run counts as running")
+    ap.add_argument("--quiet", action="store_true", help="do not print the table")
+    args = ap.parse_args(argv)
+    root = Path(args.dir)
+    if not root.exists():
+        print(f"error: {root} does not exist", file=sys.stderr)
+        return 2
+    df = collect(root, by_subtask=not args.no_subtasks, recent_s=args.recent)
+    if df.empty:
+        print(f"no runs under {root}", file=sys.stderr)
+        return 1
+    paths = write_table(df, Path(args.out) if args.out else root / "results")
+    if not args.quiet:
+        import pandas as pd
+
+        show = [c for c in ("model", "method_config", "task", "subtask", "length", "protocol", "score", "cost1",
+                            "cost2", "est_error", "samples", "failed_samples", "state") if c in df.columns]
+        with pd.option_context("display.max_rows", 200, "display.width", 200, "display.max_colwidth", 40):
+            print(df[show].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    print(f"{len(df)} rows from {df['run_dir'].nunique()} runs -> " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""Hydra multirun machinery: the job function, the sweep report, GPU slots for local launchers, and submitit
+launchers that survive a job dying.
+
+* ``run_job(cfg)`` runs one sweep job (the runner's ``run``) and never raises for the job's own errors: a bad
+  model path, a bad value or a crash is written to ``failed.json`` in the run directory (by the runner) and to
+  ``job_status.json`` in the job's Hydra output folder, and the sweep goes on.
+* ``SweepReport`` (a Hydra callback, in ``conf/config.yaml``) counts the jobs at the end of a sweep, writes
+  ``sweep_status.json`` in the sweep folder, logs the failures, and makes ``python -m sparse_eval -m ...`` exit
+  with status 1 when any job failed (``exit_status``).
+* Local parallel launchers (``hydra/launcher=local_gpus`` (joblib) or ``submitit_tolerant_local``): each job
+  process claims GPUs of its own (``claim_gpus``: one lock file per GPU) and narrows ``CUDA_VISIBLE_DEVICES``
+  before CUDA starts.  (Plain ``submitit_local`` gives every job the same GPUs 0..gpus_per_node-1.)
+* ``TolerantSlurmLauncher`` / ``TolerantLocalLauncher`` (``hydra/launcher=slurm`` / ``submitit_tolerant_local``;
+  registered with Hydra by ``hydra_plugins/sparse_eval_launcher``): hydra-submitit-launcher's launchers, except
+  that a job that dies without a result (killed, out of memory, too many timeouts, a vanished job on a cluster
+  without accounting) is recorded as failed instead of aborting the sweep.  Timeouts and preemptions are
+  requeued by submitit (``max_num_timeout``) and the requeued job resumes at its first unfinished sample.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("sparse_eval")
+
+JOB_STATUS = "job_status.json"  # in each job's Hydra output folder (${hydra.sweep.dir}/${hydra.sweep.subdir})
+SWEEP_STATUS = "sweep_status.json"  # in the sweep folder
+LAUNCHER_FAILURES = "launcher_failures"  # folder in the sweep folder: jobs that died without writing a status
+GPU_LOCK_DIR = Path(os.environ.get("SPARSE_EVAL_GPU_LOCK_DIR", "/tmp/sparse_eval_gpu_locks"))
+GPUS_PER_JOB_ENV = "SPARSE_EVAL_GPUS_PER_JOB"  # GPUs each local job process claims (see claim_gpus)
+_LAST_REPORT: dict[str, Any] | None = None
+
+
+# -- the job -----------------------------------------------------------------------------------------------------
+
+def is_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run_job(cfg: DictConfig) -> dict[str, Any]:
+    """One multirun job.  Returns its record (also written to ``job_status.json``); errors are recorded, not raised."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from .runner import run
+
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    record: dict[str, Any] = {
+        "job_num": hc.job.num, "overrides": list(hc.overrides.task), "output_dir": str(out_dir),
+        "host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": _slurm_job_id(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    per_job = os.environ.get(GPUS_PER_JOB_ENV)  # set by TolerantLocalLauncher for its job processes
+    if per_job is None and "joblib" in str(OmegaConf.select(hc, "launcher._target_", default="")):
+        per_job = "1"
+    if per_job and int(per_job) > 0:
+        record["gpus"] = claim_gpus(int(per_job))
+    t0 = time.perf_counter()
+    try:
+        summaries = run(cfg)
+        record.update(status="ok", run_dirs=[s["run_dir"] for s in summaries],
+                      results=[{k: s.get(k) for k in ("method", "task", "metric", "score", "cost1", "cost2",
+                                                      "samples", "failed", "expected_samples")} for s in summaries])
+    except Exception as exc:  # noqa: BLE001 - a job's error is recorded and the sweep goes on
+        record.update(status="failed", error=f"{type(exc).__name__}: {exc}", run_dirs=[getattr(exc, "run_dir", None)],
+                      traceback="".join(traceback.format_exception(exc)[-12:]))
+        log.error("job %s failed: %s: %s", hc.job.num, type(exc).__name__, exc)
+    record["time_s"] = time.perf_counter() - t0
+    _write_json(out_dir / JOB_STATUS, record)
+    return record
+
+
+def _slurm_job_id() -> str | None:
+    env = os.environ
+    if env.get("SLURM_ARRAY_JOB_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID')}"
+    return env.get("SLURM_JOB_ID")
+
+
+# -- GPUs for local parallel launchers ---------------------------------------------------------------------------
+
+_CLAIMED: tuple[list[int], list[str]] | None = None  # (lock fds, devices) held for the life of this process
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, without starting CUDA (which would freeze CUDA_VISIBLE_DEVICES)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+    proc = Path("/proc/driver/nvidia/gpus")
+    if proc.is_dir():
+        return [str(i) for i in range(len(list(proc.iterdir())))]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+        return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]
+    except (OSError, subprocess.SubprocessError):
+        return []
+
+
+def gpu_count() -> int:
+    return len(visible_gpus())
+
+
+def claim_gpus(n: int = 1, lock_dir: Path | None = None, poll_s: float = 2.0) -> list[str] | None:
+    """Take ``n`` of the visible GPUs for this process (one lock file per GPU) and narrow CUDA_VISIBLE_DEVICES.
+
+    Processes of local parallel launchers (joblib workers, submitit_local jobs) on one machine each get their own
+    GPUs; a process waits while all are taken.  The claim lasts as long as the process (joblib reuses a worker
+    for several jobs: the same GPUs again).  Nothing happens when at most ``n`` GPUs are visible.
+    """
+    global _CLAIMED
+    import fcntl
+
+    if _CLAIMED is not None:
+        return _CLAIMED[1]
+    gpus = visible_gpus()
+    if len(gpus) <= n:
+        return None
+    lock_dir = Path(lock_dir or GPU_LOCK_DIR)
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    t0 = last_log = time.monotonic()
+    while True:
+        fds, got = [], []
+        for dev in gpus:
+            fd = os.open(lock_dir / f"gpu-{dev}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            fds.append(fd)
+            got.append(dev)
+            if len(got) == n:
+                break
+        if len(got) == n:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(got)
+            _CLAIMED = (fds, got)
+            log.info("job process %d uses GPU(s) %s", os.getpid(), ",".join(got))
+            return got
+        for fd in fds:
+            os.close(fd)  # closing releases the lock
+        if time.monotonic() - last_log > 60:
+            last_log = time.monotonic()
+            log.warning("waiting for %d free GPU(s) of %s (%.0f s)", n, gpus, last_log - t0)
+        time.sleep(poll_s)
+
+
+if not OmegaConf.has_resolver("sparse_eval.gpu_count"):
+    # ``${sparse_eval.gpu_count:}``: the number of visible GPUs (at least 1), e.g. joblib's n_jobs
+    OmegaConf.register_new_resolver("sparse_eval.gpu_count", lambda: max(1, gpu_count()))
+
+
+# -- the sweep report --------------------------------------------------------------------------------------------
+
+def sweep_jobs(params: dict[str, Any] | None, overrides: Sequence[str]) -> list[list[str]]:
+    """The jobs (override lists) Hydra's basic sweeper makes of ``hydra.sweeper.params`` and command-line
+    ``overrides`` (the command line wins over a param of the same key), in launch order."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    lines = [f"{k}={v}" for k, v in (params or {}).items()] + list(overrides)
+    return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(lines), None)[0]
+
+
+def expected_jobs(config: DictConfig) -> int | None:
+    """Number of jobs the basic sweeper makes of ``hydra.sweeper.params`` and the command line (None: unknown)."""
+    try:
+        return len(sweep_jobs(OmegaConf.select(config, "hydra.sweeper.params"), list(config.hydra.overrides.task)))
+    except Exception:  # noqa: BLE001 - another sweeper (optuna, ...) or an unparsable value
+        return None
+
+
+def collect_job_records(sweep_dir: Path) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted(sweep_dir.rglob(JOB_STATUS)):
+        if ".submitit" in path.parts:
+            continue
+        rec = _read(path)
+        if rec is not None:
+            records.append(rec)
+    seen = {r.get("job_num") for r in records}
+    for path in sorted((sweep_dir / LAUNCHER_FAILURES).glob("*.json")):
+        rec = _read(path)
+        if rec is not None and rec.get("job_num") not in seen:
+            records.append(rec)
+    return sorted(records, key=lambda r: (r.get("job_num") is None, r.get("job_num")))
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class SweepReport(Callback):
+    """At the end of a multirun: ``sweep_status.json`` + a summary line; failures make the process exit with 1."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        global _LAST_REPORT
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        records = collect_job_records(sweep_dir)
+        expected = expected_jobs(config)
+        ok = [r for r in records if r.get("status") == "ok"]
+        failed = [r for r in records if r.get("status") != "ok"]
+        missing = max(0, expected - len(records)) if expected is not None else 0
+        report = {"sweep_dir": str(sweep_dir), "jobs": expected if expected is not None else len(records),
+                  "ok": len(ok), "failed": len(failed), "missing": missing,
+                  "failures": [{k: r.get(k) for k in ("job_num", "overrides", "error", "run_dirs", "output_dir")}
+                               for r in failed],
+                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        _write_json(sweep_dir / SWEEP_STATUS, report)
+        for r in failed:
+            log.error("failed job #%s (%s): %s", r.get("job_num"), " ".join(r.get("overrides") or []), r.get("error"))
+        line = (f"sweep: {report['jobs']} jobs, {len(ok)} ok, {len(failed)} failed"
+                + (f", {missing} without a status" if missing else "") + f"  ({sweep_dir / SWEEP_STATUS})")
+        (log.error if failed or missing else log.info)(line)
+        _LAST_REPORT = report
+
+
+def last_report() -> dict[str, Any] | None:
+    return _LAST_REPORT
+
+
+def exit_status() -> int:
+    """1 when the last sweep of this process had a failed (or silent) job, else 0."""
+    r = _LAST_REPORT
+    return 1 if r is not None and (r["failed"] or r["missing"]) else 0
+
+
+# -- submitit launchers that record dead jobs instead of aborting ------------------------------------------------
+
+try:  # hydra-submitit-launcher is optional (extra "slurm")
+    from hydra_plugins.hydra_submitit_launcher import submitit_launcher as _sl
+except ImportError:  # pragma: no cover - without the plugin these launchers do not exist
+    _sl = None
+
+
+def _queue_state(job_id: str) -> str | None:
+    """The job's state in ``squeue``: None when it is not in the queue any more, "UNKNOWN" when squeue fails."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return "UNKNOWN"
+    if out.returncode != 0:
+        return None if "Invalid job id" in out.stderr else "UNKNOWN"
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+def wait_for_result(job: Any, poll_s: float = 2.0, grace_s: float | None = None) -> Any:
+    """``job.results()[0]``, but a job gone from the Slurm queue without a result raises instead of waiting forever
+    (without accounting, submitit cannot tell a vanished job from a running one).  ``grace_s``: how long a job may
+    be out of the queue before its result file must exist (default 60 s, env SPARSE_EVAL_SUBMITIT_GRACE_S)."""
+    if grace_s is None:
+        grace_s = float(os.environ.get("SPARSE_EVAL_SUBMITIT_GRACE_S", 60))
+    gone_since = None
+    last_check = 0.0
+    while not job.paths.result_pickle.exists():
+        now = time.monotonic()
+        if job.__class__.__name__ == "SlurmJob":
+            if now - last_check >= min(15.0, grace_s / 2):
+                last_check = now
+                state = _queue_state(job.job_id)
+                gone_since = (gone_since or now) if state is None else None
+            if gone_since is not None and now - gone_since > grace_s:
+                raise RuntimeError(f"Slurm job {job.job_id} left the queue without a result (killed, out of memory, "
+                                   f"or cancelled); its log: {job.paths.stderr}")
+        elif job.done():
+            break
+        time.sleep(poll_s)
+    return job.results()[0]
+
+
+def _spread_local_gpus(params: dict[str, Any]) -> None:
+    """submitit's local executor gives every job the same GPUs (0..gpus_per_node-1).  Instead, show each job all
+    GPUs of this process and let it claim ``gpus_per_node`` of them (``claim_gpus`` in ``run_job``)."""
+    per_job = params.get("gpus_per_node") or 0
+    gpus = visible_gpus()
+    if not per_job or len(gpus) <= per_job:
+        return
+    try:
+        params["visible_gpus"] = [int(g) for g in gpus]
+    except ValueError:  # GPU UUIDs in CUDA_VISIBLE_DEVICES: leave submitit's assignment alone
+        return
+    params["gpus_per_node"] = len(gpus)
+    os.environ[GPUS_PER_JOB_ENV] = str(per_job)  # the job processes inherit this environment
+
+
+if _sl is not None:
+
+    class _Tolerant:
+        """Mixin over hydra-submitit-launcher's launchers: the sweep survives a job that died without a result."""
+
+        _EXECUTOR: str
+
+        def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
+            import submitit
+            from hydra.core.singleton import Singleton
+            from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+
+            params = dict(self.params)  # type: ignore[attr-defined]
+            cluster = self._EXECUTOR
+            init = {"folder": params.pop("submitit_folder")}
+            if "max_num_timeout" in params:
+                init[f"{cluster}_max_num_timeout"] = params.pop("max_num_timeout")
+            executor = submitit.AutoExecutor(cluster=cluster, **init)
+            if cluster == "local":
+                _spread_local_gpus(params)
+            shared = set(OmegaConf.structured(_sl.BaseQueueConf).keys())
+            executor.update_parameters(**{(k if k in shared else f"{cluster}_{k}"): v for k, v in params.items()})
+            sweep_dir = Path(str(self.config.hydra.sweep.dir))  # type: ignore[attr-defined]
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            log.info("submitit '%s' sweep of %d jobs; output dir %s", cluster, len(job_overrides), sweep_dir)
+            nums = [initial_job_idx + i for i in range(len(job_overrides))]
+            for num, ov in zip(nums, job_overrides):
+                log.info("\t#%d : %s", num, " ".join(filter_overrides(ov)))
+            state = Singleton.get_state()
+            jobs = executor.map_array(self, [list(o) for o in job_overrides], ["hydra.sweep.dir"] * len(nums), nums,
+                                      [f"job_id_for_{n}" for n in nums], [state] * len(nums))
+            returns = []
+            for num, ov, job in zip(nums, job_overrides, jobs):
+                try:
+                    returns.append(wait_for_result(job))
+                except Exception as exc:  # noqa: BLE001 - the job died; record it and collect the others
+                    rec = {"job_num": num, "overrides": list(ov), "status": "failed", "slurm_job_id": job.job_id,
+                           "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}",
+                           "log": str(job.paths.stderr)}
+                    _write_json(sweep_dir / LAUNCHER_FAILURES / f"{num}.json", rec)
+                    log.error("job #%d (%s) died: %s", num, job.job_id, rec["error"])
+                    ret = JobReturn(overrides=list(ov), status=JobStatus.COMPLETED)  # recorded: the sweep goes on
+                    ret.return_value = rec
+                    returns.append(ret)
+            return returns
+
+    # Hydra only instantiates launchers defined in the ``hydra_plugins`` namespace package: the configs point at
+    # ``hydra_plugins.sparse_eval_launcher.launchers.{SlurmLauncher,LocalLauncher}``, thin subclasses of these.
+    class TolerantSlurmLauncher(_Tolerant, _sl.SlurmLauncher):
+        pass
+
+    class TolerantLocalLauncher(_Tolerant, _sl.LocalLauncher):
+        pass
