@@ -5,8 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Without a GPU, Triton kernels run in its interpreter; the variable must be set before triton is first
+# imported by any test module, so it is set here rather than in the kernel tests.
+if not Path("/dev/nvidia0").exists() and not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

@@ -36,7 +36,8 @@ def run_cli(*args, cwd=REPO, timeout=300):
 def test_default_command_end_to_end(tmp_path):
     """`python -m sparse_eval` with no arguments (only the output folder redirected) prints the comparison."""
     env_runs = dict(SPARSE_EVAL_RUNS_DIR=str(tmp_path))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", **env_runs)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", **env_runs,
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("SPARSE_EVAL_DATA_DIR", None)  # the default run needs nothing outside the package
     res = subprocess.run([sys.executable, "-m", "sparse_eval"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=600)
