@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -33,20 +32,9 @@ from sparse_eval.tasks import ruler_data as rd  # noqa: E402
 
 
 def hardware() -> dict:
-    info = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        info["loadavg_1_5_15"] = list(os.getloadavg())
-    except OSError:
-        pass
-    return info
+    from sparse_eval.results import hardware as machine
+
+    return machine()
 
 
 def versions() -> dict:

@@ -78,6 +78,12 @@ def hardware() -> dict[str, Any]:
                 break
     except OSError:
         pass
+    if hasattr(os, "sched_getaffinity"):
+        info["affinity"] = len(os.sched_getaffinity(0))
+    try:
+        info["loadavg_1_5_15"] = list(os.getloadavg())
+    except OSError:
+        pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
