@@ -113,6 +113,7 @@ class Experiment:
         method = build_method(make_config(method_opts["name"], method_opts))
         method.validate(num_layers=self.num_layers, context=self.context)
         method.setup(self.model, self.model_cfg.name)
+        self._provenance = method.provenance()
         torch.manual_seed(self.cfg.seed)
         session = attach(self.model, method, Runtime(self.protocol, self.cfg.eval.compute_error, self.cfg.eval.query_chunk))
         engine = Engine(self.model, self.tokenizer, session, self.cfg.eval.prefill_chunk)
@@ -149,6 +150,7 @@ class Experiment:
             "model": identity["model"]["name"],
             "method": identity["method"]["name"],
             "method_config": identity["method"],
+            "method_provenance": getattr(self, "_provenance", {}),
             "task": identity["task"]["name"],
             "task_config": identity["task"],
             "protocol": self.protocol,

@@ -166,6 +166,10 @@ class Method:
         """Called once by the runner before the method is attached to ``model`` (e.g. Double Sparsity loads
         the model's calibrated channels here).  Default: nothing."""
 
+    def provenance(self) -> dict[str, Any]:
+        """What the method loaded in ``setup`` that decides its results (recorded in the run summary)."""
+        return {}
+
     # -- per-layer index ------------------------------------------------------------------------
     def prepare(self, state: dict[str, Any], k: torch.Tensor, v: torch.Tensor, layer_idx: int, module: Any = None,
                 **kwargs: Any) -> None:

@@ -176,6 +176,16 @@ class DoubleSparsity(Method):
             )
         return t
 
+    def provenance(self) -> dict[str, Any]:
+        """The channel file (path and sha256) or ``method.channels`` the run used."""
+        import hashlib
+
+        src = self._channels_source
+        out: dict[str, Any] = {"channels_source": src}
+        if src and Path(src).exists():
+            out["channels_sha256"] = hashlib.sha256(Path(src).read_bytes()).hexdigest()
+        return out
+
     def setup(self, model: Any, model_name: str) -> None:
         """Loads the model's calibrated channels (unless given directly) and, for offload, finds each layer's
         attention module and input norm."""
