@@ -29,15 +29,19 @@ class StatsRecorder:
             table[layer] = value
 
     def add(self, layer: int, stats: dict[str, Any]) -> None:
-        """stats: per-row tensors [B, Hq, Q] plus ``rows`` (bool, row has valid keys) and ``empty``."""
+        """stats: per-row tensors [B, Hq, Q] plus ``rows`` (bool, row has valid keys) and ``empty``.
+
+        All statistics of a call are reduced in one stacked multiply-sum (few kernel launches per layer)."""
         rows = stats["rows"]
+        keys = tuple(k for k, v in stats.items()
+                     if k not in ("rows", "keep") and torch.is_tensor(v) and v.shape == rows.shape)
         w = rows.to(torch.float32)
+        mat = torch.stack([stats[k].to(torch.float32) for k in keys])  # [S, B, Hq, Q]
+        sums = (mat * w).sum((1, 3))  # [S, Hq]
         self._acc(self.rows, layer, w.sum((0, 2)))
-        self._acc(self.empty, layer, (stats["empty"] & rows).to(torch.float32).sum((0, 2)))
-        for key, val in stats.items():
-            if key in ("rows", "empty", "keep") or not torch.is_tensor(val) or val.shape != rows.shape:
-                continue
-            self._acc(self.sums.setdefault(key, {}), layer, (val.float() * w).sum((0, 2)))
+        for i, key in enumerate(keys):
+            table = self.empty if key == "empty" else self.sums.setdefault(key, {})
+            self._acc(table, layer, sums[i])
 
     def add_full(self, layer: int, static: torch.Tensor, n_valid: torch.Tensor, num_heads: int) -> None:
         """Full attention in a would-be-sparse call: every valid key is attended, the output is exact."""

@@ -110,6 +110,12 @@ def resolve_budget(budget: float | int, n: torch.Tensor, what: str = "budget") -
     return torch.full_like(n, int(budget))
 
 
+def budget_bound(budget: float | int, n: int) -> int:
+    """The largest count ``resolve_budget`` can give for rows of at most ``n`` keys, from Python numbers only
+    (so selecting needs no device-to-host synchronisation)."""
+    return min(n, int(n * budget) if isinstance(budget, float) else int(budget))
+
+
 def check_budget(budget: object, what: str = "budget", context: int | None = None) -> None:
     """Start-time check of a budget value: raises ValueError naming the parameter and the valid values."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):

@@ -122,11 +122,11 @@ def sparse_attention(
         own = sel.keep & ctx.candidates
         empty = ~own.any(-1)  # [B, Hq, Q]
         keep = own | static
-        # nothing at all (no static keys configured and nothing picked): fall back to the newest valid key
-        nothing = ~keep.any(-1, keepdim=True) & (n_valid > 0)
-        if nothing.any():
-            newest = vc & (vc.cumsum(-1) == n_valid)
-            keep = keep | (nothing & newest)
+        if cfg.sink == 0 and cfg.local == 0:
+            # nothing at all (no static keys configured and nothing picked): fall back to the newest valid key.
+            # With a sink or a local window every row with a valid key keeps at least that static key.
+            nothing = ~keep.any(-1, keepdim=True) & (n_valid > 0)
+            keep = keep | (nothing & vc & (vc.cumsum(-1) == n_valid))
         logits = scores if sel.bias is None else scores + torch.where(keep, sel.bias, torch.zeros_like(scores))
         p = masked_softmax(logits, keep)
         out = weighted_values(p, v)
@@ -139,7 +139,7 @@ def sparse_attention(
             "empty": empty & rows,
         }
         c1 = method.cost1(ctx, sel)
-        st["cost1"] = torch.as_tensor(c1, dtype=torch.float32, device=q.device).expand(b, hq, stop - start).clone() \
+        st["cost1"] = torch.full((b, hq, stop - start), float(c1), device=q.device) \
             if not torch.is_tensor(c1) or c1.dim() == 0 else c1.float().expand(b, hq, stop - start)
         if compute_error:
             dense = weighted_values(masked_softmax(scores, vc), v).float()

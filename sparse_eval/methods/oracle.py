@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
+from .base import AttentionContext, Method, MethodConfig, Selection, budget_bound, check_budget, resolve_budget
 from .random import uniforms
 from .registry import register
 
@@ -52,8 +52,8 @@ class OracleSampling(Method):
         has = torch.isfinite(lse)
         w = torch.exp(s - torch.where(has, lse, torch.zeros_like(lse))).to(torch.float64)
         cdf = w.cumsum(-1)
-        bmax = int(draws.max().item()) if draws.numel() else 0
         b, hq, ql, n = s.shape
+        bmax = budget_bound(self.config.budget, n)  # host-side bound: no device sync
         if bmax == 0:
             empty = torch.zeros_like(s, dtype=torch.bool)
             return Selection(keep=empty, stats={"draws": torch.zeros(b, hq, ql, device=s.device)})

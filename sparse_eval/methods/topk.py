@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
+from .base import AttentionContext, Method, MethodConfig, Selection, budget_bound, check_budget, resolve_budget
 from .registry import register
 
 
@@ -18,9 +18,11 @@ class TopKConfig(MethodConfig):
     budget: Any = 0.02
 
 
-def topk_mask(score: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """bool mask of the k[...] highest finite entries of ``score`` along the last dim (k broadcasts)."""
-    kmax = int(k.max().item()) if k.numel() else 0
+def topk_mask(score: torch.Tensor, k: torch.Tensor, kmax: int | None = None) -> torch.Tensor:
+    """bool mask of the k[...] highest finite entries of ``score`` along the last dim (k broadcasts).
+    ``kmax``: an upper bound of k known on the host (avoids a device sync)."""
+    if kmax is None:
+        kmax = int(k.max().item()) if k.numel() else 0
     kmax = min(kmax, score.shape[-1])
     mask = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
     if kmax <= 0:
@@ -51,7 +53,7 @@ class TopK(Method):
         score = ctx.scores.masked_fill(~ctx.candidates, float("-inf"))
         if self.config.gqa == "kv_head":
             score = ctx.group_sum(torch.softmax(ctx.scores, -1).nan_to_num(0.0)).masked_fill(~ctx.candidates, float("-inf"))
-        return Selection(keep=topk_mask(score, k))
+        return Selection(keep=topk_mask(score, k, budget_bound(self.config.budget, score.shape[-1])))
 
     def cost1(self, ctx, sel):
         return 0.5
