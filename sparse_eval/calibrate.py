@@ -39,7 +39,6 @@ from .models.loading import ModelConfig, load_model, max_context
 from .runner import CONF_DIR
 
 FORMAT = "sparse_eval.double_sparsity.channels/1"
-BUNDLED_TEXT = Path(__file__).resolve().parent / "data" / "wikitext2_test_head.txt"
 LOCAL_WIKITEXT = "wikitext-2-raw/wikitext-test.txt"
 ROPE_MODES = {  # which side of RoPE each statistic is taken on
     "authors": {"qk": "after", "q": "before", "k": "before"},
@@ -61,21 +60,20 @@ class CalibrateConfig:
 
 
 def load_text(data: str, data_dir: str | None) -> tuple[str, str]:
-    """Returns (text, a description of where it came from)."""
+    """Returns (text, a description of where it came from); read as the wikitext task reads it."""
+    from .tasks.wikitext import WikitextConfig
+    from .tasks.wikitext import load_text as wikitext_text
+
     if data == "bundled":
-        return BUNDLED_TEXT.read_text(encoding="utf-8"), f"bundled:{BUNDLED_TEXT.name}"
+        return wikitext_text(WikitextConfig(source="bundled"), None)
     if data == "local":
         if not data_dir:
             raise ValueError("data=local needs paths.data_dir (a folder holding wikitext-2-raw/wikitext-test.txt)")
-        p = Path(data_dir).expanduser() / LOCAL_WIKITEXT
-        if not p.exists():
-            raise FileNotFoundError(f"data=local: {p} does not exist")
-        with open(p, encoding="utf-8", newline="") as f:
-            return f.read().replace("\r\n", "\n"), f"local:{LOCAL_WIKITEXT}"
+        return wikitext_text(WikitextConfig(source="local"), Path(data_dir).expanduser())[0], f"local:{LOCAL_WIKITEXT}"
     p = Path(data).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"data={data!r}: not 'bundled', 'local' or an existing text file")
-    return p.read_text(encoding="utf-8").replace("\r\n", "\n"), f"file:{p.name}"
+    return wikitext_text(WikitextConfig(path=str(p)), None)[0], f"file:{p.name}"
 
 
 def _rope_fn(attn: Any):

@@ -14,8 +14,6 @@ import torch
 from ..models.loading import ModelConfig, load_model, max_context
 
 REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
-BUNDLED_TEXT = Path(__file__).resolve().parents[1] / "data" / "wikitext2_test_head.txt"
-LOCAL_WIKITEXT = "wikitext-2-raw/wikitext-test.txt"
 TEXT_SOURCES = ("bundled", "local")
 
 
@@ -69,23 +67,14 @@ def load(model: ModelConfig) -> tuple[Any, Any, int]:
 
 def load_text(source: str = "bundled", data_dir: str | None = None, path: str | None = None) -> tuple[str, str]:
     """Analysis text: ``path`` if given; ``bundled`` (the WikiText-2 head shipped in the package) or ``local``
-    (``paths.data_dir``/wikitext-2-raw/wikitext-test.txt).  Returns (text, where it came from)."""
-    if path:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise FileNotFoundError(f"text_path={path!r} is not a file")
-        return p.read_text(encoding="utf-8").replace("\r\n", "\n"), str(p)
-    if source not in TEXT_SOURCES:
+    (``paths.data_dir``/wikitext-2-raw/wikitext-test.txt), read as the wikitext task reads them.
+    Returns (text, where it came from)."""
+    from ..tasks.wikitext import WikitextConfig
+    from ..tasks.wikitext import load_text as wikitext_text
+
+    if not path and source not in TEXT_SOURCES:
         raise ValueError(f"text={source!r}; valid: {list(TEXT_SOURCES)} (or text_path=<file>)")
-    if source == "bundled":
-        return BUNDLED_TEXT.read_text(encoding="utf-8"), f"bundled:{BUNDLED_TEXT.name}"
-    if not data_dir:
-        raise ValueError("text=local needs paths.data_dir (a folder with wikitext-2-raw/wikitext-test.txt)")
-    p = Path(data_dir).expanduser() / LOCAL_WIKITEXT
-    if not p.exists():
-        raise FileNotFoundError(f"text=local: {p} does not exist")
-    with open(p, encoding="utf-8", newline="") as f:
-        return f.read().replace("\r\n", "\n"), str(p)
+    return wikitext_text(WikitextConfig(source=source, path=path), Path(data_dir).expanduser() if data_dir else None)
 
 
 def token_windows(tokenizer: Any, text: str, length: int, count: int, add_bos: bool = True,
