@@ -27,7 +27,11 @@ def model_config(name: str = "stories260k", overrides: Mapping[str, Any] | None 
     if not path.exists():
         valid = sorted(p.stem for p in (REPO_CONF / "model").glob("*.yaml"))
         raise ValueError(f"model={name!r}: no conf/model/{name}.yaml; valid: {valid}")
-    node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    from ..config import PathsConfig
+
+    # resolve ${paths.*} as the app does (e.g. SmolLM2's path under paths.models_dir)
+    root = OmegaConf.create({"paths": dataclasses.asdict(PathsConfig()), "model": OmegaConf.load(path)})
+    node = OmegaConf.to_container(root, resolve=True)["model"]
     node.pop("defaults", None)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     node = {k: v for k, v in node.items() if k in fields}
