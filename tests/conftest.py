@@ -55,3 +55,28 @@ def tiny_model(kind: str = "llama", layers: int = 3, seed: int = 0):
                           "mistral": (MistralConfig, MistralForCausalLM)}[kind]
     torch.manual_seed(seed)
     return model_cls(cfg_cls(**common)).eval()
+
+
+def tiny_qwen2():
+    """A random-weight Qwen2 (8 query / 2 KV heads, q/k/v biases), the non-Llama GQA case of the method tests."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def attach_generate(model, method, ids, mask, new=5, model_name="test", runtime=None):
+    """Greedy ``model.generate`` with ``method`` attached (set up for ``model_name``); returns (output, session)."""
+    from sparse_eval.attention.plugin import attach, detach
+
+    method.setup(model, model_name)
+    session = attach(model, method, runtime)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    finally:
+        detach(model)
+    return out, session

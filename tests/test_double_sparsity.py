@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import attach_generate, tiny_qwen2
 from sparse_eval.methods import attend, build_method, make_config
 from sparse_eval.methods.double_sparsity import default_channels_file
 
@@ -224,29 +225,6 @@ def test_calibrate_hydra_app(tmp_path):
 
 # -- offload and generate ----------------------------------------------------------------------------------
 
-def _attach_generate(model, method, ids, mask, new=5, model_name="test", runtime=None):
-    from sparse_eval.attention.plugin import attach, detach
-
-    method.setup(model, model_name)
-    session = attach(model, method, runtime)
-    try:
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    finally:
-        detach(model)
-    return out, session
-
-
-def tiny_qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
-    return Qwen2ForCausalLM(cfg).eval()
-
-
 @pytest.mark.parametrize("which", ["stories", "qwen2"])
 @pytest.mark.parametrize("offload", [False, True])
 def test_generate_runs(which, offload, stories):
@@ -260,7 +238,7 @@ def test_generate_runs(which, offload, stories):
     mask = torch.ones_like(ids)
     mask[0, :9] = 0
     method = build_method(make_config("double_sparsity", {"beta": 0.1, "offload": offload, **opts}))
-    out, session = _attach_generate(model, method, ids, mask, model_name=name)
+    out, session = attach_generate(model, method, ids, mask, model_name=name)
     assert out.sequences.shape == (2, 75)
     assert all(torch.isfinite(s).all() for s in out.logits)
     summ = session.recorder.summary()

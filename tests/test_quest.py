@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import attach_generate, tiny_qwen2
 from sparse_eval.methods import attend, build_method, make_config
 from sparse_eval.methods.quest import build_pages, page_bound, page_ids
 
@@ -195,29 +196,6 @@ def test_update_pages_false_is_magicpig_parity():
 
 # -- inside model.generate -------------------------------------------------------------------------------
 
-def _generate(model, method, ids, mask, new=6):
-    from sparse_eval.attention.plugin import attach, detach
-
-    method.setup(model, "test")
-    session = attach(model, method)
-    try:
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    finally:
-        detach(model)
-    return out, session
-
-
-def tiny_qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
-    return Qwen2ForCausalLM(cfg).eval()
-
-
 @pytest.mark.parametrize("which", ["stories", "qwen2"])
 def test_generate_runs(which):
     from transformers import AutoModelForCausalLM
@@ -233,7 +211,7 @@ def test_generate_runs(which):
     mask = torch.ones_like(ids)
     mask[1, :13] = 0  # left padding in row 1
     method = build_method(make_config("quest", {"budget": 32, "page_size": 16, "sink": 4, "local": 16}))
-    out, session = _generate(model, method, ids, mask)
+    out, session = attach_generate(model, method, ids, mask, new=6)
     assert out.sequences.shape == (2, 96)
     assert all(torch.isfinite(s).all() for s in out.logits)
     summ = session.recorder.summary()
