@@ -169,3 +169,18 @@ def save_figure(fig: Any, out: Path, stem: str) -> list[Path]:
     fig.savefig(paths[1], bbox_inches="tight")
     plt.close(fig)
     return paths
+
+
+def run_measured(name: str, model_cfg: ModelConfig, opts: Any, measure: Any, per_layer_table: Any, figures: Any) -> dict[str, Any]:
+    """The shape every per-layer analysis run takes: load the model, ``measure``, write ``<name>.json`` (with
+    provenance) and ``<name>_per_layer.csv``, draw the figures."""
+    opts.validate()
+    model, tok, context = load(model_cfg)
+    res = measure(model, tok, context, opts)
+    out = out_dir(opts.out, name, model_cfg.name)
+    res["provenance"] = provenance(model_cfg, opts, res["text"])
+    write_json(out / f"{name}.json", res)
+    table = per_layer_table(res)
+    table.to_csv(out / f"{name}_per_layer.csv", index=False)
+    paths = figures(res, out, model_cfg.name, opts)
+    return {"out": out, "table": table, "figures": paths, "result": res}

@@ -281,13 +281,4 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: DSCheckOption
 
 
 def run(model_cfg, opts: DSCheckOptions) -> dict[str, Any]:
-    opts.validate()
-    model, tok, context = common.load(model_cfg)
-    res = measure(model, tok, context, opts)
-    out = common.out_dir(opts.out, "ds_checks", model_cfg.name)
-    res["provenance"] = common.provenance(model_cfg, opts, res["text"])
-    common.write_json(out / "ds_checks.json", res)
-    table = per_layer_table(res)
-    table.to_csv(out / "ds_checks_per_layer.csv", index=False)
-    paths = figures(res, out, model_cfg.name, opts)
-    return {"out": out, "table": table, "figures": paths, "result": res}
+    return common.run_measured("ds_checks", model_cfg, opts, measure, per_layer_table, figures)

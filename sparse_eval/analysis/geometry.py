@@ -375,13 +375,4 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
 
 def run(model_cfg, opts: GeometryOptions) -> dict[str, Any]:
     """Loads the model, measures, writes geometry.json, geometry_per_layer.csv and the figures."""
-    opts.validate()
-    model, tok, context = common.load(model_cfg)
-    res = measure(model, tok, context, opts)
-    out = common.out_dir(opts.out, "geometry", model_cfg.name)
-    res["provenance"] = common.provenance(model_cfg, opts, res["text"])
-    common.write_json(out / "geometry.json", res)
-    table = per_layer_table(res)
-    table.to_csv(out / "geometry_per_layer.csv", index=False)
-    paths = figures(res, out, model_cfg.name, opts)
-    return {"out": out, "table": table, "figures": paths, "result": res}
+    return common.run_measured("geometry", model_cfg, opts, measure, per_layer_table, figures)
