@@ -9,6 +9,7 @@ Modules (imported on first use, so ``import kernels`` costs nothing):
 * ``kernels.magicpig_cpu``  -- MagicPIG CPU part (numba): bucketed hash tables, collision sampling,
   sparse attention with the −log u correction returning (output, log-sum-exp)
 * ``kernels.merge``         -- ``merge_by_lse``: exact merge of two partial attention outputs
+* ``kernels.offload``       -- DS-Offload: gather selected KV rows from pinned host memory into a GPU buffer
 
 Each public function takes ``backend="auto" | "triton"/"numba" | "torch"`` (see ``kernels._common``).
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import importlib
 
-_SUBMODULES = ("sparse_decode", "ds", "quest", "magicpig", "magicpig_cpu", "merge")
+_SUBMODULES = ("sparse_decode", "ds", "quest", "magicpig", "magicpig_cpu", "merge", "offload")
 
 __all__ = [*_SUBMODULES, "merge_by_lse"]
 

@@ -1,0 +1,70 @@
+"""Gathering selected KV rows from a cache that lives in pinned CPU memory (DS-Offload, DS paper §5.1 / §6.2).
+
+    dst[b, h, s, :] = src[b, h // G, idx[b, h, s], :]      (idx < 0: the row is left as it was)
+
+src [B, Hkv, N, D] is a pinned host tensor; idx [B, Hs, S] (Hs = Hkv, or Hq with G = Hq / Hkv query heads per
+KV head) and dst [B, Hs, S, D] are on the GPU.  On CUDA the Triton kernel reads the host rows directly over
+PCIe (pinned memory is mapped into the GPU's address space under unified virtual addressing), so no host
+thread takes part and the copy can run on a side stream while the GPU computes another layer.  Only the
+selected rows cross the bus.
+
+``gather_rows_reference`` is plain torch indexing (any device); it is the oracle of the tests and the path on
+machines without CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import check_heads, resolve_gpu_backend
+
+__all__ = ["gather_rows", "gather_rows_reference", "pinned_empty"]
+
+
+def _check(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> int:
+    if src.dim() != 4 or idx.dim() != 3 or dst.dim() != 4:
+        raise ValueError(f"expected src [B, Hkv, N, D], idx [B, Hs, S], dst [B, Hs, S, D]; got {tuple(src.shape)}, "
+                         f"{tuple(idx.shape)}, {tuple(dst.shape)}")
+    b, hkv, _, d = src.shape
+    if idx.shape[0] != b or tuple(dst.shape) != (b, idx.shape[1], idx.shape[2], d):
+        raise ValueError(f"idx {tuple(idx.shape)} / dst {tuple(dst.shape)} do not match src {tuple(src.shape)}")
+    if dst.dtype != src.dtype:
+        raise ValueError(f"dst dtype {dst.dtype} != src dtype {src.dtype}")
+    if src.stride(-1) != 1 or dst.stride(-1) != 1:
+        raise ValueError("src and dst need a contiguous last dimension")
+    return check_heads(idx.shape[1], hkv, "selection heads")
+
+
+def gather_rows_reference(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Torch indexing on src's device, the result copied into dst (rows with idx < 0 untouched)."""
+    g = _check(src, idx, dst)
+    b, hs, s = idx.shape
+    ix = idx.to(src.device).long()
+    ok = ix >= 0
+    bi = torch.arange(b, device=src.device).view(b, 1, 1).expand(b, hs, s)
+    hi = (torch.arange(hs, device=src.device) // g).view(1, hs, 1).expand(b, hs, s)
+    rows = src[bi[ok], hi[ok], ix[ok]]  # [M, D]
+    dst[ok.to(dst.device)] = rows.to(dst.device)
+    return dst
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """See the module docstring.  backend: "auto" (Triton when idx and dst are CUDA tensors and src is pinned),
+    "triton", "torch"."""
+    g = _check(src, idx, dst)
+    if backend == "auto":
+        backend = "triton" if (idx.is_cuda and dst.is_cuda and (src.is_cuda or src.is_pinned())) else "torch"
+        backend = resolve_gpu_backend(backend if backend == "torch" else "auto", idx, dst)
+    else:
+        backend = resolve_gpu_backend(backend, idx, dst)
+    if backend == "torch":
+        return gather_rows_reference(src, idx, dst)
+    from . import _tl_offload
+
+    _tl_offload.gather_rows(src, idx, dst, g)
+    return dst
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor, pinned when CUDA is available (plain CPU memory otherwise)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())

@@ -1,0 +1,296 @@
+"""The system decode path: a transformers model whose attention runs through the layers of ``system.layers``.
+
+``attach(model, method)`` builds one cache layer per decoder layer (the method's dense layers get a
+``FullLayer``) and routes the model's attention through them; ``decode`` prefills a prompt batch densely and
+generates greedily, timing every step.  The model code is transformers' own (linear layers, norms, RoPE, on
+the GPU); only the attention and the KV cache differ between methods.
+
+Which method runs where:
+
+| method | KV cache | per decode step |
+|---|---|---|
+| ``full`` | GPU | dense sdpa |
+| ``double_sparsity`` | GPU (+ label cache) | label scores → top-k → sparse attention (Triton) |
+| ``double_sparsity`` with ``offload: true`` | pinned CPU (+ label cache on GPU) | layer l's tokens predicted during layer l−1 and gathered over PCIe on a side stream |
+| ``magicpig`` | CPU (+ hash tables) | codes on GPU; sampling + sampled attention on CPU (numba); sink/local on GPU; LSE merge |
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ..attention.plugin import attention_modules, cache_kwargs
+from ..methods.base import Method
+from .layers import DSLayer, DSOffloadLayer, FullLayer, MagicPIGLayer, rope_function
+
+ATTENTION_NAME = "sparse_eval_system"
+SYSTEM_METHODS = ("full", "double_sparsity", "magicpig")
+_ATTR = "_sparse_eval_system"
+
+
+class SystemCache(Cache):
+    """transformers ``Cache`` over the system layers (one per decoder layer)."""
+
+    def __init__(self, layers: list[FullLayer]):
+        super().__init__(layers=layers)
+
+
+def _system_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    session: SystemSession | None = getattr(module, _ATTR, None)
+    if session is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return session.attention(module, query, key, value, module.scaling if scaling is None else scaling)
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The system layers need no mask: prefill is causal over the prompt alone, decode attends to every key.
+    (Padding is not supported: ``decode`` takes equal-length prompts.)"""
+    return None
+
+
+AttentionInterface.register(ATTENTION_NAME, _system_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+
+
+def _layer_channels(method: Any, layer_idx: int, hq: int, hkv: int, d: int) -> torch.Tensor:
+    """DS channels of one layer as [Hl, r]: per KV head when the method was given channels per KV head (one label
+    row per KV head, as a GQA system stores them), else per query head (the accuracy path's layout)."""
+    raw = method._channels
+    r = max(1, int(float(method.config.alpha) * d + 1e-9))
+    if raw is not None:
+        ch = raw[layer_idx] if raw.dim() == 3 else raw
+        if ch.shape[0] == hkv and hkv != hq:
+            return ch[:, :r].long()
+    ch, _ = method._layer_channels(layer_idx, hq, hkv, d, "cpu")
+    return ch.long()
+
+
+def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype: torch.dtype | None = None,
+                 backend_gpu: str = "auto", backend_cpu: str = "auto") -> list[FullLayer]:
+    """One cache layer per decoder layer for ``method`` (set up already: DS has its channels)."""
+    name = method.name
+    if name not in SYSTEM_METHODS:
+        raise ValueError(f"method {name!r} has no system path; valid: {list(SYSTEM_METHODS)} (double_sparsity with "
+                         f"method.offload=true is DS-Offload)")
+    cfg = model.config.get_text_config()
+    n_layers, hq = cfg.num_hidden_layers, cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    method.validate(num_layers=n_layers)
+    dense = {int(i) for i in method.config.dense_layers} if name != "full" else set(range(n_layers))
+    on_cuda = next(model.parameters()).is_cuda
+    if label_scale_dtype is None:
+        label_scale_dtype = torch.float16 if on_cuda else torch.float32
+    layers: list[FullLayer] = []
+    for i in range(n_layers):
+        if i in dense:
+            layers.append(FullLayer(i, capacity))
+        elif name == "double_sparsity":
+            c = method.config
+            if c.sink or c.local:
+                raise ValueError(f"method.sink={c.sink}, method.local={c.local}: the DS system layers keep no static "
+                                 f"keys (the paper's setting); set both to 0")
+            cls = DSOffloadLayer if c.offload else DSLayer
+            layers.append(cls(i, capacity, _layer_channels(method, i, hq, hkv, d), beta=c.beta, bits=c.label_bits,
+                              quantize_query=c.quantize_query, gqa=c.gqa, scale_dtype=label_scale_dtype,
+                              backend=backend_gpu))
+        else:
+            layers.append(MagicPIGLayer(i, capacity, method, backend_gpu=backend_gpu, backend_cpu=backend_cpu))
+    return layers
+
+
+class SystemSession:
+    """The layers of one generation, the side stream and buffers of DS-Offload, and per-run counters."""
+
+    def __init__(self, model: Any, method: Method, layers: list[FullLayer]):
+        self.model = model
+        self.method = method
+        self.cache = SystemCache(layers)
+        self.layers = layers
+        self.modules = {m.layer_idx: m for m in attention_modules(model)}
+        self.inputs: dict[int, tuple] = {}
+        self.pending: dict[int, dict] = {}
+        self.stats: collections.Counter = collections.Counter()
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        offload = any(isinstance(x, DSOffloadLayer) for x in layers)
+        cuda = next(model.parameters()).is_cuda
+        self.side_stream = torch.cuda.Stream() if offload and cuda else None
+        self.offload_input = getattr(method.config, "offload_input", "attn_input")
+        self.norm_w = getattr(method, "_norm_w", {}) if offload else {}
+        if offload and self.offload_input == "residual" and not self.norm_w:
+            raise ValueError("DS-Offload with offload_input='residual' needs method.setup(model, ...) first (it finds "
+                             "each layer's input norm)")
+
+    # -- attention --------------------------------------------------------------------------------------
+    def attention(self, module, q, k, v, scaling):
+        i = module.layer_idx
+        layer = self.layers[i]
+        if q.shape[2] == 1 and i + 1 < len(self.layers) and isinstance(self.layers[i + 1], DSOffloadLayer):
+            self._predict(i)  # issue layer i+1's gather first, so it overlaps this layer's work
+        out = layer.attend(self, module, q, k, v, scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    def _predict(self, i: int) -> None:
+        """Layer i+1's approximate query from layer i's input (DS-Offload §5.1, as ``DoubleSparsity`` predicts it in
+        the accuracy path), then its top keys' gather."""
+        got = self.inputs.get(i)
+        attn = self.modules[i + 1]
+        rope = rope_function(attn)
+        if got is None or got[1] is None or rope is None:
+            return  # the layer falls back to its own query
+        h, (cos, sin) = got
+        if self.offload_input == "residual":
+            w = self.norm_w[i]
+            h = h / torch.where(w == 0, torch.ones_like(w), w).to(h.dtype)
+        b = h.shape[0]
+        d = self.layers[i + 1].keys.shape[-1]
+        qp = attn.q_proj(h[:, -1:]).view(b, 1, -1, d)
+        if hasattr(attn, "q_norm"):
+            qp = attn.q_norm(qp)
+        qp = qp.transpose(1, 2)
+        qp, _ = rope(qp, qp, cos[:, -1:], sin[:, -1:])
+        self.pending[i + 1] = self.layers[i + 1].predict(self, qp[:, :, 0])
+
+    def buffer(self, layer_idx: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> tuple:
+        """Views [B, Hs, S, D] into one of two GPU buffers (layer parity picks it): layer l+1's gather fills
+        one while layer l reads the other."""
+        slot = layer_idx % 2
+        buf = self._buffers.get(slot)
+        layer = self.layers[layer_idx]
+        if buf is None or buf[0].shape[0] < shape[0] or buf[0].shape[1] < shape[1] or buf[0].shape[2] < shape[2] \
+                or buf[0].dtype != dtype:
+            full = (shape[0], shape[1], max(shape[2], layer.budget(layer.capacity) + 1), shape[3])
+            if buf is not None and self.side_stream is not None:
+                torch.cuda.current_stream(device).wait_stream(self.side_stream)
+            buf = (torch.empty(full, dtype=dtype, device=device), torch.empty(full, dtype=dtype, device=device))
+            self._buffers[slot] = buf
+        return buf[0][: shape[0], : shape[1], : shape[2]], buf[1][: shape[0], : shape[1], : shape[2]], slot
+
+    def nbytes(self) -> dict[str, int]:
+        tot = {"gpu": 0, "cpu": 0}
+        for layer in self.layers:
+            for key, val in layer.nbytes().items():
+                tot[key] += val
+        for a, b in self._buffers.values():
+            tot["gpu"] += 2 * a.numel() * a.element_size()
+        return tot
+
+
+def _grab_inputs(module, args, kwargs):
+    session = getattr(module, _ATTR, None)
+    if session is not None and "hidden_states" in kwargs:
+        session.inputs[module.layer_idx] = (kwargs["hidden_states"], kwargs.get("position_embeddings"))
+
+
+def attach(model: Any, session: SystemSession) -> None:
+    detach(model)
+    for m in session.modules.values():
+        setattr(m, _ATTR, session)
+        m._sparse_eval_system_hook = m.register_forward_pre_hook(_grab_inputs, with_kwargs=True)
+    model._sparse_eval_system_prev = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+
+
+def detach(model: Any) -> None:
+    for m in model.modules():
+        hook = getattr(m, "_sparse_eval_system_hook", None)
+        if hook is not None:
+            hook.remove()
+            del m._sparse_eval_system_hook
+        if hasattr(m, _ATTR):
+            delattr(m, _ATTR)
+    prev = getattr(model, "_sparse_eval_system_prev", None)
+    if prev is not None:
+        model.set_attn_implementation(prev)
+        del model._sparse_eval_system_prev
+
+
+@dataclass
+class DecodeResult:
+    tokens: torch.Tensor  # long [B, new]
+    prefill_ms: float
+    step_ms: list[float]  # one per decode step (the forward that turns token t into logits of t+1)
+    batch: int
+    context: int
+    stats: dict[str, int] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)  # bytes: gpu_peak, cache_gpu, cache_cpu
+
+
+class _Timer:
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [1e3 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
+
+
+@torch.inference_mode()
+def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: int, *, repeat_batch: int = 1,
+           label_scale_dtype: torch.dtype | None = None, backend_gpu: str = "auto", backend_cpu: str = "auto",
+           ) -> DecodeResult:
+    """Prefill ``input_ids`` [B, T] (equal lengths, no padding) densely, then ``max_new_tokens`` greedy steps with
+    ``method`` (no stop token: every row decodes the same number of steps, as a throughput run does).
+    ``repeat_batch`` tiles the prefilled cache over the batch (B·repeat rows) before decoding.  ``method`` must
+    be set up for the model (``method.setup(model, name)``) where it needs it (Double Sparsity)."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected [B, T], got shape {tuple(input_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    dev = next(model.parameters()).device
+    cuda = dev.type == "cuda"
+    b, t = input_ids.shape
+    layers = build_layers(model, method, t + max_new_tokens, label_scale_dtype=label_scale_dtype,
+                          backend_gpu=backend_gpu, backend_cpu=backend_cpu)
+    session = SystemSession(model, method, layers)
+    attach(model, session)
+    kw = cache_kwargs(model, session.cache)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        timer = _Timer(cuda)
+        timer.mark()
+        logits = model(input_ids=input_ids.to(dev), use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
+        timer.mark()
+        prefill_ms = timer.intervals_ms()[0]
+        nxt = logits.argmax(-1, keepdim=True)  # [B, 1]
+        if repeat_batch > 1:
+            for layer in layers:
+                layer.repeat_batch(repeat_batch)
+            nxt = nxt.repeat(repeat_batch, 1)
+        out = [nxt]
+        timer = _Timer(cuda)
+        timer.mark()
+        for _ in range(max_new_tokens - 1):
+            logits = model(input_ids=nxt, use_cache=True, **kw).logits[:, -1]
+            nxt = logits.argmax(-1, keepdim=True)
+            out.append(nxt)
+            timer.mark()
+        steps = timer.intervals_ms()
+        mem = session.nbytes()
+        memory = {"cache_gpu": mem["gpu"], "cache_cpu": mem["cpu"]}
+        if cuda:
+            memory["gpu_peak"] = int(torch.cuda.max_memory_allocated(dev))
+        return DecodeResult(tokens=torch.cat(out, 1).cpu(), prefill_ms=prefill_ms, step_ms=steps,
+                            batch=b * repeat_batch, context=t, stats=dict(session.stats), memory=memory)
+    finally:
+        detach(model)

@@ -1,0 +1,529 @@
+"""Cache layers of the system path: each layer owns its KV storage *and* the attention over it.
+
+The accuracy path (``attention.plugin``) keeps every key on one device and computes dense scores to check
+each selection; the system path stores keys where the method's system stores them and touches only what the
+method reads:
+
+* ``FullLayer``: KV cache on the GPU, dense sdpa decode (the baseline; also every method's dense layers).
+* ``DSLayer``: KV cache on the GPU plus a contiguous, quantized label cache (DS §4.2); per step: label scores,
+  top-k, attention over the selected rows (``kernels.ds``, ``kernels.sparse_decode``).
+* ``DSOffloadLayer``: KV cache in pinned CPU memory, label cache on the GPU; the tokens of layer l are predicted
+  from layer l−1's input and gathered from host memory on a side CUDA stream into a double buffer while layer
+  l−1 computes (DS §5.1); the current token's key joins the top-k exactly (see ``_include_new``).
+* ``MagicPIGLayer``: KV cache and hash tables in CPU memory, sink and local window on the GPU; per step: the
+  query's codes on the GPU, collision sampling and the −log u-corrected attention on the CPU (numba), the
+  static keys on the GPU, both parts merged exactly by log-sum-exp (MagicPIG §4.4, eq. 11).
+
+All layers implement transformers' cache-layer interface (``update`` returns the call's new keys only; the
+layer's ``attend`` reads its own storage), prefill densely in one call (protocol A: the prompt is dense,
+generated tokens are sparse) and then decode one token per call.  Shapes: B batch, Hq / Hkv query / KV heads,
+N tokens, D head dim, T tokens of the call.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import CacheLayerMixin
+
+import kernels.ds as kds
+import kernels.magicpig as kmp
+import kernels.magicpig_cpu as kmc
+import kernels.offload as koff
+import kernels.sparse_decode as ksd
+from kernels.merge import merge_by_lse
+
+from ..methods.base import resolve_budget
+from ..methods.double_sparsity import pseudo_quantize
+from ..methods.magicpig import collision_counts
+
+
+def _query_len(args: tuple, kwargs: dict) -> int:
+    """transformers < 5.24 passes ``cache_position`` (a tensor), later versions ``query_length`` (an int)."""
+    x = args[0] if args else next(iter(kwargs.values()))
+    return int(x.shape[0]) if torch.is_tensor(x) else int(x)
+
+
+class FullLayer(CacheLayerMixin):
+    """Preallocated KV cache (``capacity`` tokens) on ``kv_device``; dense attention."""
+
+    kind = "full"
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, layer_idx: int, capacity: int, kv_device: torch.device | str | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.capacity = int(capacity)
+        self.kv_device = None if kv_device is None else torch.device(kv_device)
+        self.n = 0
+
+    # -- transformers' cache-layer interface -------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, hkv, _, d = key_states.shape
+        self.device = key_states.device
+        dev = self.kv_device or key_states.device
+        shape = (b, hkv, self.capacity, d)
+        if dev.type == "cpu":
+            self.keys = koff.pinned_empty(shape, key_states.dtype)
+            self.values = koff.pinned_empty(shape, value_states.dtype)
+        else:
+            self.keys = torch.empty(shape, dtype=key_states.dtype, device=dev)
+            self.values = torch.empty(shape, dtype=value_states.dtype, device=dev)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        t = key_states.shape[2]
+        if self.n + t > self.capacity:
+            raise ValueError(f"layer {self.layer_idx}: {self.n} + {t} tokens exceed the cache capacity {self.capacity} "
+                             f"(prompt length + max_new_tokens)")
+        self.keys[:, :, self.n:self.n + t].copy_(key_states, non_blocking=True)
+        self.values[:, :, self.n:self.n + t].copy_(value_states, non_blocking=True)
+        self.n += t
+        return key_states, value_states
+
+    def get_seq_length(self, *args: Any) -> int:
+        return self.n
+
+    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        return self.n + _query_len(args, kwargs), 0
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        self.n = 0
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes this layer holds, by device kind ("gpu" / "cpu")."""
+        out = {"gpu": 0, "cpu": 0}
+        if self.is_initialized:
+            for t in (self.keys, self.values):
+                out["gpu" if t.is_cuda else "cpu"] += t.numel() * t.element_size()
+        return out
+
+    def repeat_batch(self, times: int) -> None:
+        """Tile the stored rows ``times`` over the batch (a benchmark's way to fill a large batch from one
+        prefill: the per-row work of decoding is the same as with distinct rows)."""
+        self.keys = _tile(self.keys, times)
+        self.values = _tile(self.values, times)
+
+    # -- attention ------------------------------------------------------------------------------------
+    def attend(self, session: Any, module: Any, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """q [B, Hq, T, D] -> [B, Hq, T, D]."""
+        if q.shape[2] > 1:
+            return self.prefill(session, module, q, k_new, v_new, scaling)
+        return self.decode(session, module, q, k_new, v_new, scaling)
+
+    def prefill(self, session, module, q, k_new, v_new, scaling):
+        if self.n != q.shape[2]:
+            raise ValueError(f"the system path prefills the prompt in one call from an empty cache (layer "
+                             f"{self.layer_idx} holds {self.n - q.shape[2]} earlier tokens); chunked prefill is not "
+                             f"supported")
+        g = q.shape[1] // k_new.shape[1]
+        k, v = (k_new.repeat_interleave(g, 1), v_new.repeat_interleave(g, 1)) if g > 1 else (k_new, v_new)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+        self.after_prefill(session, module, k_new, v_new)
+        return out
+
+    def after_prefill(self, session, module, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Index the prompt's keys (k, v [B, Hkv, N, D] on the compute device).  Default: nothing."""
+
+    def decode(self, session, module, q, k_new, v_new, scaling):
+        n = self.n
+        return F.scaled_dot_product_attention(q, self.keys[:, :, :n], self.values[:, :, :n], scale=scaling,
+                                              enable_gqa=q.shape[1] != self.keys.shape[1])
+
+
+def _tile(x: torch.Tensor, times: int) -> torch.Tensor:
+    if times == 1:
+        return x
+    shape = (x.shape[0] * times, *x.shape[1:])
+    out = koff.pinned_empty(shape, x.dtype) if not x.is_cuda else torch.empty(shape, dtype=x.dtype, device=x.device)
+    for i in range(times):
+        out[i * x.shape[0]:(i + 1) * x.shape[0]].copy_(x)
+    return out
+
+
+class _Labels:
+    """A preallocated label cache (DS §4.2): 16-bit values, or 8/4-bit codes with a per-token scale and zero
+    (``kernels.ds.LabelCache`` layout), filled as keys arrive."""
+
+    def __init__(self, channels: torch.Tensor, bits: int, scale_dtype: torch.dtype):
+        self.channels = channels  # long [Hl, r]
+        self.bits = bits
+        self.scale_dtype = scale_dtype
+        self.n = 0
+        self.codes = self.scale = self.zero = None
+
+    def append(self, k: torch.Tensor, capacity: int) -> None:
+        new = kds.build_label_cache(k, self.channels.to(k.device), self.bits, scale_dtype=self.scale_dtype)
+        if self.codes is None:
+            b, hl, _ = new.shape
+            self.codes = torch.empty((b, hl, capacity, new.labels.shape[-1]), dtype=new.labels.dtype, device=k.device)
+            if new.scale is not None:
+                self.scale = torch.empty((b, hl, capacity), dtype=new.scale.dtype, device=k.device)
+                self.zero = torch.empty_like(self.scale)
+        t = k.shape[2]
+        self.codes[:, :, self.n:self.n + t] = new.labels
+        if new.scale is not None:
+            self.scale[:, :, self.n:self.n + t] = new.scale
+            self.zero[:, :, self.n:self.n + t] = new.zero
+        self.n += t
+
+    def view(self, n: int) -> kds.LabelCache:
+        return kds.LabelCache(labels=self.codes[:, :, :n], bits=self.bits, r=self.channels.shape[1],
+                              scale=None if self.scale is None else self.scale[:, :, :n],
+                              zero=None if self.zero is None else self.zero[:, :, :n])
+
+    def repeat_batch(self, times: int) -> None:
+        for name in ("codes", "scale", "zero"):
+            x = getattr(self, name)
+            if x is not None:
+                setattr(self, name, x.repeat(times, *([1] * (x.dim() - 1))))
+
+
+class DSLayer(FullLayer):
+    """Double Sparsity decode (Algorithm 1) over a GPU KV cache.  ``channels`` long [Hl, r] (Hl = Hq: per query
+    head, the calibrated "qk" channels; Hl = Hkv: per KV head), ``beta`` the token budget (ratio of the context
+    or a token count), ``gqa`` "query_head" (a top-k per query head) or "kv_head" (one per KV group, label
+    scores summed over the group)."""
+
+    kind = "double_sparsity"
+
+    def __init__(self, layer_idx: int, capacity: int, channels: torch.Tensor, *, beta: float | int, bits: int = 4,
+                 quantize_query: bool = True, gqa: str = "query_head", scale_dtype: torch.dtype = torch.float16,
+                 backend: str = "auto", kv_device=None):
+        super().__init__(layer_idx, capacity, kv_device)
+        if gqa not in kds.GQA_MODES:
+            raise ValueError(f"gqa={gqa!r}: valid values are {list(kds.GQA_MODES)}")
+        if bits not in kds.LABEL_BITS:
+            raise ValueError(f"label bits={bits!r}: the system path's label cache supports {list(kds.LABEL_BITS)}")
+        self.labels = _Labels(channels, bits, scale_dtype)
+        self.beta, self.bits, self.quantize_query, self.gqa, self.backend = beta, bits, quantize_query, gqa, backend
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        out = super().update(key_states, value_states, *args, **kwargs)
+        self.labels.append(key_states, self.capacity)
+        return out
+
+    def repeat_batch(self, times: int) -> None:
+        super().repeat_batch(times)
+        self.labels.repeat_batch(times)
+
+    def nbytes(self) -> dict[str, int]:
+        out = super().nbytes()
+        for t in (self.labels.codes, self.labels.scale, self.labels.zero):
+            if t is not None:
+                out["gpu" if t.is_cuda else "cpu"] += t.numel() * t.element_size()
+        return out
+
+    def budget(self, n: int) -> int:
+        """k = floor(β·n) (at least 1) for a ratio, β for a token count (as ``resolve_budget``)."""
+        return max(1, int(resolve_budget(self.beta, torch.tensor(n)).item()))
+
+    def query_labels(self, q3: torch.Tensor) -> torch.Tensor:
+        """q3 [B, Hq, D] -> q_label [B, Hq, r] fp32 (quantized like the keys' labels when ``quantize_query``)."""
+        ql = kds.gather_query_channels(q3, self.labels.channels)
+        return pseudo_quantize(ql, self.bits) if self.quantize_query else ql
+
+    def label_scores(self, q_label: torch.Tensor, n: int) -> torch.Tensor:
+        """Scores of the first n keys: [B, Hq, n] (query_head) or [B, Hkv, n] (kv_head)."""
+        cache = self.labels.view(n)
+        hkv = self.keys.shape[1]
+        if self.gqa == "kv_head" and cache.shape[1] == hkv:  # Σ over the group inside the kernel
+            return kds.label_scores(q_label, cache, reduce=True, backend=self.backend)
+        s = kds.label_scores(q_label, cache, backend=self.backend)  # [B, Hq, n]
+        if self.gqa == "kv_head":
+            b, hq, _ = s.shape
+            s = s.view(b, hkv, hq // hkv, n).sum(2)
+        return s
+
+    def decode(self, session, module, q, k_new, v_new, scaling):
+        n = self.n
+        q3 = q[:, :, 0]
+        scores = self.label_scores(self.query_labels(q3), n)  # Alg. 1 line 4
+        idx = kds.topk_indices(scores, self.budget(n))  # line 5
+        o, _ = ksd.attention(q3, self.keys[:, :, :n], self.values[:, :, :n], idx, scaling=scaling,
+                             backend=self.backend)  # lines 6-7
+        return o.unsqueeze(2)
+
+
+class DSOffloadLayer(DSLayer):
+    """DS-Offload (DS §5.1): the KV cache in pinned host memory; the label cache on the GPU.  The session's
+    ``predict`` (run while the previous layer computes) scores this layer's keys with an approximate query from
+    the previous layer's input and gathers the top rows into a GPU buffer on a side stream."""
+
+    kind = "ds_offload"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs["kv_device"] = "cpu"
+        super().__init__(*args, **kwargs)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        t = key_states.shape[2]
+        if self.n + t > self.capacity:
+            raise ValueError(f"layer {self.layer_idx}: {self.n} + {t} tokens exceed the cache capacity {self.capacity}")
+        # device -> pinned host on the compute stream; a later gather on the side stream waits for it
+        self.keys[:, :, self.n:self.n + t].copy_(key_states, non_blocking=True)
+        self.values[:, :, self.n:self.n + t].copy_(value_states, non_blocking=True)
+        self.n += t
+        self.labels.append(key_states, self.capacity)
+        self._new = (key_states, value_states)
+        return key_states, value_states
+
+    def prefill(self, session, module, q, k_new, v_new, scaling):
+        g = q.shape[1] // k_new.shape[1]
+        k, v = (k_new.repeat_interleave(g, 1), v_new.repeat_interleave(g, 1)) if g > 1 else (k_new, v_new)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+
+    def select_heads(self, hq: int) -> int:
+        return self.keys.shape[1] if self.gqa == "kv_head" else hq
+
+    def predict(self, session, q_pred: torch.Tensor) -> dict[str, Any]:
+        """Top keys among the ``self.n`` stored ones for the predicted query q_pred [B, Hq, D], and their gather
+        into the session's buffer (on the side stream when on CUDA).  Called before this step's key arrives."""
+        n_old = self.n
+        k_tot = self.budget(n_old + 1)
+        k_old = min(k_tot, n_old)
+        ql = self.query_labels(q_pred)
+        vals, ids = torch.topk(self.label_scores(ql, n_old), k_old, dim=-1, sorted=True)
+        ids = ids.to(torch.int32)
+        hs = ids.shape[1]
+        buf_k, buf_v, slot = session.buffer(self.layer_idx, (ids.shape[0], hs, k_tot + 1, self.keys.shape[-1]),
+                                            self.keys.dtype, q_pred.device)
+        stream = session.side_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(q_pred.device))
+            with torch.cuda.stream(stream):
+                koff.gather_rows(self.keys, ids, buf_k[:, :, :k_old])
+                koff.gather_rows(self.values, ids, buf_v[:, :, :k_old])
+                event = torch.cuda.Event()
+                event.record(stream)
+            ids.record_stream(stream)
+        else:
+            koff.gather_rows(self.keys, ids, buf_k[:, :, :k_old])
+            koff.gather_rows(self.values, ids, buf_v[:, :, :k_old])
+            event = None
+        return {"event": event, "buf_k": buf_k, "buf_v": buf_v, "vals": vals, "ql": ql, "k_tot": k_tot,
+                "k_old": k_old, "n_old": n_old}
+
+    def _include_new(self, p: dict[str, Any]) -> torch.Tensor:
+        """Exact top-k over all n keys from the top-k of the n−1 old ones: the new key (scored with the same
+        predicted query) enters iff the old keys did not fill the budget or it beats the k-th best old score; it
+        then replaces that k-th key.  bool [B, Hs]."""
+        k_new = self._new[0]  # [B, Hkv, 1, D]
+        lab = kds.dequantize_labels(kds.build_label_cache(k_new, self.labels.channels.to(k_new.device), self.bits,
+                                                          scale_dtype=self.labels.scale_dtype))  # [B, Hl, 1, r]
+        ql = p["ql"]  # [B, Hq, r]
+        b, hq, r = ql.shape
+        hl = lab.shape[1]
+        s_new = (ql.view(b, hl, hq // hl, r) * lab[:, :, 0].unsqueeze(2)).sum(-1).reshape(b, hq)
+        if self.gqa == "kv_head":
+            hkv = self.keys.shape[1]
+            s_new = s_new.view(b, hkv, hq // hkv).sum(-1)
+        if p["k_old"] < p["k_tot"]:
+            return torch.ones_like(s_new, dtype=torch.bool)
+        return s_new > p["vals"][..., -1]
+
+    def decode(self, session, module, q, k_new, v_new, scaling):
+        p = session.pending.pop(self.layer_idx, None)
+        q3 = q[:, :, 0]
+        if p is None:  # no predecessor input (first layer): the layer's own query, gathered synchronously
+            p = self._own(session, q3)
+            session.stats["offload_own_query"] += 1
+        elif p["event"] is not None:
+            torch.cuda.current_stream(q.device).wait_event(p["event"])
+        buf_k, buf_v, k_tot, k_old = p["buf_k"], p["buf_v"], p["k_tot"], p["k_old"]
+        b, hs = buf_k.shape[:2]
+        hkv = self.keys.shape[1]
+        last = buf_k.shape[2] - 1
+        buf_k[:, :, last] = k_new[:, :, 0].repeat_interleave(hs // hkv, 1)
+        buf_v[:, :, last] = v_new[:, :, 0].repeat_interleave(hs // hkv, 1)
+        inc = self._include_new(p)  # [B, Hs]
+        idx = torch.arange(k_old + 1, device=q.device, dtype=torch.int32).expand(b, hs, k_old + 1).clone()
+        idx[..., k_old] = torch.where(inc, last, -1)
+        if k_old == k_tot:  # full budget: the new key displaces the k-th best old key
+            idx[..., k_old - 1] = torch.where(inc, -1, k_old - 1)
+        o, _ = ksd.attention(q3, buf_k, buf_v, idx, scaling=scaling, backend=self.backend)
+        return o.unsqueeze(2)
+
+    def _own(self, session, q3):
+        self.n -= 1  # score the old keys only, as a prediction would
+        try:
+            p = self.predict(session, q3)
+        finally:
+            self.n += 1
+        if p["event"] is not None:
+            torch.cuda.current_stream(q3.device).wait_event(p["event"])
+            p["event"] = None
+        return p
+
+
+class MagicPIGLayer(FullLayer):
+    """MagicPIG with its KV cache and hash tables in CPU memory (§4.4).
+
+    ``method`` is the accuracy path's ``MagicPIG`` (its config and seeded projections are reused, so both paths
+    hash with the same hyperplanes).  The keys a row may sample are the non-static ones (between the sink and
+    the local window); μ (centering) is their mean at the first decode step, as in the accuracy path.  Keys
+    leaving the local window later are hashed with that μ into an overflow list that is searched by brute force
+    next to the tables (it holds at most the number of generated tokens).
+    """
+
+    kind = "magicpig"
+
+    def __init__(self, layer_idx: int, capacity: int, method: Any, *, backend_gpu: str = "auto",
+                 backend_cpu: str = "auto"):
+        super().__init__(layer_idx, capacity, kv_device="cpu")
+        c = method.config
+        if c.mips:
+            raise ValueError("method.mips=true: the MagicPIG CPU kernel hashes centred keys without the eq. 8 "
+                             "transform; the system path supports mips=false only")
+        if c.u_offset:
+            raise ValueError(f"method.u_offset={c.u_offset}: the MagicPIG CPU kernel implements eq. 11 (u_offset=0) only")
+        self.method = method
+        self.cfg = c
+        self.backend_gpu, self.backend_cpu = backend_gpu, backend_cpu
+        self.tables = None
+        self.cand_end = 0  # keys [sink, cand_end) are candidates (in the tables or the overflow)
+        self.table_end = 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        first = not self.is_initialized
+        t = key_states.shape[2]
+        out = super().update(key_states, value_states)
+        if first:  # prefill: the sink and the last `local` keys on the GPU, with room for the generated ones
+            s = self.cfg.sink
+            self.sink_k = key_states[:, :, :s].clone()
+            self.sink_v = value_states[:, :, :s].clone()
+            self.w0 = max(s, self.n - self.cfg.local)  # the GPU window holds positions [w0, n)
+            m = self.n - self.w0
+            b, hkv, _, d = key_states.shape
+            self.win_k = torch.empty((b, hkv, m + self.capacity - self.n, d), dtype=key_states.dtype,
+                                     device=key_states.device)
+            self.win_v = torch.empty_like(self.win_k)
+            self.win_k[:, :, :m] = key_states[:, :, self.w0:]
+            self.win_v[:, :, :m] = value_states[:, :, self.w0:]
+        else:
+            m = self.n - t - self.w0
+            self.win_k[:, :, m:m + t] = key_states
+            self.win_v[:, :, m:m + t] = value_states
+        return out
+
+    def repeat_batch(self, times: int) -> None:
+        super().repeat_batch(times)
+        for name in ("win_k", "win_v", "sink_k", "sink_v"):
+            setattr(self, name, getattr(self, name).repeat(times, 1, 1, 1))
+        if self.tables is not None:
+            raise ValueError("repeat_batch before the first decode step (the tables are built then)")
+
+    def nbytes(self) -> dict[str, int]:
+        out = super().nbytes()
+        for t in (getattr(self, "win_k", None), getattr(self, "win_v", None)):
+            if t is not None:
+                out["gpu"] += t.numel() * t.element_size()
+        if self.tables is not None:
+            out["cpu"] += self.tables.nbytes()
+        return out
+
+    def prefill(self, session, module, q, k_new, v_new, scaling):
+        g = q.shape[1] // k_new.shape[1]
+        k, v = (k_new.repeat_interleave(g, 1), v_new.repeat_interleave(g, 1)) if g > 1 else (k_new, v_new)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+
+    def _window(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.win_k[:, :, lo - self.w0:hi - self.w0], self.win_v[:, :, lo - self.w0:hi - self.w0]
+
+    def _build(self, n: int, dev: torch.device) -> None:
+        """Fix μ over the candidates [sink, n − local) and build the tables (first decode step)."""
+        c = self.cfg
+        lo, hi = c.sink, max(c.sink, n - c.local)
+        b, hkv, _, d = self.keys.shape
+        self.w = self.method.projection(self.layer_idx, d, dev)
+        if hi <= lo:
+            return
+        self.cand_end = self.table_end = hi
+        self.mean = torch.zeros(b, hkv, d, dtype=torch.float32, device=dev)
+        k_c = self.keys[:, :, lo:hi].to(dev, non_blocking=True)
+        if c.center:
+            self.mean = k_c.double().mean(2).float()  # as MagicPIG._fix_center (float64, then float32)
+        codes = kmp.hash_codes(k_c.float() - self.mean[:, :, None], self.w, c.K, c.L, backend=self.backend_gpu)
+        self.tables = kmc.build_tables(codes.cpu(), c.K, backend=self.backend_cpu)
+        self.over_codes = torch.empty(b, hkv, 0, c.L, dtype=torch.int32)
+        self.mean_cpu = self.mean.cpu()
+
+    def _overflow(self, n: int) -> None:
+        """Hash the keys that left the local window since the last step into the overflow list."""
+        hi = max(self.cfg.sink, n - self.cfg.local)
+        if hi <= self.cand_end:
+            return
+        k, _ = self._window(self.cand_end, hi)
+        codes = kmp.hash_codes(k.float() - self.mean[:, :, None], self.w, self.cfg.K, self.cfg.L,
+                               backend=self.backend_gpu).cpu()
+        self.over_codes = torch.cat([self.over_codes, codes.to(torch.int32)], 2)
+        self.cand_end = hi
+
+    def _sample(self, q_codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(idx int32 [B, Hq, S] cache positions, −1 padded; count [B, Hq]) of the sampled keys."""
+        c = self.cfg
+        idx, cnt = kmc.sample(self.tables, q_codes, c.min_collisions, backend=self.backend_cpu)
+        idx = torch.where(idx >= 0, idx + c.sink, idx)
+        if self.over_codes.shape[2]:
+            hit = collision_counts(q_codes[:, :, None].long(), self.over_codes.long()) >= c.min_collisions
+            hit = hit[:, :, 0]  # [B, Hq, n_over]
+            extra = torch.where(hit, torch.arange(hit.shape[-1], dtype=torch.int32) + self.table_end,
+                                torch.full_like(hit, -1, dtype=torch.int32))
+            idx = torch.cat([idx, extra], -1)
+            cnt = cnt + hit.sum(-1, dtype=torch.int32)
+            order = torch.argsort((idx < 0).to(torch.int8), dim=-1, stable=True)  # valid entries first
+            idx = torch.gather(idx, -1, order)
+        return idx, cnt
+
+    def decode(self, session, module, q, k_new, v_new, scaling):
+        c = self.cfg
+        n = self.n
+        q3 = q[:, :, 0]  # [B, Hq, D]
+        b, hq, d = q3.shape
+        if self.tables is None:  # first step with a candidate key: fix μ, build the tables
+            self._build(n, q.device)
+        if self.tables is not None:
+            self._overflow(n)
+        # GPU part: the static keys, sink [0, sink) and window [max(sink, n - local), n)  (u = 1)
+        lo = max(c.sink, n - c.local)
+        wk, wv = self._window(lo, n)
+        ks = torch.cat([self.sink_k[:, :, :min(c.sink, n)], wk], 2)
+        vs = torch.cat([self.sink_v[:, :, :min(c.sink, n)], wv], 2)
+        g = hq // ks.shape[1]
+        s = torch.einsum("bhgd,bhnd->bhgn", q3.view(b, -1, g, d).float(), ks.float()) * scaling
+        lse_g = torch.logsumexp(s, -1)  # [B, Hkv, G]
+        o_g = torch.einsum("bhgn,bhnd->bhgd", torch.softmax(s, -1), vs.float())
+        o_g, lse_g = o_g.reshape(b, hq, d), lse_g.reshape(b, hq)
+        if self.tables is None:  # no candidate keys yet: every key is static
+            return o_g.to(q.dtype).unsqueeze(2)
+        # CPU part: the query's codes (GPU) -> sampling and the −log u-corrected attention (CPU, eq. 11)
+        q_codes = kmp.hash_codes(q3, self.w, c.K, c.L, backend=self.backend_gpu).cpu()
+        idx, cnt = self._sample(q_codes)
+        session.stats["sampled"] += int(cnt.sum())
+        session.stats["sample_rows"] += cnt.numel()
+        session.stats["candidates"] += (self.cand_end - c.sink) * cnt.numel()
+        o_c, lse_c = kmc.attention(q3.cpu(), self.keys, self.values, idx, cnt, k_bits=c.K, n_tables=c.L,
+                                   min_collisions=c.min_collisions, scaling=scaling, k_mean=self.mean_cpu,
+                                   backend=self.backend_cpu)
+        o, _ = merge_by_lse(o_c.to(q.device, non_blocking=True), lse_c.to(q.device, non_blocking=True), o_g, lse_g)
+        return o.to(q.dtype).unsqueeze(2)
+
+
+def rope_function(attn_module: Any):
+    """The modeling module's ``apply_rotary_pos_emb`` for an attention module (None if it has none)."""
+    return getattr(sys.modules[type(attn_module).__module__], "apply_rotary_pos_emb", None)
+
+
+__all__ = ["FullLayer", "DSLayer", "DSOffloadLayer", "MagicPIGLayer", "rope_function"]
