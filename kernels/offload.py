@@ -18,7 +18,7 @@ import torch
 
 from ._common import check_heads, resolve_gpu_backend
 
-__all__ = ["gather_rows", "gather_rows_reference", "pinned_empty"]
+__all__ = ["gather_rows", "gather_rows_reference", "pinned_empty", "unpin_all"]
 
 
 def _check(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> int:
@@ -48,12 +48,16 @@ def gather_rows_reference(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tenso
     return dst
 
 
+def _is_pinned(x: torch.Tensor) -> bool:
+    return x.is_pinned() or any(p <= x.data_ptr() < p + t.numel() * t.element_size() for p, t in _PINNED.items())
+
+
 def gather_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """See the module docstring.  backend: "auto" (Triton when idx and dst are CUDA tensors and src is pinned),
     "triton", "torch"."""
     g = _check(src, idx, dst)
     if backend == "auto":
-        backend = "triton" if (idx.is_cuda and dst.is_cuda and (src.is_cuda or src.is_pinned())) else "torch"
+        backend = "triton" if (idx.is_cuda and dst.is_cuda and (src.is_cuda or _is_pinned(src))) else "torch"
         backend = resolve_gpu_backend(backend if backend == "torch" else "auto", idx, dst)
     else:
         backend = resolve_gpu_backend(backend, idx, dst)
@@ -65,6 +69,33 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, *, back
     return dst
 
 
+_PINNED: dict[int, torch.Tensor] = {}
+
+
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised host tensor, pinned when CUDA is available (plain CPU memory otherwise)."""
-    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+    """An uninitialised host tensor, page-locked when CUDA is available (plain CPU memory otherwise).
+
+    The memory is allocated pageable at its exact size and then registered with ``cudaHostRegister``:
+    ``torch.empty(..., pin_memory=True)`` rounds every block up to a power of two, which for a cache of
+    tens of GB can ask for twice the machine's memory.  The tensor stays registered (and referenced here)
+    until ``unpin_all``."""
+    t = torch.empty(shape, dtype=dtype)
+    if torch.cuda.is_available() and t.numel():
+        nbytes = t.numel() * t.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        if int(getattr(err, "value", err)) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed ({err}): not enough lockable "
+                               f"host memory for the offloaded cache")
+        _PINNED[t.data_ptr()] = t
+    return t
+
+
+def unpin_all() -> None:
+    """Unregister (and drop the references to) every tensor ``pinned_empty`` registered.  Synchronises the
+    device first: no copy may still be reading them."""
+    if not _PINNED:
+        return
+    torch.cuda.synchronize()
+    for ptr in list(_PINNED):
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+        del _PINNED[ptr]

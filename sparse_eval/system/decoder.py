@@ -27,6 +27,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import kernels.offload as koff
+
 from ..attention.plugin import attention_modules, cache_kwargs
 from ..methods.base import Method
 from .layers import DSLayer, DSOffloadLayer, FullLayer, MagicPIGLayer, rope_function
@@ -250,7 +252,8 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
            ) -> DecodeResult:
     """Prefill ``input_ids`` [B, T] (equal lengths, no padding) densely, then ``max_new_tokens`` greedy steps with
     ``method`` (no stop token: every row decodes the same number of steps, as a throughput run does).
-    ``repeat_batch`` tiles the prefilled cache over the batch (B·repeat rows) before decoding.  ``method`` must
+    ``repeat_batch`` tiles the cache over the batch (B·repeat rows) after the first decode step (the prefill
+    and that step, which builds MagicPIG's tables, run at batch B; the step's time is in ``step_ms[0]``).  ``method`` must
     be set up for the model (``method.setup(model, name)``) where it needs it (Double Sparsity)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected [B, T], got shape {tuple(input_ids.shape)}")
@@ -273,17 +276,19 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
         timer.mark()
         prefill_ms = timer.intervals_ms()[0]
         nxt = logits.argmax(-1, keepdim=True)  # [B, 1]
-        if repeat_batch > 1:
-            for layer in layers:
-                layer.repeat_batch(repeat_batch)
-            nxt = nxt.repeat(repeat_batch, 1)
         out = [nxt]
         timer = _Timer(cuda)
         timer.mark()
-        for _ in range(max_new_tokens - 1):
+        for step in range(max_new_tokens - 1):
             logits = model(input_ids=nxt, use_cache=True, **kw).logits[:, -1]
             nxt = logits.argmax(-1, keepdim=True)
             out.append(nxt)
+            if step == 0 and repeat_batch > 1:
+                # tile after the first step, so that per-row index builds (MagicPIG's tables) run once
+                for layer in layers:
+                    layer.repeat_batch(repeat_batch)
+                out = [x.repeat(repeat_batch, 1) for x in out]
+                nxt = out[-1]
             timer.mark()
         steps = timer.intervals_ms()
         mem = session.nbytes()
@@ -294,3 +299,6 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
                             batch=b * repeat_batch, context=t, stats=dict(session.stats), memory=memory)
     finally:
         detach(model)
+        session.layers.clear()
+        session.pending.clear()
+        koff.unpin_all()

@@ -54,11 +54,12 @@ class FullLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, layer_idx: int, capacity: int, kv_device: torch.device | str | None = None):
+    def __init__(self, layer_idx: int, capacity: int, kv_device: torch.device | str | None = None, pin: bool = True):
         super().__init__()
         self.layer_idx = layer_idx
         self.capacity = int(capacity)
         self.kv_device = None if kv_device is None else torch.device(kv_device)
+        self.pin = pin  # a CPU cache in pinned memory (needed where the GPU reads it directly)
         self.n = 0
 
     # -- transformers' cache-layer interface -------------------------------------------------------------
@@ -68,8 +69,9 @@ class FullLayer(CacheLayerMixin):
         dev = self.kv_device or key_states.device
         shape = (b, hkv, self.capacity, d)
         if dev.type == "cpu":
-            self.keys = koff.pinned_empty(shape, key_states.dtype)
-            self.values = koff.pinned_empty(shape, value_states.dtype)
+            alloc = koff.pinned_empty if self.pin else (lambda sh, dt: torch.empty(sh, dtype=dt))
+            self.keys = alloc(shape, key_states.dtype)
+            self.values = alloc(shape, value_states.dtype)
         else:
             self.keys = torch.empty(shape, dtype=key_states.dtype, device=dev)
             self.values = torch.empty(shape, dtype=value_states.dtype, device=dev)
@@ -110,8 +112,8 @@ class FullLayer(CacheLayerMixin):
     def repeat_batch(self, times: int) -> None:
         """Tile the stored rows ``times`` over the batch (a benchmark's way to fill a large batch from one
         prefill: the per-row work of decoding is the same as with distinct rows)."""
-        self.keys = _tile(self.keys, times)
-        self.values = _tile(self.values, times)
+        self.keys = _tile(self.keys, times, self.pin)
+        self.values = _tile(self.values, times, self.pin)
 
     # -- attention ------------------------------------------------------------------------------------
     def attend(self, session: Any, module: Any, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -137,15 +139,23 @@ class FullLayer(CacheLayerMixin):
 
     def decode(self, session, module, q, k_new, v_new, scaling):
         n = self.n
-        return F.scaled_dot_product_attention(q, self.keys[:, :, :n], self.values[:, :, :n], scale=scaling,
-                                              enable_gqa=q.shape[1] != self.keys.shape[1])
+        b, hq, _, d = q.shape
+        hkv = self.keys.shape[1]
+        # GQA decode as a G-row query per KV head (non-causal, so exact): sdpa's flash kernel then reads the
+        # (strided) cache slice in place, with no repeated or copied K/V
+        out = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), self.keys[:, :, :n],
+                                             self.values[:, :, :n], scale=scaling)
+        return out.reshape(b, hq, 1, d)
 
 
-def _tile(x: torch.Tensor, times: int) -> torch.Tensor:
+def _tile(x: torch.Tensor, times: int, pin: bool = True) -> torch.Tensor:
     if times == 1:
         return x
     shape = (x.shape[0] * times, *x.shape[1:])
-    out = koff.pinned_empty(shape, x.dtype) if not x.is_cuda else torch.empty(shape, dtype=x.dtype, device=x.device)
+    if x.is_cuda:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    else:
+        out = koff.pinned_empty(shape, x.dtype) if pin else torch.empty(shape, dtype=x.dtype)
     for i in range(times):
         out[i * x.shape[0]:(i + 1) * x.shape[0]].copy_(x)
     return out
@@ -382,7 +392,8 @@ class MagicPIGLayer(FullLayer):
 
     def __init__(self, layer_idx: int, capacity: int, method: Any, *, backend_gpu: str = "auto",
                  backend_cpu: str = "auto"):
-        super().__init__(layer_idx, capacity, kv_device="cpu")
+        # the CPU kernel reads this cache; only one token per step crosses the bus, so it needs no pinning
+        super().__init__(layer_idx, capacity, kv_device="cpu", pin=False)
         c = method.config
         if c.mips:
             raise ValueError("method.mips=true: the MagicPIG CPU kernel hashes centred keys without the eq. 8 "
@@ -423,7 +434,12 @@ class MagicPIGLayer(FullLayer):
         for name in ("win_k", "win_v", "sink_k", "sink_v"):
             setattr(self, name, getattr(self, name).repeat(times, 1, 1, 1))
         if self.tables is not None:
-            raise ValueError("repeat_batch before the first decode step (the tables are built then)")
+            t = self.tables
+            self.tables = type(t)(perm=t.perm.repeat(times, 1, 1, 1), offsets=t.offsets.repeat(times, 1, 1, 1),
+                                  k_bits=t.k_bits, n_tables=t.n_tables)
+            self.mean = self.mean.repeat(times, 1, 1)
+            self.mean_cpu = self.mean.cpu()
+            self.over_codes = self.over_codes.repeat(times, 1, 1, 1)
 
     def nbytes(self) -> dict[str, int]:
         out = super().nbytes()

@@ -1,0 +1,275 @@
+"""End-to-end decode benchmark of the system path (issue: kernels and the system path, benchmark 3).
+
+A model of Llama-3.1-8B's shape with random weights (bf16, on the GPU) decodes greedily through
+``sparse_eval.system.decode`` with: full attention on the GPU (sdpa), Double Sparsity (KV on the GPU),
+DS-Offload (KV in pinned CPU memory, next layer's rows prefetched on a side stream) and MagicPIG with its KV
+cache and hash tables in CPU memory, (K, L) = (10, 150) and (8, 75).  For each context length and method the
+batch is the largest that fits the machine's memory by the plan below (GPU for full / DS, host RAM for the
+offloaded caches); the prompt is prefilled once at batch 1 (random token ids) and the prefilled cache is tiled
+over the batch (each row then does exactly the work a distinct row would).  Timing: CUDA events around each
+decode step; the first ``--warmup`` steps (Triton/numba compilation, MagicPIG's table build) are dropped;
+median over the rest.
+
+    python benchmarks/bench_system_decode.py --out experiments/system_decode            # the GPU machine
+    python benchmarks/bench_system_decode.py --smoke                                     # 2 layers, 2K, any machine
+
+Writes ``system_decode.json`` (records + hardware + command) and ``system_decode.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._kernel_bench_util import hardware  # noqa: E402
+from sparse_eval.methods.registry import build_method  # noqa: E402
+from sparse_eval.system import decode  # noqa: E402
+from sparse_eval.system.models import SHAPES, random_model  # noqa: E402
+
+GiB = 1 << 30
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3_1_8b", choices=sorted(SHAPES))
+    ap.add_argument("--contexts", default="16384,32768,98304")
+    ap.add_argument("--methods", default="full,ds,ds_offload,magicpig_10_150,magicpig_8_75")
+    ap.add_argument("--steps", type=int, default=12, help="decode steps per run (warm-up included)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--gpu-reserve-gib", type=float, default=24.0, help="GPU memory kept free of caches")
+    ap.add_argument("--cpu-budget-gib", type=float, default=None, help="host memory for offloaded caches "
+                    "(default: 60%% of MemAvailable)")
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=None, help="use this batch for every run instead of the plan")
+    ap.add_argument("--time-budget-s", type=float, default=480.0, help="skip remaining runs after this")
+    ap.add_argument("--threads", type=int, default=None, help="numba threads of MagicPIG's CPU part")
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--smoke", action="store_true", help="2 layers, contexts 2K, batch 2 (checks the plumbing)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "experiments/system_decode"))
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.contexts, a.num_layers, a.batch, a.steps, a.warmup = "2048", 2, 2, 5, 2
+    a.contexts = [int(x) for x in a.contexts.split(",")]
+    a.methods = a.methods.split(",")
+    return a
+
+
+def method_config(name: str, num_layers: int, hkv: int, d: int, seed: int = 0) -> dict:
+    """The method settings of the runs: the papers' defaults (MagicPIG §5.1: sink 4, local 64, layers {0, 16}
+    dense; DS: α = 1/4 with 4-bit labels = 1/16 of the K cache, β = 1/16, layers {0, 1} dense) with, for DS, one
+    label row and one top-k per KV head (``gqa: kv_head``: each selected row is read once for the 4 query heads
+    of its group).  A random-weight model has no calibrated channels: DS uses random ones (the decode cost does
+    not depend on which)."""
+    if name == "full":
+        return {"name": "full"}
+    if name.startswith("magicpig"):
+        _, k, l_ = name.split("_")
+        dense = [0, 16] if num_layers > 16 else [0]
+        return {"name": "magicpig", "K": int(k), "L": int(l_), "dense_layers": dense}
+    if name in ("ds", "ds_offload"):
+        gen = torch.Generator().manual_seed(seed)
+        ch = torch.stack([torch.stack([torch.randperm(d, generator=gen) for _ in range(hkv)]) for _ in range(num_layers)])
+        return {"name": "double_sparsity", "alpha": 0.25, "beta": 0.0625, "label_bits": 4, "gqa": "kv_head",
+                "channels": ch, "offload": name == "ds_offload", "dense_layers": [0, 1] if num_layers > 2 else [0]}
+    raise ValueError(f"method {name!r}; valid: full, ds, ds_offload, magicpig_<K>_<L>")
+
+
+def plan_batch(name: str, cfg: dict, ctx: int, steps: int, shape: dict, n_layers: int, gpu_free: float,
+               cpu_free: float, max_batch: int) -> tuple[int, dict]:
+    """Largest batch whose caches fit: bytes per row on the GPU and in host memory (bf16 KV; DS labels 4-bit
+    codes + fp16 scale/zero per KV head; MagicPIG tables 4 B per key and table + bucket offsets)."""
+    hkv, d = shape["num_key_value_heads"], shape["head_dim"]
+    n = ctx + steps
+    kv_layer = 2 * hkv * d * 2 * n
+    dense = set(cfg.get("dense_layers", [])) if name != "full" else set(range(n_layers))
+    sparse = n_layers - len(dense)
+    gpu = cpu = 0.0
+    if name in ("full", "ds"):
+        gpu = n_layers * kv_layer
+    else:
+        gpu = len(dense) * kv_layer
+        cpu = sparse * kv_layer
+    if name in ("ds", "ds_offload"):
+        r = int(0.25 * d)
+        gpu += sparse * hkv * n * (r // 2 + 4)
+    if name.startswith("magicpig"):
+        cpu += sparse * hkv * cfg["L"] * (4 * n + 4 * ((1 << cfg["K"]) + 1) + 2 * n)  # perm + offsets + build codes
+        gpu += sparse * 2 * hkv * d * 2 * (cfg.get("local", 64) + steps + 4)
+    b_gpu = int(gpu_free // gpu) if gpu else max_batch
+    b_cpu = int(cpu_free // cpu) if cpu else max_batch
+    return max(0, min(max_batch, b_gpu, b_cpu)), {"gpu_bytes_per_row": int(gpu), "cpu_bytes_per_row": int(cpu),
+                                                   "fit_gpu": b_gpu, "fit_cpu": b_cpu}
+
+
+def mem_available() -> float:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * GiB
+
+
+def bandwidths(dev) -> dict:
+    """GPU device copy, pinned host-to-device copy and CPU streaming read, measured in this run."""
+    out = {}
+    if dev.type == "cuda":
+        x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+        y = torch.empty_like(x)
+        h = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        for name, fn, nbytes in (("gpu_copy_gbps", lambda: y.copy_(x), 2 << 30),
+                                 ("h2d_pinned_gbps", lambda: y.copy_(h, non_blocking=True), 1 << 30)):
+            fn()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(5):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b))
+            out[name] = nbytes / (statistics.median(ts) * 1e-3) / 1e9
+        del x, y, h
+    big = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, far beyond the L3 cache
+    big.sum()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        big.sum()
+        ts.append(time.perf_counter() - t)
+    out["cpu_stream_read_gbps_torch"] = big.numel() * 4 / statistics.median(ts) / 1e9
+    return out
+
+
+def plot(records: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if "tokens_per_s" in r]
+    if not ok:
+        return
+    ctxs = sorted({r["context"] for r in ok})
+    methods = list(dict.fromkeys(r["method"] for r in ok))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    w = 0.8 / max(1, len(methods))
+    for j, m in enumerate(methods):
+        for ax, key in zip(axes, ("tokens_per_s", "ms_per_step")):
+            xs, ys, labels = [], [], []
+            for i, c in enumerate(ctxs):
+                r = next((r for r in ok if r["method"] == m and r["context"] == c), None)
+                if r:
+                    xs.append(i + (j - (len(methods) - 1) / 2) * w)
+                    ys.append(r[key])
+                    labels.append(f"B={r['batch']}")
+            bars = ax.bar(xs, ys, w, label=m)
+            if key == "tokens_per_s":
+                for bar, lab in zip(bars, labels):
+                    ax.annotate(lab, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                                fontsize=7, rotation=90)
+    for ax, ylabel in zip(axes, ("throughput (generated tokens/s, whole batch)", "latency per decode step (ms)")):
+        ax.set_xticks(range(len(ctxs)))
+        ax.set_xticklabels([f"{c // 1024}K" for c in ctxs])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    fig.savefig(path.with_suffix(".pdf"))
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if a.threads:
+        import kernels.magicpig_cpu as kmc
+
+        kmc.set_num_threads(a.threads)
+    t_start = time.time()
+    shape = SHAPES[a.shape]
+    model = random_model(a.shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, num_layers=a.num_layers)
+    n_layers = model.config.num_hidden_layers
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    gpu_total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 0
+    gpu_free = max(0.0, gpu_total - weights - a.gpu_reserve_gib * GiB) if dev.type == "cuda" else 64 * GiB
+    cpu_free = a.cpu_budget_gib * GiB if a.cpu_budget_gib else 0.6 * mem_available()
+    meta = {"command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+            "hardware": hardware(), "bandwidths": bandwidths(dev), "shape": a.shape, "num_layers": n_layers,
+            "weights_bytes": weights, "gpu_free_for_caches": gpu_free, "cpu_free_for_caches": cpu_free,
+            "steps": a.steps, "warmup": a.warmup, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(json.dumps({k: v for k, v in meta.items() if k != "hardware"}, default=str), flush=True)
+    records: list[dict] = []
+    path = out / "system_decode.json"
+    gen = torch.Generator().manual_seed(0)
+    for ctx in a.contexts:
+        ids = torch.randint(0, shape["vocab_size"], (1, ctx), generator=gen)
+        for name in a.methods:
+            rec: dict = {"method": name, "context": ctx}
+            if time.time() - t_start > a.time_budget_s:
+                rec["skipped"] = f"time budget {a.time_budget_s:.0f} s spent"
+                records.append(rec)
+                continue
+            cfg = method_config(name, n_layers, shape["num_key_value_heads"], shape["head_dim"])
+            batch, plan = plan_batch(name, cfg, ctx, a.steps, shape, n_layers, gpu_free, cpu_free, a.max_batch)
+            batch = a.batch or batch
+            rec.update(batch=batch, plan=plan, method_config={k: v for k, v in cfg.items() if k != "channels"})
+            if batch < 1:
+                rec["skipped"] = "does not fit one row"
+                records.append(rec)
+                continue
+            try:
+                method = build_method(cfg)
+                method.setup(model, a.shape)
+                t0 = time.time()
+                res = decode(model, method, ids, a.steps, repeat_batch=batch)
+                steps = res.step_ms[a.warmup:] or res.step_ms  # step_ms has steps - 1 entries
+                med = statistics.median(steps)
+                rec.update(ms_per_step=med, ms_min=min(steps), ms_max=max(steps), timed_steps=len(steps),
+                           tokens_per_s=batch * 1e3 / med, prefill_ms_batch1=res.prefill_ms,
+                           first_steps_ms=res.step_ms[: a.warmup], memory=res.memory, wall_s=time.time() - t0)
+                if res.stats.get("sample_rows"):
+                    rec["sampled_fraction_of_candidates"] = res.stats["sampled"] / max(1, res.stats["candidates"])
+                if "offload_own_query" in res.stats:
+                    rec["offload_own_query_calls"] = res.stats["offload_own_query"]
+            except torch.OutOfMemoryError as e:  # a plan that was too optimistic: recorded, the sweep goes on
+                rec["error"] = f"OOM: {str(e).splitlines()[0]}"
+            except Exception as e:  # noqa: BLE001 - recorded with the run, the sweep goes on
+                rec["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                method = res = None
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            records.append(rec)
+            print(json.dumps(rec, default=str), flush=True)
+            path.write_text(json.dumps({"meta": meta, "records": records}, indent=1, default=str))
+    full = {r["context"]: r for r in records if r["method"] == "full" and "tokens_per_s" in r}
+    for r in records:
+        if "tokens_per_s" in r and r["context"] in full:
+            r["throughput_vs_full"] = r["tokens_per_s"] / full[r["context"]]["tokens_per_s"]
+    path.write_text(json.dumps({"meta": meta, "records": records}, indent=1, default=str))
+    gpu = meta["hardware"].get("gpu_name", "CPU")
+    plot(records, out / "system_decode.png", f"{a.shape} shape (random weights), bf16, greedy decode, {gpu}; "
+         f"batch = largest that fits (labelled)")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Where a system-path decode step spends its time: torch.profiler over a few decode steps of one method, the
+top kernels by GPU time and the top operators by CPU time (for finding what a step is bound by).
+
+    python benchmarks/profile_system_decode.py --method ds --context 16384 --batch 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_system_decode import method_config  # noqa: E402
+from sparse_eval.methods.registry import build_method  # noqa: E402
+from sparse_eval.system import decode  # noqa: E402
+from sparse_eval.system.models import SHAPES, random_model  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="llama3_1_8b", choices=sorted(SHAPES))
+    ap.add_argument("--methods", default="full,ds")
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--batches", default="8,48")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--rows", type=int, default=14)
+    a = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = random_model(a.shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, num_layers=a.num_layers)
+    shape = SHAPES[a.shape]
+    ids = torch.randint(0, shape["vocab_size"], (1, a.context), generator=torch.Generator().manual_seed(0))
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    for name in a.methods.split(","):
+        for b in (int(x) for x in a.batches.split(",")):
+            cfg = method_config(name, model.config.num_hidden_layers, shape["num_key_value_heads"], shape["head_dim"])
+            m = build_method(cfg)
+            m.setup(model, a.shape)
+            decode(model, m, ids, 3, repeat_batch=b)  # warm-up (compilation)
+            with torch.profiler.profile(activities=acts) as prof:
+                res = decode(model, m, ids, a.steps, repeat_batch=b)
+            print(f"== {name} context {a.context} batch {b}: step ms {[round(x, 2) for x in res.step_ms]}")
+            key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=a.rows, max_name_column_width=60))
+            if dev.type == "cuda":
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
+            torch.cuda.empty_cache() if dev.type == "cuda" else None
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
