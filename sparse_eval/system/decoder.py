@@ -101,7 +101,7 @@ def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype
                 raise ValueError(f"method.sink={c.sink}, method.local={c.local}: the DS system layers keep no static "
                                  f"keys (the paper's setting); set both to 0")
             cls = DSOffloadLayer if c.offload else DSLayer
-            layers.append(cls(i, capacity, _layer_channels(method, i, hq, hkv, d), beta=c.beta, bits=c.label_bits,
+            layers.append(cls(i, capacity, _layer_channels(method, i, hq, hkv, d), hq=hq, beta=c.beta, bits=c.label_bits,
                               quantize_query=c.quantize_query, gqa=c.gqa, scale_dtype=label_scale_dtype,
                               backend=backend_gpu))
         else:

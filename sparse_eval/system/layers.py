@@ -163,17 +163,44 @@ def _tile(x: torch.Tensor, times: int, pin: bool = True) -> torch.Tensor:
 
 class _Labels:
     """A preallocated label cache (DS §4.2): 16-bit values, or 8/4-bit codes with a per-token scale and zero
-    (``kernels.ds.LabelCache`` layout), filled as keys arrive."""
+    (``kernels.ds.LabelCache`` layout), filled as keys arrive.  The channel indices live on the compute device
+    (checked once, on the host), so appending and scoring never synchronise with the GPU."""
 
     def __init__(self, channels: torch.Tensor, bits: int, scale_dtype: torch.dtype):
-        self.channels = channels  # long [Hl, r]
+        self.channels = channels.long()  # [Hl, r], host
         self.bits = bits
         self.scale_dtype = scale_dtype
         self.n = 0
         self.codes = self.scale = self.zero = None
+        self._dev: dict[str, torch.Tensor] = {}
 
-    def append(self, k: torch.Tensor, capacity: int) -> None:
-        new = kds.build_label_cache(k, self.channels.to(k.device), self.bits, scale_dtype=self.scale_dtype)
+    def device_index(self, hq: int, hkv: int, d: int, device) -> dict[str, torch.Tensor]:
+        """kv_of [Hl] (the KV head of each label head), ch [Hl, r] and q_ch [Hq, r] (the channels of each query
+        head's label head) on ``device``, made once."""
+        if not self._dev:
+            hl, r = self.channels.shape
+            if hl % hkv or hq % hl:
+                raise ValueError(f"DS channels for {hl} label heads: must be a multiple of the {hkv} KV heads and "
+                                 f"divide the {hq} query heads")
+            if self.channels.numel() and not (0 <= int(self.channels.min()) and int(self.channels.max()) < d):
+                raise ValueError(f"DS channels must lie in [0, {d})")
+            self._dev = {
+                "kv_of": (torch.arange(hl) // (hl // hkv)).to(device),
+                "ch": self.channels.to(device),
+                "q_ch": self.channels.repeat_interleave(hq // hl, 0).to(device),
+            }
+        return self._dev
+
+    def labels_of(self, k: torch.Tensor, hq: int) -> kds.LabelCache:
+        """k [B, Hkv, T, D] -> the quantized labels of these T keys (``kernels.ds.build_label_cache``)."""
+        b, hkv, t, d = k.shape
+        ix = self.device_index(hq, hkv, d, k.device)
+        hl, r = self.channels.shape
+        x = torch.gather(k[:, ix["kv_of"]], -1, ix["ch"].view(1, hl, 1, r).expand(b, hl, t, r))
+        return kds.quantize_labels(x, self.bits, scale_dtype=self.scale_dtype)
+
+    def append(self, k: torch.Tensor, capacity: int, hq: int) -> None:
+        new = self.labels_of(k, hq)
         if self.codes is None:
             b, hl, _ = new.shape
             self.codes = torch.empty((b, hl, capacity, new.labels.shape[-1]), dtype=new.labels.dtype, device=k.device)
@@ -207,7 +234,7 @@ class DSLayer(FullLayer):
 
     kind = "double_sparsity"
 
-    def __init__(self, layer_idx: int, capacity: int, channels: torch.Tensor, *, beta: float | int, bits: int = 4,
+    def __init__(self, layer_idx: int, capacity: int, channels: torch.Tensor, *, hq: int, beta: float | int, bits: int = 4,
                  quantize_query: bool = True, gqa: str = "query_head", scale_dtype: torch.dtype = torch.float16,
                  backend: str = "auto", kv_device=None):
         super().__init__(layer_idx, capacity, kv_device)
@@ -216,11 +243,13 @@ class DSLayer(FullLayer):
         if bits not in kds.LABEL_BITS:
             raise ValueError(f"label bits={bits!r}: the system path's label cache supports {list(kds.LABEL_BITS)}")
         self.labels = _Labels(channels, bits, scale_dtype)
+        self.hq = int(hq)
+        self._budget: dict[int, int] = {}
         self.beta, self.bits, self.quantize_query, self.gqa, self.backend = beta, bits, quantize_query, gqa, backend
 
     def update(self, key_states, value_states, *args, **kwargs):
         out = super().update(key_states, value_states, *args, **kwargs)
-        self.labels.append(key_states, self.capacity)
+        self.labels.append(key_states, self.capacity, self.hq)
         return out
 
     def repeat_batch(self, times: int) -> None:
@@ -236,11 +265,16 @@ class DSLayer(FullLayer):
 
     def budget(self, n: int) -> int:
         """k = floor(β·n) (at least 1) for a ratio, β for a token count (as ``resolve_budget``)."""
-        return max(1, int(resolve_budget(self.beta, torch.tensor(n)).item()))
+        k = self._budget.get(n)
+        if k is None:
+            k = self._budget[n] = max(1, int(resolve_budget(self.beta, torch.tensor(n)).item()))
+        return k
 
     def query_labels(self, q3: torch.Tensor) -> torch.Tensor:
         """q3 [B, Hq, D] -> q_label [B, Hq, r] fp32 (quantized like the keys' labels when ``quantize_query``)."""
-        ql = kds.gather_query_channels(q3, self.labels.channels)
+        b, hq, d = q3.shape
+        q_ch = self.labels.device_index(hq, self.keys.shape[1], d, q3.device)["q_ch"]
+        ql = torch.gather(q3, -1, q_ch.unsqueeze(0).expand(b, hq, q_ch.shape[1])).float()
         return pseudo_quantize(ql, self.bits) if self.quantize_query else ql
 
     def label_scores(self, q_label: torch.Tensor, n: int) -> torch.Tensor:
@@ -286,7 +320,7 @@ class DSOffloadLayer(DSLayer):
         self.keys[:, :, self.n:self.n + t].copy_(key_states, non_blocking=True)
         self.values[:, :, self.n:self.n + t].copy_(value_states, non_blocking=True)
         self.n += t
-        self.labels.append(key_states, self.capacity)
+        self.labels.append(key_states, self.capacity, self.hq)
         self._new = (key_states, value_states)
         return key_states, value_states
 
@@ -331,8 +365,7 @@ class DSOffloadLayer(DSLayer):
         predicted query) enters iff the old keys did not fill the budget or it beats the k-th best old score; it
         then replaces that k-th key.  bool [B, Hs]."""
         k_new = self._new[0]  # [B, Hkv, 1, D]
-        lab = kds.dequantize_labels(kds.build_label_cache(k_new, self.labels.channels.to(k_new.device), self.bits,
-                                                          scale_dtype=self.labels.scale_dtype))  # [B, Hl, 1, r]
+        lab = kds.dequantize_labels(self.labels.labels_of(k_new, self.hq))  # [B, Hl, 1, r]
         ql = p["ql"]  # [B, Hq, r]
         b, hq, r = ql.shape
         hl = lab.shape[1]
