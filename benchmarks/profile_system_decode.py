@@ -20,6 +20,30 @@ from sparse_eval.system import decode  # noqa: E402
 from sparse_eval.system.models import SHAPES, random_model  # noqa: E402
 
 
+def _sync_debug(model, method, ids, batch) -> None:
+    """Runs 3 decode steps with CUDA sync debugging on and prints each distinct synchronising call site."""
+    import traceback
+    import warnings
+
+    seen: dict[str, int] = {}
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        stack = "".join(traceback.format_stack(limit=8)[:-2])
+        seen[stack] = seen.get(stack, 0) + 1
+
+    old = warnings.showwarning
+    warnings.showwarning = show
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        decode(model, method, ids, 4, repeat_batch=batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = old
+    for stack, count in sorted(seen.items(), key=lambda kv: -kv[1])[:6]:
+        print(f"--- {count} synchronising calls from:\n{stack}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="llama3_1_8b", choices=sorted(SHAPES))
@@ -29,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--rows", type=int, default=14)
+    ap.add_argument("--sync-debug", action="store_true", help="print where a decode step synchronises with the GPU "
+                    "(torch.cuda.set_sync_debug_mode) instead of profiling")
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = random_model(a.shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, num_layers=a.num_layers)
@@ -41,6 +67,9 @@ def main(argv=None) -> int:
             m = build_method(cfg)
             m.setup(model, a.shape)
             decode(model, m, ids, 3, repeat_batch=b)  # warm-up (compilation)
+            if a.sync_debug:
+                _sync_debug(model, m, ids, b)
+                continue
             with torch.profiler.profile(activities=acts) as prof:
                 res = decode(model, m, ids, a.steps, repeat_batch=b)
             print(f"== {name} context {a.context} batch {b}: step ms {[round(x, 2) for x in res.step_ms]}")

@@ -143,6 +143,61 @@ def test_left_padded_batch_equals_rows_alone(q_len):
             assert not st["keep"][b, ..., : n - m].any()
 
 
+# -- random channels (DS Table 3's baseline) -----------------------------------------------------------------
+
+def test_random_channels_reproducible_uniform_and_exact():
+    """channel_type=random: r = α·d channels per layer and KV head, drawn from method.seed (same seed: same
+    channels; another seed or layer: others), shared by the KV head's query heads, and the selection equals the
+    brute-force top-k of the (quantized) label scores over exactly those channels."""
+    hq, hkv, d, n = 8, 2, 32, 300
+
+    def draw(seed, layer):
+        m = build_method(make_config("double_sparsity", {"channel_type": "random", "seed": seed, "alpha": 0.25}))
+        m.validate(context=n)
+        ch, _ = m._layer_channels(layer, hq, hkv, d, "cpu")
+        return m, ch
+
+    m0, ch0 = draw(0, 3)
+    assert ch0.shape == (hq, 8)  # r = floor(0.25 * 32)
+    assert all(len(set(row.tolist())) == 8 and 0 <= int(row.min()) and int(row.max()) < d for row in ch0)
+    g = hq // hkv
+    for h in range(hq):  # one draw per KV head, shared inside the group
+        assert torch.equal(ch0[h], ch0[(h // g) * g])
+    assert not torch.equal(ch0[0], ch0[g])  # the two KV heads drew differently
+    assert torch.equal(draw(0, 3)[1], ch0)  # reproducible for a seed
+    assert not torch.equal(draw(1, 3)[1], ch0)  # another seed, other channels
+    assert not torch.equal(draw(0, 4)[1], ch0)  # another layer, other channels
+    # the draw is a uniform subset: over many seeds every channel is picked about r/d = 1/4 of the time
+    counts = torch.zeros(d)
+    for seed in range(400):
+        counts.index_add_(0, draw(seed, 0)[1][0], torch.ones(8))
+    assert torch.all((counts / 400 - 0.25).abs() < 0.1), counts / 400
+    # the accuracy path selects the top-k of the label scores over those channels (brute force)
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, hq, 1, d), torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, d)
+    for bits in (16, 4):
+        _, st = attend("double_sparsity", q, k, v, layer_idx=3, channel_type="random", seed=0, alpha=0.25,
+                       beta=0.05, label_bits=bits)
+        expected = brute_ds_keep(q[0, :, 0], k[0], ch0, 8, int(0.05 * n), bits)
+        assert torch.equal(st["keep"][0, :, 0], expected)
+        assert torch.all(st["channels"] == 8)
+    # no calibration file needed; a file or explicit channels alongside random are refused
+    with pytest.raises(ValueError, match="random"):
+        build_method(make_config("double_sparsity", {"channel_type": "random", "channels_file": "x.json"})).validate()
+
+
+def test_random_channels_run_through_setup_without_a_file(stories):
+    model = stories[0]
+    m = build_method(make_config("double_sparsity", {"channel_type": "random", "seed": 7, "beta": 0.1}))
+    m.setup(model, "no-calibration-for-this-name")  # would raise FileNotFoundError for a calibrated type
+    assert m.provenance()["channels_source"].startswith("random (seed 7")
+    torch.manual_seed(6)
+    ids = torch.randint(3, 512, (1, 60))
+    out, session = attach_generate(model, m, ids, torch.ones_like(ids), model_name="stories260k")
+    assert all(torch.isfinite(s).all() for s in out.logits)
+    assert session.recorder.summary()["sparse_rows"] > 0
+
+
 def test_refuses_without_calibration_and_names_the_command(tmp_path, stories):
     model = stories[0]
     method = build_method(make_config("double_sparsity", {}))

@@ -125,3 +125,113 @@ def test_cli(tmp_path, capsys):
     assert (tmp_path / "rep" / "tables" / "magicpig_table1_lm_eval.md").exists()
     assert report_main([str(tmp_path / "missing.csv")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cost_tables_take_the_ruler_length_present(df):
+    """Tables 12 / 13 are RULER 16K in the paper: with 16K data they show it beside the paper; with only other
+    lengths they show those, say so in the title and put no paper number beside them."""
+    from sparse_eval.report.tables import magicpig_table12, magicpig_table13
+
+    t12 = magicpig_table12(df)
+    assert "(RULER 16K)" in t12.title and {r["Length"] for r in t12.rows} == {"16K"}
+    f = t12.frame()
+    row = f[f["Config"] == "(9,120)"].iloc[0]
+    assert row["Score_paper"] == 92.8 and row["Score_diff"] == pytest.approx(row["Score"] - 92.8)
+    short = df.copy()
+    is_ruler = short["task"] == "ruler"
+    short.loc[is_ruler & (short["length"] == 16384), "length"] = 2048
+    short = short[~is_ruler | (short["length"] == 2048)]
+    for fn in (magicpig_table12, magicpig_table13):
+        t = fn(short)
+        assert "here: RULER 2K" in t.title and "16K" in t.title and not any(t.paper_source)
+        assert {r["Length"] for r in t.rows} == {"2K"}
+        assert "Score_paper" not in t.frame()
+    # the score is the mean of the runs' own aggregates at that length
+    runs = short[(short["task"] == "ruler") & (short["method"] == "magicpig") & (short["subtask"] == "all")]
+    want = runs[runs["config"] == "(9,120)"]["score"].mean()
+    got = next(r for r in magicpig_table12(short).rows if r["Config"] == "(9,120)")
+    assert got["Score"] == pytest.approx(want)
+
+
+def test_table5_skip_names_the_70b_model(df):
+    tables, skipped = build_tables(df[df["model"] != "llama3_1_70b_instruct"])
+    assert "llama3_1_70b_instruct" in skipped["magicpig_table5"]
+    assert "llama3_1_8b_instruct" in skipped["magicpig_table5"]  # the ruler runs that exist are named
+
+
+def test_ds_table3_random_column_is_the_mean_over_seeds(df):
+    import pandas as pd
+
+    from sparse_eval.report.tables import ds_table3
+
+    qk = df[(df["method"] == "double_sparsity") & (df["method.channel_type"] == "qk") & (df["model"] == "llama2_7b")
+            & (df["method.beta"].astype(float) == 128) & (df["method.alpha"].astype(float) == 0.25)
+            & (df["method.offload"].astype(str).str.lower() == "false")]
+    assert len(qk) == 1
+    extra = pd.concat([qk] * 2, ignore_index=True)
+    extra["method.channel_type"] = "random"
+    extra["method.seed"] = [0, 1]
+    extra["score"] = [8.0, 9.0]
+    t = ds_table3(pd.concat([df, extra], ignore_index=True))
+    row = next(r for r in t.rows if r["Model"] == "llama2_7b")
+    assert row["random"] == pytest.approx(8.5) and row["qk"] == pytest.approx(float(qk["score"].iloc[0]))
+    assert t.value_cols == ["Original", "random", "q", "k", "qk"]
+    assert "llama2_7b: mean over 2 seed(s) (0, 1)" in t.caption
+    assert t.frame().set_index("Model").loc["llama2_7b", "random_paper"] == 8.62
+
+
+def test_several_inputs_are_reported_together(df, tmp_path):
+    from sparse_eval.collect import collect, write_table
+
+    a = write_table(collect(FIXTURE / "lm_eval"), tmp_path / "a")[0]
+    b = write_table(collect(FIXTURE / "wikitext"), tmp_path / "b")[0]
+    both = load_results([a, b])
+    assert len(both) == len(load_results(a)) + len(load_results(b))
+    assert set(both["task"]) == {"lm_eval", "wikitext"}
+    assert report_main([str(a), str(b), "--out", str(tmp_path / "rep")]) == 0
+    names = {p.stem for p in (tmp_path / "rep" / "tables").glob("*.md")}
+    assert {"magicpig_table1_lm_eval", "ds_table2_ppl_by_sparsity", "ds_table3_channel_types"} <= names
+    assert str(a) in (tmp_path / "rep" / "report.md").read_text().splitlines()[0]
+
+
+def test_fig9_grid_uses_the_qk_channels_only(df, tmp_path, monkeypatch):
+    """DS Fig. 9's grid is of qk channels (the paper's): other channel types at the same level stay out of it."""
+    import pandas as pd
+
+    from sparse_eval.report import figures
+
+    ds = df[(df["task"] == "wikitext") & (df["method"] == "double_sparsity")]
+    extra = ds[ds["method.channel_type"] == "qk"].head(1).copy()
+    extra["method.channel_type"], extra["score"] = "random", 1e4
+    seen = []
+    real = figures.ppl_grid
+    monkeypatch.setattr(figures, "ppl_grid", lambda d: seen.append(d) or real(d))
+    paths = figures.ds_fig1_ppl(pd.concat([df, extra], ignore_index=True), tmp_path)
+    assert any(p.name == "ds_fig9_ppl_grid.png" for p in paths) and seen
+    for d in seen:
+        assert set(d["ctype"]) == {"qk"} and not d["offload"].any()
+        assert real(d)[2][~pd.isna(real(d)[2])].max() < 1e4
+
+
+def test_pareto_has_a_panel_per_length_and_per_single_subtask(df, tmp_path, monkeypatch):
+    import pandas as pd
+
+    from sparse_eval.report import figures
+
+    panels = {}
+    real = figures._panels
+
+    def spy(n, *a, **k):
+        panels[len(panels)] = n
+        return real(n, *a, **k)
+
+    monkeypatch.setattr(figures, "_panels", spy)
+    kv = df[df["task"] == "kv_retrieval"]
+    figures.pareto(kv, tmp_path)
+    assert panels == {0: kv["length"].nunique()}  # 1K, 2K, 4K
+    panels.clear()
+    lm = df[(df["task"] == "lm_eval") & (df["subtask"] != "all")].copy()  # as runs of one lm-eval task each
+    lm["run_dir"] = lm["run_dir"] + "/" + lm["subtask"]
+    figures.pareto(lm, tmp_path)
+    assert panels == {0: lm["subtask"].nunique()}
+    assert (tmp_path / "pareto_lm_eval_llama3_1_8b_instruct.png").stat().st_size > 5_000

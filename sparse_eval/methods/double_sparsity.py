@@ -10,7 +10,10 @@ Algorithm 1 (DS Decode), per query head, with C the head's r = α·d calibrated 
 * Channels (§4.1, offline calibration): per layer and query head, channels ranked by the mean |q_c·k_c| of
   each token with itself ("qk" outliers; "q" / "k" variants: mean |q_c| / |k_c|), written by
   ``python -m sparse_eval.calibrate model=<name>`` to ``sparse_eval/calibration/<model.name>.json``
-  (``channels_file`` overrides; ``channels`` passes them directly).  The statistic is taken on the keys and
+  (``channels_file`` overrides; ``channels`` passes them directly).  ``channel_type=random`` (DS Table 3's
+  random-channel baseline) needs no calibration: for each layer and KV head, r channels drawn uniformly at
+  random without replacement (the first r of a permutation of the d channels from a generator seeded by
+  (``seed``, layer)), shared by the query heads of that KV head.  The statistic is taken on the keys and
   queries *after* RoPE for "qk", as the authors' calibration did, and the channels index the post-RoPE cache
   at decode, as the authors' simulation and kernels did (their label cache is cut from the rotated keys).
 * Label cache (§4.2): K[:, C] per query head, kept in the layer's ``state`` and appended as keys arrive;
@@ -61,9 +64,18 @@ from .registry import register
 from .topk import topk_mask
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "calibration"
-CHANNEL_TYPES = ("qk", "q", "k")
+CALIBRATED_TYPES = ("qk", "q", "k")  # read from the calibration file
+CHANNEL_TYPES = CALIBRATED_TYPES + ("random",)  # random: drawn from method.seed, no file
 OFFLOAD_INPUTS = ("residual", "attn_input")
 LABEL_BITS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
+
+
+def _layer_seed(seed: int, layer_idx: int) -> int:
+    """A 63-bit seed mixed from (seed, layer) (splitmix64 finalizer), so that nearby seeds and layers differ."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + (int(layer_idx) + 1) * 0xD1B54A32D192ED03) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (x ^ (x >> 31)) >> 1
 
 
 def calibration_command(model_name: str) -> str:
@@ -87,7 +99,8 @@ class DoubleSparsityConfig(MethodConfig):
     label_bits: int = 4
     # quantize the query label too (authors' HF simulation)
     quantize_query: bool = True
-    # which calibrated outliers: qk (paper's choice, Table 3), q, k
+    # which channels: calibrated qk (paper's choice, Table 3), q or k outliers, or random (Table 3's baseline:
+    # uniform per layer and KV head, drawn from ``seed``)
     channel_type: str = "qk"
     # calibration file; null: sparse_eval/calibration/<model.name>.json
     channels_file: str | None = None
@@ -118,6 +131,8 @@ def load_channels(path: Path, channel_type: str) -> tuple[torch.Tensor, dict[str
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     chans = data.get("channels", {})
     if channel_type not in chans:
+        if channel_type == "random":
+            raise ValueError("method.channel_type='random' draws its channels from method.seed; it reads no file")
         raise ValueError(
             f"method.channel_type={channel_type!r} is not in {path} (it has {sorted(chans)}); valid: {list(CHANNEL_TYPES)}"
         )
@@ -140,12 +155,15 @@ class DoubleSparsity(Method):
         super().__init__(config)
         self._channels: torch.Tensor | None = None  # long [L, H, ≥r] or [H, ≥r] (every layer)
         self._channels_source: str | None = None
+        self._random: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, Hkv, d) -> long [Hkv, d]
         self._model = None
         self._attn: dict[int, Any] = {}
         self._norm_w: dict[int, torch.Tensor] = {}
-        if config.channels is not None:
+        if config.channels is not None and config.channel_type != "random":
             self._channels = self._as_channels(config.channels)
             self._channels_source = "method.channels"
+        elif config.channel_type == "random":
+            self._channels_source = f"random (seed {config.seed}, per layer and KV head)"
 
     # -- configuration -------------------------------------------------------------------------
     def validate(self, num_layers=None, context=None):
@@ -158,6 +176,9 @@ class DoubleSparsity(Method):
             raise ValueError(f"method.label_bits={c.label_bits!r}; valid: {list(LABEL_BITS)} (16 = not quantized)")
         if c.channel_type not in CHANNEL_TYPES:
             raise ValueError(f"method.channel_type={c.channel_type!r}; valid: {list(CHANNEL_TYPES)}")
+        if c.channel_type == "random" and (c.channels is not None or c.channels_file):
+            raise ValueError("method.channel_type='random' draws its channels from method.seed: drop method.channels "
+                             "/ method.channels_file (or pick a calibrated type: qk, q, k)")
         if c.offload_input not in OFFLOAD_INPUTS:
             raise ValueError(f"method.offload_input={c.offload_input!r}; valid: {list(OFFLOAD_INPUTS)}")
         if not isinstance(c.offload, bool) or not isinstance(c.quantize_query, bool):
@@ -195,7 +216,7 @@ class DoubleSparsity(Method):
         num_layers, hq = cfg.num_hidden_layers, cfg.num_attention_heads
         hkv = getattr(cfg, "num_key_value_heads", None) or hq
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-        if self.config.channels is None:
+        if self.config.channels is None and self.config.channel_type != "random":
             path = Path(self.config.channels_file).expanduser() if self.config.channels_file else default_channels_file(model_name)
             if not path.exists():
                 raise FileNotFoundError(
@@ -232,14 +253,27 @@ class DoubleSparsity(Method):
                 self._norm_w[idx] = w.detach()
 
     # -- channels and labels -------------------------------------------------------------------
+    def random_channels(self, layer_idx: int, hkv: int, d: int) -> torch.Tensor:
+        """long [Hkv, d]: for each KV head of the layer a uniform random permutation of the d channels (its first r
+        are a uniform random r-subset), from a CPU generator seeded by (method.seed, layer): reproducible, and
+        independent of the device and of the other layers."""
+        key = (int(layer_idx), int(hkv), int(d))
+        if key not in self._random:
+            gen = torch.Generator(device="cpu").manual_seed(_layer_seed(self.config.seed, layer_idx))
+            self._random[key] = torch.stack([torch.randperm(d, generator=gen) for _ in range(hkv)])
+        return self._random[key]
+
     def _layer_channels(self, layer_idx: int, hq: int, hkv: int, d: int, device) -> tuple[torch.Tensor, bool]:
         """long [Hq, r] channels of one layer (query head h), and whether r was floored up to 1."""
-        if self._channels is None:
+        if self.config.channel_type == "random":
+            ch = self.random_channels(layer_idx, hkv, d)
+        elif self._channels is None:
             raise ValueError(
                 "Double Sparsity has no channels: give method.channels, or run it through the runner, which loads "
                 "sparse_eval/calibration/<model>.json (make it with: python -m sparse_eval.calibrate model=<name>)"
             )
-        ch = self._channels
+        else:
+            ch = self._channels
         if ch.dim() == 3:
             if layer_idx >= ch.shape[0]:
                 raise ValueError(f"method.channels has {ch.shape[0]} layers; layer {layer_idx} was asked for")

@@ -14,7 +14,7 @@ from .tables import TABLES, Table, build_tables, to_latex, to_markdown
 
 
 def write_report(path, out) -> dict:
-    """Loads ``path``, writes every table (Markdown, LaTeX, CSV) and figure (PNG, PDF) under ``out`` plus
+    """Loads ``path`` (or a list of paths, reported together), writes every table (Markdown, LaTeX, CSV) and figure (PNG, PDF) under ``out`` plus
     ``report.md`` (all tables, the figure list, and what was skipped); returns what was made and skipped."""
     from pathlib import Path
 
@@ -32,7 +32,8 @@ def write_report(path, out) -> dict:
         t.frame().to_csv(p, index=False)
         written.append(p)
     figs, f_skipped = build_figures(df, out / "figures")
-    lines = [f"# Report: {path}", "", f"{len(df)} result rows, {df['model'].nunique()} model(s), "
+    shown = ", ".join(map(str, path)) if isinstance(path, (list, tuple)) else str(path)
+    lines = [f"# Report: {shown}", "", f"{len(df)} result rows, {df['model'].nunique()} model(s), "
              f"{df['task'].nunique()} task(s): {', '.join(sorted(map(str, df['task'].unique())))}.", ""]
     lines += [to_markdown(t) for t in tables]
     lines += ["## Figures", ""] + [f"- `{p.relative_to(out)}`" for p in figs if p.suffix == ".png"]

@@ -1,4 +1,4 @@
-"""python -m sparse_eval.report <collected table (.csv/.parquet) or runs folder> [--out DIR]"""
+"""python -m sparse_eval.report <collected table (.csv/.parquet) or runs folder> [more ...] [--out DIR]"""
 
 from __future__ import annotations
 
@@ -10,15 +10,17 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparse_eval.report",
                                  description="The MagicPIG / Double Sparsity tables and figures from collected results.")
-    ap.add_argument("path", help="a table written by `python -m sparse_eval.collect` (.csv/.parquet) or a runs folder")
-    ap.add_argument("--out", help="output folder (default: <path's folder>/report)")
+    ap.add_argument("path", nargs="+", help="a table written by `python -m sparse_eval.collect` (.csv/.parquet) or "
+                    "a runs folder; several: their rows are reported together")
+    ap.add_argument("--out", help="output folder (default: <first path's folder>/report)")
     args = ap.parse_args(argv)
     from . import write_report
 
-    path = Path(args.path)
-    out = Path(args.out) if args.out else (path.parent if path.is_file() else path) / "report"
+    paths = [Path(p) for p in args.path]
+    first = paths[0]
+    out = Path(args.out) if args.out else (first.parent if first.is_file() else first) / "report"
     try:
-        res = write_report(path, out)
+        res = write_report(paths if len(paths) > 1 else first, out)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -64,6 +64,74 @@ def _frac_ticks(ax) -> None:
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: "1" if v == 1 else f"1/{v:g}"))
 
 
+PERCENT_TASKS = {"ruler": "RULER score (0-100)", "kv_retrieval": "retrieval accuracy (%)",
+                 "longbench": "LongBench score (0-100)"}
+
+
+def _score_label(task: str, metric: str | None = None) -> str:
+    """The y-axis label of a task's score, with its unit."""
+    if task in PERCENT_TASKS:
+        return PERCENT_TASKS[task]
+    if task == "wikitext" or metric in ("ppl", "perplexity"):
+        return "WikiText-2 perplexity (lower is better)"
+    if task == "lm_eval":
+        return "lm-eval headline metric (0-1)"
+    return f"{task} {metric or 'score'}"
+
+
+def _score_limits(ax, task: str) -> None:
+    if task in PERCENT_TASKS:
+        ax.set_ylim(-3, 103)
+    elif task == "lm_eval":
+        ax.set_ylim(-0.03, 1.03)
+
+
+def _n_text(d) -> str:
+    """How many samples stand behind each point (the 'samples' column: per row of the results table)."""
+    if "samples" not in d or d["samples"].dropna().empty:
+        return ""
+    if "task" in d and set(d["task"].dropna()) == {"lm_eval"}:
+        from .load import task_config
+
+        lims = sorted({task_config(r).get("limit") or task_config(r).get("num_samples") for _, r in d.iterrows()} - {None})
+        return f"{'/'.join(f'{x:g}' for x in lims)} document(s) per lm-eval task" if lims else ""
+    lo, hi = int(d["samples"].min()), int(d["samples"].max())
+    return f"n = {lo} sample{'s' if hi > 1 else ''} per point" if lo == hi else f"n = {lo}-{hi} samples per point"
+
+
+def _plain_log_axis(axis) -> None:
+    """Plain numbers (120, not 1.2×10²) on a log axis; minor ticks labelled too when it spans under a decade
+    (else such an axis would have no label at all)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    lo, hi = sorted(axis.axes.get_ylim() if axis.axis_name == "y" else axis.axes.get_xlim())
+    fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
+    axis.set_major_formatter(fmt)
+    if lo > 0 and hi / lo < 10:
+        axis.set_minor_locator(LogLocator(subs=(1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)))
+        axis.set_minor_formatter(fmt)
+    else:
+        axis.set_minor_formatter(NullFormatter())
+
+
+def _annotate_spread(ax, points: list[tuple[float, float, str]], fontsize: float = 6) -> None:
+    """Labels right of their points, each moved up or down (3, -9, 11, -17, ... points) until its box overlaps no
+    earlier label.  Call after the axes' scales and limits are set."""
+    fig = ax.figure
+    px = fig.dpi / 72.0
+    placed: list[tuple[float, float, float, float]] = []
+    for x, y, text in sorted(points, key=lambda t: (t[0], -t[1])):
+        X, Y = ax.transData.transform((x, y))
+        w, h = len(text) * fontsize * 0.55 * px, fontsize * 1.1 * px
+        for k in range(12):
+            dy = 3 + (k + 1) // 2 * 10 * (1 if k % 2 == 0 else -1) if k else 3
+            box = (X + 4 * px, Y + dy * px, X + 4 * px + w, Y + dy * px + h)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+                break
+        placed.append(box)
+        ax.annotate(text, (x, y), fontsize=fontsize, xytext=(4, dy), textcoords="offset points")
+
+
 def _group_score(d, group: Callable[[str], str | None]):
     """Subtask rows -> mean score per (run_dir or config, group label)."""
     d = d.copy()
@@ -101,7 +169,7 @@ def fig1_topk(df, out: Path) -> list[Path]:
         ax.set_xlabel("TopK budget (fraction of the context's keys)")
         ax.set_ylabel("RULER score (0-100)")
         ax.set_ylim(-2, 102)
-        ax.set_title(f"{model}, RULER {_len_label(length)}", fontsize=10)
+        ax.set_title(f"{model}, RULER {_len_label(length)}; {_n_text(d)}", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle(f"TopK on retrieval (niah) vs aggregation (cwe, fwe) (MagicPIG Fig. 1) — {_setting_text(topk)}",
@@ -134,8 +202,9 @@ def fig6c_oracle_vs_topk(df, out: Path) -> list[Path]:
         metric = g["metric"].iloc[0]
         ax.set_xscale("log")
         ax.set_xlabel("budget (fraction of the context: keys kept / draws)")
-        ax.set_ylabel(f"{task} {metric}")
-        ax.set_title(f"{model}, {task} {_len_label(length)}".strip(), fontsize=10)
+        ax.set_ylabel(_score_label(task, metric))
+        _score_limits(ax, task)
+        ax.set_title(f"{model}, {task} {_len_label(length)}; {_n_text(g)}".strip(), fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle(f"Oracle sampling vs TopK downstream (MagicPIG Fig. 6c) — {_setting_text(d)}", fontsize=10)
@@ -170,11 +239,16 @@ def fig9a_centering(df, out: Path) -> list[Path]:
         for i, (grp, dd) in enumerate(series):
             for center, ls in ((True, "-"), (False, ":")):
                 m = dd[dd["center"] == center].groupby("L")["score"].mean().sort_index()
-                ax.plot(m.index, m.values, ls=ls, marker="o" if center else "x", color=f"C{i}",
+                # later series drawn smaller on top, so that equal scores stay visible
+                ax.plot(m.index, m.values, ls=ls, marker="o" if center else "X", color=f"C{i}",
+                        markersize=max(3.0, 10.0 - 3.0 * i), zorder=2 + i, mfc="none" if center else f"C{i}",
                         label=f"{grp}, {'centered' if center else 'no centering'}")
         ax.set_xlabel(f"L (hash tables), K = {int(K)}")
-        ax.set_ylabel(f"{task} score")
-        ax.set_title(f"{model}, {task} {_len_label(length)}".strip(), fontsize=10)
+        ax.set_ylabel(_score_label(task))
+        _score_limits(ax, task)
+        if rows["L"].nunique() == 1:
+            ax.set_xticks([float(rows["L"].iloc[0])])
+        ax.set_title(f"{model}, {task} {_len_label(length)}; {_n_text(s if not s.empty else rows)}".strip(), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"Importance of key centering (MagicPIG Fig. 9a) — {_setting_text(mp)}", fontsize=10)
@@ -194,19 +268,28 @@ def fig9bc_magicpig_vs_topk(df, out: Path) -> list[Path]:
         ax.plot(t["cost2"], t["score"], marker="o", color=COLORS["TopK"], label="TopK (exact)")
         mp = g[g["method"] == "magicpig"].groupby("config").agg(cost2=("cost2", "mean"), score=("score", "mean"))
         ax.scatter(mp["cost2"], mp["score"], marker="^", color=COLORS["MagicPIG"], zorder=3, label="MagicPIG (K, L)")
-        for cfg, r in mp.iterrows():
-            ax.annotate(cfg, (r.cost2, r.score), fontsize=6, xytext=(3, 3), textcoords="offset points")
         f = sub[(sub["method"] == "full") & (sub["model"] == model) & (sub["length"] == length) & (sub["subtask"] == st)]
         if not f.empty:
             ax.axhline(f["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
         ax.set_xscale("log")
         ax.set_xlabel("measured Cost2 (fraction of keys attended)")
         ax.set_ylabel(f"RULER {st} score (0-100)")
-        ax.set_title(f"{model}, RULER {_len_label(length)}: {st.upper()}", fontsize=10)
+        ax.set_ylim(-3, 103)
+        _annotate_spread(ax, [(r.cost2, r.score, str(cfg)) for cfg, r in mp.iterrows()])
+        ax.set_title(f"{model}, RULER {_len_label(length)}: {st.upper()}; {_n_text(g)}", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle(f"MagicPIG vs TopK on aggregation tasks (MagicPIG Fig. 9b/c) — {_setting_text(d)}", fontsize=10)
     return _save(fig, out, "fig9bc_magicpig_vs_topk")
+
+
+def _retrieval_label(r) -> str:
+    """Legend label of a kv-retrieval run: 'DS 1/16' where token = channel sparsity, else the method's config."""
+    if r["method"] == "double_sparsity":
+        tok, chan = ds_levels(r)
+        if tok is not None and chan is not None and math.isclose(tok, min(chan, 1.0), rel_tol=1e-6):
+            return f"{r['method_name']} {_frac_label(tok)}"
+    return r["method_name"] if r["config"] == "–" else f"{r['method_name']} {r['config']}"
 
 
 def ds_fig4_retrieval(df, out: Path) -> list[Path]:
@@ -216,10 +299,12 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
     runs = runs.copy()
     runs["level"] = [ds_levels(r)[0] if r["method"] == "double_sparsity" else
                      (param(r, "budget") if r["method"] in ("topk", "oracle", "quest") else None) for _, r in runs.iterrows()]
+    runs["label"] = [_retrieval_label(r) for _, r in runs.iterrows()]
     lengths = sorted(runs["length"].dropna().unique())
-    ref_len = max(lengths, key=lambda L: (runs["length"] == L).sum()) if lengths else None
-    fig, axes = _panels(2, 5.2)
-    # (a) vs sparsity level at the most common length
+    # (a) at the paper's 1K when present, else the length with the most runs (the shortest among ties)
+    ref_len = (1024 if 1024 in lengths else max(lengths, key=lambda L: ((runs["length"] == L).sum(), -L))) if lengths else None
+    fig, axes = _panels(2, 5.4, 4.2)
+    # (a) vs sparsity level at one length
     ax = axes[0]
     a = runs if ref_len is None else runs[runs["length"] == ref_len]
     for name, dd in a[a["level"].notna()].groupby("method_name"):
@@ -230,28 +315,35 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
         ax.axhline(f["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
     ax.set_xscale("log", base=2)
     _frac_ticks(ax)
-    ax.set_xlabel("sparsity level (keys selected / context)")
+    ax.set_xlabel("sparsity level (share of the context's keys attended; DS: = channel sparsity)")
     ax.set_ylabel("retrieval accuracy (%)")
-    ax.set_ylim(-2, 102)
-    ax.set_title(f"(a) by sparsity level" + (f", context {int(ref_len)} tokens" if ref_len else ""), fontsize=10)
+    ax.set_ylim(-3, 103)
+    ax.set_title("(a) by sparsity level" + (f", context {int(ref_len)} tokens" if ref_len else "") + f"; {_n_text(a)}",
+                 fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    # (b) vs context length, per method config
+    # (b) vs context length, one line per method config (Full first, then DS by level)
     ax = axes[1]
     if len(lengths) >= 2:
-        for (name, cfg), dd in runs.groupby(["method_name", "config"]):
+        order = sorted(runs.groupby("label"), key=lambda kv: (kv[1]["method"].iloc[0] != "full",
+                                                                -(kv[1]["level"].dropna().mean() if kv[1]["level"].notna().any() else 2)))
+        for i, (lab, dd) in enumerate(order):
             m = dd.groupby("length")["score"].mean().sort_index()
             if len(m) >= 2:
-                ax.plot(m.index, m.values, marker=MARKERS.get(name, "o"), color=COLORS.get(name),
-                        label=f"{name} {cfg}" if cfg != "–" else name)
+                name = dd["method_name"].iloc[0]
+                full = dd["method"].iloc[0] == "full"
+                ax.plot(m.index, m.values, marker=MARKERS.get(name, "o"), color="black" if full else f"C{i}",
+                        ls="--" if full else "-", markersize=max(3.0, 9.0 - 1.0 * i), zorder=2 + i, label=lab)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(int(x)) for x in lengths])
+        ax.minorticks_off()
         ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, "one context length only", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("context length (tokens)")
+    ax.set_xlabel("context length (prompt tokens)")
     ax.set_ylabel("retrieval accuracy (%)")
-    ax.set_ylim(-2, 102)
-    ax.set_title("(b) by context length", fontsize=10)
+    ax.set_ylim(-3, 103)
+    ax.set_title(f"(b) by context length; {_n_text(runs)}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     models = ", ".join(sorted(runs["model"].unique()))
     fig.suptitle(f"Key-value retrieval (DS Fig. 4) — {models}; {_setting_text(runs)}", fontsize=10)
@@ -267,57 +359,96 @@ def ds_fig1_ppl(df, out: Path) -> list[Path]:
     ds["tok"], ds["chan"] = [x[0] for x in lv], [x[1] for x in lv]
     ds["ctype"] = [param(r, "channel_type") for _, r in ds.iterrows()]
     ds["offload"] = [bool(param(r, "offload")) for _, r in ds.iterrows()]
+    ds["seed"] = [param(r, "seed") for _, r in ds.iterrows()]
     paths: list[Path] = []
     models = sorted(ds["model"].unique())
-    fig, axes = _panels(len(models), 5.2)
+    fig, axes = _panels(len(models), 5.4, 4.0)
+    shapes = {"qk": "o", "q": "s", "k": "^", "random": "D"}
     for ax, model in zip(axes, models):
         d = ds[ds["model"] == model]
         diag = d[[t is not None and c is not None and math.isclose(t, min(c, 1.0), rel_tol=1e-6) for t, c in zip(d["tok"], d["chan"])]]
-        for (ct, off), dd in diag.groupby(["ctype", "offload"]):
+        groups = sorted(diag.groupby(["ctype", "offload"]), key=lambda kv: (kv[0][0] != "qk", kv[0]))
+        for i, ((ct, off), dd) in enumerate(groups):
             m = dd.groupby("tok")["score"].mean().sort_index(ascending=False)
-            ax.plot([1 / x for x in m.index], m.values, marker="o", label=f"{'DS-Offload' if off else 'DS'}, {ct} channels")
+            seeds = dd["seed"].nunique()
+            lab = f"{'DS-Offload' if off else 'DS'}, {ct} channels" + (f" (mean of {seeds} seeds)" if ct == "random" and seeds > 1 else "")
+            if len(m) == 1:
+                lab += f" (1/{1 / m.index[0]:g} only)"
+            ax.plot([1 / x for x in m.index], m.values, marker=shapes.get(ct, "o"), ls="-" if len(m) > 1 else "none",
+                    markersize=max(4.0, 9.0 - 1.5 * i), mfc="none" if i else None, zorder=3 + i, label=lab)
         full = runs[(runs["model"] == model) & (runs["method"] == "full")]
         if not full.empty:
             ax.axhline(full["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
         ax.set_xscale("log", base=2)
         _frac_ticks(ax)
         ax.set_yscale("log")
+        _plain_log_axis(ax.yaxis)
         ax.set_xlabel("sparsity level (token = channel sparsity)")
-        ax.set_ylabel("WikiText-2 perplexity (log scale)")
-        ax.set_title(model, fontsize=10)
+        ax.set_ylabel("WikiText-2 perplexity (log scale, lower is better)")
+        ax.set_title(f"{model}; {_wikitext_text(d)}", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle(f"Perplexity vs sparsity level (DS Table 2 / Fig. 1) — {_setting_text(ds)}", fontsize=10)
     paths += _save(fig, out, "ds_fig1_ppl_sparsity")
-    # Fig. 9: token x channel grid, when present
-    grids = [m for m in models if ds[ds["model"] == m]["tok"].nunique() >= 2 and ds[ds["model"] == m]["chan"].nunique() >= 2]
+    # Fig. 9: token x channel grid of the qk channels (the paper's), when present
+    qk = ds[(ds["ctype"] == "qk") & ~ds["offload"]]
+    grids = [m for m in models if qk[qk["model"] == m]["tok"].nunique() >= 2 and qk[qk["model"] == m]["chan"].nunique() >= 2]
     if grids:
         import numpy as np
 
-        fig, axes = _panels(len(grids), 5.2, 4.4)
+        fig, axes = _panels(len(grids), 5.4, 4.6)
         for ax, model in zip(axes, grids):
-            d = ds[(ds["model"] == model) & ~ds["offload"]]
-            toks = sorted(d["tok"].dropna().unique(), reverse=True)
-            chans = sorted(d["chan"].dropna().unique(), reverse=True)
-            mat = np.full((len(chans), len(toks)), np.nan)
-            for i, c in enumerate(chans):
-                for j, t in enumerate(toks):
-                    v = d[(d["tok"] == t) & (d["chan"] == c)]["score"]
-                    if len(v):
-                        mat[i, j] = v.mean()
-            im = ax.imshow(mat, cmap="viridis_r", aspect="auto", norm=_lognorm(mat))
-            ax.set_xticks(range(len(toks)), [f"1/{1 / t:g}" for t in toks])
-            ax.set_yticks(range(len(chans)), [f"1/{1 / c:g}" for c in chans])
-            ax.set_xlabel("token sparsity (β)")
-            ax.set_ylabel("channel sparsity (α·bits/16)")
+            d = qk[qk["model"] == model]
+            toks, chans, mat = ppl_grid(d)
+            norm = _lognorm(mat)
+            im = ax.imshow(mat, cmap="viridis_r", aspect="auto", norm=norm)
+            ax.set_xticks(range(len(toks)), [_frac_label(t) for t in toks])
+            ax.set_yticks(range(len(chans)), [_frac_label(c) for c in chans])
+            ax.set_xlabel("token sparsity (β, share of the context's keys)")
+            ax.set_ylabel("channel sparsity (α·bits/16, label cache / K cache)")
             for (i, j), v in np.ndenumerate(mat):
                 if v == v:
-                    ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=7, color="white")
-            ax.set_title(model, fontsize=10)
-            fig.colorbar(im, ax=ax, label="perplexity")
-        fig.suptitle("Perplexity by token and channel sparsity (DS Fig. 9)", fontsize=10)
+                    dark = (norm(v) if norm is not None else 0.5) > 0.5  # viridis_r: high values are dark
+                    ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=8, color="white" if dark else "black")
+            ax.set_title(f"{model}; qk channels; {_wikitext_text(d)}", fontsize=9)
+            cb = fig.colorbar(im, ax=ax, label="WikiText-2 perplexity")
+            _plain_log_axis(cb.ax.yaxis)
+        fig.suptitle(f"Perplexity by token and channel sparsity (DS Fig. 9) — {_setting_text(qk)}; empty cells: not run",
+                     fontsize=10)
         paths += _save(fig, out, "ds_fig9_ppl_grid")
     return paths
+
+
+def ppl_grid(d):
+    """DS Fig. 9's grid of one model's runs (columns tok, chan, score): (token levels, channel levels, mean ppl
+    [channel, token], NaN where not run), levels from dense to sparse."""
+    import numpy as np
+
+    toks = sorted(d["tok"].dropna().unique(), reverse=True)
+    chans = sorted(d["chan"].dropna().unique(), reverse=True)
+    mat = np.full((len(chans), len(toks)), np.nan)
+    for i, c in enumerate(chans):
+        for j, t in enumerate(toks):
+            v = d[(d["tok"] == t) & (d["chan"] == c)]["score"]
+            if len(v):
+                mat[i, j] = v.mean()
+    return toks, chans, mat
+
+
+def _frac_label(x: float) -> str:
+    inv = 1.0 / x
+    return "1" if abs(inv - 1) < 1e-9 else (f"1/{round(inv)}" if abs(inv - round(inv)) < 1e-6 * inv else f"{x:.3g}")
+
+
+def _wikitext_text(d) -> str:
+    """'N windows of W tokens' of WikiText-2 runs (from the task config), for titles."""
+    from .load import task_config
+
+    wins = sorted({task_config(r).get("window") for _, r in d.iterrows()} - {None})
+    n = sorted({int(x) for x in d["samples"].dropna()}) if "samples" in d else []
+    if not wins:
+        return _n_text(d)
+    return f"{'/'.join(map(str, n)) or '?'} window(s) of {'/'.join(map(str, wins))} tokens"
 
 
 def _lognorm(mat):
@@ -335,38 +466,57 @@ def pareto(df, out: Path) -> list[Path]:
         raise Skip("no runs with a score and a measured Cost2")
     paths: list[Path] = []
     for (task, model), d in runs.groupby(["task", "model"]):
-        lengths = sorted(d["length"].dropna().unique()) if task == "ruler" else [None]
-        fig, axes = _panels(len(lengths), 5.4, 4.2)
+        d = d.copy()
+        # one panel per context length and, for runs of a single subtask (an lm-eval task, a LongBench set), per subtask
+        d["panel_sub"] = [None if not isinstance(st, str) or st == "all" else st for st in d["subtask"]]
+        keys = sorted({(None if ln != ln else ln, st) for ln, st in zip(d["length"], d["panel_sub"])},
+                      key=lambda k: (k[0] or 0, str(k[1])))
+        fig, axes = _panels(len(keys), 5.6, 4.4)
         metric = str(d["metric"].iloc[0])
         lower = metric in ("ppl", "perplexity")
-        for ax, length in zip(axes, lengths):
-            g = d if length is None else d[d["length"] == length]
+        for ax, (length, sub) in zip(axes, keys):
+            g = d[(d["length"] == length) if length is not None else d["length"].isna()]
+            g = g[(g["panel_sub"] == sub) if sub is not None else g["panel_sub"].isna()]
+            labels = []
             for name, dd in g.groupby("method_name"):
                 ax.scatter(dd["cost2"], dd["score"], marker=MARKERS.get(name, "o"), color=COLORS.get(name), label=name,
                            s=30, zorder=3)
                 if len(dd) <= 8:
-                    for _, r in dd.iterrows():
-                        if r["config"] != "–":
-                            ax.annotate(r["config"], (r["cost2"], r["score"]), fontsize=5.5, xytext=(3, 2),
-                                        textcoords="offset points")
+                    labels += [(r["cost2"], r["score"], _short_config(r)) for _, r in dd.iterrows() if r["config"] != "–"]
             pts = sorted(zip(g["cost2"], g["score"]))
             front, best = [], None
-            for c, s in pts:  # cheapest first: keep points better than every cheaper one
-                if best is None or (s < best if lower else s > best):
-                    front.append((c, s))
-                    best = s
+            for c, s_ in pts:  # cheapest first: keep points better than every cheaper one
+                if best is None or (s_ < best if lower else s_ > best):
+                    front.append((c, s_))
+                    best = s_
             if front:
-                ax.step([c for c, _ in front], [s for _, s in front], where="post", color="grey", lw=1, ls="--",
+                front.append((pts[-1][0], front[-1][1]))  # the best score stays reachable up to the dearest point
+                ax.step([c for c, _ in front], [s_ for _, s_ in front], where="post", color="grey", lw=1, ls="--",
                         label="Pareto front", zorder=2)
             ax.set_xscale("log")
             ax.set_xlabel("measured Cost2 (fraction of keys attended, log scale)")
-            ax.set_ylabel(f"{metric} ({'lower' if lower else 'higher'} is better)")
-            ax.set_title(f"{task} {_len_label(length)}".strip(), fontsize=10)
+            ylab = _score_label(task, metric)
+            ax.set_ylabel(ylab + ("" if lower or "better" in ylab else ", higher is better"))
+            _score_limits(ax, task)
+            _annotate_spread(ax, labels, fontsize=5.5)
+            head = " ".join(x for x in (task, str(sub) if sub else "", _len_label(length)) if x)
+            extra = _wikitext_text(g) if task == "wikitext" else _n_text(g)
+            ax.set_title(f"{head}; {extra}" if extra else head, fontsize=9)
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
         fig.suptitle(f"Accuracy vs attention cost, every method — {model}, {task}; {_setting_text(d)}", fontsize=10)
         paths += _save(fig, out, f"pareto_{task}_{model}")
     return paths
+
+
+def _short_config(r) -> str:
+    """A point's label: DS at token = channel sparsity as its level (1/16), other methods' config as is."""
+    if r["method"] == "double_sparsity":
+        tok, chan = ds_levels(r)
+        if tok is not None and chan is not None and math.isclose(tok, min(chan, 1.0), rel_tol=1e-6):
+            ct = param(r, "channel_type")
+            return _frac_label(tok) + ("" if ct in (None, "qk") else f" {ct}")
+    return str(r["config"])
 
 
 FIGURES: dict[str, Callable[[Any, Path], list[Path]]] = {

@@ -23,11 +23,19 @@ METHOD_NAMES = {"full": "Full", "topk": "TopK", "oracle": "Oracle sampling", "ma
 TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
 
 
-def load_results(path: str | Path):
+def load_results(path: str | Path | list | tuple):
     """A collected CSV/parquet file, a folder holding ``results.csv``/``results.parquet`` and no runs, or a
-    folder of runs (collected here with ``sparse_eval.collect.collect``)."""
+    folder of runs (collected here with ``sparse_eval.collect.collect``); or a list of those, whose rows are
+    concatenated (e.g. two sweeps collected apart)."""
     import pandas as pd
 
+    if isinstance(path, (list, tuple)):
+        if not path:
+            raise ValueError("no results given")
+        if len(path) == 1:
+            return load_results(path[0])
+        frames = [load_results(p) for p in path]
+        return pd.concat(frames, ignore_index=True, sort=False)
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"{p} does not exist: give a collected table (.csv/.parquet) or a runs folder")

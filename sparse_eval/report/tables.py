@@ -27,6 +27,7 @@ LM_EVAL_COLUMNS = (("gsm8k", "GSM"), ("coqa", "COQA"), ("mmlu", "MMLU"))
 LONGBENCH_COLUMNS = {"qasper": "QaS", "repobench-p": "RbP", "lcc": "LCC", "passage_retrieval_en": "PrE",
                      "trec": "TrC", "triviaqa": "TrQ"}
 RULER_LENGTHS = {16384: "16K", 32768: "32K", 65536: "64K", 98304: "96K"}
+PAPER_RULER_LENGTH = 16384  # MagicPIG Tables 12 and 13
 COST_COLS = ["Cost1", "Cost2", "Cost_total"]
 MAGICPIG_70B = "llama3_1_70b_instruct"
 
@@ -170,9 +171,11 @@ def magicpig_table1(df) -> Table:
     if vals.empty:
         raise Skip("lm_eval runs have none of gsm8k*, coqa*, mmlu* tasks")
     costs = run_rows(df, "lm_eval")
+    ran = "; ".join(f"{lab}: {', '.join(sorted(set(vals.loc[vals['col'] == lab, 'subtask'])))}"
+                    for _, lab in LM_EVAL_COLUMNS if (vals["col"] == lab).any())
     return _build(vals, costs, sub, "magicpig_table1_lm_eval", "MagicPIG Table 1: lm-eval-harness",
                   "Scores in % (lm-eval's headline metric ×100: GSM8K-CoT exact match, CoQA F1, MMLU-Flan-CoT exact "
-                  "match); Avg over the columns present; costs measured over the decode steps.",
+                  f"match); Avg over the columns present; costs measured over the decode steps. lm-eval tasks run: {ran}.",
                   ["GSM", "COQA", "MMLU"], ["MagicPIG Table 1"])
 
 
@@ -198,7 +201,11 @@ def _ruler(df, name: str, title: str, models_in: Callable[[str], bool], paper_ta
     runs = run_rows(df, "ruler")
     runs = runs[np.array([models_in(m) for m in runs["model"]], dtype=bool)]
     if runs.empty:
-        raise Skip("no ruler runs" + (" of these models" if name.endswith("5") else ""))
+        if name.startswith("magicpig_table5"):
+            others = sorted(set(run_rows(df, "ruler")["model"].dropna()))
+            raise Skip(f"no ruler runs of {MAGICPIG_70B} (Table 5 is the 70B model"
+                       + (f"; ruler runs exist of: {', '.join(others)}, which Table 3 shows)" if others else ")"))
+        raise Skip("no ruler runs")
     vals = _with_col(runs, lambda r: _length_label(r["length"]))
     labels = sorted(set(vals["col"]), key=lambda s: float(s[:-1]))
     cols = [c for c in RULER_LENGTHS.values()] + [c for c in labels if c not in RULER_LENGTHS.values()]
@@ -220,39 +227,62 @@ def magicpig_table5(df) -> Table:
 
 def _magicpig_kl(df, name: str, title: str, keep: Callable[[int, int], bool], paper_table: str,
                  with_score: bool) -> Table:
+    """Tables 9 (Cost2 by (K, L)) and 12 / 13 (RULER score and Cost2 by (K, L)).  Rows are model × task × length ×
+    config × setting: Cost2 depends on the context length.  Tables 12 and 13 are RULER 16K in the paper; they take
+    the RULER lengths present (16K alone when there is 16K data) and say so in the title; the paper's numbers are
+    put beside ours only at 16K."""
     from .load import param
 
     runs = run_rows(df)
     runs = runs[runs["method"] == "magicpig"]
     if with_score:
-        runs = runs[(runs["task"] == "ruler") & (runs["length"] == 16384)]
+        runs = runs[runs["task"] == "ruler"]
+        if (runs["length"] == PAPER_RULER_LENGTH).any():
+            runs = runs[runs["length"] == PAPER_RULER_LENGTH]
     if runs.empty:
-        raise Skip("no magicpig runs" + (" on RULER 16K" if with_score else ""))
+        raise Skip("no magicpig runs" + (" on RULER" if with_score else ""))
     runs = runs[np.array([keep(param(r, "K"), param(r, "L")) for _, r in runs.iterrows()], dtype=bool)]
     if runs.empty:
         raise Skip("no magicpig runs with the table's (K, L)")
     from ..methods.magicpig import sampling_probability
 
     rows, papers, sources = [], [], []
-    gcols = ["model", "task", "config", "setting"]
+    gcols = ["model", "task", "length", "config", "setting"]
     for key, grp in runs.groupby(gcols, dropna=False, sort=False):
         first = grp.iloc[0]
         K, L, mc = param(first, "K"), param(first, "L"), param(first, "min_collisions") or 2
-        row = {"Model": key[0], "Task": key[1], "Config": key[2], "Setting": key[3],
-               "Cost2": _mean(grp["cost2"]), "u(p=1/2)": float(sampling_probability(0.5, int(K), int(L), int(mc)))}
+        length = key[2]
+        row = {"Model": key[0], "Task": key[1], "Length": _length_label(length) or "–", "Config": key[3],
+               "Setting": key[4], "Cost2": _mean(grp["cost2"]),
+               "u(p=1/2)": float(sampling_probability(0.5, int(K), int(L), int(mc)))}
         if with_score:
-            row["16K"] = _mean(grp["score"])
+            row["Score"] = _mean(grp["score"])
         pr = P.lookup(paper_table, key[0], "magicpig", _params(first))
+        pv = dict(pr.values) if pr else {}
+        if with_score:  # the paper's RULER numbers are 16K ones
+            pv = {"Score": pv.get("16K"), "Cost2": pv.get("Cost2")} if length == PAPER_RULER_LENGTH else {}
+            pr = pr if pv else None
         rows.append(row)
-        papers.append(dict(pr.values) if pr else {})
+        papers.append(pv)
         sources.append(pr.table if pr else None)
-    order = sorted(range(len(rows)), key=lambda i: (rows[i]["Model"], rows[i]["Task"], rows[i]["Config"]))
-    vals = (["16K"] if with_score else []) + ["Cost2", "u(p=1/2)"]
-    return Table(name, title,
-                 "Cost2 measured (mean over the runs; static keys included), u(p=1/2): eq. 10's sampling "
-                 "probability of a key orthogonal to the query (p = 1/2), the paper's analytic estimate of Cost2.",
-                 ["Model", "Task", "Config", "Setting"], vals, [rows[i] for i in order], [papers[i] for i in order],
-                 [sources[i] for i in order], {"Cost2": 4, "u(p=1/2)": 4, "16K": 1})
+    order = sorted(range(len(rows)), key=lambda i: (rows[i]["Model"], rows[i]["Task"], str(rows[i]["Length"]),
+                                                    rows[i]["Config"]))
+    vals = (["Score"] if with_score else []) + ["Cost2", "u(p=1/2)"]
+    caption = ("Cost2 measured (mean over the runs; static keys included), u(p=1/2): eq. 10's sampling "
+               "probability of a key orthogonal to the query (p = 1/2), the paper's analytic estimate of Cost2.")
+    if with_score:
+        lengths = sorted({int(x) for x in runs["length"].dropna()})
+        here = "/".join(_length_label(x) for x in lengths)
+        if lengths != [PAPER_RULER_LENGTH]:
+            title = f"{title} (the paper: RULER 16K; here: RULER {here})"
+            caption = (f"Score: RULER's score (0-100), mean over the subtasks run, at {here} tokens: the paper's 16K "
+                       "was not run, so its numbers are not put beside these. ") + caption
+        else:
+            title = f"{title} (RULER 16K)"
+            caption = "Score: RULER's score (0-100) at 16K, mean over the subtasks run. " + caption
+    return Table(name, title, caption, ["Model", "Task", "Length", "Config", "Setting"], vals,
+                 [rows[i] for i in order], [papers[i] for i in order], [sources[i] for i in order],
+                 {"Cost2": 4, "u(p=1/2)": 4, "Score": 1})
 
 
 def magicpig_table9(df) -> Table:
@@ -261,12 +291,12 @@ def magicpig_table9(df) -> Table:
 
 
 def magicpig_table12(df) -> Table:
-    return _magicpig_kl(df, "magicpig_table12_equal_cost", "MagicPIG Table 12: RULER 16K at about equal cost",
+    return _magicpig_kl(df, "magicpig_table12_equal_cost", "MagicPIG Table 12: RULER at about equal cost",
                         lambda k, l: (k, l) in {(10, 240), (9, 120), (8, 65), (7, 35)}, "MagicPIG Table 12", True)
 
 
 def magicpig_table13(df) -> Table:
-    return _magicpig_kl(df, "magicpig_table13_L120", "MagicPIG Table 13: RULER 16K with L = 120", lambda k, l: l == 120,
+    return _magicpig_kl(df, "magicpig_table13_L120", "MagicPIG Table 13: RULER with L = 120", lambda k, l: l == 120,
                         "MagicPIG Table 13", True)
 
 
@@ -375,21 +405,32 @@ def ds_table3(df) -> Table:
         raise Skip("no double_sparsity wikitext runs at token and channel sparsity 1/16")
     full = runs[runs["method"] == "full"]
     rows, papers, sources = [], [], []
+    seeds: dict[str, set] = {}
     for model in sorted({r["model"] for r in sel}):
         row: dict[str, Any] = {"Model": model}
         f = full[full["model"] == model]
         row["Original"] = _mean(f["score"]) if not f.empty else None
         for ct in ("random", "q", "k", "qk"):
-            row[ct] = _mean([r["score"] for r in sel if r["model"] == model and param(r, "channel_type") == ct])
+            these = [r for r in sel if r["model"] == model and param(r, "channel_type") == ct]
+            row[ct] = _mean([r["score"] for r in these])
+            if ct == "random" and these:
+                seeds[model] = {param(r, "seed") for r in these}
         pr = P.lookup("DS Table 3", model, "double_sparsity", {})
         rows.append(row)
         papers.append(dict(pr.values) if pr else {})
         sources.append(pr.table if pr else None)
     cols = [c for c in P.DS_T3_COLS if any(r[c] is not None for r in rows)]
+    caption = ("WikiText-2 perplexity with token and channel sparsity 1/16 by the channel type: random channels, or "
+               "the calibrated q / k / qk outliers; Original = full attention.")
+    if seeds:
+        caption += " random: r = α·d channels drawn uniformly per layer and KV head from method.seed, " + "; ".join(
+            f"{m}: mean over {len(v)} seed(s) ({', '.join(str(x) for x in sorted(v, key=str))})"
+            for m, v in sorted(seeds.items())) + "."
+    missing = [c for c in ("random", "q", "k", "qk") if c not in cols]
+    if missing:
+        caption += f" No runs of: {', '.join(missing)}."
     return Table("ds_table3_channel_types", "Double Sparsity Table 3: outlier channel types at sparsity 1/16",
-                 "WikiText-2 perplexity with token and channel sparsity 1/16 by the calibrated channel type "
-                 "(q / k / qk outliers; 'random' when such runs exist); Original = full attention.",
-                 ["Model"], cols, rows, papers, sources, {c: 2 for c in cols})
+                 caption, ["Model"], cols, rows, papers, sources, {c: 2 for c in cols})
 
 
 TABLES: dict[str, Callable[[Any], Table]] = {

@@ -68,10 +68,14 @@ class FullLayer(CacheLayerMixin):
         self.device = key_states.device
         dev = self.kv_device or key_states.device
         shape = (b, hkv, self.capacity, d)
-        if dev.type == "cpu":
-            alloc = koff.pinned_empty if self.pin else (lambda sh, dt: torch.empty(sh, dtype=dt))
-            self.keys = alloc(shape, key_states.dtype)
-            self.values = alloc(shape, value_states.dtype)
+        if dev.type == "cpu" and self.pin:
+            # token-major in host memory ([N, B, Hkv, D] seen as [B, Hkv, N, D]): one step's rows are one
+            # contiguous block, so the device-to-host copy of a new token is a single asynchronous DMA
+            self.keys = _host_token_major(shape, key_states.dtype)
+            self.values = _host_token_major(shape, value_states.dtype)
+        elif dev.type == "cpu":
+            self.keys = torch.empty(shape, dtype=key_states.dtype)
+            self.values = torch.empty(shape, dtype=value_states.dtype)
         else:
             self.keys = torch.empty(shape, dtype=key_states.dtype, device=dev)
             self.values = torch.empty(shape, dtype=value_states.dtype, device=dev)
@@ -148,6 +152,11 @@ class FullLayer(CacheLayerMixin):
         return out.reshape(b, hq, 1, d)
 
 
+def _host_token_major(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    b, h, n, d = shape
+    return koff.pinned_empty((n, b, h, d), dtype).permute(1, 2, 0, 3)
+
+
 def _tile(x: torch.Tensor, times: int, pin: bool = True) -> torch.Tensor:
     if times == 1:
         return x
@@ -155,7 +164,7 @@ def _tile(x: torch.Tensor, times: int, pin: bool = True) -> torch.Tensor:
     if x.is_cuda:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     else:
-        out = koff.pinned_empty(shape, x.dtype) if pin else torch.empty(shape, dtype=x.dtype)
+        out = _host_token_major(shape, x.dtype) if pin else torch.empty(shape, dtype=x.dtype)
     for i in range(times):
         out[i * x.shape[0]:(i + 1) * x.shape[0]].copy_(x)
     return out
@@ -443,7 +452,10 @@ class MagicPIGLayer(FullLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         first = not self.is_initialized
         t = key_states.shape[2]
-        out = super().update(key_states, value_states)
+        # one contiguous device-to-host copy, then the strided write into the head-major host cache (the CPU
+        # kernel wants head-major rows); a strided device-to-pageable copy would move row by row
+        out = super().update(key_states.to("cpu"), value_states.to("cpu"))
+        out = (key_states, value_states)
         if first:  # prefill: the sink and the last `local` keys on the GPU, with room for the generated ones
             s = self.cfg.sink
             self.sink_k = key_states[:, :, :s].clone()
