@@ -155,3 +155,32 @@ def test_gpu_system_path_matches_accuracy_path(stories, prompts, which):
         assert got.memory["gpu_peak"] > 0
     finally:
         model.to("cpu")
+
+
+def _cli(runs, *args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-m", "sparse_eval.system", *args, f"paths.runs_dir={runs}"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_decodes_and_checks_against_accuracy_path(tmp_path):
+    out = tmp_path / "rec.json"
+    res = _cli(tmp_path, "method=magicpig", "method.dense_layers=[0]", "method.K=10", "method.L=20", "method.local=16",
+               "context=128", "new_tokens=6", "batch=2", f"output={out}")
+    assert res.returncode == 0, res.stderr
+    assert "accuracy path: 2/2 rows and 12/12 tokens identical" in res.stdout
+    import json
+
+    rec = json.loads(out.read_text())
+    assert rec["batch"] == 2 and rec["tokens_per_s"] > 0 and rec["memory_bytes"]["cache_cpu"] > 0
+    assert rec["method"]["K"] == 10 and rec["method"]["L"] == 20
+
+
+def test_cli_rejects_a_method_without_system_path(tmp_path):
+    res = _cli(tmp_path, "method=quest", "new_tokens=2")
+    assert res.returncode == 2
+    assert "method='quest' has no system path; valid: ['full', 'double_sparsity', 'magicpig']" in res.stderr

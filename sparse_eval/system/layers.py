@@ -490,7 +490,7 @@ class MagicPIGLayer(FullLayer):
         out = super().nbytes()
         for t in (getattr(self, "win_k", None), getattr(self, "win_v", None)):
             if t is not None:
-                out["gpu"] += t.numel() * t.element_size()
+                out["gpu" if t.is_cuda else "cpu"] += t.numel() * t.element_size()
         if self.tables is not None:
             out["cpu"] += self.tables.nbytes()
         return out
