@@ -80,7 +80,9 @@ def method_config(name: str, num_layers: int, hkv: int, d: int, seed: int = 0) -
         ch = torch.stack([torch.stack([torch.randperm(d, generator=gen) for _ in range(hkv)]) for _ in range(num_layers)])
         return {"name": "double_sparsity", "alpha": 0.25, "beta": 0.0625, "label_bits": 4, "gqa": "kv_head",
                 "channels": ch, "offload": name == "ds_offload", "dense_layers": [0, 1] if num_layers > 2 else [0]}
-    raise ValueError(f"method {name!r}; valid: full, ds, ds_offload, magicpig_<K>_<L>")
+    if name == "quest":  # MagicPIG §5.1's Quest baseline settings at β = 1/16: pages of 16, sink 4 + local 64
+        return {"name": "quest", "page_size": 16, "budget": 0.0625, "dense_layers": [0, 1] if num_layers > 2 else [0]}
+    raise ValueError(f"method {name!r}; valid: full, ds, ds_offload, quest, magicpig_<K>_<L>")
 
 
 def plan_batch(name: str, cfg: dict, ctx: int, steps: int, shape: dict, n_layers: int, gpu_free: float,
@@ -93,9 +95,11 @@ def plan_batch(name: str, cfg: dict, ctx: int, steps: int, shape: dict, n_layers
     dense = set(cfg.get("dense_layers", [])) if name != "full" else set(range(n_layers))
     sparse = n_layers - len(dense)
     gpu = cpu = 0.0
-    if name in ("full", "ds"):
+    if name in ("full", "ds", "quest"):
         gpu = n_layers * kv_layer
-    else:
+    if name == "quest":
+        gpu += sparse * 2 * hkv * d * 2 * (-(-n // cfg["page_size"]))  # page min and max
+    if name not in ("full", "ds", "quest"):
         gpu = len(dense) * kv_layer
         cpu = sparse * kv_layer
     if name in ("ds", "ds_offload"):

@@ -49,6 +49,8 @@ CONFIGS = {
                                   dense_layers=[0]),
     "magicpig": dict(name="magicpig", K=10, L=20, local=16, dense_layers=[0]),
     "magicpig_default": dict(name="magicpig", dense_layers=[0, 2]),
+    "quest": dict(name="quest", budget=0.1, page_size=8, local=16, dense_layers=[0]),
+    "quest_kv_head_tokens": dict(name="quest", gqa="kv_head", budget=40, page_size=4, sink=2, local=8, dense_layers=[0]),
 }
 
 
@@ -70,7 +72,7 @@ def test_same_tokens_as_accuracy_path(stories, prompts, which):
     for row, ids in enumerate(prompts):
         ref = _accuracy_tokens(model, tok, cfg, ids)
         assert got.tokens[row].tolist() == ref, f"row {row}"
-    if which in ("ds", "magicpig"):
+    if which in ("ds", "magicpig", "quest"):
         full = _accuracy_tokens(model, tok, dict(name="full"), prompts[0])
         assert got.tokens[0].tolist() != full  # the check above can fail
     if which.startswith("ds_offload"):
@@ -99,7 +101,8 @@ def test_repeat_batch_tiles_rows(stories, prompts):
 
 
 @pytest.mark.parametrize("cfg, match", [
-    (dict(name="quest"), "valid: \\['full', 'double_sparsity', 'magicpig'\\]"),
+    (dict(name="topk"), "valid: \\['full', 'double_sparsity', 'magicpig', 'quest'\\]"),
+    (dict(name="quest", update_pages=False), "update_pages=false"),
     (dict(name="magicpig", u_offset=1e-4, dense_layers=[0]), "u_offset"),
     (dict(name="magicpig", mips=True, dense_layers=[0]), "mips"),
     (dict(name="double_sparsity", sink=4), "sink=4"),
@@ -140,7 +143,7 @@ def test_offload_gather_matches_indexing():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("which", ["full", "ds", "ds_offload", "magicpig"])
+@pytest.mark.parametrize("which", ["full", "ds", "ds_offload", "magicpig", "quest"])
 def test_gpu_system_path_matches_accuracy_path(stories, prompts, which):
     """On CUDA (Triton kernels, pinned host cache read by the GPU, numba CPU part), fp32 model: the same
     tokens as the accuracy path on the same device."""
@@ -181,6 +184,6 @@ def test_cli_decodes_and_checks_against_accuracy_path(tmp_path):
 
 
 def test_cli_rejects_a_method_without_system_path(tmp_path):
-    res = _cli(tmp_path, "method=quest", "new_tokens=2")
+    res = _cli(tmp_path, "method=oracle", "new_tokens=2")
     assert res.returncode == 2
-    assert "method='quest' has no system path; valid: ['full', 'double_sparsity', 'magicpig']" in res.stderr
+    assert "method='oracle' has no system path; valid: ['full', 'double_sparsity', 'magicpig', 'quest']" in res.stderr

@@ -1,7 +1,7 @@
 """``python -m sparse_eval.system``: decode with the system path and report its speed (conf/system.yaml).
 
 The model is ``model=`` (any conf/model entry) or, with ``random_shape=``, random weights of a real shape; the
-method is ``method=`` (full, double_sparsity [offload], magicpig).  Each row's prompt is ``context`` tokens of
+method is ``method=`` (full, double_sparsity [offload], magicpig, quest).  Each row's prompt is ``context`` tokens of
 the shipped WikiText-2 head (random ids for random weights).  Prints the median ms per decode step, tokens/s,
 cache memory on GPU and CPU and, for real models, whether the accuracy path decodes the same tokens.
 """

@@ -13,6 +13,7 @@ Which method runs where:
 | ``double_sparsity`` | GPU (+ label cache) | label scores → top-k → sparse attention (Triton) |
 | ``double_sparsity`` with ``offload: true`` | pinned CPU (+ label cache on GPU) | layer l's tokens predicted during layer l−1 and gathered over PCIe on a side stream |
 | ``magicpig`` | CPU (+ hash tables) | codes on GPU; sampling + sampled attention on CPU (numba); sink/local on GPU; LSE merge |
+| ``quest`` | GPU (+ page min/max) | page bounds → top pages → attention over their tokens + sink/local (Triton) |
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ import kernels.offload as koff
 
 from ..attention.plugin import attention_modules, cache_kwargs
 from ..methods.base import Method
-from .layers import DSLayer, DSOffloadLayer, FullLayer, MagicPIGLayer, rope_function
+from .layers import DSLayer, DSOffloadLayer, FullLayer, MagicPIGLayer, QuestLayer, rope_function
 
 ATTENTION_NAME = "sparse_eval_system"
-SYSTEM_METHODS = ("full", "double_sparsity", "magicpig")
+SYSTEM_METHODS = ("full", "double_sparsity", "magicpig", "quest")
 _ATTR = "_sparse_eval_system"
 
 
@@ -104,6 +105,13 @@ def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype
             layers.append(cls(i, capacity, _layer_channels(method, i, hq, hkv, d), hq=hq, beta=c.beta, bits=c.label_bits,
                               quantize_query=c.quantize_query, gqa=c.gqa, scale_dtype=label_scale_dtype,
                               backend=backend_gpu))
+        elif name == "quest":
+            c = method.config
+            if not c.update_pages:
+                raise ValueError("method.update_pages=false (the MagicPIG repo's frozen pages) has no system path; "
+                                 "valid: true (Quest's own incremental pages)")
+            layers.append(QuestLayer(i, capacity, page_size=c.page_size, budget=c.budget, sink=c.sink, local=c.local,
+                                     gqa=c.gqa, backend=backend_gpu))
         else:
             layers.append(MagicPIGLayer(i, capacity, method, backend_gpu=backend_gpu, backend_cpu=backend_cpu))
     return layers

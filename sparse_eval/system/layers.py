@@ -33,6 +33,7 @@ import kernels.ds as kds
 import kernels.magicpig as kmp
 import kernels.magicpig_cpu as kmc
 import kernels.offload as koff
+import kernels.quest as kqu
 import kernels.sparse_decode as ksd
 from kernels.merge import merge_by_lse
 
@@ -305,6 +306,70 @@ class DSLayer(FullLayer):
         idx = kds.topk_indices(scores, self.budget(n))  # line 5
         o, _ = ksd.attention(q3, self.keys[:, :, :n], self.values[:, :, :n], idx, scaling=scaling,
                              backend=self.backend)  # lines 6-7
+        return o.unsqueeze(2)
+
+
+class QuestLayer(FullLayer):
+    """Quest decode over a GPU KV cache: per-page min/max keys kept as keys arrive, page bounds U_p(q)
+    (``kernels.quest.page_scores``), the top pages' tokens plus the static sink/local keys attended
+    (``kernels.sparse_decode``).  Same selection as ``methods.quest`` with ``update_pages=true`` (Quest's own
+    behaviour): only pages holding a candidate (non-static) key compete, and the budget is
+    max(1, floor(budget_tokens / page_size)) pages."""
+
+    kind = "quest"
+
+    def __init__(self, layer_idx: int, capacity: int, *, page_size: int, budget: float | int, sink: int, local: int,
+                 gqa: str = "query_head", backend: str = "auto"):
+        super().__init__(layer_idx, capacity)
+        if gqa not in kqu.GQA_MODES:
+            raise ValueError(f"gqa={gqa!r}: valid values are {list(kqu.GQA_MODES)}")
+        self.ps, self.budget_cfg, self.sink, self.local, self.gqa, self.backend = page_size, budget, sink, local, gqa, backend
+        self.kmin = self.kmax = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        out = super().update(key_states, value_states, *args, **kwargs)
+        t = key_states.shape[2]
+        if self.kmin is None:  # prefill: pages of the prompt, room for the rest
+            b, hkv, _, d = key_states.shape
+            cap = -(-self.capacity // self.ps)
+            big = torch.finfo(key_states.dtype).max
+            self.kmin = key_states.new_full((b, hkv, cap, d), big)
+            self.kmax = key_states.new_full((b, hkv, cap, d), -big)
+            lo, hi = kqu.page_metadata(key_states, self.ps)
+            self.kmin[:, :, :lo.shape[2]] = lo
+            self.kmax[:, :, :hi.shape[2]] = hi
+        else:
+            for j in range(t):  # fold each new key into its page (the last, partial one or a new one)
+                p = (self.n - t + j) // self.ps
+                torch.minimum(self.kmin[:, :, p], key_states[:, :, j], out=self.kmin[:, :, p])
+                torch.maximum(self.kmax[:, :, p], key_states[:, :, j], out=self.kmax[:, :, p])
+        return out
+
+    def repeat_batch(self, times: int) -> None:
+        super().repeat_batch(times)
+        self.kmin = self.kmin.repeat(times, 1, 1, 1)
+        self.kmax = self.kmax.repeat(times, 1, 1, 1)
+
+    def decode(self, session, module, q, k_new, v_new, scaling):
+        n, ps = self.n, self.ps
+        q3 = q[:, :, 0]
+        b = q3.shape[0]
+        pages = -(-n // ps)
+        u = kqu.page_scores(q3, self.kmin[:, :, :pages], self.kmax[:, :, :pages], reduce=self.gqa == "kv_head",
+                            backend=self.backend)  # [B, Hs, P]
+        c_lo, c_hi = self.sink, n - self.local  # candidate keys [c_lo, c_hi)
+        p_lo, p_hi = (c_lo // ps, -(-c_hi // ps)) if c_hi > c_lo else (0, 0)
+        pid = torch.arange(pages, device=q.device)
+        u = u.masked_fill((pid < p_lo) | (pid >= p_hi), float("-inf"))
+        tokens = int(resolve_budget(self.budget_cfg, torch.tensor(n)).item())
+        want = max(1, tokens // ps)
+        chosen = kqu.top_pages(u, want)  # [B, Hs, want]
+        tok = kqu.pages_to_tokens(chosen, ps, n)  # [B, Hs, want·ps]
+        tok = torch.where((tok >= c_lo) & (tok < c_hi), tok, torch.full_like(tok, -1))
+        static = torch.cat([torch.arange(min(self.sink, n)), torch.arange(max(self.sink, n - self.local), n)])
+        static = static.to(device=q.device, dtype=tok.dtype).expand(b, tok.shape[1], -1)
+        idx = torch.cat([tok, static], -1)
+        o, _ = ksd.attention(q3, self.keys[:, :, :n], self.values[:, :, :n], idx, scaling=scaling, backend=self.backend)
         return o.unsqueeze(2)
 
 
@@ -587,4 +652,4 @@ def rope_function(attn_module: Any):
     return getattr(sys.modules[type(attn_module).__module__], "apply_rotary_pos_emb", None)
 
 
-__all__ = ["FullLayer", "DSLayer", "DSOffloadLayer", "MagicPIGLayer", "rope_function"]
+__all__ = ["FullLayer", "DSLayer", "DSOffloadLayer", "MagicPIGLayer", "QuestLayer", "rope_function"]
