@@ -214,8 +214,6 @@ def test_fig9_grid_uses_the_qk_channels_only(df, tmp_path, monkeypatch):
 
 
 def test_pareto_has_a_panel_per_length_and_per_single_subtask(df, tmp_path, monkeypatch):
-    import pandas as pd
-
     from sparse_eval.report import figures
 
     panels = {}

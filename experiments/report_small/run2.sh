@@ -43,11 +43,20 @@ timed python -m sparse_eval -m +experiment=ds_kv_retrieval model=smollm2_135m ta
     task.num_samples=4 "paths.runs_dir=$RUNS"
 
 # 5. MagicPIG Tables 12 and 13 (and more rows of Table 9): the (K, L) of both tables on RULER at 2,048 tokens
-#    (the paper: 16K), 1 sample of niah_single_1 and of fwe as run.sh (its full-attention run is the reference)
+#    (the paper: 16K), 1 sample of niah_single_1 and of fwe, the settings of run.sh's ruler_magicpig sweep: its
+#    (9,120) run has this exact config (same hash) and its full-attention run is the reference, so neither is rerun
 timed python -m sparse_eval -m +experiment=magicpig_cost_by_kl model=smollm2_135m task.length=2048 task.num_samples=1 \
     'task.subtasks=[niah_single_1,fwe]' eval.prefill_chunk=null \
-    method=magicpig_k10_l240,magicpig_k9_l120,magicpig_k8_l65,magicpig_k7_l35,magicpig_k10_l120,magicpig_k8_l120,magicpig_k7_l120 \
+    method=magicpig_k10_l240,magicpig_k8_l65,magicpig_k7_l35,magicpig_k10_l120,magicpig_k8_l120,magicpig_k7_l120 \
     "paths.runs_dir=$RUNS"
+
+# 6. DS Table 3 on SmolLM2 too (head_dim 64: r = 16 channels at alpha 1/4, against stories260K's 2 of 8): the
+#    WikiText-2 raw test split (paths.data_dir), 4 windows of 1,024 tokens, protocol S as ds_ppl.  The calibration
+#    text (the bundled head of the same split) overlaps these windows, as for stories260K.
+smol=(+experiment=ds_ppl model=smollm2_135m task=wikitext task.window=1024 task.num_samples=4 "paths.runs_dir=$RUNS")
+timed python -m sparse_eval -m "${smol[@]}" method=full
+timed python -m sparse_eval -m "${smol[@]}" method=double_sparsity_s16 method.channel_type=qk,q,k
+timed python -m sparse_eval -m "${smol[@]}" method=double_sparsity_s16 method.channel_type=random method.seed=0,1,2
 
 timed python -m sparse_eval.collect "$RUNS" --quiet
 cp "$RUNS/results.csv" "$OUT/results2.csv"

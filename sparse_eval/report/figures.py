@@ -102,16 +102,39 @@ def _n_text(d) -> str:
 def _plain_log_axis(axis) -> None:
     """Plain numbers (120, not 1.2×10²) on a log axis; minor ticks labelled too when it spans under a decade
     (else such an axis would have no label at all)."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     lo, hi = sorted(axis.axes.get_ylim() if axis.axis_name == "y" else axis.axes.get_xlim())
-    fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
+    fmt = FuncFormatter(lambda v, _: f"{v:.0f}" if v >= 100 else f"{v:.3g}")
     axis.set_major_formatter(fmt)
     if lo > 0 and hi / lo < 10:
         axis.set_minor_locator(LogLocator(subs=(1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)))
         axis.set_minor_formatter(fmt)
     else:
-        axis.set_minor_formatter(NullFormatter())
+        import math as _m
+
+        def minor(v, _):
+            mant = round(v / 10 ** _m.floor(_m.log10(v) + 1e-9), 6) if v > 0 else 0
+            return fmt(v, _) if mant in (2.0, 5.0) else ""
+
+        axis.set_minor_formatter(FuncFormatter(minor))
+
+
+def _plain_log_x(ax) -> None:
+    """Plain numbers on a log x axis (0.1, 0.2, 0.3, 0.5, 1 — not 10⁻¹, 2×10⁻¹)."""
+    import math as _m
+
+    from matplotlib.ticker import FuncFormatter
+
+    def minor(v, _):
+        if v <= 0:
+            return ""
+        mant = round(v / 10 ** _m.floor(_m.log10(v) + 1e-9), 6)
+        return f"{v:g}" if mant in (2.0, 3.0, 5.0) else ""
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(minor))
+    ax.tick_params(axis="x", which="minor", labelsize=7)
 
 
 def _annotate_spread(ax, points: list[tuple[float, float, str]], fontsize: float = 6) -> None:
@@ -129,7 +152,9 @@ def _annotate_spread(ax, points: list[tuple[float, float, str]], fontsize: float
             if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
                 break
         placed.append(box)
-        ax.annotate(text, (x, y), fontsize=fontsize, xytext=(4, dy), textcoords="offset points")
+        moved = dy != 3  # a moved label gets a thin leader line to its point
+        ax.annotate(text, (x, y), fontsize=fontsize, xytext=(4, dy), textcoords="offset points",
+                    arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5", shrinkA=0, shrinkB=2) if moved else None)
 
 
 def _group_score(d, group: Callable[[str], str | None]):
@@ -166,7 +191,8 @@ def fig1_topk(df, out: Path) -> list[Path]:
             if not f.empty:
                 ax.axhline(f["score"].mean(), color=f"C{i}", ls="--", lw=0.9, label=f"Full: {grp}")
         ax.set_xscale("log")
-        ax.set_xlabel("TopK budget (fraction of the context's keys)")
+        _plain_log_x(ax)
+        ax.set_xlabel("TopK budget (fraction of the context's keys, log scale)")
         ax.set_ylabel("RULER score (0-100)")
         ax.set_ylim(-2, 102)
         ax.set_title(f"{model}, RULER {_len_label(length)}; {_n_text(d)}", fontsize=9)
@@ -201,7 +227,8 @@ def fig6c_oracle_vs_topk(df, out: Path) -> list[Path]:
             ax.axhline(f["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
         metric = g["metric"].iloc[0]
         ax.set_xscale("log")
-        ax.set_xlabel("budget (fraction of the context: keys kept / draws)")
+        _plain_log_x(ax)
+        ax.set_xlabel("budget (fraction of the context: keys kept / draws, log scale)")
         ax.set_ylabel(_score_label(task, metric))
         _score_limits(ax, task)
         ax.set_title(f"{model}, {task} {_len_label(length)}; {_n_text(g)}".strip(), fontsize=9)
@@ -272,7 +299,8 @@ def fig9bc_magicpig_vs_topk(df, out: Path) -> list[Path]:
         if not f.empty:
             ax.axhline(f["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
         ax.set_xscale("log")
-        ax.set_xlabel("measured Cost2 (fraction of keys attended)")
+        _plain_log_x(ax)
+        ax.set_xlabel("measured Cost2 (fraction of keys attended, log scale)")
         ax.set_ylabel(f"RULER {st} score (0-100)")
         ax.set_ylim(-3, 103)
         _annotate_spread(ax, [(r.cost2, r.score, str(cfg)) for cfg, r in mp.iterrows()])
@@ -301,26 +329,34 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
                      (param(r, "budget") if r["method"] in ("topk", "oracle", "quest") else None) for _, r in runs.iterrows()]
     runs["label"] = [_retrieval_label(r) for _, r in runs.iterrows()]
     lengths = sorted(runs["length"].dropna().unique())
-    # (a) at the paper's 1K when present, else the length with the most runs (the shortest among ties)
-    ref_len = (1024 if 1024 in lengths else max(lengths, key=lambda L: ((runs["length"] == L).sum(), -L))) if lengths else None
-    fig, axes = _panels(2, 5.4, 4.2)
-    # (a) vs sparsity level at one length
+    fig, axes = _panels(2, 5.6, 4.4)
+    # (a) vs sparsity level, one line per method and context length; level 1 = full attention (as DS Table 2)
     ax = axes[0]
-    a = runs if ref_len is None else runs[runs["length"] == ref_len]
-    for name, dd in a[a["level"].notna()].groupby("method_name"):
-        m = dd.groupby("level")["score"].mean().sort_index(ascending=False)
-        ax.plot([1 / x for x in m.index], m.values, marker=MARKERS.get(name, "o"), color=COLORS.get(name), label=name)
-    f = a[a["method"] == "full"]
-    if not f.empty:
-        ax.axhline(f["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
+    keys = lengths or [None]
+    for j, L in enumerate(keys):
+        a = runs if L is None else runs[runs["length"] == L]
+        f = a[a["method"] == "full"]
+        fs = f["score"].mean() if not f.empty else None
+        dodge = 2 ** (0.08 * (j - (len(keys) - 1) / 2))
+        sparse = a[a["level"].notna()]
+        for name, dd in sparse.groupby("method_name"):
+            m = dd.groupby("level")["score"].mean().sort_index(ascending=False)
+            xs, ys = [1 / x for x in m.index], list(m.values)
+            if fs is not None:
+                xs, ys = [1.0] + xs, [fs] + ys
+            ax.plot([x * dodge for x in xs], ys, marker=MARKERS.get(name, "o"), color=f"C{j}",
+                    ls=("-", "--", "-.")[j % 3] if name == "DS" else ":", markersize=max(4.0, 8.0 - 1.5 * j), zorder=2 + j,
+                    label=f"{name}, {int(L)} tokens" if L is not None else name)
+        if sparse.empty and fs is not None:
+            ax.plot([dodge], [fs], marker=MARKERS["Full"], color=f"C{j}", ls="none",
+                    label=f"Full, {int(L)} tokens" if L is not None else "Full")
     ax.set_xscale("log", base=2)
     _frac_ticks(ax)
-    ax.set_xlabel("sparsity level (share of the context's keys attended; DS: = channel sparsity)")
+    ax.set_xlabel("sparsity level (share of the keys attended; 1 = full attention)")
     ax.set_ylabel("retrieval accuracy (%)")
     ax.set_ylim(-3, 103)
-    ax.set_title("(a) by sparsity level" + (f", context {int(ref_len)} tokens" if ref_len else "") + f"; {_n_text(a)}",
-                 fontsize=9)
-    ax.grid(alpha=0.3, which="both")
+    ax.set_title(f"(a) by sparsity level; {_n_text(runs)}", fontsize=9)
+    ax.grid(alpha=0.3, which="major")
     ax.legend(fontsize=7)
     # (b) vs context length, one line per method config (Full first, then DS by level)
     ax = axes[1]
@@ -332,8 +368,10 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
             if len(m) >= 2:
                 name = dd["method_name"].iloc[0]
                 full = dd["method"].iloc[0] == "full"
-                ax.plot(m.index, m.values, marker=MARKERS.get(name, "o"), color="black" if full else f"C{i}",
-                        ls="--" if full else "-", markersize=max(3.0, 9.0 - 1.0 * i), zorder=2 + i, label=lab)
+                dodge = 2 ** (0.03 * (i - (len(order) - 1) / 2))
+                ax.plot([x * dodge for x in m.index], m.values, marker=MARKERS.get(name, "o"),
+                        color="black" if full else f"C{i}", ls="--" if full else "-",
+                        markersize=max(3.0, 9.0 - 1.0 * i), zorder=2 + i, label=lab)
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [str(int(x)) for x in lengths])
         ax.minorticks_off()
@@ -345,6 +383,8 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
     ax.set_ylim(-3, 103)
     ax.set_title(f"(b) by context length; {_n_text(runs)}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
+    fig.text(0.5, -0.02, "Points of different lines are shifted slightly sideways so that equal values stay visible.",
+             ha="center", fontsize=7)
     models = ", ".join(sorted(runs["model"].unique()))
     fig.suptitle(f"Key-value retrieval (DS Fig. 4) — {models}; {_setting_text(runs)}", fontsize=10)
     return _save(fig, out, "ds_fig4_retrieval")
@@ -387,7 +427,7 @@ def ds_fig1_ppl(df, out: Path) -> list[Path]:
         ax.set_ylabel("WikiText-2 perplexity (log scale, lower is better)")
         ax.set_title(f"{model}; {_wikitext_text(d)}", fontsize=9)
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(f"Perplexity vs sparsity level (DS Table 2 / Fig. 1) — {_setting_text(ds)}", fontsize=10)
     paths += _save(fig, out, "ds_fig1_ppl_sparsity")
     # Fig. 9: token x channel grid of the qk channels (the paper's), when present
@@ -477,11 +517,13 @@ def pareto(df, out: Path) -> list[Path]:
         for ax, (length, sub) in zip(axes, keys):
             g = d[(d["length"] == length) if length is not None else d["length"].isna()]
             g = g[(g["panel_sub"] == sub) if sub is not None else g["panel_sub"].isna()]
+            # the same config run twice (e.g. in two collected sweeps) with the same result: one point
+            g = g.drop_duplicates(subset=["method_name", "config", "setting", "cost2", "score"])
             labels = []
             for name, dd in g.groupby("method_name"):
                 ax.scatter(dd["cost2"], dd["score"], marker=MARKERS.get(name, "o"), color=COLORS.get(name), label=name,
                            s=30, zorder=3)
-                if len(dd) <= 8:
+                if len(dd) <= 12:
                     labels += [(r["cost2"], r["score"], _short_config(r)) for _, r in dd.iterrows() if r["config"] != "–"]
             pts = sorted(zip(g["cost2"], g["score"]))
             front, best = [], None
@@ -494,10 +536,15 @@ def pareto(df, out: Path) -> list[Path]:
                 ax.step([c for c, _ in front], [s_ for _, s_ in front], where="post", color="grey", lw=1, ls="--",
                         label="Pareto front", zorder=2)
             ax.set_xscale("log")
+            _plain_log_x(ax)
             ax.set_xlabel("measured Cost2 (fraction of keys attended, log scale)")
             ylab = _score_label(task, metric)
             ax.set_ylabel(ylab + ("" if lower or "better" in ylab else ", higher is better"))
             _score_limits(ax, task)
+            if lower:  # perplexities span decades when a method breaks down
+                ax.set_yscale("log")
+                _plain_log_axis(ax.yaxis)
+                ax.set_ylabel(ylab.replace("(lower", "(log scale, lower"))
             _annotate_spread(ax, labels, fontsize=5.5)
             head = " ".join(x for x in (task, str(sub) if sub else "", _len_label(length)) if x)
             extra = _wikitext_text(g) if task == "wikitext" else _n_text(g)

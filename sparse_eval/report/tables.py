@@ -92,9 +92,17 @@ def _mean(vals) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _natural(text: Any) -> tuple:
+    """Sort key that orders the numbers inside a label by value: (7,120) before (10,120), 0.05 before 0.1."""
+    import re
+
+    parts = re.split(r"(\d+(?:\.\d+)?)", str(text))
+    return tuple((0, float(x)) if i % 2 else (1, x) for i, x in enumerate(parts) if x)
+
+
 def _sort_key(r: dict[str, Any]):
     order = {"Full": 0, "MagicPIG": 1, "Quest": 2, "TopK": 3, "Oracle sampling": 4, "DS": 5, "DS-Offload": 6}
-    return (str(r["Model"]), order.get(r["Method"], 9), str(r["Config"]))
+    return (str(r["Model"]), order.get(r["Method"], 9), _natural(r["Config"]))
 
 
 def _build(values, costs, d, name: str, title: str, caption: str, columns: list[str], paper_tables: list[str],
@@ -265,8 +273,8 @@ def _magicpig_kl(df, name: str, title: str, keep: Callable[[int, int], bool], pa
         rows.append(row)
         papers.append(pv)
         sources.append(pr.table if pr else None)
-    order = sorted(range(len(rows)), key=lambda i: (rows[i]["Model"], rows[i]["Task"], str(rows[i]["Length"]),
-                                                    rows[i]["Config"]))
+    order = sorted(range(len(rows)), key=lambda i: (rows[i]["Model"], rows[i]["Task"], _natural(rows[i]["Length"]),
+                                                    _natural(rows[i]["Config"])))
     vals = (["Score"] if with_score else []) + ["Cost2", "u(p=1/2)"]
     caption = ("Cost2 measured (mean over the runs; static keys included), u(p=1/2): eq. 10's sampling "
                "probability of a key orthogonal to the query (p = 1/2), the paper's analytic estimate of Cost2.")
@@ -368,6 +376,11 @@ def ds_table2(df) -> Table:
         rows.append(row)
         papers.append(dict(pr.values) if pr else {})
         sources.append(pr.table if pr else None)
+    ch_order = {"qk": 0, "q": 1, "k": 2, "random": 3}
+    order = sorted(range(len(rows)), key=lambda i: (str(rows[i]["Model"]), str(rows[i]["Variant"]),
+                                                    ch_order.get(rows[i]["Channels"], 9), str(rows[i]["Channel sparsity"]),
+                                                    str(rows[i]["Setting"])))
+    rows, papers, sources = [rows[i] for i in order], [papers[i] for i in order], [sources[i] for i in order]
     value_cols = [c for c in cols if any(r[c] is not None for r in rows)]
     return Table("ds_table2_ppl_by_sparsity", "Double Sparsity Table 2: WikiText-2 perplexity by sparsity level",
                  "Columns: token sparsity level (β as a ratio of the context; an absolute β over a W-token window counts "
