@@ -7,12 +7,17 @@ method reads:
 * ``FullLayer``: KV cache on the GPU, dense sdpa decode (the baseline; also every method's dense layers).
 * ``DSLayer``: KV cache on the GPU plus a contiguous, quantized label cache (DS §4.2); per step: label scores,
   top-k, attention over the selected rows (``kernels.ds``, ``kernels.sparse_decode``).
-* ``DSOffloadLayer``: KV cache in pinned CPU memory, label cache on the GPU; the tokens of layer l are predicted
+* ``QuestLayer``: KV cache on the GPU plus per-page min/max keys; per step: page bounds, top pages, attention
+  over their tokens and the static keys (``kernels.quest``, ``kernels.sparse_decode``).
+* ``DSOffloadLayer``: KV cache in pinned CPU memory (token-major), label cache on the GPU; the tokens of layer l are predicted
   from layer l−1's input and gathered from host memory on a side CUDA stream into a double buffer while layer
   l−1 computes (DS §5.1); the current token's key joins the top-k exactly (see ``_include_new``).
 * ``MagicPIGLayer``: KV cache and hash tables in CPU memory, sink and local window on the GPU; per step: the
   query's codes on the GPU, collision sampling and the −log u-corrected attention on the CPU (numba), the
   static keys on the GPU, both parts merged exactly by log-sum-exp (MagicPIG §4.4, eq. 11).
+
+Each reproduces the selection of its ``sparse_eval.methods`` class (``tests/test_system.py`` checks the greedy
+tokens against the accuracy path).
 
 All layers implement transformers' cache-layer interface (``update`` returns the call's new keys only; the
 layer's ``attend`` reads its own storage), prefill densely in one call (protocol A: the prompt is dense,
