@@ -140,12 +140,7 @@ class FullLayer(CacheLayerMixin):
                              f"supported")
         g = q.shape[1] // k_new.shape[1]
         k, v = (k_new.repeat_interleave(g, 1), v_new.repeat_interleave(g, 1)) if g > 1 else (k_new, v_new)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
-        self.after_prefill(session, module, k_new, v_new)
-        return out
-
-    def after_prefill(self, session, module, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Index the prompt's keys (k, v [B, Hkv, N, D] on the compute device).  Default: nothing."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
 
     def decode(self, session, module, q, k_new, v_new, scaling):
         n = self.n
@@ -403,11 +398,6 @@ class DSOffloadLayer(DSLayer):
         self._new = (key_states, value_states)
         return key_states, value_states
 
-    def prefill(self, session, module, q, k_new, v_new, scaling):
-        g = q.shape[1] // k_new.shape[1]
-        k, v = (k_new.repeat_interleave(g, 1), v_new.repeat_interleave(g, 1)) if g > 1 else (k_new, v_new)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
-
     def select_heads(self, hq: int) -> int:
         return self.keys.shape[1] if self.gqa == "kv_head" else hq
 
@@ -564,11 +554,6 @@ class MagicPIGLayer(FullLayer):
         if self.tables is not None:
             out["cpu"] += self.tables.nbytes()
         return out
-
-    def prefill(self, session, module, q, k_new, v_new, scaling):
-        g = q.shape[1] // k_new.shape[1]
-        k, v = (k_new.repeat_interleave(g, 1), v_new.repeat_interleave(g, 1)) if g > 1 else (k_new, v_new)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
 
     def _window(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.win_k[:, :, lo - self.w0:hi - self.w0], self.win_v[:, :, lo - self.w0:hi - self.w0]
