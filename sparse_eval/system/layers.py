@@ -42,7 +42,7 @@ import kernels.quest as kqu
 import kernels.sparse_decode as ksd
 from kernels.merge import merge_by_lse
 
-from ..methods.base import resolve_budget
+from ..methods.base import budget_bound
 from ..methods.double_sparsity import pseudo_quantize
 from ..methods.magicpig import collision_counts
 
@@ -254,7 +254,6 @@ class DSLayer(FullLayer):
             raise ValueError(f"label bits={bits!r}: the system path's label cache supports {list(kds.LABEL_BITS)}")
         self.labels = _Labels(channels, bits, scale_dtype)
         self.hq = int(hq)
-        self._budget: dict[int, int] = {}
         self.beta, self.bits, self.quantize_query, self.gqa, self.backend = beta, bits, quantize_query, gqa, backend
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -274,11 +273,9 @@ class DSLayer(FullLayer):
         return out
 
     def budget(self, n: int) -> int:
-        """k = floor(β·n) (at least 1) for a ratio, β for a token count (as ``resolve_budget``)."""
-        k = self._budget.get(n)
-        if k is None:
-            k = self._budget[n] = max(1, int(resolve_budget(self.beta, torch.tensor(n)).item()))
-        return k
+        """k = floor(β·n) (at least 1) for a ratio, β for a token count, capped at n (``budget_bound``, the
+        same count as the accuracy path's ``resolve_budget``, from Python numbers)."""
+        return max(1, budget_bound(self.beta, n))
 
     def query_labels(self, q3: torch.Tensor) -> torch.Tensor:
         """q3 [B, Hq, D] -> q_label [B, Hq, r] fp32 (quantized like the keys' labels when ``quantize_query``)."""
@@ -361,13 +358,15 @@ class QuestLayer(FullLayer):
         p_lo, p_hi = (c_lo // ps, -(-c_hi // ps)) if c_hi > c_lo else (0, 0)
         pid = torch.arange(pages, device=q.device)
         u = u.masked_fill((pid < p_lo) | (pid >= p_hi), float("-inf"))
-        tokens = int(resolve_budget(self.budget_cfg, torch.tensor(n)).item())
+        # as ``resolve_budget``: an int budget is not capped at n (the accuracy path's page count)
+        tokens = self.budget_cfg if isinstance(self.budget_cfg, int) else budget_bound(self.budget_cfg, n)
         want = max(1, tokens // ps)
         chosen = kqu.top_pages(u, want)  # [B, Hs, want]
         tok = kqu.pages_to_tokens(chosen, ps, n)  # [B, Hs, want·ps]
         tok = torch.where((tok >= c_lo) & (tok < c_hi), tok, torch.full_like(tok, -1))
-        static = torch.cat([torch.arange(min(self.sink, n)), torch.arange(max(self.sink, n - self.local), n)])
-        static = static.to(device=q.device, dtype=tok.dtype).expand(b, tok.shape[1], -1)
+        static = torch.cat([torch.arange(min(self.sink, n), device=q.device, dtype=tok.dtype),
+                            torch.arange(max(self.sink, n - self.local), n, device=q.device, dtype=tok.dtype)])
+        static = static.expand(b, tok.shape[1], -1)
         idx = torch.cat([tok, static], -1)
         o, _ = ksd.attention(q3, self.keys[:, :, :n], self.values[:, :, :n], idx, scaling=scaling, backend=self.backend)
         return o.unsqueeze(2)
@@ -514,8 +513,7 @@ class MagicPIGLayer(FullLayer):
         t = key_states.shape[2]
         # one contiguous device-to-host copy, then the strided write into the head-major host cache (the CPU
         # kernel wants head-major rows); a strided device-to-pageable copy would move row by row
-        out = super().update(key_states.to("cpu"), value_states.to("cpu"))
-        out = (key_states, value_states)
+        super().update(key_states.to("cpu"), value_states.to("cpu"))
         if first:  # prefill: the sink and the last `local` keys on the GPU, with room for the generated ones
             s = self.cfg.sink
             self.sink_k = key_states[:, :, :s].clone()
@@ -532,7 +530,7 @@ class MagicPIGLayer(FullLayer):
             m = self.n - t - self.w0
             self.win_k[:, :, m:m + t] = key_states
             self.win_v[:, :, m:m + t] = value_states
-        return out
+        return key_states, value_states
 
     def repeat_batch(self, times: int) -> None:
         super().repeat_batch(times)
