@@ -158,10 +158,29 @@ def bench_shape(b, n, args, device, timer, gen, rows):
         rec["gbps"] = nbytes / (best * 1e-3) / 1e9
         if stages:
             rec["stages_ms"] = {k: timer.eager(v)["median_ms"] for k, v in stages.items()}
+            graphed = {k: timer.graphed(v) for k, v in stages.items()}
+            if all(g is not None for g in graphed.values()):  # without launch overhead
+                rec["stages_graph_ms"] = {k: g["median_ms"] for k, g in graphed.items()}
         out.append(rec)
         return rec
 
     dense = record("sdpa", [lambda s=s: sdpa_decode(s["q"], s["k"], s["v"]) for s in sets], kv_bytes)
+    # the dense decode of the system path: Triton split-K over a preallocated cache with per-row lengths (what a
+    # captured step runs), and sdpa on a [:, :, :n] slice of a preallocated cache, as the eager FullLayer calls it
+    lengths = torch.full((b,), n, dtype=torch.int32, device=device)
+    rec = record("dense_triton", [lambda s=s: sparse_decode.dense_attention(s["q"], s["k"], s["v"], lengths, backend=be)
+                                  for s in sets[:1]], kv_bytes)
+    rec["speedup_vs_sdpa"] = dense["ms_best"] / rec["ms_best"]
+    padded = []
+    for s in sets[:1]:
+        kp = torch.empty(b, HKV, n + 64, D, dtype=s["k"].dtype, device=device)
+        vp = torch.empty_like(kp)
+        kp[:, :, :n] = s["k"]
+        vp[:, :, :n] = s["v"]
+        padded.append((s["q"].view(b, HKV, G, D), kp[:, :, :n], vp[:, :, :n]))
+    rec = record("sdpa_slice_of_capacity", [lambda p=p: F.scaled_dot_product_attention(*p) for p in padded], kv_bytes)
+    rec["speedup_vs_sdpa"] = dense["ms_best"] / rec["ms_best"]
+    del padded
     s0 = sets[0]
     budget = max(1, round(args.beta * n))
     r = s0["channels"].shape[1]
@@ -181,6 +200,7 @@ def bench_shape(b, n, args, device, timer, gen, rows):
             stages = {
                 "label_scores": [lambda: ds.label_scores(qs, caches[0], backend=be)],
                 "topk": [lambda: ds.topk_indices(scores, budget)],
+                "topk_sorted": [lambda: torch.topk(scores, budget, dim=-1, sorted=True)],  # the captured step's
                 "attention": [lambda: sparse_decode.attention(s0["q"], s0["k"], s0["v"], idx, backend=be)],
             }
             o, lse, sel = ds.decode(s0["q"], s0["k"], s0["v"], caches[0], s0["channels"], budget, gqa=gqa, backend=be)

@@ -23,14 +23,19 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _attend_tile(n0, end, i_base, k_base, v_base, stride_kn, stride_vn, q, qk_scale, m_i, l_i, acc, offs_d, dmask,
-                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DENSE: tl.constexpr):
     """One online-softmax step over BLOCK_N gathered rows (scores in log2 units).  UPCAST: K/V tiles in float32
     (the interpreter, fp32 caches); else the cache dtype goes to the tensor cores, P in that dtype for P·V (the
-    flash-attention practice), accumulation in float32."""
+    flash-attention practice), accumulation in float32.  DENSE: the rows are the positions n0 .. n0+BLOCK_N−1
+    themselves (no index list), valid below ``end``."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    ids = tl.load(i_base + offs_n, mask=offs_n < end, other=-1)
-    valid = ids >= 0
-    rows = tl.where(valid, ids, 0).to(tl.int64)
+    if DENSE:
+        valid = offs_n < end
+        rows = tl.where(valid, offs_n, 0).to(tl.int64)
+    else:
+        ids = tl.load(i_base + offs_n, mask=offs_n < end, other=-1)
+        valid = ids >= 0
+        rows = tl.where(valid, ids, 0).to(tl.int64)
     kv_mask = valid[:, None] & dmask[None, :]
     kt = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
     vt = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -60,7 +65,7 @@ def _sparse_decode_split(
     HQ, HI, S, split_len, n_splits, qk_scale,
     QPI: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_CNT: tl.constexpr, SINGLE: tl.constexpr, INTERP: tl.constexpr,
-    N_ITER: tl.constexpr, UPCAST: tl.constexpr,
+    N_ITER: tl.constexpr, UPCAST: tl.constexpr, DENSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     sid = tl.program_id(1)
@@ -98,13 +103,13 @@ def _sparse_decode_split(
         for it in range(0, N_ITER):
             m_i, l_i, acc = _attend_tile(
                 start + it * BLOCK_N, end, i_base, k_base, v_base, stride_kn, stride_vn, q, qk_scale, m_i, l_i, acc,
-                offs_d, dmask, BLOCK_N, UPCAST,
+                offs_d, dmask, BLOCK_N, UPCAST, DENSE,
             )
     else:
         for n0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 n0, end, i_base, k_base, v_base, stride_kn, stride_vn, q, qk_scale, m_i, l_i, acc, offs_d, dmask,
-                BLOCK_N, UPCAST,
+                BLOCK_N, UPCAST, DENSE,
             )
 
     heads = h0 + offs_q
@@ -155,13 +160,16 @@ def _sm_count(device: torch.device) -> int:
     return 4  # interpreter: a few splits, to exercise the reduction
 
 
-def run(q, k, v, idx, *, scaling, count, out_dtype, block_n, num_splits, num_warps, num_stages):
+def run(q, k, v, idx, *, scaling, count, out_dtype, block_n, num_splits, num_warps, num_stages, lengths=None):
+    """Sparse attention over ``idx``; or, with ``idx=None``, dense attention over the first ``lengths[b]``
+    positions of each row (one program per KV head serving its G query heads)."""
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    hi = idx.shape[1]
+    dense = idx is None
+    hi = hkv if dense else idx.shape[1]
     qpi = hq // hi
-    s_len = idx.shape[2]
+    s_len = k.shape[2] if dense else idx.shape[2]
     scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     out_dtype = out_dtype or q.dtype
     dev = q.device
@@ -171,7 +179,7 @@ def run(q, k, v, idx, *, scaling, count, out_dtype, block_n, num_splits, num_war
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    if idx.stride(-1) != 1:
+    if not dense and idx.stride(-1) != 1:
         idx = idx.contiguous()
     o = torch.empty((b, hq, d), dtype=out_dtype, device=dev)
     lse = torch.empty((b, hq), dtype=torch.float32, device=dev)
@@ -188,7 +196,11 @@ def run(q, k, v, idx, *, scaling, count, out_dtype, block_n, num_splits, num_war
         splits = max(1, min(int(num_splits), -(-s_len // block_n)))
         per = -(-(-(-s_len // splits)) // block_n) * block_n
         splits = -(-s_len // per)
-    cnt = count.to(device=dev, dtype=torch.int32).contiguous() if count is not None else idx
+    if dense:  # the row lengths act as the per-row count, the same for every KV head of a row
+        cnt = lengths.to(device=dev, dtype=torch.int32).contiguous().view(b, 1).expand(b, hi)
+        idx = cnt  # unused by the DENSE kernel
+    else:
+        cnt = count.to(device=dev, dtype=torch.int32).contiguous() if count is not None else idx
     upcast = triton_interpret() or k.dtype == torch.float32 or k.dtype != q.dtype
     # ptxas (sm_90, BLOCK_N 64, D 128): 16-bit tiles fit 4 warps without spilling (~248 registers); float32 tiles
     # spill at 4 warps and fit at 8
@@ -208,12 +220,12 @@ def run(q, k, v, idx, *, scaling, count, out_dtype, block_n, num_splits, num_war
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        idx.stride(0), idx.stride(1),
+        0 if dense else idx.stride(0), 0 if dense else idx.stride(1),
         cnt.stride(0), cnt.stride(1),
         hq, hi, s_len, per, splits, scaling * LOG2E,
         QPI=qpi, G=g, D=d, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_N=block_n,
-        HAS_CNT=count is not None, SINGLE=single, INTERP=interp, N_ITER=per // block_n if interp else 0,
-        UPCAST=upcast, **extra,
+        HAS_CNT=dense or count is not None, SINGLE=single, INTERP=interp, N_ITER=per // block_n if interp else 0,
+        UPCAST=upcast, DENSE=dense, **extra,
     )
     if not single:
         _sparse_decode_reduce[(b * hq,)](

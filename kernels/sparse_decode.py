@@ -26,7 +26,7 @@ import torch
 
 from ._common import check_heads, resolve_gpu_backend
 
-__all__ = ["attention", "attention_reference", "split_plan"]
+__all__ = ["attention", "attention_reference", "dense_attention", "dense_attention_reference", "split_plan"]
 
 
 def _check(q, k, v, idx, count):
@@ -124,4 +124,51 @@ def attention(
     return _tl_sparse_decode.run(
         q, k, v, idx, scaling=scaling, count=count, out_dtype=out_dtype, block_n=block_n, num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def _check_dense(q, k, v, lengths):
+    if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(
+            f"expected q [B, Hq, D] and k, v [B, Hkv, N, D] of one dtype; got q {tuple(q.shape)}, k {tuple(k.shape)} "
+            f"{k.dtype}, v {tuple(v.shape)} {v.dtype}"
+        )
+    b, hq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim")
+    check_heads(hq, k.shape[1])
+    if lengths.dim() != 1 or lengths.shape[0] != b:
+        raise ValueError(f"lengths {tuple(lengths.shape)}: expected [B={b}] (keys per row)")
+
+
+def dense_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *, scaling: float | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of row b over its first ``lengths[b]`` keys of a preallocated cache: ``attention_reference``
+    with idx = 0 .. N−1 and count = lengths."""
+    _check_dense(q, k, v, lengths)
+    b, _, n, _ = k.shape
+    idx = torch.arange(n, device=k.device, dtype=torch.int64).expand(b, k.shape[1], n)
+    count = lengths.to(k.device).view(b, 1).expand(b, k.shape[1])
+    return attention_reference(q, k, v, idx, scaling=scaling, count=count, out_dtype=out_dtype)
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *, scaling: float | None = None,
+    out_dtype: torch.dtype | None = None, backend: str = "auto", block_n: int | None = None,
+    num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense split-K decode attention over a preallocated cache k, v [B, Hkv, N, D] whose row b holds
+    ``lengths[b]`` (int [B], on the device) valid keys.  Shapes depend on N only, never on the lengths, so one CUDA
+    graph serves every step (the system path's captured decode).  Returns (o [B, Hq, D], lse [B, Hq] float32)."""
+    _check_dense(q, k, v, lengths)
+    which = resolve_gpu_backend(backend, q, k, v, lengths)
+    if which == "torch":
+        return dense_attention_reference(q, k, v, lengths, scaling=scaling, out_dtype=out_dtype)
+    from . import _tl_sparse_decode
+
+    return _tl_sparse_decode.run(
+        q, k, v, None, scaling=scaling, count=None, out_dtype=out_dtype, block_n=block_n, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages, lengths=lengths,
     )

@@ -106,6 +106,37 @@ def test_sparse_decode_strided_cache_and_default_dtype():
     assert torch.allclose(lse, lse_ref, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("b,hq,hkv,n,d,dtype", [(3, 8, 2, 300, 64, torch.bfloat16), (2, 4, 4, 130, 48, torch.float32)])
+def test_dense_decode_over_row_lengths_matches_sdpa(b, hq, hkv, n, d, dtype):
+    """Dense attention over the first lengths[b] keys of a preallocated cache equals sdpa over those keys alone
+    (rows of different lengths, one of them the whole capacity, one a single key)."""
+    gen = _gen(11 + n)
+    q = _randn(b, hq, d, gen=gen, dtype=dtype)
+    k = _randn(b, hkv, n, d, gen=gen, dtype=dtype)
+    v = _randn(b, hkv, n, d, gen=gen, dtype=dtype)
+    lengths = torch.tensor([n, 1, n // 3][:b], dtype=torch.int32, device=DEV)
+    for splits in (None, 1, 3):
+        o, lse = sparse_decode.dense_attention(q, k, v, lengths, backend="triton", num_splits=splits, block_n=16,
+                                               out_dtype=torch.float32)
+        for i, m in enumerate(lengths.tolist()):
+            g = hq // hkv
+            kk = k[i, :, :m].float().repeat_interleave(g, 0)
+            vv = v[i, :, :m].float().repeat_interleave(g, 0)
+            ref = torch.nn.functional.scaled_dot_product_attention(q[i].float()[:, None], kk, vv)[:, 0]
+            s = torch.einsum("hd,hnd->hn", q[i].float(), kk) / d ** 0.5
+            assert _rel(o[i], ref) < TOL * 10
+            assert torch.allclose(lse[i], torch.logsumexp(s, -1), atol=TOL * 10, rtol=TOL)
+    o_ref, lse_ref = sparse_decode.dense_attention_reference(q, k, v, lengths, out_dtype=torch.float32)
+    assert _rel(o, o_ref) < TOL * 10
+
+
+def test_dense_decode_rejects_bad_lengths():
+    q = torch.zeros(2, 4, 8)
+    k = torch.zeros(2, 2, 10, 8)
+    with pytest.raises(ValueError, match="lengths"):
+        sparse_decode.dense_attention(q, k, k, torch.ones(3, dtype=torch.int32))
+
+
 def test_sparse_decode_rejects_bad_shapes():
     q = torch.zeros(1, 4, 8)
     k = torch.zeros(1, 2, 10, 8)

@@ -122,6 +122,53 @@ def test_capacity_and_input_errors(stories, prompts):
         decode(model, build_method(dict(name="full")), torch.tensor(prompts[0]), 4)
 
 
+GRAPH_CONFIGS = {
+    "full": dict(name="full"),
+    "ds": CONFIGS["ds"],
+    "ds_kv_head_8bit": dict(name="double_sparsity", beta=0.03, gqa="kv_head", label_bits=8, dense_layers=[0]),
+    "ds_token_budget": dict(name="double_sparsity", beta=7, dense_layers=[1]),
+}
+
+
+@pytest.mark.parametrize("which", sorted(GRAPH_CONFIGS))
+def test_static_step_gives_the_same_tokens(stories, prompts, which):
+    """The static-shape step of ``cuda_graph=true`` (write at a device position, attend over the capacity with
+    length masks, device-side budgets, top-k_cap then ``count``) decodes the same tokens as the eager layers, and
+    so as the accuracy path, on every row; with repeat_batch the tiled rows repeat the first row."""
+    model, tok = stories
+    cfg = GRAPH_CONFIGS[which]
+    eager = _system(model, cfg, prompts, backend_gpu="torch")
+    static = _system(model, cfg, prompts, backend_gpu="torch", cuda_graph=True)
+    assert static.tokens.tolist() == eager.tokens.tolist()
+    assert len(static.step_ms) == NEW - 1
+    assert static.tokens[0].tolist() == _accuracy_tokens(model, tok, cfg, prompts[0])
+    if which == "ds":
+        assert static.tokens[0].tolist() != _accuracy_tokens(model, tok, dict(name="full"), prompts[0])
+    tiled = _system(model, cfg, [prompts[1]], backend_gpu="torch", cuda_graph=True, repeat_batch=2)
+    assert tiled.tokens.tolist() == [eager.tokens[1].tolist()] * 2
+
+
+def test_static_budget_matches_budget_bound():
+    from sparse_eval.methods.base import budget_bound
+    from sparse_eval.system.layers import StaticStep
+
+    st = StaticStep(5, 3, "cpu")
+    for _ in range(200):
+        n = int(st.lengths[0])
+        for beta in (0.0625, 0.1, 0.3, 1.0, 3, 50):
+            want = max(1, budget_bound(beta, n))
+            assert st.budget(beta).tolist() == [want] * 3, (beta, n)
+        st.advance()
+    assert int(st.pos) == 205
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS["quest"], CONFIGS["magicpig"], CONFIGS["ds_offload"]])
+def test_cuda_graph_refuses_host_side_methods(stories, prompts, cfg):
+    model, _ = stories
+    with pytest.raises(ValueError, match="cuda_graph=true: the static-shape decode step exists for full attention"):
+        _system(model, cfg, [prompts[0][:80]], cuda_graph=True)
+
+
 def test_offload_gather_matches_indexing():
     """kernels.offload.gather_rows (Triton, in the interpreter without CUDA) == torch indexing, with −1 padding,
     GQA (selection per query head) and bf16 rows moved bit for bit."""
@@ -156,6 +203,24 @@ def test_gpu_system_path_matches_accuracy_path(stories, prompts, which):
         got = _system(model, cfg, ids, label_scale_dtype=torch.float32)
         assert got.tokens[0].tolist() == ref
         assert got.memory["gpu_peak"] > 0
+    finally:
+        model.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("which", ["full", "ds", "ds_kv_head_8bit"])
+def test_gpu_cuda_graph_matches_accuracy_path(stories, prompts, which):
+    """On CUDA the static step is captured once and replayed: still the accuracy path's tokens, on both rows."""
+    model, tok = stories
+    model = model.to("cuda")
+    try:
+        cfg = GRAPH_CONFIGS[which]
+        got = _system(model, cfg, prompts, label_scale_dtype=torch.float32, cuda_graph=True)
+        assert got.stats["graph_capture_ms"] > 0
+        for row, ids in enumerate(prompts):
+            ref = _accuracy_tokens(model, tok, cfg, torch.tensor(ids, device="cuda"))
+            assert got.tokens[row].tolist() == ref, f"row {row}"
     finally:
         model.to("cpu")
 

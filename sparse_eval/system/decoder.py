@@ -32,7 +32,7 @@ import kernels.offload as koff
 
 from ..attention.plugin import attention_modules, cache_kwargs
 from ..methods.base import Method
-from .layers import DSLayer, DSOffloadLayer, FullLayer, MagicPIGLayer, QuestLayer, rope_function
+from .layers import DSLayer, DSOffloadLayer, FullLayer, MagicPIGLayer, QuestLayer, StaticStep, rope_function
 
 ATTENTION_NAME = "sparse_eval_system"
 SYSTEM_METHODS = ("full", "double_sparsity", "magicpig", "quest")
@@ -95,7 +95,7 @@ def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype
     layers: list[FullLayer] = []
     for i in range(n_layers):
         if i in dense:
-            layers.append(FullLayer(i, capacity))
+            layers.append(FullLayer(i, capacity, backend=backend_gpu))
         elif name == "double_sparsity":
             c = method.config
             if c.sink or c.local:
@@ -230,7 +230,7 @@ class DecodeResult:
     step_ms: list[float]  # one per decode step (the forward that turns token t into logits of t+1)
     batch: int
     context: int
-    stats: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)  # counters; graph_capture_ms
     memory: dict[str, int] = field(default_factory=dict)  # bytes: gpu_peak, cache_gpu, cache_cpu
 
 
@@ -254,15 +254,93 @@ class _Timer:
         return [1e3 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
 
 
+def _check_graph_capable(method: Method, layers: list[FullLayer]) -> None:
+    bad = sorted({layer.kind for layer in layers if not layer.static_capable})
+    if bad:
+        raise ValueError(f"cuda_graph=true: the static-shape decode step exists for full attention and double_sparsity "
+                         f"(offload=false); method {method.name!r} uses layer kinds {bad}. Valid: cuda_graph=false for "
+                         f"those")
+
+
+def _decode_static(model: Any, session: SystemSession, kw: dict[str, Any], nxt: torch.Tensor, steps: int,
+                   cuda: bool) -> tuple[list[torch.Tensor], list[float], dict[str, float]]:
+    """``steps`` greedy decode steps with static shapes (``layers.StaticStep``).  On CUDA the first step runs eagerly
+    (Triton compilation, on a side stream as graph capture wants), the second is captured once in a CUDA graph,
+    and every later step replays it: no Python and no kernel launches per step.  On the CPU each step runs the same
+    static code eagerly.  Returns (tokens [B, 1] per step, ms per step, extra timings)."""
+    layers = session.layers
+    if steps < 1:
+        return [], [], {}
+    b = nxt.shape[0]
+    st = StaticStep(layers[0].n, b, nxt.device)
+    for layer in layers:
+        layer.static = st
+    ids = nxt.clone()  # [B, 1] static input of every step
+    fkw = dict(kw, position_ids=st.pos.view(1, 1), use_cache=True, logits_to_keep=1)
+    import inspect
+
+    if "cache_position" in inspect.signature(model.forward).parameters:  # transformers < 5.24
+        fkw["cache_position"] = st.pos
+
+    def step() -> None:
+        logits = model(input_ids=ids, **fkw).logits[:, -1]
+        ids.copy_(logits.argmax(-1, keepdim=True))
+        st.advance()
+
+    out: list[torch.Tensor] = []
+    extra: dict[str, float] = {}
+    try:
+        timer = _Timer(cuda)
+        timer.mark()
+        if cuda:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            step()
+        out.append(ids.clone())
+        timer.mark()
+        ms = timer.intervals_ms()
+        if steps > 1 and cuda:
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.cuda.graph(graph):
+                step()  # recorded, not run
+            torch.cuda.synchronize()
+            extra["graph_capture_ms"] = 1e3 * (time.perf_counter() - t0)
+            run = graph.replay
+        else:
+            run = step
+        timer = _Timer(cuda)
+        timer.mark()
+        for _ in range(steps - 1):
+            run()
+            out.append(ids.clone())
+            timer.mark()
+        ms += timer.intervals_ms()
+    finally:
+        for layer in layers:
+            layer.static = None
+            layer.n += len(out)
+    return out, ms, extra
+
+
 @torch.inference_mode()
 def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: int, *, repeat_batch: int = 1,
-           label_scale_dtype: torch.dtype | None = None, backend_gpu: str = "auto", backend_cpu: str = "auto",
-           ) -> DecodeResult:
+           cuda_graph: bool = False, label_scale_dtype: torch.dtype | None = None, backend_gpu: str = "auto",
+           backend_cpu: str = "auto") -> DecodeResult:
     """Prefill ``input_ids`` [B, T] (equal lengths, no padding) densely, then ``max_new_tokens`` greedy steps with
     ``method`` (no stop token: every row decodes the same number of steps, as a throughput run does).
     ``repeat_batch`` tiles the cache over the batch (B·repeat rows) after the first decode step (the prefill
     and that step, which builds MagicPIG's tables, run at batch B; the step's time is in ``step_ms[0]``).  ``method`` must
-    be set up for the model (``method.setup(model, name)``) where it needs it (Double Sparsity)."""
+    be set up for the model (``method.setup(model, name)``) where it needs it (Double Sparsity).
+
+    ``cuda_graph``: decode with static shapes (preallocated capacity, device-side positions and budgets; see
+    ``_decode_static``), captured once in a CUDA graph on the GPU (full attention and GPU Double Sparsity).  The
+    cache is then tiled right after the prefill, and ``stats["graph_capture_ms"]`` holds the capture time."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected [B, T], got shape {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
@@ -272,6 +350,8 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
     b, t = input_ids.shape
     layers = build_layers(model, method, t + max_new_tokens, label_scale_dtype=label_scale_dtype,
                           backend_gpu=backend_gpu, backend_cpu=backend_cpu)
+    if cuda_graph:
+        _check_graph_capable(method, layers)
     session = SystemSession(model, method, layers)
     attach(model, session)
     kw = cache_kwargs(model, session.cache)
@@ -284,6 +364,21 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
         timer.mark()
         prefill_ms = timer.intervals_ms()[0]
         nxt = logits.argmax(-1, keepdim=True)  # [B, 1]
+        if cuda_graph:
+            if repeat_batch > 1:
+                if cuda:  # the prefill's activations are freed: hand their blocks back before the tiled cache
+                    torch.cuda.empty_cache()
+                for layer in layers:
+                    layer.repeat_batch(repeat_batch)
+                nxt = nxt.repeat(repeat_batch, 1)
+            got, steps, extra = _decode_static(model, session, kw, nxt, max_new_tokens - 1, cuda)
+            mem = session.nbytes()
+            memory = {"cache_gpu": mem["gpu"], "cache_cpu": mem["cpu"]}
+            if cuda:
+                memory["gpu_peak"] = int(torch.cuda.max_memory_allocated(dev))
+            stats = dict(session.stats, **extra)
+            return DecodeResult(tokens=torch.cat([nxt, *got], 1).cpu(), prefill_ms=prefill_ms, step_ms=steps,
+                                batch=b * repeat_batch, context=t, stats=stats, memory=memory)
         out = [nxt]
         timer = _Timer(cuda)
         timer.mark()

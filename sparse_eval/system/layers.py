@@ -53,6 +53,38 @@ def _query_len(args: tuple, kwargs: dict) -> int:
     return int(x.shape[0]) if torch.is_tensor(x) else int(x)
 
 
+class StaticStep:
+    """The device-side position of a static-shape decode step (the system path's CUDA-graph mode).
+
+    In this mode no shape depends on the number of tokens: each layer writes the new key at ``pos`` of its
+    preallocated cache and attends over its whole capacity with per-row ``lengths`` masking, and budgets are
+    counts on the device.  One decode step can then be captured once in a CUDA graph and replayed; ``advance``
+    (part of the captured step) moves the position on.  On the CPU the same step simply runs eagerly.
+    """
+
+    def __init__(self, n: int, batch: int, device: torch.device | str):
+        self.pos = torch.tensor([n], dtype=torch.long, device=device)  # [1] position of the token being decoded
+        self.lengths = torch.full((batch,), n + 1, dtype=torch.int32, device=device)  # [B] keys per row, incl. it
+        self._budgets: dict[Any, torch.Tensor] = {}
+
+    def budget(self, beta: float | int) -> torch.Tensor:
+        """[B] int32 token budget per row: max(1, min(n, ⌊β·n⌋)) for a ratio, max(1, min(n, β)) for a count --
+        the same numbers as ``methods.base.budget_bound`` (float64 product, then truncation), computed on the
+        device.  Made once per step and shared by the layers."""
+        got = self._budgets.get(beta)
+        if got is None:
+            n = self.lengths.long()
+            k = torch.floor(n.double() * beta).long() if isinstance(beta, float) else torch.full_like(n, int(beta))
+            got = torch.minimum(k, n).clamp_min(1).to(torch.int32)
+            self._budgets[beta] = got
+        return got
+
+    def advance(self) -> None:
+        self.pos += 1
+        self.lengths += 1
+        self._budgets.clear()
+
+
 class FullLayer(CacheLayerMixin):
     """Preallocated KV cache (``capacity`` tokens) on ``kv_device``; dense attention."""
 
@@ -60,13 +92,19 @@ class FullLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, layer_idx: int, capacity: int, kv_device: torch.device | str | None = None, pin: bool = True):
+    # kinds that can decode with a ``StaticStep`` (and so run captured in a CUDA graph)
+    static_capable = True
+
+    def __init__(self, layer_idx: int, capacity: int, kv_device: torch.device | str | None = None, pin: bool = True,
+                 backend: str = "auto"):
         super().__init__()
         self.layer_idx = layer_idx
         self.capacity = int(capacity)
         self.kv_device = None if kv_device is None else torch.device(kv_device)
         self.pin = pin  # a CPU cache in pinned memory (needed where the GPU reads it directly)
+        self.backend = backend
         self.n = 0
+        self.static: StaticStep | None = None  # set by the session for static-shape (CUDA-graph) decoding
 
     # -- transformers' cache-layer interface -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -88,6 +126,10 @@ class FullLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if self.static is not None:  # static step: the new token goes to the device-side position
+            self.keys.index_copy_(2, self.static.pos, key_states)
+            self.values.index_copy_(2, self.static.pos, value_states)
+            return key_states, value_states
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
@@ -143,6 +185,10 @@ class FullLayer(CacheLayerMixin):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
 
     def decode(self, session, module, q, k_new, v_new, scaling):
+        if self.static is not None:  # whole capacity, masked to each row's length (split-K Triton on CUDA)
+            o, _ = ksd.dense_attention(q[:, :, 0], self.keys, self.values, self.static.lengths, scaling=scaling,
+                                       backend=self.backend)
+            return o.unsqueeze(2)
         n = self.n
         b, hq, _, d = q.shape
         hkv = self.keys.shape[1]
@@ -224,6 +270,14 @@ class _Labels:
             self.zero[:, :, self.n:self.n + t] = new.zero
         self.n += t
 
+    def append_at(self, k: torch.Tensor, pos: torch.Tensor, hq: int) -> None:
+        """Write the labels of one step's keys k [B, Hkv, 1, D] at the device-side position pos [1]."""
+        new = self.labels_of(k, hq)
+        self.codes.index_copy_(2, pos, new.labels)
+        if new.scale is not None:
+            self.scale.index_copy_(2, pos, new.scale)
+            self.zero.index_copy_(2, pos, new.zero)
+
     def view(self, n: int) -> kds.LabelCache:
         return kds.LabelCache(labels=self.codes[:, :, :n], bits=self.bits, r=self.channels.shape[1],
                               scale=None if self.scale is None else self.scale[:, :, :n],
@@ -247,7 +301,7 @@ class DSLayer(FullLayer):
     def __init__(self, layer_idx: int, capacity: int, channels: torch.Tensor, *, hq: int, beta: float | int, bits: int = 4,
                  quantize_query: bool = True, gqa: str = "query_head", scale_dtype: torch.dtype = torch.float16,
                  backend: str = "auto", kv_device=None):
-        super().__init__(layer_idx, capacity, kv_device)
+        super().__init__(layer_idx, capacity, kv_device, backend=backend)
         if gqa not in kds.GQA_MODES:
             raise ValueError(f"gqa={gqa!r}: valid values are {list(kds.GQA_MODES)}")
         if bits not in kds.LABEL_BITS:
@@ -258,7 +312,10 @@ class DSLayer(FullLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         out = super().update(key_states, value_states, *args, **kwargs)
-        self.labels.append(key_states, self.capacity, self.hq)
+        if self.static is not None:
+            self.labels.append_at(key_states, self.static.pos, self.hq)
+        else:
+            self.labels.append(key_states, self.capacity, self.hq)
         return out
 
     def repeat_batch(self, times: int) -> None:
@@ -284,24 +341,41 @@ class DSLayer(FullLayer):
         ql = torch.gather(q3, -1, q_ch.unsqueeze(0).expand(b, hq, q_ch.shape[1])).float()
         return pseudo_quantize(ql, self.bits) if self.quantize_query else ql
 
-    def label_scores(self, q_label: torch.Tensor, n: int) -> torch.Tensor:
-        """Scores of the first n keys: [B, Hq, n] (query_head) or [B, Hkv, n] (kv_head)."""
+    def label_scores(self, q_label: torch.Tensor, n: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores of the first n keys: [B, Hq, n] (query_head) or [B, Hkv, n] (kv_head); positions at or beyond
+        ``lengths[b]`` (when given) score −inf."""
         cache = self.labels.view(n)
         hkv = self.keys.shape[1]
         if self.gqa == "kv_head" and cache.shape[1] == hkv:  # Σ over the group inside the kernel
-            return kds.label_scores(q_label, cache, reduce=True, backend=self.backend)
-        s = kds.label_scores(q_label, cache, backend=self.backend)  # [B, Hq, n]
+            return kds.label_scores(q_label, cache, reduce=True, lengths=lengths, backend=self.backend)
+        s = kds.label_scores(q_label, cache, lengths=lengths, backend=self.backend)  # [B, Hq, n]
         if self.gqa == "kv_head":
             b, hq, _ = s.shape
             s = s.view(b, hkv, hq // hkv, n).sum(2)
         return s
 
     def decode(self, session, module, q, k_new, v_new, scaling):
+        if self.static is not None:
+            return self._decode_static(q, scaling)
         n = self.n
         q3 = q[:, :, 0]
         scores = self.label_scores(self.query_labels(q3), n)  # Alg. 1 line 4
         idx = kds.topk_indices(scores, self.budget(n))  # line 5
         o, _ = ksd.attention(q3, self.keys[:, :, :n], self.values[:, :, :n], idx, scaling=scaling,
+                             backend=self.backend)  # lines 6-7
+        return o.unsqueeze(2)
+
+    def _decode_static(self, q, scaling):
+        """Algorithm 1 with shapes fixed by the capacity: scores over every slot (−inf at and beyond each row's
+        length), the top k_cap = budget(capacity) in descending order, of which the first budget(n) are attended
+        (``count``): the same keys as the top budget(n) of the eager step, up to ties."""
+        st = self.static
+        q3 = q[:, :, 0]
+        scores = self.label_scores(self.query_labels(q3), self.capacity, st.lengths)  # line 4, [B, Hs, capacity]
+        _, ids = torch.topk(scores, self.budget(self.capacity), dim=-1, sorted=True)  # line 5
+        b, hs = ids.shape[:2]
+        count = st.budget(self.beta).view(b, 1).expand(b, hs)
+        o, _ = ksd.attention(q3, self.keys, self.values, ids.to(torch.int32), count=count, scaling=scaling,
                              backend=self.backend)  # lines 6-7
         return o.unsqueeze(2)
 
@@ -314,6 +388,7 @@ class QuestLayer(FullLayer):
     max(1, floor(budget_tokens / page_size)) pages."""
 
     kind = "quest"
+    static_capable = False
 
     def __init__(self, layer_idx: int, capacity: int, *, page_size: int, budget: float | int, sink: int, local: int,
                  gqa: str = "query_head", backend: str = "auto"):
@@ -378,6 +453,7 @@ class DSOffloadLayer(DSLayer):
     the previous layer's input and gathers the top rows into a GPU buffer on a side stream."""
 
     kind = "ds_offload"
+    static_capable = False
 
     def __init__(self, *args: Any, **kwargs: Any):
         kwargs["kv_device"] = "cpu"
@@ -490,6 +566,7 @@ class MagicPIGLayer(FullLayer):
     """
 
     kind = "magicpig"
+    static_capable = False
 
     def __init__(self, layer_idx: int, capacity: int, method: Any, *, backend_gpu: str = "auto",
                  backend_cpu: str = "auto"):
@@ -640,4 +717,4 @@ def rope_function(attn_module: Any):
     return getattr(sys.modules[type(attn_module).__module__], "apply_rotary_pos_emb", None)
 
 
-__all__ = ["FullLayer", "DSLayer", "DSOffloadLayer", "MagicPIGLayer", "QuestLayer", "rope_function"]
+__all__ = ["FullLayer", "DSLayer", "DSOffloadLayer", "MagicPIGLayer", "QuestLayer", "StaticStep", "rope_function"]
