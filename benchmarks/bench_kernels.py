@@ -56,6 +56,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-graph", action="store_true", help="time eager launches only")
     ap.add_argument("--rotate-bytes", type=float, default=4e8, help="inputs rotate until they exceed this")
     ap.add_argument("--no-tune", action="store_true", help="skip the launch-configuration sweep of the attention")
+    ap.add_argument("--no-tune-labels", action="store_true", help="skip the sweep of the label-score kernel's settings")
+    ap.add_argument("--no-tune-topk", action="store_true", help="skip the sweep of the top-k kernel's settings")
     a = ap.parse_args(argv)
     q = a.quick
     a.batches = a.batches or ([2] if q else [4, 8, 16, 32])
@@ -171,6 +173,10 @@ def bench_shape(b, n, args, device, timer, gen, rows):
     rec = record("dense_triton", [lambda s=s: sparse_decode.dense_attention(s["q"], s["k"], s["v"], lengths, backend=be)
                                   for s in sets[:1]], kv_bytes)
     rec["speedup_vs_sdpa"] = dense["ms_best"] / rec["ms_best"]
+    rec = record("dense_triton_w8", [lambda s=s: sparse_decode.dense_attention(s["q"], s["k"], s["v"], lengths,
+                                                                               backend=be, num_warps=8)
+                                     for s in sets[:1]], kv_bytes)
+    rec["speedup_vs_sdpa"] = dense["ms_best"] / rec["ms_best"]
     padded = []
     for s in sets[:1]:
         kp = torch.empty(b, HKV, n + 64, D, dtype=s["k"].dtype, device=device)
@@ -199,10 +205,12 @@ def bench_shape(b, n, args, device, timer, gen, rows):
             idx = ds.topk_indices(scores, budget)
             stages = {
                 "label_scores": [lambda: ds.label_scores(qs, caches[0], backend=be)],
-                "topk": [lambda: ds.topk_indices(scores, budget)],
+                "topk": [lambda: ds.topk_indices(scores, budget)],  # torch.topk
                 "topk_sorted": [lambda: torch.topk(scores, budget, dim=-1, sorted=True)],  # the captured step's
                 "attention": [lambda: sparse_decode.attention(s0["q"], s0["k"], s0["v"], idx, backend=be)],
             }
+            if device.type == "cuda" and be != "torch":  # the sort-free radix select of kernels.topk
+                stages["topk_radix"] = [lambda: ds.topk_indices(scores, budget, backend="triton")]
             o, lse, sel = ds.decode(s0["q"], s0["k"], s0["v"], caches[0], s0["channels"], budget, gqa=gqa, backend=be)
             o_ref, _ = sparse_decode.attention_reference(s0["q"], s0["k"], s0["v"], sel, out_dtype=torch.float32)
             rec = record(f"ds_{bits}bit_{gqa}", fns, label_bytes + gathered,
@@ -279,6 +287,70 @@ def tune_attention(b, n, args, device, gen, rows):
     del sets
 
 
+def time_graph_per_call(fn, args, calls: int = 20) -> float:
+    """ms per call of ``fn`` from a CUDA graph of ``calls`` back-to-back calls (no launch gaps), median of reps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return time_cuda(g.replay, 3, args.reps)["median_ms"] / calls
+
+
+LABEL_SHAPES = [  # (B, N, r, bits): the end-to-end DS run (α = 1/4, 4-bit) at 16K, and the kernel benchmark's
+    (45, 16384, 32, 4), (32, 16384, 8, 4), (7, 98304, 32, 4)]
+LABEL_CONFIGS = [(bn, nw) for bn in (128, 256, 512, 1024, 2048) for nw in (2, 4, 8)]
+
+
+def tune_label_scores(args, device, gen, rows):
+    """Time ``kernels.ds.label_scores`` (GQA-summed, with row lengths, as the captured DS step calls it) for
+    several BLOCK_N / warps, as GB/s of the label cache read."""
+    for b, n, r, bits in LABEL_SHAPES:
+        x = torch.randn(b, HKV, n, r, generator=gen, device=device)
+        cache = ds.quantize_labels(x, bits)
+        ql = torch.randn(b, HQ, r, generator=gen, device=device)
+        lengths = torch.full((b,), n - 5, dtype=torch.int32, device=device)
+        nbytes = cache.nbytes() + b * HKV * n * 4
+        for bn, nw in LABEL_CONFIGS:
+            try:
+                ms = time_graph_per_call(lambda: ds.label_scores(ql, cache, reduce=True, lengths=lengths, block_n=bn,
+                                                                 num_warps=nw), args)
+            except Exception as e:  # a configuration the compiler rejects: recorded
+                rows.append({"kind": "label_tune", "batch": b, "context": n, "r": r, "bits": bits, "block_n": bn,
+                             "num_warps": nw, "error": str(e)[:300]})
+                continue
+            rows.append({"kind": "label_tune", "batch": b, "context": n, "r": r, "bits": bits, "block_n": bn,
+                         "num_warps": nw, "ms": ms, "bytes": nbytes, "gbps": nbytes / (ms * 1e-3) / 1e9})
+        del x, cache
+
+
+TOPK_CONFIGS = [(rb, bn, nw) for rb in (1, 2, 4) for bn in (512, 1024, 2048) for nw in (4, 8)]
+
+
+def tune_topk(b, n, args, device, gen, rows):
+    """Time ``kernels.topk.select`` on label-score-like rows [B, Hkv, N] (k = β·N) for several radix widths and
+    launch shapes, against ``torch.topk`` on the same rows."""
+    from kernels import topk
+
+    scores = torch.randn(b, HKV, n, generator=gen, device=device)
+    k = max(1, round(args.beta * n))
+    t = time_cuda(lambda: torch.topk(scores, k, dim=-1, sorted=False), args.warmup, args.reps)
+    rows.append({"kind": "topk_tune", "batch": b, "context": n, "impl": "torch.topk", "ms": t["median_ms"]})
+    for rb, bn, nw in TOPK_CONFIGS:
+        try:
+            t = time_cuda(lambda: topk.select(scores, k, radix_bits=rb, block_n=bn, num_warps=nw), args.warmup, args.reps)
+        except Exception as e:  # a configuration the compiler rejects: recorded
+            rows.append({"kind": "topk_tune", "batch": b, "context": n, "radix_bits": rb, "block_n": bn,
+                         "num_warps": nw, "error": str(e)[:300]})
+            continue
+        rows.append({"kind": "topk_tune", "batch": b, "context": n, "impl": "kernels.topk", "radix_bits": rb,
+                     "block_n": bn, "num_warps": nw, "ms": t["median_ms"]})
+
+
 def plot(rows, out: Path):
     try:
         import matplotlib
@@ -334,6 +406,14 @@ def main(argv=None):
     if device.type == "cuda" and not args.no_tune and args.backend != "torch":
         for b, n in ((32, 16384), (1, 131072)) if not args.quick else ((2, 4096),):
             tune_attention(b, n, args, device, gen, tune_rows)
+    if device.type == "cuda" and args.backend != "torch" and not args.no_tune_labels:
+        tune_label_scores(args, device, gen, tune_rows)
+    if device.type == "cuda" and args.backend != "torch" and not args.no_tune_topk:
+        for b, n in ((32, 16384), (4, 131072)) if not args.quick else ((2, 4096),):
+            tune_topk(b, n, args, device, gen, tune_rows)
+    topk_rows = [r for r in tune_rows if r.get("kind") == "topk_tune"]
+    label_rows = [r for r in tune_rows if r.get("kind") == "label_tune"]
+    tune_rows = [r for r in tune_rows if r.get("kind") not in ("topk_tune", "label_tune")]
     for r in rows + tune_rows:
         r["hardware"] = {"gpu_name": hw.get("gpu_name"), "cpu_model": hw.get("cpu_model"),
                          "logical_cpus": hw.get("logical_cpus")}
@@ -341,13 +421,23 @@ def main(argv=None):
         if bw and "gbps" in r:
             r["frac_of_copy_bw"] = r["gbps"] / bw["gbps"]
     payload = {"hardware": hw, "copy_bandwidth": bw, "args": {k: str(v) for k, v in vars(args).items()},
-               "records": rows, "tune": tune_rows}
+               "records": rows, "tune": tune_rows, "topk_tune": topk_rows, "label_tune": label_rows}
     path = write_json(args.out, "kernels.json", payload)
     png = plot(rows, args.out)
     table = print_table(rows, [
         ("batch", "B", ""), ("context", "N", ""), ("impl", "impl", ""), ("ms", "eager ms", ".4f"),
         ("ms_graph", "graph ms", ".4f"), ("gbps", "GB/s", ".0f"), ("speedup_vs_sdpa", "x sdpa", ".2f"),
         ("rel_err_vs_reference", "rel err", ".1e")])
+    if label_rows:
+        print("\nlabel scores (GQA-summed, row lengths) by launch configuration, CUDA-graph timed:")
+        table += "\n" + print_table(label_rows, [
+            ("batch", "B", ""), ("context", "N", ""), ("r", "r", ""), ("bits", "bits", ""), ("block_n", "BLOCK_N", ""),
+            ("num_warps", "warps", ""), ("ms", "ms", ".4f"), ("gbps", "GB/s", ".0f")])
+    if topk_rows:
+        print("\ntop-k of N/16 per row, rows [B, 8, N] fp32:")
+        table += "\n" + print_table(topk_rows, [
+            ("batch", "B", ""), ("context", "N", ""), ("impl", "impl", ""), ("radix_bits", "radix bits", ""),
+            ("block_n", "BLOCK_N", ""), ("num_warps", "warps", ""), ("ms", "ms", ".4f")])
     if tune_rows:
         print("\nsparse attention launch configurations (N/16 random indices):")
         table += "\n" + print_table(tune_rows, [

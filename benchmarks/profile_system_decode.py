@@ -2,15 +2,22 @@
 top kernels by GPU time and the top operators by CPU time (for finding what a step is bound by).
 
     python benchmarks/profile_system_decode.py --method ds --context 16384 --batch 48
+    python benchmarks/profile_system_decode.py --methods ds --batches 45 --cuda-graph --steps 20   # captured step
+
+With ``--cuda-graph`` the steps replay one CUDA graph; the kernels of the replays are listed like eager ones (the
+prefill's kernels are in the same table: use many steps and read the decode kernels per step).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-import torch
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -53,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--rows", type=int, default=14)
+    ap.add_argument("--cuda-graph", action="store_true", help="decode with the captured static step")
     ap.add_argument("--sync-debug", action="store_true", help="print where a decode step synchronises with the GPU "
                     "(torch.cuda.set_sync_debug_mode) instead of profiling")
     a = ap.parse_args(argv)
@@ -66,12 +74,12 @@ def main(argv=None) -> int:
             cfg = method_config(name, model.config.num_hidden_layers, shape["num_key_value_heads"], shape["head_dim"])
             m = build_method(cfg)
             m.setup(model, a.shape)
-            decode(model, m, ids, 3, repeat_batch=b)  # warm-up (compilation)
+            decode(model, m, ids, 3, repeat_batch=b, cuda_graph=a.cuda_graph)  # warm-up (compilation)
             if a.sync_debug:
                 _sync_debug(model, m, ids, b)
                 continue
             with torch.profiler.profile(activities=acts) as prof:
-                res = decode(model, m, ids, a.steps, repeat_batch=b)
+                res = decode(model, m, ids, a.steps, repeat_batch=b, cuda_graph=a.cuda_graph)
             print(f"== {name} context {a.context} batch {b}: step ms {[round(x, 2) for x in res.step_ms]}")
             key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=a.rows, max_name_column_width=60))

@@ -10,6 +10,7 @@ Modules (imported on first use, so ``import kernels`` costs nothing):
   sparse attention with the −log u correction returning (output, log-sum-exp)
 * ``kernels.merge``         -- ``merge_by_lse``: exact merge of two partial attention outputs
 * ``kernels.offload``       -- DS-Offload: gather selected KV rows from pinned host memory into a GPU buffer
+* ``kernels.topk``          -- row-wise top-k without sorting (radix select), per-row budgets on the device
 
 Each public function takes ``backend="auto" | "triton"/"numba" | "torch"`` (see ``kernels._common``).
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 
-_SUBMODULES = ("sparse_decode", "ds", "quest", "magicpig", "magicpig_cpu", "merge", "offload")
+_SUBMODULES = ("sparse_decode", "ds", "quest", "magicpig", "magicpig_cpu", "merge", "offload", "topk")
 
 __all__ = [*_SUBMODULES, "merge_by_lse"]
 

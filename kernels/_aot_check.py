@@ -17,16 +17,18 @@ import tempfile
 
 
 def _configs():
-    from . import _tl_hash, _tl_scores, _tl_sparse_decode
+    from . import _tl_hash, _tl_labels, _tl_scores, _tl_sparse_decode, _tl_topk
 
     sd = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "IDX": "*i32", "CNT": "*i32", "PACC": "*fp32", "PM": "*fp32",
           "PL": "*fp32", "O": "*bf16", "LSE": "*fp32"}
     sd32 = {**sd, "Q": "*fp32", "K": "*fp32", "V": "*fp32", "O": "*fp32", "IDX": "*i64"}
-    base = dict(G=4, D=128, BLOCK_D=128, BLOCK_Q=16, BLOCK_N=64, INTERP=False, N_ITER=0)
+    base = dict(G=4, D=128, BLOCK_D=128, BLOCK_Q=16, BLOCK_N=64, INTERP=False, N_ITER=0, DENSE=False)
     out = []
     for qpi, cnt, single in ((4, False, False), (1, True, True)):
         out.append((_tl_sparse_decode._sparse_decode_split, sd,
                     dict(base, QPI=qpi, HAS_CNT=cnt, SINGLE=single, UPCAST=False), ("qk_scale",), 4))
+    out.append((_tl_sparse_decode._sparse_decode_split, sd,  # dense over row lengths (the captured full step)
+                dict(base, QPI=4, HAS_CNT=True, SINGLE=False, UPCAST=False, DENSE=True), ("qk_scale",), 8))
     out.append((_tl_sparse_decode._sparse_decode_split, sd32,
                 dict(base, QPI=4, HAS_CNT=False, SINGLE=False, UPCAST=True), ("qk_scale",), 8))
     out.append((_tl_sparse_decode._sparse_decode_reduce,
@@ -42,6 +44,15 @@ def _configs():
                 dict(G=4, D=128, BLOCK_D=128, REDUCE=True, HAS_NP=False, BLOCK_P=32), (), 4))
     out.append((_tl_hash._simhash_kernel, {"X": "*bf16", "W": "*fp32", "OUT": "*i32"},
                 dict(D=128, K=10, BLOCK_M=64, BLOCK_D=128, BLOCK_L=32), (), 8))
+    for bits, codes, sc in ((4, "*u8", "*fp16"), (8, "*u8", "*fp32"), (16, "*bf16", "*fp16")):
+        out.append((_tl_labels._append_labels_kernel,
+                    {"K": "*bf16", "CH": "*i32", "KVOF": "*i64", "CODES": codes, "SC": sc, "ZE": sc, "POS": "*i64"},
+                    dict(R=32, BLOCK_R=16 if bits == 4 else 32, BITS=bits), (), 1))
+    out.append((_tl_labels._query_labels_kernel, {"Q": "*bf16", "QCH": "*i32", "OUT": "*fp32"},
+                dict(R=32, BLOCK_R=32, BITS=4, QUANT=True), (), 1))
+    for rb, cnt in ((2, True), (4, False)):
+        out.append((_tl_topk._topk_select, {"S": "*fp32", "CNT": "*i32", "OUT": "*i32"},
+                    dict(HAS_CNT=cnt, RADIX_BITS=rb, BLOCK_N=1024, INTERP=False, N_TILES=0, K_TILES=0), (), 4))
     return out
 
 
@@ -58,7 +69,7 @@ def main() -> int:
     bad = 0
     for fn, ptrs, consts, floats, warps in _configs():
         sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
-        name = f"{fn.__name__}{ {k: v for k, v in consts.items() if k in ('QPI', 'BITS', 'UPCAST', 'REDUCE', 'K')} }"
+        name = f"{fn.__name__}{ {k: v for k, v in consts.items() if k in ('QPI', 'BITS', 'UPCAST', 'REDUCE', 'K', 'DENSE', 'RADIX_BITS')} }"
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
                                options={"num_warps": warps})

@@ -76,7 +76,11 @@ def label_scores(q_label, cache, *, reduce, lengths, block_n, num_warps):
     hq = q_label.shape[1]
     qpl = hq // hl
     dev = q_label.device
-    ql = q_label.float().contiguous()
+    ql = q_label.float()
+    if reduce and qpl > 1:  # Σ_j q_j·k̂ = (Σ_j q_j)·k̂: one dot product per token instead of QPL
+        ql = ql.view(b, hl, qpl, -1).sum(2)
+        qpl = 1
+    ql = ql.contiguous()
     lab = cache.labels if cache.labels.stride(-1) == 1 else cache.labels.contiguous()
     if cache.bits == 16:
         sc = ze = ql  # unused

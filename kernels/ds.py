@@ -29,6 +29,7 @@ from ._common import check_heads, resolve_gpu_backend
 
 __all__ = [
     "LabelCache", "build_label_cache", "quantize_labels", "dequantize_labels", "gather_query_channels",
+    "pseudo_quantize", "query_labels", "query_labels_reference", "append_labels", "append_labels_reference",
     "label_scores", "label_scores_reference", "topk_indices", "decode", "decode_reference",
 ]
 
@@ -147,6 +148,73 @@ def gather_query_channels(q: torch.Tensor, channels: torch.Tensor) -> torch.Tens
     return torch.gather(q.float(), -1, ch.unsqueeze(0).expand(b, hq, r))
 
 
+def pseudo_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Asymmetric min/max quantization over the last dim, 2^bits − 1 levels, dequantized (fp32); a constant vector
+    is returned unchanged.  DS quantizes the query's label channels like this (``methods.double_sparsity``)."""
+    x = x.float()
+    if bits >= 16:
+        return x
+    levels = 2 ** bits - 1
+    lo = x.amin(-1, keepdim=True)
+    hi = x.amax(-1, keepdim=True)
+    rng = hi - lo
+    rng = torch.where(rng > 0, rng, torch.ones_like(rng))
+    scale = levels / rng
+    return torch.round((x - lo) * scale).clamp(0, levels) / scale + lo
+
+
+def query_labels_reference(q: torch.Tensor, q_channels: torch.Tensor, bits: int, quantize: bool = True) -> torch.Tensor:
+    """q [B, Hq, D], q_channels [Hq, r] (the label channels of each query head) -> q_label [B, Hq, r] float32,
+    pseudo-quantized to ``bits`` when ``quantize`` (Alg. 1 line 3 with the label cache's precision)."""
+    b, hq, _ = q.shape
+    ql = torch.gather(q, -1, q_channels.to(q.device).long().unsqueeze(0).expand(b, hq, q_channels.shape[1])).float()
+    return pseudo_quantize(ql, bits) if quantize else ql
+
+
+def query_labels(q: torch.Tensor, q_channels: torch.Tensor, bits: int, quantize: bool = True, *,
+                 backend: str = "auto") -> torch.Tensor:
+    """``query_labels_reference`` in one launch on CUDA (bit-identical)."""
+    if q.dim() != 3 or q_channels.dim() != 2 or q_channels.shape[0] != q.shape[1]:
+        raise ValueError(f"expected q [B, Hq, D] and q_channels [Hq, r]; got {tuple(q.shape)}, {tuple(q_channels.shape)}")
+    if resolve_gpu_backend(backend, q, q_channels) == "torch":
+        return query_labels_reference(q, q_channels, bits, quantize)
+    from . import _tl_labels
+
+    return _tl_labels.query_labels(q, q_channels, bits, quantize)
+
+
+def append_labels_reference(k_new: torch.Tensor, channels: torch.Tensor, kv_of: torch.Tensor, codes: torch.Tensor,
+                            scale: torch.Tensor | None, zero: torch.Tensor | None, pos: torch.Tensor, bits: int) -> None:
+    """The labels of one step's keys k_new [B, Hkv, 1, D] (label head l: KV head kv_of[l], channels[l]) quantized as
+    ``quantize_labels`` and written at position pos (long [1], on the device) of a preallocated cache: codes
+    [B, Hl, cap, r or r/2], scale / zero [B, Hl, cap] (8/4-bit).  In place."""
+    b, _, t, _ = k_new.shape
+    hl, r = channels.shape
+    x = torch.gather(k_new[:, kv_of], -1, channels.long().view(1, hl, 1, r).expand(b, hl, t, r))
+    new = quantize_labels(x, bits, dtype=codes.dtype if bits == 16 else None,
+                          scale_dtype=scale.dtype if scale is not None else torch.float16)
+    codes.index_copy_(2, pos, new.labels)
+    if bits != 16:
+        scale.index_copy_(2, pos, new.scale)
+        zero.index_copy_(2, pos, new.zero)
+
+
+def append_labels(k_new: torch.Tensor, channels: torch.Tensor, kv_of: torch.Tensor, codes: torch.Tensor,
+                  scale: torch.Tensor | None, zero: torch.Tensor | None, pos: torch.Tensor, bits: int, *,
+                  backend: str = "auto") -> None:
+    """``append_labels_reference`` in one launch on CUDA (bit-identical codes, scales and zeros)."""
+    _check_bits(bits)
+    if k_new.dim() != 4 or k_new.shape[2] != 1:
+        raise ValueError(f"k_new {tuple(k_new.shape)}: expected one step's keys [B, Hkv, 1, D]")
+    if (bits == 16) != (scale is None):
+        raise ValueError(f"label bits={bits}: scale and zero are needed exactly for 8/4-bit labels")
+    if resolve_gpu_backend(backend, k_new, codes, pos) == "torch":
+        return append_labels_reference(k_new, channels, kv_of, codes, scale, zero, pos, bits)
+    from . import _tl_labels
+
+    _tl_labels.append_labels(k_new, channels, kv_of, codes, scale, zero, pos, bits)
+
+
 def _check_scores_args(q_label: torch.Tensor, cache: LabelCache, lengths):
     b, hl, n = cache.shape
     if q_label.dim() != 3 or q_label.shape[0] != b or q_label.shape[2] != cache.r:
@@ -191,12 +259,18 @@ def label_scores(
                                    num_warps=num_warps)
 
 
-def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k positions per row of scores [..., N] as int32 [..., min(k, N)]; positions whose score is −inf
-    (beyond a row's length) are returned as −1 (padding)."""
+def topk_indices(scores: torch.Tensor, k: int, *, backend: str = "torch") -> torch.Tensor:
+    """Top-k positions per row of scores [..., N] as int32 [..., min(k, N)], in no particular order; positions
+    whose score is −inf (beyond a row's length) are returned as −1 (padding).  ``torch.topk`` by default:
+    ``backend="triton"`` takes the sort-free radix select of ``kernels.topk``, which measured slower than
+    torch.topk on the H200 (``experiments/kernels``)."""
     if k < 1:
         raise ValueError(f"top-k size k={k}: must be >= 1")
     k = min(int(k), scores.shape[-1])
+    if backend == "triton" and resolve_gpu_backend(backend, scores) == "triton" and scores.dtype == torch.float32:
+        from . import topk
+
+        return topk.select(scores, k, backend="triton")
     vals, ids = torch.topk(scores, k, dim=-1, sorted=False)
     return torch.where(vals > float("-inf"), ids, torch.full_like(ids, -1)).to(torch.int32)
 

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from kernels import ds, magicpig, quest, sparse_decode  # noqa: E402
+from kernels import ds, magicpig, quest, sparse_decode, topk  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # tl.dot runs in tf32 on the GPU (bf16 inputs are exact in tf32, probabilities are not): looser there
@@ -169,6 +169,80 @@ def test_label_scores_match_reference(bits, per_query_head_labels):
         assert torch.equal(fin, torch.isfinite(got))
         assert fin.sum() == (2 * n - 37) * got.shape[1]
         assert torch.allclose(got[fin], ref[fin], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits,scale_dtype", [(4, torch.float16), (4, torch.float32), (8, torch.float16), (16, None)])
+def test_append_and_query_labels_are_bit_identical(bits, scale_dtype):
+    """One-launch label work of a decode step (the new key's labels written at a device position; the query's
+    pseudo-quantized label channels) equals its torch reference exactly, including a constant key row."""
+    gen = _gen(bits)
+    b, hkv, hq, d, r, cap = 2, 2, 8, 32, 8, 12
+    k_new = _randn(b, hkv, 1, d, gen=gen, dtype=torch.bfloat16)
+    k_new[1, 0] = 0.5  # max == min: scale 0, codes 0
+    channels = torch.stack([torch.randperm(d, generator=gen)[:r] for _ in range(hkv * 2)]).to(DEV)  # Hl = 2·Hkv
+    kv_of = (torch.arange(hkv * 2) // 2).to(DEV)
+    pos = torch.tensor([5], device=DEV)
+    width = r // 2 if bits == 4 else r
+    dt = torch.bfloat16 if bits == 16 else torch.uint8
+    caches = []
+    for backend in ("triton", "torch"):
+        codes = torch.zeros(b, 2 * hkv, cap, width, dtype=dt, device=DEV)
+        sc = None if bits == 16 else torch.zeros(b, 2 * hkv, cap, dtype=scale_dtype, device=DEV)
+        ze = None if bits == 16 else torch.zeros_like(sc)
+        ds.append_labels(k_new, channels, kv_of, codes, sc, ze, pos, bits, backend=backend)
+        caches.append((codes, sc, ze))
+    for got, ref in zip(caches[0], caches[1]):
+        if ref is not None:
+            assert torch.equal(got, ref)
+    assert caches[0][0][:, :, 5].abs().sum() > 0 and caches[0][0][:, :, 4].abs().sum() == 0
+    q = _randn(b, hq, d, gen=gen, dtype=torch.bfloat16)
+    q[0, 3] = 1.0  # a constant label row
+    q_ch = channels.repeat_interleave(hq // (2 * hkv), 0)
+    for quant in (True, False):
+        got = ds.query_labels(q, q_ch, bits, quant, backend="triton")
+        assert torch.equal(got, ds.query_labels_reference(q, q_ch, bits, quant))
+
+
+def _values_of(scores, sel):
+    """Per row, the sorted scores of the selected positions (−1 = none), and the positions as a set."""
+    rows_s = scores.reshape(-1, scores.shape[-1]).cpu()
+    out = []
+    for s, row in zip(rows_s, sel.reshape(-1, sel.shape[-1]).cpu()):
+        ids = row[row >= 0]
+        assert len(set(ids.tolist())) == len(ids), "duplicate selection"
+        k = len(ids)
+        assert (row[:k] >= 0).all() and (row[k:] == -1).all(), "selections first, then −1 padding"
+        out.append(sorted(s[ids.long()].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("radix_bits", [2, 4])
+def test_topk_select_matches_sorted_topk(radix_bits):
+    """The radix-select top-k picks keys of exactly the same scores as torch.topk (equal sets up to ties), per-row
+    budgets from a device tensor, −inf never picked, ties broken towards lower positions, −1 padding."""
+    gen = _gen(5)
+    s = torch.randn(2, 3, 150, generator=gen)
+    s[0, 0] = torch.round(s[0, 0] * 2) / 2  # many ties at the threshold
+    s[0, 1, :20] = 0.0  # +0.0 / −0.0 and equal values
+    s[0, 1, 20:40] = -0.0
+    s[1, :, 100:] = float("-inf")  # masked tail
+    s = s.to(DEV)
+    count = torch.randint(1, 30, (2, 3), generator=gen)
+    count[1, 2] = 140  # more than the finite scores: 100 picked
+    count = count.to(DEV)
+    for k_max, cnt in ((25, None), (150, count)):
+        got = topk.select(s, k_max, cnt, backend="triton", radix_bits=radix_bits, block_n=64)
+        ref = topk.select_reference(s, k_max, cnt)
+        assert got.shape == ref.shape == (2, 3, k_max) and got.dtype == torch.int32
+        assert _values_of(s, got) == _values_of(s, ref)
+    assert int((got[1, 2] >= 0).sum()) == 100
+    tie_row = got[0, 0][: int(count[0, 0])].cpu()
+    thr = s[0, 0].cpu()[tie_row.long()].min()
+    at_thr = (s[0, 0].cpu() == thr).nonzero().flatten()
+    taken = sorted(int(i) for i in tie_row if s[0, 0, int(i)] == thr)
+    assert taken == at_thr[: len(taken)].tolist()  # the lowest positions among the ties
+    with pytest.raises(ValueError, match="count"):
+        topk.select(s, 5, torch.ones(3, dtype=torch.int32, device=DEV))
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -59,6 +59,8 @@ from typing import Any
 
 import torch
 
+from kernels.ds import pseudo_quantize  # the query-label quantization, shared with the system path's kernels
+
 from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
 from .registry import register
 from .topk import topk_mask
@@ -109,21 +111,6 @@ class DoubleSparsityConfig(MethodConfig):
     # DS-Offload simulation (§5.1): predict layer l's tokens from layer l-1's input
     offload: bool = False
     offload_input: str = "residual"
-
-
-def pseudo_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Asymmetric min/max quantization over the last dim, 2^bits − 1 levels, dequantized (fp32).
-    A constant vector is returned unchanged."""
-    x = x.float()
-    if bits >= 16:
-        return x
-    levels = 2 ** bits - 1
-    lo = x.amin(-1, keepdim=True)
-    hi = x.amax(-1, keepdim=True)
-    rng = hi - lo
-    rng = torch.where(rng > 0, rng, torch.ones_like(rng))
-    scale = levels / rng
-    return torch.round((x - lo) * scale).clamp(0, levels) / scale + lo
 
 
 def load_channels(path: Path, channel_type: str) -> tuple[torch.Tensor, dict[str, Any]]:

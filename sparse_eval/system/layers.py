@@ -43,7 +43,6 @@ import kernels.sparse_decode as ksd
 from kernels.merge import merge_by_lse
 
 from ..methods.base import budget_bound
-from ..methods.double_sparsity import pseudo_quantize
 from ..methods.magicpig import collision_counts
 
 
@@ -77,6 +76,15 @@ class StaticStep:
             k = torch.floor(n.double() * beta).long() if isinstance(beta, float) else torch.full_like(n, int(beta))
             got = torch.minimum(k, n).clamp_min(1).to(torch.int32)
             self._budgets[beta] = got
+        return got
+
+    def budget_rows(self, beta: float | int, heads: int) -> torch.Tensor:
+        """``budget`` expanded to [B, heads] int32, contiguous (one per selection row), made once per step."""
+        key = (beta, heads)
+        got = self._budgets.get(key)
+        if got is None:
+            got = self.budget(beta).view(-1, 1).expand(-1, heads).contiguous()
+            self._budgets[key] = got
         return got
 
     def advance(self) -> None:
@@ -270,13 +278,11 @@ class _Labels:
             self.zero[:, :, self.n:self.n + t] = new.zero
         self.n += t
 
-    def append_at(self, k: torch.Tensor, pos: torch.Tensor, hq: int) -> None:
-        """Write the labels of one step's keys k [B, Hkv, 1, D] at the device-side position pos [1]."""
-        new = self.labels_of(k, hq)
-        self.codes.index_copy_(2, pos, new.labels)
-        if new.scale is not None:
-            self.scale.index_copy_(2, pos, new.scale)
-            self.zero.index_copy_(2, pos, new.zero)
+    def append_at(self, k: torch.Tensor, pos: torch.Tensor, hq: int, backend: str = "auto") -> None:
+        """Write the labels of one step's keys k [B, Hkv, 1, D] at the device-side position pos [1]
+        (``kernels.ds.append_labels``: one launch on CUDA)."""
+        ix = self.device_index(hq, k.shape[1], k.shape[3], k.device)
+        kds.append_labels(k, ix["ch"], ix["kv_of"], self.codes, self.scale, self.zero, pos, self.bits, backend=backend)
 
     def view(self, n: int) -> kds.LabelCache:
         return kds.LabelCache(labels=self.codes[:, :, :n], bits=self.bits, r=self.channels.shape[1],
@@ -313,7 +319,7 @@ class DSLayer(FullLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         out = super().update(key_states, value_states, *args, **kwargs)
         if self.static is not None:
-            self.labels.append_at(key_states, self.static.pos, self.hq)
+            self.labels.append_at(key_states, self.static.pos, self.hq, self.backend)
         else:
             self.labels.append(key_states, self.capacity, self.hq)
         return out
@@ -338,8 +344,7 @@ class DSLayer(FullLayer):
         """q3 [B, Hq, D] -> q_label [B, Hq, r] fp32 (quantized like the keys' labels when ``quantize_query``)."""
         b, hq, d = q3.shape
         q_ch = self.labels.device_index(hq, self.keys.shape[1], d, q3.device)["q_ch"]
-        ql = torch.gather(q3, -1, q_ch.unsqueeze(0).expand(b, hq, q_ch.shape[1])).float()
-        return pseudo_quantize(ql, self.bits) if self.quantize_query else ql
+        return kds.query_labels(q3, q_ch, self.bits, self.quantize_query, backend=self.backend)
 
     def label_scores(self, q_label: torch.Tensor, n: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Scores of the first n keys: [B, Hq, n] (query_head) or [B, Hkv, n] (kv_head); positions at or beyond
@@ -367,14 +372,16 @@ class DSLayer(FullLayer):
 
     def _decode_static(self, q, scaling):
         """Algorithm 1 with shapes fixed by the capacity: scores over every slot (−inf at and beyond each row's
-        length), the top k_cap = budget(capacity) in descending order, of which the first budget(n) are attended
-        (``count``): the same keys as the top budget(n) of the eager step, up to ties."""
+        length); the top budget(n) of each row, with the budget a device tensor, written into k_cap =
+        budget(capacity) slots (a sorted ``torch.topk`` of k_cap; on the H200 it beat the radix select of
+        ``kernels.topk``); attention over the first budget(n) of them.  The same keys as the eager step's, up to
+        ties."""
         st = self.static
         q3 = q[:, :, 0]
         scores = self.label_scores(self.query_labels(q3), self.capacity, st.lengths)  # line 4, [B, Hs, capacity]
-        _, ids = torch.topk(scores, self.budget(self.capacity), dim=-1, sorted=True)  # line 5
-        b, hs = ids.shape[:2]
-        count = st.budget(self.beta).view(b, 1).expand(b, hs)
+        # line 5: the budget(n) best are the first budget(n) of the sorted top k_cap (all finite: budget ≤ n)
+        _, ids = torch.topk(scores, self.budget(self.capacity), dim=-1, sorted=True)
+        count = st.budget_rows(self.beta, ids.shape[1])  # [B, Hs]
         o, _ = ksd.attention(q3, self.keys, self.values, ids.to(torch.int32), count=count, scaling=scaling,
                              backend=self.backend)  # lines 6-7
         return o.unsqueeze(2)

@@ -1,0 +1,64 @@
+"""Row-wise top-k selection for the sparse decode step (Double Sparsity Alg. 1 line 5; Quest's top pages).
+
+For each row r of scores [..., N] and its budget k_r (an int for all rows, or a device tensor [...]): the
+positions of the k_r largest scores, in no particular order, written into an int32 row of ``k_max`` slots and
+padded with −1.  Positions whose score is −inf (masked keys) are never selected, so a row with fewer finite
+scores than k_r gets fewer entries.  Ties at the k_r-th value are broken towards lower positions in the Triton
+kernel (``torch.topk`` in the reference breaks them in its own way: equal sets up to ties).
+
+The Triton kernel avoids sorting.  It finds the k-th largest score of a row exactly by a radix search over the
+order-preserving uint32 image of the fp32 scores (``RADIX_BITS`` bits per pass: every pass counts, for the
+2^RADIX_BITS candidate extensions of the prefix found so far, how many keys are ≥ each; the largest candidate
+with count ≥ k extends the prefix), then one pass writes the positions above that threshold and the first ties,
+with a running prefix sum.  One program per row; the row is re-read from L1/L2 on each pass.  Because k may be a
+device tensor and nothing depends on it on the host, a step that uses this needs no synchronisation and can be
+captured in a CUDA graph with a budget that changes from step to step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import resolve_gpu_backend
+
+__all__ = ["select", "select_reference"]
+
+
+def _check(scores: torch.Tensor, k_max: int, count):
+    if scores.dim() < 1 or scores.dtype != torch.float32:
+        raise ValueError(f"scores: expected float32 [..., N], got {scores.dtype} {tuple(scores.shape)}")
+    if k_max < 1:
+        raise ValueError(f"k_max={k_max}: must be >= 1")
+    if count is not None and tuple(count.shape) != tuple(scores.shape[:-1]):
+        raise ValueError(f"count {tuple(count.shape)}: expected {tuple(scores.shape[:-1])} (one budget per row)")
+
+
+def select_reference(scores: torch.Tensor, k_max: int, count: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.topk of min(k_max, N) (sorted), entries at rank ≥ count[r] or with score −inf set to −1, padded to
+    k_max slots.  int32 [..., k_max]."""
+    _check(scores, k_max, count)
+    n = scores.shape[-1]
+    k = min(k_max, n)
+    vals, ids = torch.topk(scores, k, dim=-1, sorted=True)
+    keep = vals > float("-inf")
+    if count is not None:
+        keep &= torch.arange(k, device=scores.device) < count.to(scores.device).unsqueeze(-1)
+    out = torch.where(keep, ids, torch.full_like(ids, -1)).to(torch.int32)
+    if k < k_max:
+        out = torch.cat([out, out.new_full((*out.shape[:-1], k_max - k), -1)], -1)
+    return out
+
+
+def select(scores: torch.Tensor, k_max: int, count: torch.Tensor | None = None, *, backend: str = "auto",
+           radix_bits: int = 2, block_n: int = 1024, num_warps: int = 4) -> torch.Tensor:
+    """Top-k positions per row (see the module docstring): scores float32 [..., N]; k_max the slots per row (the
+    budget when ``count`` is None); count int [...] per-row budgets ≤ k_max on the device.  int32 [..., k_max]."""
+    _check(scores, k_max, count)
+    which = resolve_gpu_backend(backend, scores, count)
+    if which == "torch":
+        return select_reference(scores, k_max, count)
+    if radix_bits not in (1, 2, 4):  # 8 bits: a [BLOCK_N, 256] comparison spills registers
+        raise ValueError(f"radix_bits={radix_bits}: valid values are [1, 2, 4]")
+    from . import _tl_topk
+
+    return _tl_topk.select(scores, k_max, count, radix_bits=radix_bits, block_n=block_n, num_warps=num_warps)
