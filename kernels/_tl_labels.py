@@ -24,7 +24,7 @@ def _quantize(x, valid, s_ty, LEVELS: tl.constexpr):
     """Per-token min–max codes as ``kernels.ds.quantize_labels``: scale and zero rounded to the scale dtype first."""
     lo = tl.min(tl.where(valid, x, float("inf")), 0)
     hi = tl.max(tl.where(valid, x, float("-inf")), 0)
-    scale = tl.math.div_rn(hi - lo, tl.full([], LEVELS, tl.float32)).to(s_ty)
+    scale = ((hi - lo) * (1.0 / LEVELS)).to(s_ty)
     zero = lo.to(s_ty)
     s32 = scale.to(tl.float32)
     z32 = zero.to(tl.float32)
@@ -60,7 +60,7 @@ def _append_labels_kernel(
         lo = tl.minimum(tl.min(tl.where(valid, x_e, float("inf")), 0), tl.min(tl.where(valid, x_o, float("inf")), 0))
         hi = tl.maximum(tl.max(tl.where(valid, x_e, float("-inf")), 0),
                         tl.max(tl.where(valid, x_o, float("-inf")), 0))
-        scale = tl.math.div_rn(hi - lo, tl.full([], 15.0, tl.float32)).to(SC.dtype.element_ty)
+        scale = ((hi - lo) * (1.0 / 15.0)).to(SC.dtype.element_ty)
         zero = lo.to(SC.dtype.element_ty)
         s32 = scale.to(tl.float32)
         z32 = zero.to(tl.float32)

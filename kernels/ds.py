@@ -70,7 +70,7 @@ def quantize_labels(
     x: torch.Tensor, bits: int = 16, *, dtype: torch.dtype | None = None, scale_dtype: torch.dtype = torch.float16
 ) -> LabelCache:
     """x [B, Hl, N, r] float -> LabelCache.  16 bits: x in ``dtype`` (default x's dtype if 16-bit, else fp16).
-    8/4 bits: per-token min–max, scale = (max − min)/(2^bits − 1), zero = min, code = round((x − zero)/scale)."""
+    8/4 bits: per-token min–max, scale = (max − min)·(1/(2^bits − 1)), zero = min, code = round((x − zero)/scale)."""
     _check_bits(bits)
     if x.dim() != 4:
         raise ValueError(f"labels: expected [B, Hl, N, r], got {tuple(x.shape)}")
@@ -86,7 +86,9 @@ def quantize_labels(
     lo = xf.amin(-1)
     hi = xf.amax(-1)
     levels = (1 << bits) - 1
-    scale = ((hi - lo) / levels).to(scale_dtype)
+    # × (1/levels), not ÷ levels: torch divides by a scalar exactly on the CPU but by its reciprocal on CUDA, so
+    # the product is the one formula that rounds the same everywhere (and in the one-launch kernel)
+    scale = ((hi - lo) * (1.0 / levels)).to(scale_dtype)
     zero = lo.to(scale_dtype)
     s32 = scale.float()
     codes = torch.where(
