@@ -13,7 +13,8 @@ median over the rest.
     python benchmarks/bench_system_decode.py --out experiments/system_decode            # the GPU machine
     python benchmarks/bench_system_decode.py --smoke                                     # 2 layers, 2K, any machine
 
-Writes ``system_decode.json`` (records + hardware + command) and ``system_decode.png`` under ``--out``.
+Writes ``system_decode.json`` (records + hardware + command) and ``system_decode.png`` under ``--out``;
+``--replot FILE`` redraws the figure of a written json.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="numba threads of MagicPIG's CPU part")
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="2 layers, contexts 2K, batch 2 (checks the plumbing)")
+    ap.add_argument("--replot", default=None, help="redraw the figure of this system_decode.json and exit")
     ap.add_argument("--out", default=os.environ.get("OUT", "experiments/system_decode"))
     a = ap.parse_args(argv)
     if a.smoke:
@@ -187,25 +189,40 @@ def plot(records: list[dict], path: Path, title: str) -> None:
             if key == "tokens_per_s":
                 for bar, lab in zip(bars, labels):
                     ax.annotate(lab, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                                fontsize=7, rotation=90)
+                                fontsize=6, rotation=90)
     for ax, ylabel in zip(axes, ("throughput (generated tokens/s, whole batch)", "latency per decode step (ms)")):
+        ax.set_yscale("log")  # MagicPIG's CPU part and full attention differ by 100x
         ax.set_xticks(range(len(ctxs)))
         ax.set_xticklabels([f"{c // 1024}K" for c in ctxs])
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    lo, hi = axes[0].get_ylim()
+    axes[0].set_ylim(lo, hi * 3)  # room for the batch labels
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8,
+               title="methods (_graph: the decode step captured once in a CUDA graph)", title_fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
     fig.savefig(path.with_suffix(".pdf"))
     plt.close(fig)
+
+
+def _title(shape: str, gpu: str) -> str:
+    return f"{shape} shape (random weights), bf16, greedy decode, {gpu}; batch = largest that fits (labelled)"
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.replot:
+        data = json.loads(Path(a.replot).read_text())
+        gpu = data["meta"]["hardware"].get("gpu_name", "CPU")
+        plot(data["records"], out / "system_decode.png", _title(data["meta"]["shape"], gpu))
+        print(f"wrote {out / 'system_decode.png'}")
+        return 0
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if a.threads:
         import kernels.magicpig_cpu as kmc
@@ -285,8 +302,7 @@ def main(argv=None) -> int:
             r["full_baseline"] = full[r["context"]]["method"]
     path.write_text(json.dumps({"meta": meta, "records": records}, indent=1, default=str))
     gpu = meta["hardware"].get("gpu_name", "CPU")
-    plot(records, out / "system_decode.png", f"{a.shape} shape (random weights), bf16, greedy decode, {gpu}; "
-         f"batch = largest that fits (labelled)")
+    plot(records, out / "system_decode.png", _title(a.shape, gpu))
     print(f"wrote {path}")
     return 0
 

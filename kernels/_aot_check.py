@@ -27,8 +27,10 @@ def _configs():
     for qpi, cnt, single in ((4, False, False), (1, True, True)):
         out.append((_tl_sparse_decode._sparse_decode_split, sd,
                     dict(base, QPI=qpi, HAS_CNT=cnt, SINGLE=single, UPCAST=False), ("qk_scale",), 4))
-    out.append((_tl_sparse_decode._sparse_decode_split, sd,  # dense over row lengths (the captured full step)
-                dict(base, QPI=4, HAS_CNT=True, SINGLE=False, UPCAST=False, DENSE=True), ("qk_scale",), 8))
+    # dense over row lengths (the captured full step) at its default 4 warps: ptxas spills 128 B there; measured on
+    # the H200 it runs at 0.97x sdpa's time (16K) and 8 warps (no spill) is no faster (experiments/kernels/session3)
+    out.append((_tl_sparse_decode._sparse_decode_split, sd,
+                dict(base, QPI=4, HAS_CNT=True, SINGLE=False, UPCAST=False, DENSE=True), ("qk_scale",), 4, 256))
     out.append((_tl_sparse_decode._sparse_decode_split, sd32,
                 dict(base, QPI=4, HAS_CNT=False, SINGLE=False, UPCAST=True), ("qk_scale",), 8))
     out.append((_tl_sparse_decode._sparse_decode_reduce,
@@ -67,7 +69,8 @@ def main() -> int:
     target = GPUTarget("cuda", 90, 32)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     bad = 0
-    for fn, ptrs, consts, floats, warps in _configs():
+    for fn, ptrs, consts, floats, warps, *allow in _configs():
+        allowed_spill = allow[0] if allow else 0  # bytes of spill stores accepted (measured harmless)
         sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
         name = f"{fn.__name__}{ {k: v for k, v in consts.items() if k in ('QPI', 'BITS', 'UPCAST', 'REDUCE', 'K', 'DENSE', 'RADIX_BITS')} }"
         try:
@@ -91,7 +94,10 @@ def main() -> int:
                     print(f"FAIL {name}: ptxas: {r.stderr[-800:]}")
                     bad += 1
                     continue
-                if " 0 bytes spill stores" not in info:
+                import re
+
+                spilled = re.search(r"(\d+) bytes spill stores", info)
+                if spilled is None or int(spilled.group(1)) > allowed_spill:
                     print(f"SPILL {name} (num_warps={warps}): {info}")
                     bad += 1
                     continue

@@ -161,7 +161,7 @@ def pseudo_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
     hi = x.amax(-1, keepdim=True)
     rng = hi - lo
     rng = torch.where(rng > 0, rng, torch.ones_like(rng))
-    scale = levels / rng
+    scale = levels / rng  # torch evaluates this as rng.reciprocal() * levels (the one-launch kernel does the same)
     return torch.round((x - lo) * scale).clamp(0, levels) / scale + lo
 
 

@@ -248,6 +248,16 @@ def test_cli_decodes_and_checks_against_accuracy_path(tmp_path):
     assert rec["method"]["K"] == 10 and rec["method"]["L"] == 20
 
 
+def test_cli_static_step(tmp_path):
+    out = tmp_path / "rec.json"
+    res = _cli(tmp_path, "method=double_sparsity", "method.beta=0.05", "cuda_graph=true", "context=128",
+               "new_tokens=5", f"output={out}")
+    assert res.returncode == 0, res.stderr
+    assert "static step" in res.stdout and "accuracy path: 1/1 rows and 5/5 tokens identical" in res.stdout
+    res = _cli(tmp_path, "method=quest", "cuda_graph=true", "new_tokens=2")
+    assert res.returncode == 2 and "cuda_graph=true: the static-shape decode step exists for" in res.stderr
+
+
 def test_cli_rejects_a_method_without_system_path(tmp_path):
     res = _cli(tmp_path, "method=oracle", "new_tokens=2")
     assert res.returncode == 2

@@ -34,6 +34,7 @@ class SystemRunConfig:
     batch: int = 1
     repeat_batch: int = 1
     new_tokens: int = 32
+    cuda_graph: bool = False
     compare_accuracy_path: bool = True
     output: str | None = None
     paths: PathsConfig = field(default_factory=PathsConfig)
@@ -84,12 +85,13 @@ def run(cfg: Any) -> dict[str, Any]:
         ids = _prompts(tok, cfg.context, cfg.batch)
         name = cfg.model.name
     method.setup(model, name)
-    res = decode(model, method, ids, cfg.new_tokens, repeat_batch=cfg.repeat_batch)
+    res = decode(model, method, ids, cfg.new_tokens, repeat_batch=cfg.repeat_batch, cuda_graph=cfg.cuda_graph)
     steady = res.step_ms[2:] or res.step_ms  # the first steps include compilation and index builds
     med = statistics.median(steady)
     record: dict[str, Any] = {
         "model": name, "random_weights": bool(cfg.random_shape), "method": dataclass_dict(method.config),
-        "context": cfg.context, "batch": res.batch, "new_tokens": cfg.new_tokens, "device": str(next(model.parameters()).device),
+        "context": cfg.context, "batch": res.batch, "new_tokens": cfg.new_tokens, "cuda_graph": cfg.cuda_graph,
+        "device": str(next(model.parameters()).device),
         "prefill_ms": res.prefill_ms, "ms_per_step_median": med, "tokens_per_s": res.batch * 1e3 / med,
         "memory_bytes": res.memory, "stats": res.stats,
     }
@@ -138,7 +140,7 @@ def main(cfg) -> None:
         sys.exit(2)
     m = rec["method"]["name"] + (" (offload)" if rec["method"].get("offload") else "")
     print(f"{rec['model']} on {rec['device']}, method {m}: context {rec['context']}, batch {rec['batch']}, "
-          f"{rec['new_tokens']} new tokens")
+          f"{rec['new_tokens']} new tokens" + (", static step (CUDA graph on GPU)" if rec["cuda_graph"] else ""))
     print(f"  prefill {rec['prefill_ms']:.1f} ms; decode {rec['ms_per_step_median']:.2f} ms/step (median), "
           f"{rec['tokens_per_s']:.1f} tokens/s")
     mem = rec["memory_bytes"]

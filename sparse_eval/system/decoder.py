@@ -14,11 +14,16 @@ Which method runs where:
 | ``double_sparsity`` with ``offload: true`` | pinned CPU (+ label cache on GPU) | layer l's tokens predicted during layer l−1 and gathered over PCIe on a side stream |
 | ``magicpig`` | CPU (+ hash tables) | codes on GPU; sampling + sampled attention on CPU (numba); sink/local on GPU; LSE merge |
 | ``quest`` | GPU (+ page min/max) | page bounds → top pages → attention over their tokens + sink/local (Triton) |
+
+With ``cuda_graph=True`` (full and ``double_sparsity`` on the GPU) every decode step has static shapes
+(``layers.StaticStep``: device-side position, row lengths and budgets), so one step is captured in a CUDA graph
+and replayed; eager steps are bound by Python and kernel launches at these model sizes.
 """
 
 from __future__ import annotations
 
 import collections
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,6 +259,15 @@ class _Timer:
         return [1e3 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
 
 
+def _memory(session: SystemSession, dev: torch.device) -> dict[str, int]:
+    """Bytes of the caches on the GPU and in CPU memory, and the GPU's peak allocation of the run."""
+    mem = session.nbytes()
+    out = {"cache_gpu": mem["gpu"], "cache_cpu": mem["cpu"]}
+    if dev.type == "cuda":
+        out["gpu_peak"] = int(torch.cuda.max_memory_allocated(dev))
+    return out
+
+
 def _check_graph_capable(method: Method, layers: list[FullLayer]) -> None:
     bad = sorted({layer.kind for layer in layers if not layer.static_capable})
     if bad:
@@ -277,8 +291,6 @@ def _decode_static(model: Any, session: SystemSession, kw: dict[str, Any], nxt: 
         layer.static = st
     ids = nxt.clone()  # [B, 1] static input of every step
     fkw = dict(kw, position_ids=st.pos.view(1, 1), use_cache=True, logits_to_keep=1)
-    import inspect
-
     if "cache_position" in inspect.signature(model.forward).parameters:  # transformers < 5.24
         fkw["cache_position"] = st.pos
 
@@ -372,13 +384,9 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
                     layer.repeat_batch(repeat_batch)
                 nxt = nxt.repeat(repeat_batch, 1)
             got, steps, extra = _decode_static(model, session, kw, nxt, max_new_tokens - 1, cuda)
-            mem = session.nbytes()
-            memory = {"cache_gpu": mem["gpu"], "cache_cpu": mem["cpu"]}
-            if cuda:
-                memory["gpu_peak"] = int(torch.cuda.max_memory_allocated(dev))
-            stats = dict(session.stats, **extra)
             return DecodeResult(tokens=torch.cat([nxt, *got], 1).cpu(), prefill_ms=prefill_ms, step_ms=steps,
-                                batch=b * repeat_batch, context=t, stats=stats, memory=memory)
+                                batch=b * repeat_batch, context=t, stats=dict(session.stats, **extra),
+                                memory=_memory(session, dev))
         out = [nxt]
         timer = _Timer(cuda)
         timer.mark()
@@ -394,12 +402,8 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
                 nxt = out[-1]
             timer.mark()
         steps = timer.intervals_ms()
-        mem = session.nbytes()
-        memory = {"cache_gpu": mem["gpu"], "cache_cpu": mem["cpu"]}
-        if cuda:
-            memory["gpu_peak"] = int(torch.cuda.max_memory_allocated(dev))
         return DecodeResult(tokens=torch.cat(out, 1).cpu(), prefill_ms=prefill_ms, step_ms=steps,
-                            batch=b * repeat_batch, context=t, stats=dict(session.stats), memory=memory)
+                            batch=b * repeat_batch, context=t, stats=dict(session.stats), memory=_memory(session, dev))
     finally:
         detach(model)
         session.layers.clear()

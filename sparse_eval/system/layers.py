@@ -19,6 +19,9 @@ method reads:
 Each reproduces the selection of its ``sparse_eval.methods`` class (``tests/test_system.py`` checks the greedy
 tokens against the accuracy path).
 
+``FullLayer`` and ``DSLayer`` also decode with a ``StaticStep`` (shapes fixed by the cache capacity, the position,
+row lengths and budgets on the device), the step the decoder captures in a CUDA graph.
+
 All layers implement transformers' cache-layer interface (``update`` returns the call's new keys only; the
 layer's ``attend`` reads its own storage), prefill densely in one call (protocol A: the prompt is dense,
 generated tokens are sparse) and then decode one token per call.  Shapes: B batch, Hq / Hkv query / KV heads,
