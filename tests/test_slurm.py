@@ -67,7 +67,10 @@ def _sh(args: list[str], env: dict[str, str], **kw) -> subprocess.CompletedProce
 
 def test_smoke_sweep_through_slurm_with_a_requeued_job(slurm, tmp_path):
     env = {**os.environ, "SLURM_CONF": slurm["SLURM_CONF"], "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           # a requeued array task can be missing from squeue for a while on a loaded 2-core machine: seen once,
+           # the launcher's default 60 s grace declared it gone 71 s after its requeue
+           "SPARSE_EVAL_SUBMITIT_GRACE_S": "180"}
     runs, sweep = tmp_path / "runs", tmp_path / "sweep"
     cmd = [sys.executable, "-m", "sparse_eval", "-m", "hydra/launcher=slurm",
            "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=null",
