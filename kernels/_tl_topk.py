@@ -17,11 +17,45 @@ def _keys(x):
 
 
 @triton.jit
+def _count_ge(base, n0, N, offs, cand, cnt):
+    """cnt[j] += #{keys of the tile at n0 that are >= cand[j]}."""
+    o = n0 + offs
+    x = tl.load(base + o, mask=o < N, other=float("-inf"))
+    ge = (_keys(x)[:, None] >= cand[None, :]) & (o < N)[:, None]
+    return cnt + tl.sum(ge.to(tl.int32), 0)
+
+
+@triton.jit
+def _count_gt(base, n0, N, offs, thr, n_gt):
+    o = n0 + offs
+    x = tl.load(base + o, mask=o < N, other=float("-inf"))
+    return n_gt + tl.sum(((_keys(x) > thr) & (o < N)).to(tl.int32), 0)
+
+
+@triton.jit
+def _select_tile(base, out, n0, N, offs, thr, ties, written, seen_eq):
+    """Writes the tile's positions above the threshold, and its ties while fewer than ``ties`` were taken, after
+    the ``written`` already taken (a running prefix sum); −inf never."""
+    o = n0 + offs
+    x = tl.load(base + o, mask=o < N, other=float("-inf"))
+    key = _keys(x)
+    inside = (o < N) & (x > float("-inf"))
+    eq = (key == thr) & inside
+    eq_rank = seen_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+    take = ((key > thr) & inside) | (eq & (eq_rank < ties))
+    slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
+    tl.store(out + slot, o, mask=take)
+    return written + tl.sum(take.to(tl.int32), 0), seen_eq + tl.sum(eq.to(tl.int32), 0)
+
+
+@triton.jit
 def _topk_select(
     S, CNT, OUT, stride_s, stride_o, N, K_MAX,
     HAS_CNT: tl.constexpr, RADIX_BITS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
     N_TILES: tl.constexpr, K_TILES: tl.constexpr,
 ):
+    # every loop over the row has two forms: a constexpr trip count under the interpreter (it cannot take tensor
+    # loop bounds), a runtime bound compiled; the bodies are the helpers above
     row = tl.program_id(0).to(tl.int64)
     base = S + row * stride_s
     if HAS_CNT:
@@ -40,70 +74,40 @@ def _topk_select(
         cnt = tl.zeros([R], tl.int32)
         if INTERP:
             for it in range(0, N_TILES):
-                o = it * BLOCK_N + offs
-                x = tl.load(base + o, mask=o < N, other=float("-inf"))
-                ge = (_keys(x)[:, None] >= cand[None, :]) & (o < N)[:, None]
-                cnt += tl.sum(ge.to(tl.int32), 0)
+                cnt = _count_ge(base, it * BLOCK_N, N, offs, cand, cnt)
         else:
             for n0 in range(0, N, BLOCK_N):
-                o = n0 + offs
-                x = tl.load(base + o, mask=o < N, other=float("-inf"))
-                ge = (_keys(x)[:, None] >= cand[None, :]) & (o < N)[:, None]
-                cnt += tl.sum(ge.to(tl.int32), 0)
+                cnt = _count_ge(base, n0, N, offs, cand, cnt)
         best = tl.sum((cnt >= k).to(tl.int32), 0) - 1  # counts fall with the digit; digit 0 always qualifies
         prefix = prefix | (best.to(tl.uint32) << shift)
     thr = prefix  # the k-th largest key
-    # keys above the threshold all go in; ties at it fill the rest in position order; −inf never does
     n_gt = tl.zeros([], tl.int32)
     if INTERP:
         for it in range(0, N_TILES):
-            o = it * BLOCK_N + offs
-            x = tl.load(base + o, mask=o < N, other=float("-inf"))
-            n_gt += tl.sum(((_keys(x) > thr) & (o < N)).to(tl.int32), 0)
+            n_gt = _count_gt(base, it * BLOCK_N, N, offs, thr, n_gt)
     else:
         for n0 in range(0, N, BLOCK_N):
-            o = n0 + offs
-            x = tl.load(base + o, mask=o < N, other=float("-inf"))
-            n_gt += tl.sum(((_keys(x) > thr) & (o < N)).to(tl.int32), 0)
+            n_gt = _count_gt(base, n0, N, offs, thr, n_gt)
     ties = k - n_gt
     out = OUT + row * stride_o
     written = tl.zeros([], tl.int32)
     seen_eq = tl.zeros([], tl.int32)
     if INTERP:
         for it in range(0, N_TILES):
-            o = it * BLOCK_N + offs
-            x = tl.load(base + o, mask=o < N, other=float("-inf"))
-            key = _keys(x)
-            inside = (o < N) & (x > float("-inf"))
-            eq = (key == thr) & inside
-            eq_rank = seen_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-            take = ((key > thr) & inside) | (eq & (eq_rank < ties))
-            slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(out + slot, o, mask=take)
-            written += tl.sum(take.to(tl.int32), 0)
-            seen_eq += tl.sum(eq.to(tl.int32), 0)
+            written, seen_eq = _select_tile(base, out, it * BLOCK_N, N, offs, thr, ties, written, seen_eq)
     else:
         for n0 in range(0, N, BLOCK_N):
-            o = n0 + offs
-            x = tl.load(base + o, mask=o < N, other=float("-inf"))
-            key = _keys(x)
-            inside = (o < N) & (x > float("-inf"))
-            eq = (key == thr) & inside
-            eq_rank = seen_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-            take = ((key > thr) & inside) | (eq & (eq_rank < ties))
-            slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(out + slot, o, mask=take)
-            written += tl.sum(take.to(tl.int32), 0)
-            seen_eq += tl.sum(eq.to(tl.int32), 0)
+            written, seen_eq = _select_tile(base, out, n0, N, offs, thr, ties, written, seen_eq)
     # −1 in the unused slots
+    pad = tl.full([BLOCK_N], -1, tl.int32)
     if INTERP:
         for it in range(0, K_TILES):
             o = it * BLOCK_N + offs
-            tl.store(out + o, tl.full([BLOCK_N], -1, tl.int32), mask=(o >= written) & (o < K_MAX))
+            tl.store(out + o, pad, mask=(o >= written) & (o < K_MAX))
     else:
         for p0 in range(0, K_MAX, BLOCK_N):
             o = p0 + offs
-            tl.store(out + o, tl.full([BLOCK_N], -1, tl.int32), mask=(o >= written) & (o < K_MAX))
+            tl.store(out + o, pad, mask=(o >= written) & (o < K_MAX))
 
 
 def select(scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n: int, num_warps: int) -> torch.Tensor:

@@ -29,7 +29,8 @@ from ._common import check_heads, resolve_gpu_backend
 __all__ = ["attention", "attention_reference", "dense_attention", "dense_attention_reference", "split_plan"]
 
 
-def _check(q, k, v, idx, count):
+def _check_qkv(q, k, v) -> int:
+    """Shapes of a decode call: q [B, Hq, D], k, v [B, Hkv, N, D] of one dtype; returns G = Hq / Hkv."""
     if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(
             f"expected q [B, Hq, D] and k, v [B, Hkv, N, D] of one dtype; got q {tuple(q.shape)}, k {tuple(k.shape)} "
@@ -38,7 +39,12 @@ def _check(q, k, v, idx, count):
     b, hq, d = q.shape
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim")
-    g = check_heads(hq, k.shape[1])
+    return check_heads(hq, k.shape[1])
+
+
+def _check(q, k, v, idx, count):
+    g = _check_qkv(q, k, v)
+    b, hq, _ = q.shape
     if idx.dim() != 3 or idx.shape[0] != b or idx.shape[1] not in (hq, k.shape[1]):
         raise ValueError(
             f"idx {tuple(idx.shape)}: expected [B, Hq, S] (one selection per query head) or [B, Hkv, S] (shared "
@@ -128,15 +134,8 @@ def attention(
 
 
 def _check_dense(q, k, v, lengths):
-    if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape or v.dtype != k.dtype:
-        raise ValueError(
-            f"expected q [B, Hq, D] and k, v [B, Hkv, N, D] of one dtype; got q {tuple(q.shape)}, k {tuple(k.shape)} "
-            f"{k.dtype}, v {tuple(v.shape)} {v.dtype}"
-        )
-    b, hq, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim")
-    check_heads(hq, k.shape[1])
+    _check_qkv(q, k, v)
+    b = q.shape[0]
     if lengths.dim() != 1 or lengths.shape[0] != b:
         raise ValueError(f"lengths {tuple(lengths.shape)}: expected [B={b}] (keys per row)")
 
