@@ -1,6 +1,7 @@
-"""The system path (``sparse_eval.system``): same tokens as the accuracy path on the shipped model, the offload
-gather kernel against torch indexing, clear errors for what it does not support.  ``gpu``-marked tests run the
-same checks with the Triton kernels and a pinned host cache on CUDA."""
+"""The system path (``sparse_eval.system``): same tokens as the accuracy path on the shipped model, eager and with
+the static-shape step of ``cuda_graph=true``, the offload gather kernel against torch indexing, clear errors for
+what it does not support.  ``gpu``-marked tests run the same checks with the Triton kernels, a pinned host cache
+and the step captured in a CUDA graph on CUDA."""
 
 from __future__ import annotations
 
