@@ -29,7 +29,7 @@ from ._common import check_heads, resolve_gpu_backend
 
 __all__ = [
     "LabelCache", "build_label_cache", "quantize_labels", "dequantize_labels", "gather_query_channels",
-    "pseudo_quantize", "query_labels", "query_labels_reference", "append_labels", "append_labels_reference",
+    "label_channels", "pseudo_quantize", "query_labels", "query_labels_reference", "append_labels", "append_labels_reference",
     "label_scores", "label_scores_reference", "topk_indices", "decode", "decode_reference",
 ]
 
@@ -133,11 +133,16 @@ def build_label_cache(
     hl, r = channels.shape
     if channels.numel() and (int(channels.min()) < 0 or int(channels.max()) >= d):
         raise ValueError(f"channels must lie in [0, {d}); got range [{int(channels.min())}, {int(channels.max())}]")
-    kv_of = _label_to_kv(hl, hkv).to(k.device)
-    src = k[:, kv_of]  # [B, Hl, N, D]
-    ch = channels.to(k.device).long().view(1, hl, 1, r).expand(b, hl, n, r)
-    x = torch.gather(src, -1, ch)
+    x = label_channels(k, channels.to(k.device), _label_to_kv(hl, hkv).to(k.device))
     return quantize_labels(x, bits, dtype=dtype, scale_dtype=scale_dtype)
+
+
+def label_channels(k: torch.Tensor, channels: torch.Tensor, kv_of: torch.Tensor) -> torch.Tensor:
+    """k [B, Hkv, T, D] -> x [B, Hl, T, r]: label head l takes channels[l] of KV head kv_of[l] (all on k's
+    device; no checks, so nothing synchronises)."""
+    b, _, t, _ = k.shape
+    hl, r = channels.shape
+    return torch.gather(k[:, kv_of], -1, channels.long().view(1, hl, 1, r).expand(b, hl, t, r))
 
 
 def gather_query_channels(q: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
@@ -190,10 +195,7 @@ def append_labels_reference(k_new: torch.Tensor, channels: torch.Tensor, kv_of: 
     """The labels of one step's keys k_new [B, Hkv, 1, D] (label head l: KV head kv_of[l], channels[l]) quantized as
     ``quantize_labels`` and written at position pos (long [1], on the device) of a preallocated cache: codes
     [B, Hl, cap, r or r/2], scale / zero [B, Hl, cap] (8/4-bit).  In place."""
-    b, _, t, _ = k_new.shape
-    hl, r = channels.shape
-    x = torch.gather(k_new[:, kv_of], -1, channels.long().view(1, hl, 1, r).expand(b, hl, t, r))
-    new = quantize_labels(x, bits, dtype=codes.dtype if bits == 16 else None,
+    new = quantize_labels(label_channels(k_new, channels, kv_of), bits, dtype=codes.dtype if bits == 16 else None,
                           scale_dtype=scale.dtype if scale is not None else torch.float16)
     codes.index_copy_(2, pos, new.labels)
     if bits != 16:

@@ -187,7 +187,7 @@ class SystemSession:
                 torch.cuda.current_stream(device).wait_stream(self.side_stream)
             buf = (torch.empty(full, dtype=dtype, device=device), torch.empty(full, dtype=dtype, device=device))
             self._buffers[slot] = buf
-        return buf[0][: shape[0], : shape[1], : shape[2]], buf[1][: shape[0], : shape[1], : shape[2]], slot
+        return buf[0][: shape[0], : shape[1], : shape[2]], buf[1][: shape[0], : shape[1], : shape[2]]
 
     def nbytes(self) -> dict[str, int]:
         tot = {"gpu": 0, "cpu": 0}

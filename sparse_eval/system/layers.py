@@ -259,12 +259,11 @@ class _Labels:
         return self._dev
 
     def labels_of(self, k: torch.Tensor, hq: int) -> kds.LabelCache:
-        """k [B, Hkv, T, D] -> the quantized labels of these T keys (``kernels.ds.build_label_cache``)."""
-        b, hkv, t, d = k.shape
-        ix = self.device_index(hq, hkv, d, k.device)
-        hl, r = self.channels.shape
-        x = torch.gather(k[:, ix["kv_of"]], -1, ix["ch"].view(1, hl, 1, r).expand(b, hl, t, r))
-        return kds.quantize_labels(x, self.bits, scale_dtype=self.scale_dtype)
+        """k [B, Hkv, T, D] -> the quantized labels of these T keys (``kernels.ds.build_label_cache`` with the
+        channel indices already on the device)."""
+        ix = self.device_index(hq, k.shape[1], k.shape[3], k.device)
+        return kds.quantize_labels(kds.label_channels(k, ix["ch"], ix["kv_of"]), self.bits,
+                                   scale_dtype=self.scale_dtype)
 
     def append(self, k: torch.Tensor, capacity: int, hq: int) -> None:
         new = self.labels_of(k, hq)
@@ -317,7 +316,7 @@ class DSLayer(FullLayer):
             raise ValueError(f"label bits={bits!r}: the system path's label cache supports {list(kds.LABEL_BITS)}")
         self.labels = _Labels(channels, bits, scale_dtype)
         self.hq = int(hq)
-        self.beta, self.bits, self.quantize_query, self.gqa, self.backend = beta, bits, quantize_query, gqa, backend
+        self.beta, self.bits, self.quantize_query, self.gqa = beta, bits, quantize_query, gqa
 
     def update(self, key_states, value_states, *args, **kwargs):
         out = super().update(key_states, value_states, *args, **kwargs)
@@ -402,10 +401,10 @@ class QuestLayer(FullLayer):
 
     def __init__(self, layer_idx: int, capacity: int, *, page_size: int, budget: float | int, sink: int, local: int,
                  gqa: str = "query_head", backend: str = "auto"):
-        super().__init__(layer_idx, capacity)
+        super().__init__(layer_idx, capacity, backend=backend)
         if gqa not in kqu.GQA_MODES:
             raise ValueError(f"gqa={gqa!r}: valid values are {list(kqu.GQA_MODES)}")
-        self.ps, self.budget_cfg, self.sink, self.local, self.gqa, self.backend = page_size, budget, sink, local, gqa, backend
+        self.ps, self.budget_cfg, self.sink, self.local, self.gqa = page_size, budget, sink, local, gqa
         self.kmin = self.kmax = None
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -470,21 +469,11 @@ class DSOffloadLayer(DSLayer):
         super().__init__(*args, **kwargs)
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        t = key_states.shape[2]
-        if self.n + t > self.capacity:
-            raise ValueError(f"layer {self.layer_idx}: {self.n} + {t} tokens exceed the cache capacity {self.capacity}")
-        # device -> pinned host on the compute stream; a later gather on the side stream waits for it
-        self.keys[:, :, self.n:self.n + t].copy_(key_states, non_blocking=True)
-        self.values[:, :, self.n:self.n + t].copy_(value_states, non_blocking=True)
-        self.n += t
-        self.labels.append(key_states, self.capacity, self.hq)
+        # KV: device -> pinned host on the compute stream (a later gather on the side stream waits for it);
+        # labels on the GPU
+        out = super().update(key_states, value_states, *args, **kwargs)
         self._new = (key_states, value_states)
-        return key_states, value_states
-
-    def select_heads(self, hq: int) -> int:
-        return self.keys.shape[1] if self.gqa == "kv_head" else hq
+        return out
 
     def predict(self, session, q_pred: torch.Tensor) -> dict[str, Any]:
         """Top keys among the ``self.n`` stored ones for the predicted query q_pred [B, Hq, D], and their gather
@@ -496,8 +485,8 @@ class DSOffloadLayer(DSLayer):
         vals, ids = torch.topk(self.label_scores(ql, n_old), k_old, dim=-1, sorted=True)
         ids = ids.to(torch.int32)
         hs = ids.shape[1]
-        buf_k, buf_v, slot = session.buffer(self.layer_idx, (ids.shape[0], hs, k_tot + 1, self.keys.shape[-1]),
-                                            self.keys.dtype, q_pred.device)
+        buf_k, buf_v = session.buffer(self.layer_idx, (ids.shape[0], hs, k_tot + 1, self.keys.shape[-1]),
+                                      self.keys.dtype, q_pred.device)
         stream = session.side_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(q_pred.device))
