@@ -251,6 +251,48 @@ def test_attention_padding_strides_threads_and_errors():
         magicpig_cpu.attention(q, k.to(torch.float64), v.to(torch.float64), idx, cnt, k_bits=6, n_tables=20)
 
 
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_blocked_rows_with_remainders(dtype):
+    """The numba kernel walks the keys four at a time plus a remainder loop: every count 0..9 (and a long row),
+    head dims that are not multiples of the vector width, any prefetch distance, with and without −log u."""
+    gen = _gen(11)
+    b, hq, hkv, n = 2, 6, 2, 300
+    for d in (40, 64):
+        k = (torch.randn(b, hkv, n, d, generator=gen) + 0.3).to(dtype)
+        v = torch.randn(b, hkv, n, d, generator=gen).to(dtype)
+        q = torch.randn(b, hq, d, generator=gen)
+        mean = k.float().mean(2)
+        idx = torch.stack([torch.randperm(n, generator=gen)[:157] for _ in range(b * hq)]).view(b, hq, 157).int()
+        cnt = torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 13, 157]], dtype=torch.int32)
+        for correct in (True, False):
+            o_ref, l_ref = magicpig_cpu.attention_reference(q, k, v, idx, cnt, k_bits=8, n_tables=30, k_mean=mean,
+                                                            correct=correct)
+            for pf in (0, 1, 3, 16):
+                o, lse = magicpig_cpu.attention(q, k, v, idx, cnt, k_bits=8, n_tables=30, k_mean=mean,
+                                                correct=correct, prefetch=pf)
+                assert bool(torch.isinf(lse[0, 0])) and (o[0, 0] == 0).all()
+                assert torch.allclose(o, o_ref, atol=1e-5, rtol=1e-4), (d, correct, pf)
+                fin = torch.isfinite(l_ref)
+                assert torch.equal(fin, torch.isfinite(lse))
+                assert torch.allclose(lse[fin], l_ref[fin], atol=1e-5, rtol=1e-5), (d, correct, pf)
+
+
+@needs_numba
+def test_vectorisable_acos_and_exp_match_libm():
+    import numpy as np
+
+    from kernels import _nb_magicpig as nb
+
+    for c in np.concatenate([np.linspace(-1.0, 1.0, 20001), [0.5, -0.5, np.nextafter(0.5, 1), 1e-300, -0.0]]):
+        assert abs(nb._acos(float(c)) - math.acos(c)) <= 1e-15, c
+    assert math.isnan(nb._acos(float("nan")))
+    for x in np.concatenate([-np.geomspace(1e-12, 708.0, 4001), [0.0, -0.0, -0.5 * math.log(2), -707.9]]):
+        assert abs(nb._exp_nonpos(float(x)) / math.exp(x) - 1.0) <= 4e-16 * (1.0 + abs(x)), x
+    assert nb._exp_nonpos(-709.0) == 0.0 and nb._exp_nonpos(float("-inf")) == 0.0
+    assert math.isnan(nb._exp_nonpos(float("nan")))
+
+
 def test_cpu_features_reports_the_machine():
     info = magicpig_cpu.cpu_features()
     assert info["logical_cpus"] >= 1
