@@ -202,15 +202,14 @@ def bench_shape(b, n, args, device, timer, gen, rows):
             ql = ds.gather_query_channels(s0["q"], s0["channels"])
             qs = ql.view(b, HKV, G, r).sum(2) if gqa == "kv_head" else ql
             scores = ds.label_scores(qs, caches[0], backend=be)
-            idx = ds.topk_indices(scores, budget)
+            idx = ds.topk_indices(scores, budget, backend=be)
             stages = {
                 "label_scores": [lambda: ds.label_scores(qs, caches[0], backend=be)],
-                "topk": [lambda: ds.topk_indices(scores, budget)],  # torch.topk
-                "topk_sorted": [lambda: torch.topk(scores, budget, dim=-1, sorted=True)],  # the captured step's
+                "topk": [lambda: ds.topk_indices(scores, budget, backend=be)],  # kernels.topk's radix select on CUDA
+                "topk_torch": [lambda: ds.topk_indices(scores, budget, topk="torch")],  # torch.topk
+                "topk_sorted": [lambda: torch.topk(scores, budget, dim=-1, sorted=True)],
                 "attention": [lambda: sparse_decode.attention(s0["q"], s0["k"], s0["v"], idx, backend=be)],
             }
-            if device.type == "cuda" and be != "torch":  # the sort-free radix select of kernels.topk
-                stages["topk_radix"] = [lambda: ds.topk_indices(scores, budget, backend="triton")]
             o, lse, sel = ds.decode(s0["q"], s0["k"], s0["v"], caches[0], s0["channels"], budget, gqa=gqa, backend=be)
             o_ref, _ = sparse_decode.attention_reference(s0["q"], s0["k"], s0["v"], sel, out_dtype=torch.float32)
             rec = record(f"ds_{bits}bit_{gqa}", fns, label_bytes + gathered,
@@ -219,6 +218,13 @@ def bench_shape(b, n, args, device, timer, gen, rows):
                          stages)
             rec["speedup_vs_sdpa"] = dense["ms_best"] / rec["ms_best"]
             rec["goal_12x"] = rec["speedup_vs_sdpa"] >= 12.0
+            if device.type == "cuda" and be != "torch":  # the same step with torch.topk
+                fns_t = [lambda s=s, c=c, gqa=gqa: ds.decode(s["q"], s["k"], s["v"], c, s["channels"], budget, gqa=gqa,
+                                                             backend=be, topk="torch") for s, c in zip(sets, caches)]
+                rec_t = record(f"ds_{bits}bit_{gqa}_torch_topk", fns_t, label_bytes + gathered,
+                               {"label_bits": bits, "gqa": gqa, "alpha": r / D, "beta": budget / n, "budget": budget,
+                                "topk": "torch"})
+                rec_t["speedup_vs_sdpa"] = dense["ms_best"] / rec_t["ms_best"]
     for ps, frac in args.quest:
         n_sel = max(1, round(frac * n / ps))
         meta = [quest.page_metadata(s["k"], ps) for s in sets]
@@ -328,27 +334,33 @@ def tune_label_scores(args, device, gen, rows):
         del x, cache
 
 
-TOPK_CONFIGS = [(rb, bn, nw) for rb in (1, 2, 4) for bn in (512, 1024, 2048) for nw in (4, 8)]
+TOPK_CONFIGS = [(rb, bn, nw) for rb in (4, 8) for bn in (1024, 2048, 4096) for nw in (4, 8)]
 
 
 def tune_topk(b, n, args, device, gen, rows):
     """Time ``kernels.topk.select`` on label-score-like rows [B, Hkv, N] (k = β·N) for several radix widths and
-    launch shapes, against ``torch.topk`` on the same rows."""
+    launch shapes, against ``torch.topk`` on the same rows (CUDA-graph replays)."""
     from kernels import topk
 
     scores = torch.randn(b, HKV, n, generator=gen, device=device)
     k = max(1, round(args.beta * n))
-    t = time_cuda(lambda: torch.topk(scores, k, dim=-1, sorted=False), args.warmup, args.reps)
-    rows.append({"kind": "topk_tune", "batch": b, "context": n, "impl": "torch.topk", "ms": t["median_ms"]})
+    timer = Timer(device, args)
+
+    def timed(fn):  # graphed (as in a captured step: several launches, no launch overhead) where possible
+        t = timer.graphed([fn]) or timer.eager([fn])
+        return t["median_ms"]
+
+    rows.append({"kind": "topk_tune", "batch": b, "context": n, "impl": "torch.topk",
+                 "ms": timed(lambda: torch.topk(scores, k, dim=-1, sorted=False))})
     for rb, bn, nw in TOPK_CONFIGS:
         try:
-            t = time_cuda(lambda: topk.select(scores, k, radix_bits=rb, block_n=bn, num_warps=nw), args.warmup, args.reps)
+            ms = timed(lambda: topk.select(scores, k, radix_bits=rb, block_n=bn, num_warps=nw))
         except Exception as e:  # a configuration the compiler rejects: recorded
             rows.append({"kind": "topk_tune", "batch": b, "context": n, "radix_bits": rb, "block_n": bn,
                          "num_warps": nw, "error": str(e)[:300]})
             continue
         rows.append({"kind": "topk_tune", "batch": b, "context": n, "impl": "kernels.topk", "radix_bits": rb,
-                     "block_n": bn, "num_warps": nw, "ms": t["median_ms"]})
+                     "block_n": bn, "num_warps": nw, "ms": ms})
 
 
 def plot(rows, out: Path):
@@ -428,6 +440,14 @@ def main(argv=None):
         ("batch", "B", ""), ("context", "N", ""), ("impl", "impl", ""), ("ms", "eager ms", ".4f"),
         ("ms_graph", "graph ms", ".4f"), ("gbps", "GB/s", ".0f"), ("speedup_vs_sdpa", "x sdpa", ".2f"),
         ("rel_err_vs_reference", "rel err", ".1e")])
+    stage_rows = [{"batch": r["batch"], "context": r["context"], "impl": r["impl"], **r["stages_graph_ms"]}
+                  for r in rows if r.get("stages_graph_ms") and r["impl"].startswith("ds_")]
+    if stage_rows:
+        print("\nDS stages, CUDA-graph timed (topk: kernels.topk; topk_torch: torch.topk):")
+        table += "\n" + print_table(stage_rows, [
+            ("batch", "B", ""), ("context", "N", ""), ("impl", "impl", ""), ("label_scores", "scores ms", ".4f"),
+            ("topk", "topk ms", ".4f"), ("topk_torch", "torch.topk ms", ".4f"), ("topk_sorted", "sorted ms", ".4f"),
+            ("attention", "attention ms", ".4f")])
     if label_rows:
         print("\nlabel scores (GQA-summed, row lengths) by launch configuration, CUDA-graph timed:")
         table += "\n" + print_table(label_rows, [

@@ -48,7 +48,8 @@ def parse_args(argv=None):
     ap.add_argument("--shape", default="llama3_1_8b", choices=sorted(SHAPES))
     ap.add_argument("--contexts", default="16384,32768,98304")
     ap.add_argument("--methods", default="full,full_graph,ds,ds_graph,ds_offload,magicpig_10_150,magicpig_8_75",
-                    help="a _graph suffix decodes with static shapes captured in one CUDA graph (full, ds)")
+                    help="a _graph suffix decodes with static shapes captured in one CUDA graph (full, ds); a "
+                         "_torchtopk suffix (ds, quest, before _graph) takes torch.topk instead of kernels.topk")
     ap.add_argument("--steps", type=int, default=12, help="decode steps per run (warm-up included)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--gpu-reserve-gib", type=float, default=24.0, help="GPU memory kept free of caches")
@@ -254,10 +255,12 @@ def main(argv=None) -> int:
                 continue
             graph = name.endswith("_graph")
             base = name.removesuffix("_graph")
+            topk = "torch" if base.endswith("_torchtopk") else "radix"
+            base = base.removesuffix("_torchtopk")
             cfg = method_config(base, n_layers, shape["num_key_value_heads"], shape["head_dim"])
             batch, plan = plan_batch(base, cfg, ctx, a.steps, shape, n_layers, gpu_free, cpu_free, a.max_batch)
             batch = a.batch or batch
-            rec.update(batch=batch, plan=plan, cuda_graph=graph,
+            rec.update(batch=batch, plan=plan, cuda_graph=graph, topk=topk,
                        method_config={k: v for k, v in cfg.items() if k != "channels"})
             if batch < 1:
                 rec["skipped"] = "does not fit one row"
@@ -267,7 +270,7 @@ def main(argv=None) -> int:
                 method = build_method(cfg)
                 method.setup(model, a.shape)
                 t0 = time.time()
-                res = decode(model, method, ids, a.steps, repeat_batch=batch, cuda_graph=graph)
+                res = decode(model, method, ids, a.steps, repeat_batch=batch, cuda_graph=graph, topk=topk)
                 steps = res.step_ms[a.warmup:] or res.step_ms  # step_ms has steps - 1 entries
                 med = statistics.median(steps)
                 rec.update(ms_per_step=med, ms_min=min(steps), ms_max=max(steps), timed_steps=len(steps),

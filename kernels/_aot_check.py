@@ -52,9 +52,13 @@ def _configs():
                     dict(R=32, BLOCK_R=16 if bits == 4 else 32, BITS=bits), (), 1))
     out.append((_tl_labels._query_labels_kernel, {"Q": "*bf16", "QCH": "*i32", "OUT": "*fp32"},
                 dict(R=32, BLOCK_R=32, BITS=4, QUANT=True), (), 1))
-    for rb, cnt in ((2, True), (4, False)):
-        out.append((_tl_topk._topk_select, {"S": "*fp32", "CNT": "*i32", "OUT": "*i32"},
-                    dict(HAS_CNT=cnt, RADIX_BITS=rb, BLOCK_N=1024, INTERP=False, N_TILES=0, K_TILES=0), (), 4))
+    tk = {"S": "*fp32", "CNT": "*i32", "H": "*i32", "G": "*i32", "OUT": "*i32"}
+    for rb, cnt in ((8, True), (4, False)):
+        c = dict(HAS_CNT=cnt, BITS=rb, BLOCK_N=2048)
+        for p in (0, 1, 32 // rb - 1):
+            out.append((_tl_topk._hist, tk, dict(c, PASS=p), (), 4))
+        out.append((_tl_topk._count, tk, dict(c, PASSES=32 // rb), (), 4))
+        out.append((_tl_topk._write, tk, dict(c, PASSES=32 // rb, TILES_P2=64, PAD=256), (), 4))
     return out
 
 
@@ -72,7 +76,7 @@ def main() -> int:
     for fn, ptrs, consts, floats, warps, *allow in _configs():
         allowed_spill = allow[0] if allow else 0  # bytes of spill stores accepted (measured harmless)
         sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
-        name = f"{fn.__name__}{ {k: v for k, v in consts.items() if k in ('QPI', 'BITS', 'UPCAST', 'REDUCE', 'K', 'DENSE', 'RADIX_BITS')} }"
+        name = f"{fn.__name__}{ {k: v for k, v in consts.items() if k in ('QPI', 'BITS', 'UPCAST', 'REDUCE', 'K', 'DENSE', 'PASS')} }"
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
                                options={"num_warps": warps})

@@ -1,4 +1,16 @@
-"""Triton kernel of ``kernels.topk`` (imported lazily: see ``kernels._common``)."""
+"""Triton kernels of ``kernels.topk`` (imported lazily: see ``kernels._common``).
+
+A radix select spread over many programs per row: every kernel runs on a grid (rows, tiles of BLOCK_N) and
+reads its tile once, so a row of 16K–128K scores is worked on by 8–64 programs at a time.
+
+    pass p = 0 .. 32/BITS − 1   ``_hist``:  histogram of digit p of the keys that match the prefix found by the
+                                 passes before it (atomically added into H[p, row])
+    then                         ``_count``: per tile, #keys > thr and #finite keys == thr (thr = the k-th key)
+    then                         ``_write``: the positions above thr and the first ties, in position order
+
+Each program re-derives the prefix from the histograms of the earlier passes (``_prefix``: ≤ 4 loads of
+2^BITS counts), so no pass needs a separate "find the digit" launch.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, triton_interpret
+from ._common import next_pow2
 
 
 @triton.jit
@@ -17,97 +29,111 @@ def _keys(x):
 
 
 @triton.jit
-def _count_ge(base, n0, N, offs, cand, cnt):
-    """cnt[j] += #{keys of the tile at n0 that are >= cand[j]}."""
-    o = n0 + offs
-    x = tl.load(base + o, mask=o < N, other=float("-inf"))
-    ge = (_keys(x)[:, None] >= cand[None, :]) & (o < N)[:, None]
-    return cnt + tl.sum(ge.to(tl.int32), 0)
+def _budget(CNT, row, N, K_MAX, HAS_CNT: tl.constexpr):
+    """k of the row: min(count[row], k_max, N) (the invariant of ``_prefix`` needs k ≤ N)."""
+    k = tl.minimum(K_MAX, N)
+    if HAS_CNT:
+        k = tl.minimum(tl.load(CNT + row).to(tl.int32), k)
+    return tl.maximum(k, 0)
 
 
 @triton.jit
-def _count_gt(base, n0, N, offs, thr, n_gt):
-    o = n0 + offs
-    x = tl.load(base + o, mask=o < N, other=float("-inf"))
-    return n_gt + tl.sum(((_keys(x) > thr) & (o < N)).to(tl.int32), 0)
+def _prefix(H, row, rows, k, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """The top BITS·PASSES bits of the k-th largest key of the row, from the histograms of passes 0..PASSES−1,
+    and the rank k_rem the k-th key has among the keys that share those bits (1-based).
+
+    Invariant: at least k_rem keys match the prefix.  Digit of pass p: the largest d with
+    #(matching keys with digit ≥ d) ≥ k_rem (counts fall as d grows; d = 0 qualifies by the invariant);
+    k_rem then drops by the keys with a larger digit."""
+    R: tl.constexpr = 1 << BITS
+    digits = tl.arange(0, R)
+    prefix = tl.zeros([], tl.uint32)
+    k_rem = k
+    for p in tl.static_range(PASSES):
+        h = tl.load(H + (p * rows + row) * R + digits)  # [R]
+        ge = tl.cumsum(h, 0, reverse=True)  # [R] #keys with digit >= d
+        best = tl.sum((ge >= k_rem).to(tl.int32), 0) - 1
+        k_rem -= tl.sum(tl.where(digits > best, h, 0), 0)
+        prefix = prefix | (best.to(tl.uint32) << (32 - BITS * (p + 1)))
+    return prefix, k_rem
 
 
 @triton.jit
-def _select_tile(base, out, n0, N, offs, thr, ties, written, seen_eq):
-    """Writes the tile's positions above the threshold, and its ties while fewer than ``ties`` were taken, after
-    the ``written`` already taken (a running prefix sum); −inf never."""
-    o = n0 + offs
-    x = tl.load(base + o, mask=o < N, other=float("-inf"))
+def _hist(S, CNT, H, stride_s, N, K_MAX, rows,
+          PASS: tl.constexpr, HAS_CNT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    R: tl.constexpr = 1 << BITS
+    k = _budget(CNT, row, N, K_MAX, HAS_CNT)
+    o = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = o < N
+    key = _keys(tl.load(S + row.to(tl.int64) * stride_s + o, mask=inside, other=0.0))
+    SHIFT: tl.constexpr = 32 - BITS * (PASS + 1)
+    match = inside
+    if PASS > 0:
+        prefix, k_rem = _prefix(H, row, rows, k, PASS, BITS)
+        match = match & ((key >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS)))
+    digit = ((key >> SHIFT) & (R - 1)).to(tl.int32)
+    h = tl.histogram(digit, R, mask=match)  # [R]
+    tl.atomic_add(H + (PASS * rows + row) * R + tl.arange(0, R), h, mask=h > 0, sem="relaxed")
+
+
+@triton.jit
+def _threshold(H, row, rows, k, PASSES: tl.constexpr, BITS: tl.constexpr):
+    thr, k_rem = _prefix(H, row, rows, k, PASSES, BITS)
+    return thr
+
+
+@triton.jit
+def _count(S, CNT, H, G, stride_s, N, K_MAX, rows, tiles,
+           PASSES: tl.constexpr, HAS_CNT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """G[0, row, tile] = #keys > thr, G[1, row, tile] = #finite keys == thr, in the tile."""
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    k = _budget(CNT, row, N, K_MAX, HAS_CNT)
+    thr = _threshold(H, row, rows, k, PASSES, BITS)
+    o = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    x = tl.load(S + row.to(tl.int64) * stride_s + o, mask=o < N, other=float("-inf"))
     key = _keys(x)
     inside = (o < N) & (x > float("-inf"))
-    eq = (key == thr) & inside
-    eq_rank = seen_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-    take = ((key > thr) & inside) | (eq & (eq_rank < ties))
-    slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
-    tl.store(out + slot, o, mask=take)
-    return written + tl.sum(take.to(tl.int32), 0), seen_eq + tl.sum(eq.to(tl.int32), 0)
+    n_gt = tl.sum(((key > thr) & inside).to(tl.int32), 0)
+    n_eq = tl.sum(((key == thr) & inside).to(tl.int32), 0)
+    tl.store(G + row * tiles + tile, n_gt)
+    tl.store(G + (rows + row) * tiles + tile, n_eq)
 
 
 @triton.jit
-def _topk_select(
-    S, CNT, OUT, stride_s, stride_o, N, K_MAX,
-    HAS_CNT: tl.constexpr, RADIX_BITS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
-    N_TILES: tl.constexpr, K_TILES: tl.constexpr,
-):
-    # every loop over the row has two forms: a constexpr trip count under the interpreter (it cannot take tensor
-    # loop bounds), a runtime bound compiled; the bodies are the helpers above
-    row = tl.program_id(0).to(tl.int64)
-    base = S + row * stride_s
-    if HAS_CNT:
-        k = tl.minimum(tl.load(CNT + row).to(tl.int32), K_MAX)
-    else:
-        k = K_MAX
-    R: tl.constexpr = 1 << RADIX_BITS
-    offs = tl.arange(0, BLOCK_N)
-    digits = tl.arange(0, R).to(tl.uint32)
-    # the k-th largest key: a prefix of the answer, RADIX_BITS bits per pass from the top; invariant: at least k
-    # keys are >= prefix (0 at the start)
-    prefix = tl.zeros([], tl.uint32)
-    for p in tl.static_range(32 // RADIX_BITS):
-        shift = 32 - RADIX_BITS * (p + 1)
-        cand = prefix | (digits << shift)  # [R]
-        cnt = tl.zeros([R], tl.int32)
-        if INTERP:
-            for it in range(0, N_TILES):
-                cnt = _count_ge(base, it * BLOCK_N, N, offs, cand, cnt)
-        else:
-            for n0 in range(0, N, BLOCK_N):
-                cnt = _count_ge(base, n0, N, offs, cand, cnt)
-        best = tl.sum((cnt >= k).to(tl.int32), 0) - 1  # counts fall with the digit; digit 0 always qualifies
-        prefix = prefix | (best.to(tl.uint32) << shift)
-    thr = prefix  # the k-th largest key
-    n_gt = tl.zeros([], tl.int32)
-    if INTERP:
-        for it in range(0, N_TILES):
-            n_gt = _count_gt(base, it * BLOCK_N, N, offs, thr, n_gt)
-    else:
-        for n0 in range(0, N, BLOCK_N):
-            n_gt = _count_gt(base, n0, N, offs, thr, n_gt)
-    ties = k - n_gt
-    out = OUT + row * stride_o
-    written = tl.zeros([], tl.int32)
-    seen_eq = tl.zeros([], tl.int32)
-    if INTERP:
-        for it in range(0, N_TILES):
-            written, seen_eq = _select_tile(base, out, it * BLOCK_N, N, offs, thr, ties, written, seen_eq)
-    else:
-        for n0 in range(0, N, BLOCK_N):
-            written, seen_eq = _select_tile(base, out, n0, N, offs, thr, ties, written, seen_eq)
-    # −1 in the unused slots
-    pad = tl.full([BLOCK_N], -1, tl.int32)
-    if INTERP:
-        for it in range(0, K_TILES):
-            o = it * BLOCK_N + offs
-            tl.store(out + o, pad, mask=(o >= written) & (o < K_MAX))
-    else:
-        for p0 in range(0, K_MAX, BLOCK_N):
-            o = p0 + offs
-            tl.store(out + o, pad, mask=(o >= written) & (o < K_MAX))
+def _write(S, CNT, H, G, OUT, stride_s, stride_o, N, K_MAX, rows, tiles,
+           PASSES: tl.constexpr, HAS_CNT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+           TILES_P2: tl.constexpr, PAD: tl.constexpr):
+    """The tile's positions with key > thr, and its finite ties while fewer than k − #(> thr) were taken by the
+    tiles before it, at slots after those tiles' (exclusive prefix sums of G); then −1 in this program's share
+    [tile·PAD, (tile+1)·PAD) of the slots beyond the row's total."""
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    k = _budget(CNT, row, N, K_MAX, HAS_CNT)
+    thr = _threshold(H, row, rows, k, PASSES, BITS)
+    t = tl.arange(0, TILES_P2)
+    gt = tl.load(G + row * tiles + t, mask=t < tiles, other=0)  # [TILES_P2]
+    eq = tl.load(G + (rows + row) * tiles + t, mask=t < tiles, other=0)
+    ties = k - tl.sum(gt, 0)  # ties to take in the whole row
+    gt_before = tl.sum(tl.where(t < tile, gt, 0), 0)
+    eq_before = tl.sum(tl.where(t < tile, eq, 0), 0)
+    written = gt_before + tl.minimum(eq_before, ties)
+    total = tl.sum(gt, 0) + tl.minimum(tl.sum(eq, 0), ties)
+
+    o = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    x = tl.load(S + row.to(tl.int64) * stride_s + o, mask=o < N, other=float("-inf"))
+    key = _keys(x)
+    inside = (o < N) & (x > float("-inf"))
+    is_eq = (key == thr) & inside
+    eq_rank = eq_before + tl.cumsum(is_eq.to(tl.int32), 0) - 1
+    take = ((key > thr) & inside) | (is_eq & (eq_rank < ties))
+    slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
+    out = OUT + row.to(tl.int64) * stride_o
+    tl.store(out + slot, o, mask=take)
+    s = tile * PAD + tl.arange(0, PAD)
+    tl.store(out + s, tl.full([PAD], -1, tl.int32), mask=(s >= total) & (s < K_MAX))
 
 
 def select(scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n: int, num_warps: int) -> torch.Tensor:
@@ -120,13 +146,18 @@ def select(scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n:
     out = torch.empty((rows, k_max), dtype=torch.int32, device=scores.device)
     if rows == 0:
         return out.view(*lead, k_max)
-    cnt = count.reshape(-1).to(device=scores.device, dtype=torch.int32).contiguous() if count is not None else out
-    interp = triton_interpret()
+    has_cnt = count is not None
+    cnt = count.reshape(-1).to(device=scores.device, dtype=torch.int32).contiguous() if has_cnt else out
     block_n = min(block_n, max(16, next_pow2(n)))
-    _topk_select[(rows,)](
-        s2, cnt, out, s2.stride(0), out.stride(0), n, k_max,
-        HAS_CNT=count is not None, RADIX_BITS=radix_bits, BLOCK_N=block_n, INTERP=interp,
-        N_TILES=triton.cdiv(n, block_n) if interp else 0, K_TILES=triton.cdiv(k_max, block_n) if interp else 0,
-        num_warps=num_warps,
-    )
+    tiles = triton.cdiv(n, block_n)
+    passes = 32 // radix_bits
+    hist = torch.zeros((passes, rows, 1 << radix_bits), dtype=torch.int32, device=scores.device)
+    g = torch.empty((2, rows, tiles), dtype=torch.int32, device=scores.device)
+    grid = (rows, tiles)
+    common = dict(HAS_CNT=has_cnt, BITS=radix_bits, BLOCK_N=block_n, num_warps=num_warps)
+    for p in range(passes):
+        _hist[grid](s2, cnt, hist, s2.stride(0), n, k_max, rows, PASS=p, **common)
+    _count[grid](s2, cnt, hist, g, s2.stride(0), n, k_max, rows, tiles, PASSES=passes, **common)
+    _write[grid](s2, cnt, hist, g, out, s2.stride(0), out.stride(0), n, k_max, rows, tiles, PASSES=passes,
+                 TILES_P2=next_pow2(tiles), PAD=next_pow2(triton.cdiv(k_max, tiles)), **common)
     return out.view(*lead, k_max)

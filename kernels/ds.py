@@ -30,7 +30,7 @@ from ._common import check_heads, resolve_gpu_backend
 __all__ = [
     "LabelCache", "build_label_cache", "quantize_labels", "dequantize_labels", "gather_query_channels",
     "label_channels", "pseudo_quantize", "query_labels", "query_labels_reference", "append_labels", "append_labels_reference",
-    "label_scores", "label_scores_reference", "topk_indices", "decode", "decode_reference",
+    "label_scores", "label_scores_reference", "TOPK_IMPLS", "topk_indices", "decode", "decode_reference",
 ]
 
 LABEL_BITS = (4, 8, 16)
@@ -263,23 +263,28 @@ def label_scores(
                                    num_warps=num_warps)
 
 
-def topk_indices(scores: torch.Tensor, k: int, *, backend: str = "torch") -> torch.Tensor:
+TOPK_IMPLS = ("radix", "torch")
+
+
+def topk_indices(scores: torch.Tensor, k: int, *, backend: str = "auto", topk: str = "radix") -> torch.Tensor:
     """Top-k positions per row of scores [..., N] as int32 [..., min(k, N)], in no particular order; positions
-    whose score is −inf (beyond a row's length) are returned as −1 (padding).  ``torch.topk`` by default:
-    ``backend="triton"`` takes the sort-free radix select of ``kernels.topk``, which measured slower than
-    torch.topk on the H200 (``experiments/kernels``)."""
+    whose score is −inf (beyond a row's length) are returned as −1 (padding).  ``topk="radix"``: the sort-free
+    radix select of ``kernels.topk`` where ``backend`` resolves to Triton (CUDA fp32 scores), ``torch.topk``
+    otherwise; ``topk="torch"``: always ``torch.topk``."""
     if k < 1:
         raise ValueError(f"top-k size k={k}: must be >= 1")
+    if topk not in TOPK_IMPLS:
+        raise ValueError(f"topk={topk!r}: valid values are {list(TOPK_IMPLS)}")
     k = min(int(k), scores.shape[-1])
-    if backend == "triton" and resolve_gpu_backend(backend, scores) == "triton" and scores.dtype == torch.float32:
-        from . import topk
+    if topk == "radix" and scores.dtype == torch.float32 and resolve_gpu_backend(backend, scores) == "triton":
+        from . import topk as ktopk
 
-        return topk.select(scores, k, backend="triton")
+        return ktopk.select(scores, k, backend="triton")
     vals, ids = torch.topk(scores, k, dim=-1, sorted=False)
     return torch.where(vals > float("-inf"), ids, torch.full_like(ids, -1)).to(torch.int32)
 
 
-def _select(q, cache, channels, hkv, budget, gqa, lengths, backend):
+def _select(q, cache, channels, hkv, budget, gqa, lengths, backend, topk):
     if gqa not in GQA_MODES:
         raise ValueError(f"gqa={gqa!r}: valid values are {list(GQA_MODES)}")
     b, hq, _ = q.shape
@@ -295,18 +300,18 @@ def _select(q, cache, channels, hkv, budget, gqa, lengths, backend):
         scores = label_scores(q_label, cache, lengths=lengths, backend=backend)  # [B, Hq, N]
         if gqa == "kv_head":
             scores = scores.view(b, hkv, g, -1).sum(2)
-    return topk_indices(scores, budget)
+    return topk_indices(scores, budget, backend=backend, topk=topk)
 
 
 def decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LabelCache, channels: torch.Tensor, budget: int, *,
     gqa: str = "query_head", scaling: float | None = None, lengths: torch.Tensor | None = None,
-    backend: str = "auto",
+    backend: str = "auto", topk: str = "radix",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Double Sparsity decode step.  q [B, Hq, D]; k, v [B, Hkv, N, D]; cache over the same N tokens;
-    channels [Hl, r]; budget = k (tokens per selection).  Returns (o [B, Hq, D], lse [B, Hq], idx [B, Hq or
-    Hkv, budget] int32)."""
-    idx = _select(q, cache, channels, k.shape[1], budget, gqa, lengths, backend)
+    channels [Hl, r]; budget = k (tokens per selection); ``topk`` as in ``topk_indices``.  Returns (o [B, Hq, D],
+    lse [B, Hq], idx [B, Hq or Hkv, budget] int32)."""
+    idx = _select(q, cache, channels, k.shape[1], budget, gqa, lengths, backend, topk)
     o, lse = sparse_decode.attention(q, k, v, idx, scaling=scaling, backend=backend)
     return o, lse, idx
 
@@ -315,4 +320,5 @@ def decode_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LabelCache, channels: torch.Tensor, budget: int, *,
     gqa: str = "query_head", scaling: float | None = None, lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return decode(q, k, v, cache, channels, budget, gqa=gqa, scaling=scaling, lengths=lengths, backend="torch")
+    return decode(q, k, v, cache, channels, budget, gqa=gqa, scaling=scaling, lengths=lengths, backend="torch",
+                  topk="torch")

@@ -92,11 +92,12 @@ def page_scores(
                                   num_warps=num_warps)
 
 
-def top_pages(scores: torch.Tensor, n: int) -> torch.Tensor:
-    """int32 [..., min(n, P)] page ids of the n highest scores (−1 where the score is −inf)."""
+def top_pages(scores: torch.Tensor, n: int, *, backend: str = "auto", topk: str = "radix") -> torch.Tensor:
+    """int32 [..., min(n, P)] page ids of the n highest scores (−1 where the score is −inf); ``backend`` and
+    ``topk`` as in ``ds.topk_indices``."""
     from .ds import topk_indices
 
-    return topk_indices(scores, n)
+    return topk_indices(scores, n, backend=backend, topk=topk)
 
 
 def pages_to_tokens(pages: torch.Tensor, page_size: int, n_tokens: int) -> torch.Tensor:
@@ -111,8 +112,10 @@ def pages_to_tokens(pages: torch.Tensor, page_size: int, n_tokens: int) -> torch
 def decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_size: int,
     n_select: int, *, gqa: str = "query_head", scaling: float | None = None, backend: str = "auto",
+    topk: str = "radix",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One Quest decode step: score pages, keep the top ``n_select`` pages, attend over their tokens.
+    """One Quest decode step: score pages, keep the top ``n_select`` pages (``topk`` as in ``ds.topk_indices``),
+    attend over their tokens.
     Returns (o [B, Hq, D], lse [B, Hq], token idx [B, Hq or Hkv, n_select·page_size] int32)."""
     if gqa not in GQA_MODES:
         raise ValueError(f"gqa={gqa!r}: valid values are {list(GQA_MODES)}")
@@ -121,7 +124,7 @@ def decode(
         raise ValueError(f"kmin has {kmin.shape[2]} pages; {k.shape[2]} tokens at page_size={page_size} make "
                          f"{p_expected}")
     scores = page_scores(q, kmin, kmax, reduce=gqa == "kv_head", backend=backend)
-    pages = top_pages(scores, n_select)
+    pages = top_pages(scores, n_select, backend=backend, topk=topk)
     idx = pages_to_tokens(pages, page_size, k.shape[2])
     o, lse = sparse_decode.attention(q, k, v, idx, scaling=scaling, backend=backend)
     return o, lse, idx
@@ -131,4 +134,4 @@ def decode_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_size: int,
     n_select: int, *, gqa: str = "query_head", scaling: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return decode(q, k, v, kmin, kmax, page_size, n_select, gqa=gqa, scaling=scaling, backend="torch")
+    return decode(q, k, v, kmin, kmax, page_size, n_select, gqa=gqa, scaling=scaling, backend="torch", topk="torch")

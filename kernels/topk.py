@@ -6,13 +6,15 @@ padded with −1.  Positions whose score is −inf (masked keys) are never selec
 scores than k_r gets fewer entries.  Ties at the k_r-th value are broken towards lower positions in the Triton
 kernel (``torch.topk`` in the reference breaks them in its own way: equal sets up to ties).
 
-The Triton kernel avoids sorting.  It finds the k-th largest score of a row exactly by a radix search over the
-order-preserving uint32 image of the fp32 scores (``RADIX_BITS`` bits per pass: every pass counts, for the
-2^RADIX_BITS candidate extensions of the prefix found so far, how many keys are ≥ each; the largest candidate
-with count ≥ k extends the prefix), then one pass writes the positions above that threshold and the first ties,
-with a running prefix sum.  One program per row; the row is re-read from L1/L2 on each pass.  Because k may be a
-device tensor and nothing depends on it on the host, a step that uses this needs no synchronisation and can be
-captured in a CUDA graph with a budget that changes from step to step.
+The Triton kernels avoid sorting.  They find the k-th largest score of a row exactly by a radix search over the
+order-preserving uint32 image of the fp32 scores, ``radix_bits`` bits per pass from the top: each pass histograms
+the next digit of the keys that share the prefix found so far, and the digit of the k-th key is the largest whose
+count of keys at or above it reaches the rank still sought.  Then one pass counts, per tile, the keys above that
+threshold and the ties, and a last pass writes the positions above it and the first ties, in position order, at
+slots given by prefix sums over the tiles.  Every pass runs on a grid of (row, tile of ``block_n`` scores), so a
+long row is spread over many programs.  Because k may be a device tensor and nothing depends on it on the host, a
+step that uses this needs no synchronisation and can be captured in a CUDA graph with a budget that changes from
+step to step.
 """
 
 from __future__ import annotations
@@ -50,15 +52,19 @@ def select_reference(scores: torch.Tensor, k_max: int, count: torch.Tensor | Non
 
 
 def select(scores: torch.Tensor, k_max: int, count: torch.Tensor | None = None, *, backend: str = "auto",
-           radix_bits: int = 2, block_n: int = 1024, num_warps: int = 4) -> torch.Tensor:
+           radix_bits: int = 8, block_n: int = 2048, num_warps: int = 4) -> torch.Tensor:
     """Top-k positions per row (see the module docstring): scores float32 [..., N]; k_max the slots per row (the
-    budget when ``count`` is None); count int [...] per-row budgets ≤ k_max on the device.  int32 [..., k_max]."""
+    budget when ``count`` is None); count int [...] per-row budgets ≤ k_max on the device.  int32 [..., k_max],
+    positions in increasing order, then −1.  ``radix_bits``: digit width of a pass (32/radix_bits histogram
+    passes); ``block_n``: scores per program."""
     _check(scores, k_max, count)
     which = resolve_gpu_backend(backend, scores, count)
     if which == "torch":
         return select_reference(scores, k_max, count)
-    if radix_bits not in (1, 2, 4):  # 8 bits: a [BLOCK_N, 256] comparison spills registers
-        raise ValueError(f"radix_bits={radix_bits}: valid values are [1, 2, 4]")
+    if radix_bits not in (4, 8):
+        raise ValueError(f"radix_bits={radix_bits}: valid values are [4, 8]")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n={block_n}: must be a power of two >= 16")
     from . import _tl_topk
 
     return _tl_topk.select(scores, k_max, count, radix_bits=radix_bits, block_n=block_n, num_warps=num_warps)

@@ -216,10 +216,11 @@ def _values_of(scores, sel):
     return out
 
 
-@pytest.mark.parametrize("radix_bits", [2, 4])
+@pytest.mark.parametrize("radix_bits", [4, 8])
 def test_topk_select_matches_sorted_topk(radix_bits):
     """The radix-select top-k picks keys of exactly the same scores as torch.topk (equal sets up to ties), per-row
-    budgets from a device tensor, −inf never picked, ties broken towards lower positions, −1 padding."""
+    budgets from a device tensor, −inf never picked, ties broken towards lower positions across tiles, positions
+    in increasing order, −1 padding (also with more slots than scores)."""
     gen = _gen(5)
     s = torch.randn(2, 3, 150, generator=gen)
     s[0, 0] = torch.round(s[0, 0] * 2) / 2  # many ties at the threshold
@@ -230,11 +231,14 @@ def test_topk_select_matches_sorted_topk(radix_bits):
     count = torch.randint(1, 30, (2, 3), generator=gen)
     count[1, 2] = 140  # more than the finite scores: 100 picked
     count = count.to(DEV)
-    for k_max, cnt in ((25, None), (150, count)):
-        got = topk.select(s, k_max, cnt, backend="triton", radix_bits=radix_bits, block_n=64)
+    for k_max, cnt in ((25, None), (200, None), (150, count)):
+        got = topk.select(s, k_max, cnt, backend="triton", radix_bits=radix_bits, block_n=64)  # 3 tiles per row
         ref = topk.select_reference(s, k_max, cnt)
         assert got.shape == ref.shape == (2, 3, k_max) and got.dtype == torch.int32
         assert _values_of(s, got) == _values_of(s, ref)
+        for row in got.reshape(-1, k_max).cpu():
+            ids = row[row >= 0]
+            assert (ids[1:] > ids[:-1]).all(), "positions in increasing order"
     assert int((got[1, 2] >= 0).sum()) == 100
     tie_row = got[0, 0][: int(count[0, 0])].cpu()
     thr = s[0, 0].cpu()[tie_row.long()].min()

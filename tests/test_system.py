@@ -135,18 +135,42 @@ GRAPH_CONFIGS = {
 def test_static_step_gives_the_same_tokens(stories, prompts, which):
     """The static-shape step of ``cuda_graph=true`` (write at a device position, attend over the capacity with
     length masks, device-side budgets, top-k_cap then ``count``) decodes the same tokens as the eager layers, and
-    so as the accuracy path, on every row; with repeat_batch the tiled rows repeat the first row."""
+    so as the accuracy path, on every row, with either top-k; with repeat_batch the tiled rows repeat the first
+    row."""
     model, tok = stories
     cfg = GRAPH_CONFIGS[which]
     eager = _system(model, cfg, prompts, backend_gpu="torch")
     static = _system(model, cfg, prompts, backend_gpu="torch", cuda_graph=True)
     assert static.tokens.tolist() == eager.tokens.tolist()
+    if which.startswith("ds"):  # the sorted torch.topk of k_cap, first budget(n) kept
+        by_sort = _system(model, cfg, prompts, backend_gpu="torch", cuda_graph=True, topk="torch")
+        assert by_sort.tokens.tolist() == eager.tokens.tolist()
     assert len(static.step_ms) == NEW - 1
     assert static.tokens[0].tolist() == _accuracy_tokens(model, tok, cfg, prompts[0])
     if which == "ds":
         assert static.tokens[0].tolist() != _accuracy_tokens(model, tok, dict(name="full"), prompts[0])
     tiled = _system(model, cfg, [prompts[1]], backend_gpu="torch", cuda_graph=True, repeat_batch=2)
     assert tiled.tokens.tolist() == [eager.tokens[1].tolist()] * 2
+
+
+def test_static_step_with_the_triton_kernels(stories, prompts):
+    """The static DS step through the Triton kernels (label append and scores, the radix top-k with the device
+    budgets as counts, attention over the capacity; in the interpreter without CUDA, so few steps) decodes the
+    tokens of the eager torch layers on both rows; a bad ``topk`` fails naming the valid ones."""
+    pytest.importorskip("triton")
+    from sparse_eval.methods.base import budget_bound
+
+    model, _ = stories
+    # β·n crosses 7 during the steps (n = 261..264): budget(n) < budget(capacity) = k_cap at first
+    m = build_method(dict(GRAPH_CONFIGS["ds_kv_head_8bit"], beta=0.0266))
+    m.setup(model, "stories260k")
+    ids = torch.tensor(prompts)
+    assert [max(1, budget_bound(0.0266, n)) for n in (261, 264)] == [6, 7] and ids.shape[1] == 260
+    eager = decode(model, m, ids, 4, backend_gpu="torch")
+    radix = decode(model, m, ids, 4, backend_gpu="triton", cuda_graph=True, label_scale_dtype=torch.float32)
+    assert radix.tokens.tolist() == eager.tokens.tolist()
+    with pytest.raises(ValueError, match="topk='heap': valid values are \\['radix', 'torch'\\]"):
+        decode(model, m, ids, 4, topk="heap")
 
 
 def test_static_budget_matches_budget_bound():

@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import kernels.offload as koff
+from kernels.ds import TOPK_IMPLS
 
 from ..attention.plugin import attention_modules, cache_kwargs
 from ..methods.base import Method
@@ -82,8 +83,9 @@ def _layer_channels(method: Any, layer_idx: int, hq: int, hkv: int, d: int) -> t
 
 
 def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype: torch.dtype | None = None,
-                 backend_gpu: str = "auto", backend_cpu: str = "auto") -> list[FullLayer]:
-    """One cache layer per decoder layer for ``method`` (set up already: DS has its channels)."""
+                 backend_gpu: str = "auto", backend_cpu: str = "auto", topk: str = "radix") -> list[FullLayer]:
+    """One cache layer per decoder layer for ``method`` (set up already: DS has its channels); ``topk`` the
+    top-k of DS and Quest ("radix": ``kernels.topk`` on CUDA; "torch": ``torch.topk``)."""
     name = method.name
     if name not in SYSTEM_METHODS:
         raise ValueError(f"method {name!r} has no system path; valid: {list(SYSTEM_METHODS)} (double_sparsity with "
@@ -109,14 +111,14 @@ def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype
             cls = DSOffloadLayer if c.offload else DSLayer
             layers.append(cls(i, capacity, _layer_channels(method, i, hq, hkv, d), hq=hq, beta=c.beta, bits=c.label_bits,
                               quantize_query=c.quantize_query, gqa=c.gqa, scale_dtype=label_scale_dtype,
-                              backend=backend_gpu))
+                              backend=backend_gpu, topk=topk))
         elif name == "quest":
             c = method.config
             if not c.update_pages:
                 raise ValueError("method.update_pages=false (the MagicPIG repo's frozen pages) has no system path; "
                                  "valid: true (Quest's own incremental pages)")
             layers.append(QuestLayer(i, capacity, page_size=c.page_size, budget=c.budget, sink=c.sink, local=c.local,
-                                     gqa=c.gqa, backend=backend_gpu))
+                                     gqa=c.gqa, backend=backend_gpu, topk=topk))
         else:
             layers.append(MagicPIGLayer(i, capacity, method, backend_gpu=backend_gpu, backend_cpu=backend_cpu))
     return layers
@@ -343,7 +345,7 @@ def _decode_static(model: Any, session: SystemSession, kw: dict[str, Any], nxt: 
 @torch.inference_mode()
 def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: int, *, repeat_batch: int = 1,
            cuda_graph: bool = False, label_scale_dtype: torch.dtype | None = None, backend_gpu: str = "auto",
-           backend_cpu: str = "auto") -> DecodeResult:
+           backend_cpu: str = "auto", topk: str = "radix") -> DecodeResult:
     """Prefill ``input_ids`` [B, T] (equal lengths, no padding) densely, then ``max_new_tokens`` greedy steps with
     ``method`` (no stop token: every row decodes the same number of steps, as a throughput run does).
     ``repeat_batch`` tiles the cache over the batch (B·repeat rows) after the first decode step (the prefill
@@ -352,16 +354,19 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
 
     ``cuda_graph``: decode with static shapes (preallocated capacity, device-side positions and budgets; see
     ``_decode_static``), captured once in a CUDA graph on the GPU (full attention and GPU Double Sparsity).  The
-    cache is then tiled right after the prefill, and ``stats["graph_capture_ms"]`` holds the capture time."""
+    cache is then tiled right after the prefill, and ``stats["graph_capture_ms"]`` holds the capture time.
+    ``topk``: see ``build_layers``."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected [B, T], got shape {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    if topk not in TOPK_IMPLS:
+        raise ValueError(f"topk={topk!r}: valid values are {list(TOPK_IMPLS)}")
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
     b, t = input_ids.shape
     layers = build_layers(model, method, t + max_new_tokens, label_scale_dtype=label_scale_dtype,
-                          backend_gpu=backend_gpu, backend_cpu=backend_cpu)
+                          backend_gpu=backend_gpu, backend_cpu=backend_cpu, topk=topk)
     if cuda_graph:
         _check_graph_capable(method, layers)
     session = SystemSession(model, method, layers)

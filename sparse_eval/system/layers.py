@@ -43,6 +43,7 @@ import kernels.magicpig_cpu as kmc
 import kernels.offload as koff
 import kernels.quest as kqu
 import kernels.sparse_decode as ksd
+import kernels.topk as ktopk
 from kernels.merge import merge_by_lse
 
 from ..methods.base import budget_bound
@@ -302,16 +303,20 @@ class DSLayer(FullLayer):
     """Double Sparsity decode (Algorithm 1) over a GPU KV cache.  ``channels`` long [Hl, r] (Hl = Hq: per query
     head, the calibrated "qk" channels; Hl = Hkv: per KV head), ``beta`` the token budget (ratio of the context
     or a token count), ``gqa`` "query_head" (a top-k per query head) or "kv_head" (one per KV group, label
-    scores summed over the group)."""
+    scores summed over the group); ``topk`` "radix" (``kernels.topk`` on CUDA, ``torch.topk`` elsewhere) or
+    "torch" (always ``torch.topk``): the same keys up to ties."""
 
     kind = "double_sparsity"
 
     def __init__(self, layer_idx: int, capacity: int, channels: torch.Tensor, *, hq: int, beta: float | int, bits: int = 4,
                  quantize_query: bool = True, gqa: str = "query_head", scale_dtype: torch.dtype = torch.float16,
-                 backend: str = "auto", kv_device=None):
+                 backend: str = "auto", kv_device=None, topk: str = "radix"):
         super().__init__(layer_idx, capacity, kv_device, backend=backend)
         if gqa not in kds.GQA_MODES:
             raise ValueError(f"gqa={gqa!r}: valid values are {list(kds.GQA_MODES)}")
+        if topk not in kds.TOPK_IMPLS:
+            raise ValueError(f"topk={topk!r}: valid values are {list(kds.TOPK_IMPLS)}")
+        self.topk = topk
         if bits not in kds.LABEL_BITS:
             raise ValueError(f"label bits={bits!r}: the system path's label cache supports {list(kds.LABEL_BITS)}")
         self.labels = _Labels(channels, bits, scale_dtype)
@@ -367,7 +372,7 @@ class DSLayer(FullLayer):
         n = self.n
         q3 = q[:, :, 0]
         scores = self.label_scores(self.query_labels(q3), n)  # Alg. 1 line 4
-        idx = kds.topk_indices(scores, self.budget(n))  # line 5
+        idx = kds.topk_indices(scores, self.budget(n), backend=self.backend, topk=self.topk)  # line 5
         o, _ = ksd.attention(q3, self.keys[:, :, :n], self.values[:, :, :n], idx, scaling=scaling,
                              backend=self.backend)  # lines 6-7
         return o.unsqueeze(2)
@@ -375,16 +380,19 @@ class DSLayer(FullLayer):
     def _decode_static(self, q, scaling):
         """Algorithm 1 with shapes fixed by the capacity: scores over every slot (−inf at and beyond each row's
         length); the top budget(n) of each row, with the budget a device tensor, written into k_cap =
-        budget(capacity) slots (a sorted ``torch.topk`` of k_cap; on the H200 it beat the radix select of
-        ``kernels.topk``); attention over the first budget(n) of them.  The same keys as the eager step's, up to
-        ties."""
+        budget(capacity) slots; attention over the first budget(n) of them.  The same keys as the eager step's,
+        up to ties.  Top-k: ``kernels.topk.select`` with the budgets as its per-row counts, or (``topk="torch"``)
+        a sorted ``torch.topk`` of k_cap, whose first budget(n) are the budget(n) best."""
         st = self.static
         q3 = q[:, :, 0]
         scores = self.label_scores(self.query_labels(q3), self.capacity, st.lengths)  # line 4, [B, Hs, capacity]
-        # line 5: the budget(n) best are the first budget(n) of the sorted top k_cap (all finite: budget ≤ n)
-        _, ids = torch.topk(scores, self.budget(self.capacity), dim=-1, sorted=True)
-        count = st.budget_rows(self.beta, ids.shape[1])  # [B, Hs]
-        o, _ = ksd.attention(q3, self.keys, self.values, ids.to(torch.int32), count=count, scaling=scaling,
+        count = st.budget_rows(self.beta, scores.shape[1])  # [B, Hs]; all finite: budget ≤ n
+        k_cap = self.budget(self.capacity)
+        if self.topk == "radix":  # line 5
+            ids = ktopk.select(scores, k_cap, count, backend=self.backend)
+        else:
+            ids = torch.topk(scores, k_cap, dim=-1, sorted=True)[1].to(torch.int32)
+        o, _ = ksd.attention(q3, self.keys, self.values, ids, count=count, scaling=scaling,
                              backend=self.backend)  # lines 6-7
         return o.unsqueeze(2)
 
@@ -394,16 +402,19 @@ class QuestLayer(FullLayer):
     (``kernels.quest.page_scores``), the top pages' tokens plus the static sink/local keys attended
     (``kernels.sparse_decode``).  Same selection as ``methods.quest`` with ``update_pages=true`` (Quest's own
     behaviour): only pages holding a candidate (non-static) key compete, and the budget is
-    max(1, floor(budget_tokens / page_size)) pages."""
+    max(1, floor(budget_tokens / page_size)) pages.  ``topk`` as in ``DSLayer``."""
 
     kind = "quest"
     static_capable = False
 
     def __init__(self, layer_idx: int, capacity: int, *, page_size: int, budget: float | int, sink: int, local: int,
-                 gqa: str = "query_head", backend: str = "auto"):
+                 gqa: str = "query_head", backend: str = "auto", topk: str = "radix"):
         super().__init__(layer_idx, capacity, backend=backend)
         if gqa not in kqu.GQA_MODES:
             raise ValueError(f"gqa={gqa!r}: valid values are {list(kqu.GQA_MODES)}")
+        if topk not in kds.TOPK_IMPLS:
+            raise ValueError(f"topk={topk!r}: valid values are {list(kds.TOPK_IMPLS)}")
+        self.topk = topk
         self.ps, self.budget_cfg, self.sink, self.local, self.gqa = page_size, budget, sink, local, gqa
         self.kmin = self.kmax = None
 
@@ -445,7 +456,7 @@ class QuestLayer(FullLayer):
         # as ``resolve_budget``: an int budget is not capped at n (the accuracy path's page count)
         tokens = self.budget_cfg if isinstance(self.budget_cfg, int) else budget_bound(self.budget_cfg, n)
         want = max(1, tokens // ps)
-        chosen = kqu.top_pages(u, want)  # [B, Hs, want]
+        chosen = kqu.top_pages(u, want, backend=self.backend, topk=self.topk)  # [B, Hs, want]
         tok = kqu.pages_to_tokens(chosen, ps, n)  # [B, Hs, want·ps]
         tok = torch.where((tok >= c_lo) & (tok < c_hi), tok, torch.full_like(tok, -1))
         static = torch.cat([torch.arange(min(self.sink, n), device=q.device, dtype=tok.dtype),
