@@ -334,7 +334,8 @@ def tune_label_scores(args, device, gen, rows):
         del x, cache
 
 
-TOPK_CONFIGS = [(rb, bn, nw) for rb in (4, 8) for bn in (1024, 2048, 4096) for nw in (4, 8)]
+TOPK_CONFIGS = [(8, 2048, 4, 2), (8, 2048, 4, 99), (8, 4096, 4, 2), (8, 1024, 4, 2), (8, 2048, 8, 2), (4, 2048, 4, 4)]
+# (radix bits, BLOCK_N, warps, first pass counted by per-key atomics; 99 = tile histograms in every pass)
 
 
 def tune_topk(b, n, args, device, gen, rows):
@@ -352,15 +353,15 @@ def tune_topk(b, n, args, device, gen, rows):
 
     rows.append({"kind": "topk_tune", "batch": b, "context": n, "impl": "torch.topk",
                  "ms": timed(lambda: torch.topk(scores, k, dim=-1, sorted=False))})
-    for rb, bn, nw in TOPK_CONFIGS:
+    for rb, bn, nw, af in TOPK_CONFIGS:
         try:
-            ms = timed(lambda: topk.select(scores, k, radix_bits=rb, block_n=bn, num_warps=nw))
+            ms = timed(lambda: topk.select(scores, k, radix_bits=rb, block_n=bn, num_warps=nw, atomic_from=af))
         except Exception as e:  # a configuration the compiler rejects: recorded
             rows.append({"kind": "topk_tune", "batch": b, "context": n, "radix_bits": rb, "block_n": bn,
-                         "num_warps": nw, "error": str(e)[:300]})
+                         "num_warps": nw, "atomic_from": af, "error": str(e)[:300]})
             continue
         rows.append({"kind": "topk_tune", "batch": b, "context": n, "impl": "kernels.topk", "radix_bits": rb,
-                     "block_n": bn, "num_warps": nw, "ms": ms})
+                     "block_n": bn, "num_warps": nw, "atomic_from": af, "ms": ms})
 
 
 def plot(rows, out: Path):
@@ -457,7 +458,8 @@ def main(argv=None):
         print("\ntop-k of N/16 per row, rows [B, 8, N] fp32:")
         table += "\n" + print_table(topk_rows, [
             ("batch", "B", ""), ("context", "N", ""), ("impl", "impl", ""), ("radix_bits", "radix bits", ""),
-            ("block_n", "BLOCK_N", ""), ("num_warps", "warps", ""), ("ms", "ms", ".4f")])
+            ("block_n", "BLOCK_N", ""), ("num_warps", "warps", ""), ("atomic_from", "atomics from pass", ""),
+            ("ms", "ms", ".4f")])
     if tune_rows:
         print("\nsparse attention launch configurations (N/16 random indices):")
         table += "\n" + print_table(tune_rows, [

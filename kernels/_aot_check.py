@@ -52,11 +52,11 @@ def _configs():
                     dict(R=32, BLOCK_R=16 if bits == 4 else 32, BITS=bits), (), 1))
     out.append((_tl_labels._query_labels_kernel, {"Q": "*bf16", "QCH": "*i32", "OUT": "*fp32"},
                 dict(R=32, BLOCK_R=32, BITS=4, QUANT=True), (), 1))
-    tk = {"S": "*fp32", "CNT": "*i32", "H": "*i32", "G": "*i32", "OUT": "*i32"}
+    tk = {"S": "*fp32", "CNT": "*i32", "H": "*i32", "ST": "*i32", "G": "*i32", "OUT": "*i32"}
     for rb, cnt in ((8, True), (4, False)):
         c = dict(HAS_CNT=cnt, BITS=rb, BLOCK_N=2048)
-        for p in (0, 1, 32 // rb - 1):
-            out.append((_tl_topk._hist, tk, dict(c, PASS=p), (), 4))
+        for p in (0, 1, 2, 32 // rb - 1):
+            out.append((_tl_topk._hist, tk, dict(c, PASS=p, ATOMIC=p >= 2), (), 4))
         out.append((_tl_topk._count, tk, dict(c, PASSES=32 // rb), (), 4))
         out.append((_tl_topk._write, tk, dict(c, PASSES=32 // rb, TILES_P2=64, PAD=256), (), 4))
     return out

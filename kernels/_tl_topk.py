@@ -8,8 +8,9 @@ reads its tile once, so a row of 16K–128K scores is worked on by 8–64 progra
     then                         ``_count``: per tile, #keys > thr and #finite keys == thr (thr = the k-th key)
     then                         ``_write``: the positions above thr and the first ties, in position order
 
-Each program re-derives the prefix from the histograms of the earlier passes (``_prefix``: ≤ 4 loads of
-2^BITS counts), so no pass needs a separate "find the digit" launch.
+Each program of pass p advances the prefix state stored by pass p − 1 by one digit, from the histogram of pass
+p − 1 (``_state``), and tile 0 stores the result for pass p + 1; so no pass needs a separate "find the digit"
+launch, and no program re-derives every digit.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _keys(x):
 
 @triton.jit
 def _budget(CNT, row, N, K_MAX, HAS_CNT: tl.constexpr):
-    """k of the row: min(count[row], k_max, N) (the invariant of ``_prefix`` needs k ≤ N)."""
+    """k of the row: min(count[row], k_max, N) (the invariant of ``_digit_step`` needs k ≤ N)."""
     k = tl.minimum(K_MAX, N)
     if HAS_CNT:
         k = tl.minimum(tl.load(CNT + row).to(tl.int32), k)
@@ -38,62 +39,75 @@ def _budget(CNT, row, N, K_MAX, HAS_CNT: tl.constexpr):
 
 
 @triton.jit
-def _prefix(H, row, rows, k, PASSES: tl.constexpr, BITS: tl.constexpr):
-    """The top BITS·PASSES bits of the k-th largest key of the row, from the histograms of passes 0..PASSES−1,
-    and the rank k_rem the k-th key has among the keys that share those bits (1-based).
-
-    Invariant: at least k_rem keys match the prefix.  Digit of pass p: the largest d with
-    #(matching keys with digit ≥ d) ≥ k_rem (counts fall as d grows; d = 0 qualifies by the invariant);
-    k_rem then drops by the keys with a larger digit."""
+def _digit_step(H, row, rows, prefix, k_rem, P: tl.constexpr, BITS: tl.constexpr):
+    """One digit of the k-th largest key from the histogram of pass P: the largest d with #(keys matching the
+    prefix with digit ≥ d) ≥ k_rem (counts fall as d grows; d = 0 qualifies because at least k_rem keys match
+    the prefix); k_rem then drops by the keys with a larger digit (it stays the rank of the k-th key among the
+    keys that share the longer prefix)."""
     R: tl.constexpr = 1 << BITS
     digits = tl.arange(0, R)
-    prefix = tl.zeros([], tl.uint32)
-    k_rem = k
-    for p in tl.static_range(PASSES):
-        h = tl.load(H + (p * rows + row) * R + digits)  # [R]
-        ge = tl.cumsum(h, 0, reverse=True)  # [R] #keys with digit >= d
-        best = tl.sum((ge >= k_rem).to(tl.int32), 0) - 1
-        k_rem -= tl.sum(tl.where(digits > best, h, 0), 0)
-        prefix = prefix | (best.to(tl.uint32) << (32 - BITS * (p + 1)))
-    return prefix, k_rem
+    h = tl.load(H + (P * rows + row) * R + digits)  # [R]
+    ge = tl.cumsum(h, 0, reverse=True)  # [R] #keys with digit >= d
+    best = tl.sum((ge >= k_rem).to(tl.int32), 0) - 1
+    k_rem -= tl.sum(tl.where(digits > best, h, 0), 0)
+    return prefix | (best.to(tl.uint32) << (32 - BITS * (P + 1))), k_rem
 
 
 @triton.jit
-def _hist(S, CNT, H, stride_s, N, K_MAX, rows,
-          PASS: tl.constexpr, HAS_CNT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _state(H, ST, row, rows, k, P: tl.constexpr, BITS: tl.constexpr):
+    """(prefix, k_rem) after the digits of passes 0..P−1: the state stored by pass P−1 (``ST[P−1]``, or the start
+    (0, k) for P − 1 = 0) advanced by the histogram of pass P−1.  One step, not P: the chain of dependent loads
+    of recomputing every digit in every program measured as a large part of each pass."""
+    if P == 1:
+        prefix = tl.zeros([], tl.uint32)
+        k_rem = k
+    else:
+        prefix = tl.load(ST + ((P - 1) * rows + row) * 2).to(tl.uint32, bitcast=True)
+        k_rem = tl.load(ST + ((P - 1) * rows + row) * 2 + 1)
+    return _digit_step(H, row, rows, prefix, k_rem, P - 1, BITS)
+
+
+@triton.jit
+def _hist(S, CNT, H, ST, stride_s, N, K_MAX, rows,
+          PASS: tl.constexpr, HAS_CNT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+          ATOMIC: tl.constexpr):
+    """Pass PASS: the histogram of digit PASS of the tile's keys that match the prefix of the earlier digits,
+    added into H[PASS, row]; tile 0 stores that prefix state in ST[PASS] for the next pass.  ATOMIC: one global
+    atomic per matching key instead of a tile histogram (cheaper once few keys match the prefix)."""
     row = tl.program_id(0)
     tile = tl.program_id(1)
     R: tl.constexpr = 1 << BITS
-    k = _budget(CNT, row, N, K_MAX, HAS_CNT)
     o = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = o < N
     key = _keys(tl.load(S + row.to(tl.int64) * stride_s + o, mask=inside, other=0.0))
     SHIFT: tl.constexpr = 32 - BITS * (PASS + 1)
     match = inside
     if PASS > 0:
-        prefix, k_rem = _prefix(H, row, rows, k, PASS, BITS)
+        k = _budget(CNT, row, N, K_MAX, HAS_CNT)
+        prefix, k_rem = _state(H, ST, row, rows, k, PASS, BITS)
         match = match & ((key >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS)))
+        if tile == 0:
+            tl.store(ST + (PASS * rows + row) * 2, prefix.to(tl.int32, bitcast=True))
+            tl.store(ST + (PASS * rows + row) * 2 + 1, k_rem)
     digit = ((key >> SHIFT) & (R - 1)).to(tl.int32)
-    h = tl.histogram(digit, R, mask=match)  # [R]
-    tl.atomic_add(H + (PASS * rows + row) * R + tl.arange(0, R), h, mask=h > 0, sem="relaxed")
+    if ATOMIC:
+        tl.atomic_add(H + (PASS * rows + row) * R + digit, tl.full([BLOCK_N], 1, tl.int32), mask=match,
+                      sem="relaxed")
+    else:
+        h = tl.histogram(digit, R, mask=match)  # [R]
+        tl.atomic_add(H + (PASS * rows + row) * R + tl.arange(0, R), h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit
-def _threshold(H, row, rows, k, PASSES: tl.constexpr, BITS: tl.constexpr):
-    thr, k_rem = _prefix(H, row, rows, k, PASSES, BITS)
-    return thr
-
-
-@triton.jit
-def _count(S, CNT, H, G, stride_s, N, K_MAX, rows, tiles,
+def _count(S, CNT, H, ST, G, stride_s, N, K_MAX, rows, tiles,
            PASSES: tl.constexpr, HAS_CNT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """G[0, row, tile] = #keys > thr, G[1, row, tile] = #finite keys == thr, in the tile."""
+    """G[0, row, tile] = #keys > thr, G[1, row, tile] = #finite keys == thr, in the tile (thr: the k-th key)."""
     row = tl.program_id(0)
     tile = tl.program_id(1)
-    k = _budget(CNT, row, N, K_MAX, HAS_CNT)
-    thr = _threshold(H, row, rows, k, PASSES, BITS)
     o = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     x = tl.load(S + row.to(tl.int64) * stride_s + o, mask=o < N, other=float("-inf"))
+    k = _budget(CNT, row, N, K_MAX, HAS_CNT)
+    thr, _ = _state(H, ST, row, rows, k, PASSES, BITS)
     key = _keys(x)
     inside = (o < N) & (x > float("-inf"))
     n_gt = tl.sum(((key > thr) & inside).to(tl.int32), 0)
@@ -103,7 +117,7 @@ def _count(S, CNT, H, G, stride_s, N, K_MAX, rows, tiles,
 
 
 @triton.jit
-def _write(S, CNT, H, G, OUT, stride_s, stride_o, N, K_MAX, rows, tiles,
+def _write(S, CNT, H, ST, G, OUT, stride_s, stride_o, N, K_MAX, rows, tiles,
            PASSES: tl.constexpr, HAS_CNT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
            TILES_P2: tl.constexpr, PAD: tl.constexpr):
     """The tile's positions with key > thr, and its finite ties while fewer than k − #(> thr) were taken by the
@@ -111,19 +125,18 @@ def _write(S, CNT, H, G, OUT, stride_s, stride_o, N, K_MAX, rows, tiles,
     [tile·PAD, (tile+1)·PAD) of the slots beyond the row's total."""
     row = tl.program_id(0)
     tile = tl.program_id(1)
-    k = _budget(CNT, row, N, K_MAX, HAS_CNT)
-    thr = _threshold(H, row, rows, k, PASSES, BITS)
+    o = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    x = tl.load(S + row.to(tl.int64) * stride_s + o, mask=o < N, other=float("-inf"))
     t = tl.arange(0, TILES_P2)
     gt = tl.load(G + row * tiles + t, mask=t < tiles, other=0)  # [TILES_P2]
     eq = tl.load(G + (rows + row) * tiles + t, mask=t < tiles, other=0)
+    k = _budget(CNT, row, N, K_MAX, HAS_CNT)
+    thr, _ = _state(H, ST, row, rows, k, PASSES, BITS)
     ties = k - tl.sum(gt, 0)  # ties to take in the whole row
     gt_before = tl.sum(tl.where(t < tile, gt, 0), 0)
     eq_before = tl.sum(tl.where(t < tile, eq, 0), 0)
     written = gt_before + tl.minimum(eq_before, ties)
     total = tl.sum(gt, 0) + tl.minimum(tl.sum(eq, 0), ties)
-
-    o = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    x = tl.load(S + row.to(tl.int64) * stride_s + o, mask=o < N, other=float("-inf"))
     key = _keys(x)
     inside = (o < N) & (x > float("-inf"))
     is_eq = (key == thr) & inside
@@ -136,7 +149,8 @@ def _write(S, CNT, H, G, OUT, stride_s, stride_o, N, K_MAX, rows, tiles,
     tl.store(out + s, tl.full([PAD], -1, tl.int32), mask=(s >= total) & (s < K_MAX))
 
 
-def select(scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n: int, num_warps: int) -> torch.Tensor:
+def select(scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n: int, num_warps: int,
+           atomic_from: int) -> torch.Tensor:
     lead = scores.shape[:-1]
     n = scores.shape[-1]
     s2 = scores.reshape(-1, n)
@@ -152,12 +166,13 @@ def select(scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n:
     tiles = triton.cdiv(n, block_n)
     passes = 32 // radix_bits
     hist = torch.zeros((passes, rows, 1 << radix_bits), dtype=torch.int32, device=scores.device)
+    state = torch.empty((passes, rows, 2), dtype=torch.int32, device=scores.device)  # [p] = (prefix, k_rem)
     g = torch.empty((2, rows, tiles), dtype=torch.int32, device=scores.device)
     grid = (rows, tiles)
     common = dict(HAS_CNT=has_cnt, BITS=radix_bits, BLOCK_N=block_n, num_warps=num_warps)
     for p in range(passes):
-        _hist[grid](s2, cnt, hist, s2.stride(0), n, k_max, rows, PASS=p, **common)
-    _count[grid](s2, cnt, hist, g, s2.stride(0), n, k_max, rows, tiles, PASSES=passes, **common)
-    _write[grid](s2, cnt, hist, g, out, s2.stride(0), out.stride(0), n, k_max, rows, tiles, PASSES=passes,
+        _hist[grid](s2, cnt, hist, state, s2.stride(0), n, k_max, rows, PASS=p, ATOMIC=p >= atomic_from, **common)
+    _count[grid](s2, cnt, hist, state, g, s2.stride(0), n, k_max, rows, tiles, PASSES=passes, **common)
+    _write[grid](s2, cnt, hist, state, g, out, s2.stride(0), out.stride(0), n, k_max, rows, tiles, PASSES=passes,
                  TILES_P2=next_pow2(tiles), PAD=next_pow2(triton.cdiv(k_max, tiles)), **common)
     return out.view(*lead, k_max)

@@ -52,11 +52,12 @@ def select_reference(scores: torch.Tensor, k_max: int, count: torch.Tensor | Non
 
 
 def select(scores: torch.Tensor, k_max: int, count: torch.Tensor | None = None, *, backend: str = "auto",
-           radix_bits: int = 8, block_n: int = 2048, num_warps: int = 4) -> torch.Tensor:
+           radix_bits: int = 8, block_n: int = 2048, num_warps: int = 4, atomic_from: int = 2) -> torch.Tensor:
     """Top-k positions per row (see the module docstring): scores float32 [..., N]; k_max the slots per row (the
     budget when ``count`` is None); count int [...] per-row budgets ≤ k_max on the device.  int32 [..., k_max],
     positions in increasing order, then −1.  ``radix_bits``: digit width of a pass (32/radix_bits histogram
-    passes); ``block_n``: scores per program."""
+    passes); ``block_n``: scores per program; passes from ``atomic_from`` on count with one global atomic per key
+    that matches the prefix (few do by then) instead of a tile histogram."""
     _check(scores, k_max, count)
     which = resolve_gpu_backend(backend, scores, count)
     if which == "torch":
@@ -67,4 +68,5 @@ def select(scores: torch.Tensor, k_max: int, count: torch.Tensor | None = None, 
         raise ValueError(f"block_n={block_n}: must be a power of two >= 16")
     from . import _tl_topk
 
-    return _tl_topk.select(scores, k_max, count, radix_bits=radix_bits, block_n=block_n, num_warps=num_warps)
+    return _tl_topk.select(scores, k_max, count, radix_bits=radix_bits, block_n=block_n, num_warps=num_warps,
+                           atomic_from=atomic_from)

@@ -216,8 +216,8 @@ def _values_of(scores, sel):
     return out
 
 
-@pytest.mark.parametrize("radix_bits", [4, 8])
-def test_topk_select_matches_sorted_topk(radix_bits):
+@pytest.mark.parametrize("radix_bits, atomic_from", [(4, 2), (8, 2), (8, 99)])
+def test_topk_select_matches_sorted_topk(radix_bits, atomic_from):
     """The radix-select top-k picks keys of exactly the same scores as torch.topk (equal sets up to ties), per-row
     budgets from a device tensor, −inf never picked, ties broken towards lower positions across tiles, positions
     in increasing order, −1 padding (also with more slots than scores)."""
@@ -232,7 +232,8 @@ def test_topk_select_matches_sorted_topk(radix_bits):
     count[1, 2] = 140  # more than the finite scores: 100 picked
     count = count.to(DEV)
     for k_max, cnt in ((25, None), (200, None), (150, count)):
-        got = topk.select(s, k_max, cnt, backend="triton", radix_bits=radix_bits, block_n=64)  # 3 tiles per row
+        got = topk.select(s, k_max, cnt, backend="triton", radix_bits=radix_bits, block_n=64,  # 3 tiles per row
+                          atomic_from=atomic_from)  # per-key atomics from that pass on, or tile histograms only
         ref = topk.select_reference(s, k_max, cnt)
         assert got.shape == ref.shape == (2, 3, k_max) and got.dtype == torch.int32
         assert _values_of(s, got) == _values_of(s, ref)
