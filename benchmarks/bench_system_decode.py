@@ -48,7 +48,7 @@ def parse_args(argv=None):
     ap.add_argument("--shape", default="llama3_1_8b", choices=sorted(SHAPES))
     ap.add_argument("--contexts", default="16384,32768,98304")
     ap.add_argument("--methods", default="full,full_graph,ds,ds_graph,ds_offload,magicpig_10_150,magicpig_8_75",
-                    help="a _graph suffix decodes with static shapes captured in one CUDA graph (full, ds); a "
+                    help="a _graph suffix decodes with static shapes captured in one CUDA graph (full, ds, quest); a "
                          "_torchtopk suffix (ds, quest) takes torch.topk instead of kernels.topk")
     ap.add_argument("--steps", type=int, default=12, help="decode steps per run (warm-up included)")
     ap.add_argument("--warmup", type=int, default=3)

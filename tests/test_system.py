@@ -130,6 +130,11 @@ GRAPH_CONFIGS = {
     "ds_token_budget": dict(name="double_sparsity", beta=7, dense_layers=[1]),
     # β·n crosses 7 while n runs over 261..276: budget(n) < budget(capacity) = k_cap in the first steps
     "ds_budget_grows": dict(name="double_sparsity", beta=0.0266, gqa="kv_head", label_bits=8, dense_layers=[0]),
+    "quest": CONFIGS["quest"],
+    "quest_kv_head_tokens": CONFIGS["quest_kv_head_tokens"],
+    # pages of 4: ⌊0.105·n⌋ // 4 grows from 6 to 7 pages at n = 267 (n = 261..276 here), so the device count is
+    # below k_cap = 7 in the first steps; a sink and a local window that do not end on page boundaries
+    "quest_budget_grows": dict(name="quest", budget=0.105, page_size=4, sink=5, local=7, dense_layers=[1]),
 }
 
 
@@ -144,7 +149,7 @@ def test_static_step_gives_the_same_tokens(stories, prompts, which):
     eager = _system(model, cfg, prompts, backend_gpu="torch")
     static = _system(model, cfg, prompts, backend_gpu="torch", cuda_graph=True)
     assert static.tokens.tolist() == eager.tokens.tolist()
-    if which.startswith("ds"):  # the sorted torch.topk of k_cap, first budget(n) kept
+    if which != "full":  # the sorted torch.topk of k_cap, first budget(n) kept
         by_sort = _system(model, cfg, prompts, backend_gpu="torch", cuda_graph=True, topk="torch")
         assert by_sort.tokens.tolist() == eager.tokens.tolist()
     assert len(static.step_ms) == NEW - 1
@@ -175,6 +180,45 @@ def test_static_step_with_the_triton_kernels(stories, prompts):
         decode(model, m, ids, 4, topk="heap")
 
 
+@pytest.mark.parametrize("gqa, budget, ps, sink, local, backend", [
+    ("query_head", 0.105, 4, 5, 7, "torch"),  # 6 pages up to n = 266, then 7 = k_cap
+    ("kv_head", 0.1194, 16, 4, 16, "torch"),  # 1 page up to n = 268, then 2 = k_cap
+    ("query_head", 40, 8, 0, 0, "torch"),  # a token count: 5 pages, no static keys
+    ("kv_head", 0.5, 8, 3, 300, "torch"),  # the local window covers the whole context: no candidates
+    ("query_head", 0.105, 4, 5, 7, "triton"),  # page scores, radix top-k, attention: Triton (interpreter on CPU)
+    ("kv_head", 0.1194, 16, 4, 16, "triton"),
+])
+def test_static_quest_layer_equals_the_eager_layer(gqa, budget, ps, sink, local, backend):
+    """Layer level, on random keys: the static Quest step (page bounds folded in at the device position, every
+    page of the capacity scored, a device count of pages in k_cap slots, fixed sink/local slots) attends the same
+    keys as the eager step at every length, so its outputs agree to float rounding."""
+    from sparse_eval.system.layers import QuestLayer, StaticStep
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    dev = "cuda" if CUDA and backend == "triton" else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    b, hq, hkv, d, t, steps = 2, 4, 2, 16, 261, 16
+    k = torch.randn(b, hkv, t + steps, d, generator=gen).to(dev)
+    v = torch.randn(b, hkv, t + steps, d, generator=gen).to(dev)
+    q = torch.randn(b, hq, steps, d, generator=gen).to(dev)
+    kw = dict(page_size=ps, budget=budget, sink=sink, local=local, gqa=gqa, backend=backend)
+    eager, static = QuestLayer(0, t + steps, **kw), QuestLayer(0, t + steps, **kw)
+    for layer in (eager, static):
+        layer.update(k[:, :, :t], v[:, :, :t])
+    st = StaticStep(t, b, dev)
+    static.static = st
+    for j in range(steps):
+        kn, vn, qj = k[:, :, t + j:t + j + 1], v[:, :, t + j:t + j + 1], q[:, :, j:j + 1]
+        eager.update(kn, vn)
+        static.update(kn, vn)
+        o_e = eager.decode(None, None, qj, kn, vn, d ** -0.5)
+        o_s = static.decode(None, None, qj, kn, vn, d ** -0.5)
+        assert torch.allclose(o_s, o_e, atol=1e-5, rtol=1e-5), j
+        st.advance()
+    assert torch.equal(static.kmin, eager.kmin) and torch.equal(static.kmax, eager.kmax)
+
+
 def test_static_budget_matches_budget_bound():
     from sparse_eval.methods.base import budget_bound
     from sparse_eval.system.layers import StaticStep
@@ -189,10 +233,10 @@ def test_static_budget_matches_budget_bound():
     assert int(st.pos) == 205
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS["quest"], CONFIGS["magicpig"], CONFIGS["ds_offload"]])
+@pytest.mark.parametrize("cfg", [CONFIGS["magicpig"], CONFIGS["ds_offload"]])
 def test_cuda_graph_refuses_host_side_methods(stories, prompts, cfg):
     model, _ = stories
-    with pytest.raises(ValueError, match="cuda_graph=true: the static-shape decode step exists for full attention"):
+    with pytest.raises(ValueError, match="cuda_graph=true: the static-shape decode step exists for full attention, quest"):
         _system(model, cfg, [prompts[0][:80]], cuda_graph=True)
 
 
@@ -236,7 +280,7 @@ def test_gpu_system_path_matches_accuracy_path(stories, prompts, which):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("which", ["full", "ds", "ds_kv_head_8bit", "ds_budget_grows"])
+@pytest.mark.parametrize("which", ["full", "ds", "ds_kv_head_8bit", "ds_budget_grows", "quest", "quest_budget_grows"])
 def test_gpu_cuda_graph_matches_accuracy_path(stories, prompts, which):
     """On CUDA the static step is captured once and replayed: still the accuracy path's tokens, on both rows."""
     model, tok = stories
@@ -281,7 +325,7 @@ def test_cli_static_step(tmp_path):
                "new_tokens=5", f"output={out}")
     assert res.returncode == 0, res.stderr
     assert "static step" in res.stdout and "accuracy path: 1/1 rows and 5/5 tokens identical" in res.stdout
-    res = _cli(tmp_path, "method=quest", "cuda_graph=true", "new_tokens=2")
+    res = _cli(tmp_path, "method=double_sparsity", "method.offload=true", "cuda_graph=true", "new_tokens=2")
     assert res.returncode == 2 and "cuda_graph=true: the static-shape decode step exists for" in res.stderr
 
 

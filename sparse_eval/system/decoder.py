@@ -15,7 +15,7 @@ Which method runs where:
 | ``magicpig`` | CPU (+ hash tables) | codes on GPU; sampling + sampled attention on CPU (numba); sink/local on GPU; LSE merge |
 | ``quest`` | GPU (+ page min/max) | page bounds → top pages → attention over their tokens + sink/local (Triton) |
 
-With ``cuda_graph=True`` (full and ``double_sparsity`` on the GPU) every decode step has static shapes
+With ``cuda_graph=True`` (full, ``quest`` and ``double_sparsity`` on the GPU) every decode step has static shapes
 (``layers.StaticStep``: device-side position, row lengths and budgets), so one step is captured in a CUDA graph
 and replayed; eager steps are bound by Python and kernel launches at these model sizes.
 """
@@ -273,9 +273,9 @@ def _memory(session: SystemSession, dev: torch.device) -> dict[str, int]:
 def _check_graph_capable(method: Method, layers: list[FullLayer]) -> None:
     bad = sorted({layer.kind for layer in layers if not layer.static_capable})
     if bad:
-        raise ValueError(f"cuda_graph=true: the static-shape decode step exists for full attention and double_sparsity "
-                         f"(offload=false); method {method.name!r} uses layer kinds {bad}. Valid: cuda_graph=false for "
-                         f"those")
+        raise ValueError(f"cuda_graph=true: the static-shape decode step exists for full attention, quest and "
+                         f"double_sparsity (offload=false); method {method.name!r} uses layer kinds {bad}. Valid: "
+                         f"cuda_graph=false for those")
 
 
 def _decode_static(model: Any, session: SystemSession, kw: dict[str, Any], nxt: torch.Tensor, steps: int,
@@ -353,7 +353,7 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
     be set up for the model (``method.setup(model, name)``) where it needs it (Double Sparsity).
 
     ``cuda_graph``: decode with static shapes (preallocated capacity, device-side positions and budgets; see
-    ``_decode_static``), captured once in a CUDA graph on the GPU (full attention and GPU Double Sparsity).  The
+    ``_decode_static``), captured once in a CUDA graph on the GPU (full attention, Quest and GPU Double Sparsity).  The
     cache is then tiled right after the prefill, and ``stats["graph_capture_ms"]`` holds the capture time.
     ``topk``: see ``build_layers``."""
     if input_ids.dim() != 2:

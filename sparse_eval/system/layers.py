@@ -402,10 +402,11 @@ class QuestLayer(FullLayer):
     (``kernels.quest.page_scores``), the top pages' tokens plus the static sink/local keys attended
     (``kernels.sparse_decode``).  Same selection as ``methods.quest`` with ``update_pages=true`` (Quest's own
     behaviour): only pages holding a candidate (non-static) key compete, and the budget is
-    max(1, floor(budget_tokens / page_size)) pages.  ``topk`` as in ``DSLayer``."""
+    max(1, floor(budget_tokens / page_size)) pages.  ``topk`` as in ``DSLayer``.  With a ``StaticStep`` the new
+    key is folded into its page at the device position, and the decode runs over every page of the capacity
+    (``_decode_static``)."""
 
     kind = "quest"
-    static_capable = False
 
     def __init__(self, layer_idx: int, capacity: int, *, page_size: int, budget: float | int, sink: int, local: int,
                  gqa: str = "query_head", backend: str = "auto", topk: str = "radix"):
@@ -430,6 +431,10 @@ class QuestLayer(FullLayer):
             lo, hi = kqu.page_metadata(key_states, self.ps)
             self.kmin[:, :, :lo.shape[2]] = lo
             self.kmax[:, :, :hi.shape[2]] = hi
+        elif self.static is not None:  # static step: the page of the device position
+            p = torch.div(self.static.pos, self.ps, rounding_mode="floor")  # [1]
+            self.kmin.index_copy_(2, p, torch.minimum(self.kmin.index_select(2, p), key_states))
+            self.kmax.index_copy_(2, p, torch.maximum(self.kmax.index_select(2, p), key_states))
         else:
             for j in range(t):  # fold each new key into its page (the last, partial one or a new one)
                 p = (self.n - t + j) // self.ps
@@ -442,7 +447,21 @@ class QuestLayer(FullLayer):
         self.kmin = self.kmin.repeat(times, 1, 1, 1)
         self.kmax = self.kmax.repeat(times, 1, 1, 1)
 
+    def _want(self, n):
+        """Pages to select for n keys: max(1, floor(budget_tokens / page_size)), budget_tokens as
+        ``resolve_budget`` (an int budget is not capped at n, the accuracy path's page count).  n: an int, or a
+        device tensor (then the same numbers on the device: float64 product, then truncation)."""
+        if torch.is_tensor(n):
+            if isinstance(self.budget_cfg, int):
+                return torch.full_like(n, max(1, self.budget_cfg // self.ps))
+            tokens = torch.minimum(torch.floor(n.double() * self.budget_cfg).long(), n.long())
+            return torch.div(tokens, self.ps, rounding_mode="floor").clamp_min(1)
+        tokens = self.budget_cfg if isinstance(self.budget_cfg, int) else budget_bound(self.budget_cfg, n)
+        return max(1, tokens // self.ps)
+
     def decode(self, session, module, q, k_new, v_new, scaling):
+        if self.static is not None:
+            return self._decode_static(q, scaling)
         n, ps = self.n, self.ps
         q3 = q[:, :, 0]
         b = q3.shape[0]
@@ -453,9 +472,7 @@ class QuestLayer(FullLayer):
         p_lo, p_hi = (c_lo // ps, -(-c_hi // ps)) if c_hi > c_lo else (0, 0)
         pid = torch.arange(pages, device=q.device)
         u = u.masked_fill((pid < p_lo) | (pid >= p_hi), float("-inf"))
-        # as ``resolve_budget``: an int budget is not capped at n (the accuracy path's page count)
-        tokens = self.budget_cfg if isinstance(self.budget_cfg, int) else budget_bound(self.budget_cfg, n)
-        want = max(1, tokens // ps)
+        want = self._want(n)
         chosen = kqu.top_pages(u, want, backend=self.backend, topk=self.topk)  # [B, Hs, want]
         tok = kqu.pages_to_tokens(chosen, ps, n)  # [B, Hs, want·ps]
         tok = torch.where((tok >= c_lo) & (tok < c_hi), tok, torch.full_like(tok, -1))
@@ -464,6 +481,35 @@ class QuestLayer(FullLayer):
         static = static.expand(b, tok.shape[1], -1)
         idx = torch.cat([tok, static], -1)
         o, _ = ksd.attention(q3, self.keys[:, :, :n], self.values[:, :, :n], idx, scaling=scaling, backend=self.backend)
+        return o.unsqueeze(2)
+
+    def _decode_static(self, q, scaling):
+        """``decode`` with shapes fixed by the capacity: bounds of every page of the capacity, those outside the
+        candidate pages (from the device-side length) at −inf; the top ``_want(n)`` pages (a device count) in
+        k_cap = ``_want(capacity)`` slots; their candidate tokens plus the sink and local keys (fixed slots, −1
+        where a position does not exist yet).  The same keys as ``decode``'s, up to ties."""
+        st, ps = self.static, self.ps
+        q3 = q[:, :, 0]
+        dev = q.device
+        n = st.pos + 1  # [1] keys, the new one included (every row has the same length on this path)
+        u = kqu.page_scores(q3, self.kmin, self.kmax, reduce=self.gqa == "kv_head", backend=self.backend)  # [B, Hs, P]
+        c_lo, c_hi = self.sink, n - self.local  # candidate keys [c_lo, c_hi)
+        pid = torch.arange(u.shape[-1], device=dev)
+        p_hi = torch.where(c_hi > c_lo, torch.div(c_hi + ps - 1, ps, rounding_mode="floor"), 0)
+        u = u.masked_fill((pid < c_lo // ps) | (pid >= p_hi), float("-inf"))
+        k_cap = min(self._want(self.capacity), u.shape[-1])
+        count = self._want(n).to(torch.int32).expand(u.shape[0], u.shape[1]).contiguous()  # [B, Hs]
+        if self.topk == "radix":
+            chosen = ktopk.select(u, k_cap, count, backend=self.backend)  # [B, Hs, k_cap], −1 padded
+        else:
+            chosen = ktopk.select_reference(u, k_cap, count)
+        tok = kqu.pages_to_tokens(chosen, ps, self.capacity)  # [B, Hs, k_cap·ps]
+        tok = torch.where((tok >= c_lo) & (tok < c_hi), tok, torch.full_like(tok, -1))
+        sink = torch.arange(self.sink, device=dev, dtype=tok.dtype)
+        local = (n - self.local + torch.arange(self.local, device=dev)).to(tok.dtype)
+        static = torch.cat([torch.where(sink < n, sink, -1), torch.where(local >= max(self.sink, 0), local, -1)])
+        idx = torch.cat([tok, static.expand(tok.shape[0], tok.shape[1], -1)], -1)
+        o, _ = ksd.attention(q3, self.keys, self.values, idx, scaling=scaling, backend=self.backend)
         return o.unsqueeze(2)
 
 
