@@ -353,8 +353,9 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
     be set up for the model (``method.setup(model, name)``) where it needs it (Double Sparsity).
 
     ``cuda_graph``: decode with static shapes (preallocated capacity, device-side positions and budgets; see
-    ``_decode_static``), captured once in a CUDA graph on the GPU (full attention, Quest and GPU Double Sparsity).  The
-    cache is then tiled right after the prefill, and ``stats["graph_capture_ms"]`` holds the capture time.
+    ``_decode_static``), captured once in a CUDA graph on the GPU (full attention, Quest and GPU Double
+    Sparsity).  The cache is then tiled right after the prefill, and ``stats["graph_capture_ms"]`` holds the
+    capture time.
     ``topk``: see ``build_layers``."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected [B, T], got shape {tuple(input_ids.shape)}")
