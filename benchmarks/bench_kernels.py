@@ -443,29 +443,26 @@ def main(argv=None):
         ("rel_err_vs_reference", "rel err", ".1e")])
     stage_rows = [{"batch": r["batch"], "context": r["context"], "impl": r["impl"], **r["stages_graph_ms"]}
                   for r in rows if r.get("stages_graph_ms") and r["impl"].startswith("ds_")]
-    if stage_rows:
-        print("\nDS stages, CUDA-graph timed (topk: kernels.topk; topk_torch: torch.topk):")
-        table += "\n" + print_table(stage_rows, [
-            ("batch", "B", ""), ("context", "N", ""), ("impl", "impl", ""), ("label_scores", "scores ms", ".4f"),
-            ("topk", "topk ms", ".4f"), ("topk_torch", "torch.topk ms", ".4f"), ("topk_sorted", "sorted ms", ".4f"),
-            ("attention", "attention ms", ".4f")])
-    if label_rows:
-        print("\nlabel scores (GQA-summed, row lengths) by launch configuration, CUDA-graph timed:")
-        table += "\n" + print_table(label_rows, [
-            ("batch", "B", ""), ("context", "N", ""), ("r", "r", ""), ("bits", "bits", ""), ("block_n", "BLOCK_N", ""),
-            ("num_warps", "warps", ""), ("ms", "ms", ".4f"), ("gbps", "GB/s", ".0f")])
-    if topk_rows:
-        print("\ntop-k of N/16 per row, rows [B, 8, N] fp32:")
-        table += "\n" + print_table(topk_rows, [
-            ("batch", "B", ""), ("context", "N", ""), ("impl", "impl", ""), ("radix_bits", "radix bits", ""),
-            ("block_n", "BLOCK_N", ""), ("num_warps", "warps", ""), ("atomic_from", "atomics from pass", ""),
-            ("ms", "ms", ".4f")])
-    if tune_rows:
-        print("\nsparse attention launch configurations (N/16 random indices):")
-        table += "\n" + print_table(tune_rows, [
-            ("batch", "B", ""), ("context", "N", ""), ("gqa", "selection", ""), ("block_n", "BLOCK_N", ""),
-            ("num_warps", "warps", ""), ("num_stages", "stages", ""), ("splits", "splits", ""), ("ms", "ms", ".4f"),
-            ("gbps", "GB/s", ".0f")])
+    shape = [("batch", "B", ""), ("context", "N", "")]
+    sections = [
+        (stage_rows, "DS stages, CUDA-graph timed (topk: kernels.topk; topk_torch: torch.topk):", shape + [
+            ("impl", "impl", ""), ("label_scores", "scores ms", ".4f"), ("topk", "topk ms", ".4f"),
+            ("topk_torch", "torch.topk ms", ".4f"), ("topk_sorted", "sorted ms", ".4f"),
+            ("attention", "attention ms", ".4f")]),
+        (label_rows, "label scores (GQA-summed, row lengths) by launch configuration, CUDA-graph timed:", shape + [
+            ("r", "r", ""), ("bits", "bits", ""), ("block_n", "BLOCK_N", ""), ("num_warps", "warps", ""),
+            ("ms", "ms", ".4f"), ("gbps", "GB/s", ".0f")]),
+        (topk_rows, "top-k of N/16 per row, rows [B, 8, N] fp32:", shape + [
+            ("impl", "impl", ""), ("radix_bits", "radix bits", ""), ("block_n", "BLOCK_N", ""),
+            ("num_warps", "warps", ""), ("atomic_from", "atomics from pass", ""), ("ms", "ms", ".4f")]),
+        (tune_rows, "sparse attention launch configurations (N/16 random indices):", shape + [
+            ("gqa", "selection", ""), ("block_n", "BLOCK_N", ""), ("num_warps", "warps", ""),
+            ("num_stages", "stages", ""), ("splits", "splits", ""), ("ms", "ms", ".4f"), ("gbps", "GB/s", ".0f")]),
+    ]
+    for sec_rows, title, cols in sections:
+        if sec_rows:
+            print("\n" + title)
+            table += "\n" + print_table(sec_rows, cols)
     (args.out / "kernels.txt").write_text(table + "\n")
     best = {}
     for r in rows:

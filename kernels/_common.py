@@ -83,6 +83,12 @@ def resolve_cpu_backend(backend: str) -> str:
     return backend
 
 
+def as_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """x [..., D] -> (x2 [M, D] with a unit last stride, the leading shape) for a kernel over rows."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return (x2 if x2.stride(-1) == 1 else x2.contiguous()), tuple(x.shape[:-1])
+
+
 def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 

@@ -21,33 +21,21 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 PREFETCH_ROWS = 16  # default distance: gathered rows requested ahead of use (≈ DRAM latency / time per row;
-# 16 to 32 equally good on the Zen 4 box, 4 and 8 slower once the compute per row had shrunk)
+# the best of 0/4/8/16/32 in the 16-thread prefetch sweep on the H200 host, experiments/kernels/cpu/session4)
 # reassociation lets LLVM vectorise the float32 reductions over the head dim; no 'nnan'/'ninf' (the code
 # relies on -inf and on exact comparisons)
 _FAST = {"reassoc", "contract", "nsz"}
 
 
 @intrinsic
-def _bits_as_f32(typingctx, x):
-    """Reinterpret a 32-bit integer as float32 (LLVM bitcast)."""
-    if isinstance(x, types.Integer) and x.bitwidth == 32:
-        sig = types.float32(x)
+def _bits_as_float(typingctx, x):
+    """Reinterpret a 32-bit integer as float32, a 64-bit one as float64 (LLVM bitcast)."""
+    if isinstance(x, types.Integer) and x.bitwidth in (32, 64):
+        wide = x.bitwidth == 64
+        sig = (types.float64 if wide else types.float32)(x)
 
         def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.FloatType())
-
-        return sig, codegen
-    return None
-
-
-@intrinsic
-def _bits_as_f64(typingctx, x):
-    """Reinterpret a 64-bit integer as float64 (LLVM bitcast)."""
-    if isinstance(x, types.Integer) and x.bitwidth == 64:
-        sig = types.float64(x)
-
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.DoubleType())
+            return builder.bitcast(args[0], ir.DoubleType() if wide else ir.FloatType())
 
         return sig, codegen
     return None
@@ -55,9 +43,9 @@ def _bits_as_f64(typingctx, x):
 
 @intrinsic
 def _prefetch(typingctx, arr, i0, i1, i2, i3):
-    """Software prefetch (read, into L2 and beyond: prefetcht1) of &arr[i0, i1, i2, i3] for a 4-D array.  Not into
-    L1 (prefetcht0): on the 2-core Zen 4 box a gather of random 256-byte rows ran at 6.7 GB/s per core with
-    prefetcht0 and 8.3 GB/s with prefetcht1 (presumably more misses in flight at L2 than at L1)."""
+    """Software prefetch (read, into L2 and beyond: prefetcht1) of &arr[i0, i1, i2, i3] for a 4-D array.  L2
+    rather than L1 (prefetcht0) was chosen with an ad-hoc row-gather loop on the development box whose figures were
+    not kept; the recorded effect is the kernel's before/after (experiments/kernels/cpu/session4*)."""
     if not (isinstance(arr, types.Array) and arr.ndim == 4):
         return None
     sig = types.void(arr, i0, i1, i2, i3)
@@ -99,7 +87,7 @@ def _to_f32_impl(x):
     if x == types.uint16:  # bfloat16 bits
 
         def impl(x):
-            return _bits_as_f32(np.uint32(np.uint32(x) << np.uint32(16)))
+            return _bits_as_float(np.uint32(np.uint32(x) << np.uint32(16)))
 
         return impl
     if x == types.int16:  # float16 bits
@@ -109,8 +97,8 @@ def _to_f32_impl(x):
             sign = np.uint32((h & np.uint32(0x8000)) << np.uint32(16))
             e = np.uint32((h >> np.uint32(10)) & np.uint32(0x1F))
             mant = np.uint32(h & np.uint32(0x3FF))
-            normal = _bits_as_f32(np.uint32(sign | ((e + np.uint32(112)) << np.uint32(23)) | (mant << np.uint32(13))))
-            special = _bits_as_f32(np.uint32(sign | np.uint32(0x7F800000) | (mant << np.uint32(13))))
+            normal = _bits_as_float(np.uint32(sign | ((e + np.uint32(112)) << np.uint32(23)) | (mant << np.uint32(13))))
+            special = _bits_as_float(np.uint32(sign | np.uint32(0x7F800000) | (mant << np.uint32(13))))
             sgn = np.float32(1.0) - np.float32(2.0) * np.float32(h >> np.uint32(15))
             sub = np.float32(mant) * np.float32(5.9604644775390625e-08) * sgn  # ±mant · 2^-24
             if e == 0:
@@ -201,7 +189,7 @@ def _exp_nonpos(x):
     p = p * r + c2
     p = p * r + c1
     p = p * r + c0
-    scale = _bits_as_f64(np.uint64(np.int64(n) + 1023) << np.uint64(52))  # 2^n, n in [-1021, 0]
+    scale = _bits_as_float(np.uint64(np.int64(n) + 1023) << np.uint64(52))  # 2^n, n in [-1021, 0]
     return p * scale if ok else (x if x != x else 0.0)
 
 

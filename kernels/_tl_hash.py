@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import as_rows, next_pow2
 
 
 @triton.jit
@@ -40,12 +40,8 @@ def _simhash_kernel(
 
 
 def hash_codes(x, w, k_bits, n_tables, *, block_m=None, block_l=None):
-    lead = x.shape[:-1]
-    d = x.shape[-1]
-    x2 = x.reshape(-1, d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
+    x2, lead = as_rows(x)
+    m, d = x2.shape
     out = torch.empty((m, n_tables), dtype=torch.int32, device=x.device)
     if m == 0:
         return out.view(*lead, n_tables)

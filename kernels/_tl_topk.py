@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import as_rows, next_pow2
 
 
 @triton.jit
@@ -151,12 +151,8 @@ def _write(S, CNT, H, ST, G, OUT, stride_s, stride_o, N, K_MAX, rows, tiles,
 
 def select(scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n: int, num_warps: int,
            atomic_from: int) -> torch.Tensor:
-    lead = scores.shape[:-1]
-    n = scores.shape[-1]
-    s2 = scores.reshape(-1, n)
-    if s2.stride(-1) != 1:
-        s2 = s2.contiguous()
-    rows = s2.shape[0]
+    s2, lead = as_rows(scores)
+    rows, n = s2.shape
     out = torch.empty((rows, k_max), dtype=torch.int32, device=scores.device)
     if rows == 0:
         return out.view(*lead, k_max)

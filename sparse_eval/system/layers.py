@@ -299,7 +299,21 @@ class _Labels:
                 setattr(self, name, x.repeat(times, *([1] * (x.dim() - 1))))
 
 
-class DSLayer(FullLayer):
+def _check_topk(topk: str) -> str:
+    if topk not in kds.TOPK_IMPLS:
+        raise ValueError(f"topk={topk!r}: valid values are {list(kds.TOPK_IMPLS)}")
+    return topk
+
+
+class _SelectsTopK:
+    """DS and Quest layers: ``topk`` "radix" (``kernels.topk`` where the backend resolves to Triton) or "torch"."""
+
+    def _topk_backend(self) -> str:
+        """The backend of ``kernels.topk.select`` ("torch": its reference, a sorted ``torch.topk``)."""
+        return self.backend if self.topk == "radix" else "torch"
+
+
+class DSLayer(_SelectsTopK, FullLayer):
     """Double Sparsity decode (Algorithm 1) over a GPU KV cache.  ``channels`` long [Hl, r] (Hl = Hq: per query
     head, the calibrated "qk" channels; Hl = Hkv: per KV head), ``beta`` the token budget (ratio of the context
     or a token count), ``gqa`` "query_head" (a top-k per query head) or "kv_head" (one per KV group, label
@@ -314,9 +328,7 @@ class DSLayer(FullLayer):
         super().__init__(layer_idx, capacity, kv_device, backend=backend)
         if gqa not in kds.GQA_MODES:
             raise ValueError(f"gqa={gqa!r}: valid values are {list(kds.GQA_MODES)}")
-        if topk not in kds.TOPK_IMPLS:
-            raise ValueError(f"topk={topk!r}: valid values are {list(kds.TOPK_IMPLS)}")
-        self.topk = topk
+        self.topk = _check_topk(topk)
         if bits not in kds.LABEL_BITS:
             raise ValueError(f"label bits={bits!r}: the system path's label cache supports {list(kds.LABEL_BITS)}")
         self.labels = _Labels(channels, bits, scale_dtype)
@@ -381,23 +393,19 @@ class DSLayer(FullLayer):
         """Algorithm 1 with shapes fixed by the capacity: scores over every slot (−inf at and beyond each row's
         length); the top budget(n) of each row, with the budget a device tensor, written into k_cap =
         budget(capacity) slots; attention over the first budget(n) of them.  The same keys as the eager step's,
-        up to ties.  Top-k: ``kernels.topk.select`` with the budgets as its per-row counts, or (``topk="torch"``)
-        a sorted ``torch.topk`` of k_cap, whose first budget(n) are the budget(n) best."""
+        up to ties.  Top-k: ``kernels.topk.select`` with the budgets as its per-row counts (with ``topk="torch"``
+        its reference: a sorted ``torch.topk`` of k_cap, whose first budget(n) are the budget(n) best)."""
         st = self.static
         q3 = q[:, :, 0]
         scores = self.label_scores(self.query_labels(q3), self.capacity, st.lengths)  # line 4, [B, Hs, capacity]
         count = st.budget_rows(self.beta, scores.shape[1])  # [B, Hs]; all finite: budget ≤ n
-        k_cap = self.budget(self.capacity)
-        if self.topk == "radix":  # line 5
-            ids = ktopk.select(scores, k_cap, count, backend=self.backend)
-        else:
-            ids = torch.topk(scores, k_cap, dim=-1, sorted=True)[1].to(torch.int32)
+        ids = ktopk.select(scores, self.budget(self.capacity), count, backend=self._topk_backend())  # line 5
         o, _ = ksd.attention(q3, self.keys, self.values, ids, count=count, scaling=scaling,
                              backend=self.backend)  # lines 6-7
         return o.unsqueeze(2)
 
 
-class QuestLayer(FullLayer):
+class QuestLayer(_SelectsTopK, FullLayer):
     """Quest decode over a GPU KV cache: per-page min/max keys kept as keys arrive, page bounds U_p(q)
     (``kernels.quest.page_scores``), the top pages' tokens plus the static sink/local keys attended
     (``kernels.sparse_decode``).  Same selection as ``methods.quest`` with ``update_pages=true`` (Quest's own
@@ -413,9 +421,7 @@ class QuestLayer(FullLayer):
         super().__init__(layer_idx, capacity, backend=backend)
         if gqa not in kqu.GQA_MODES:
             raise ValueError(f"gqa={gqa!r}: valid values are {list(kqu.GQA_MODES)}")
-        if topk not in kds.TOPK_IMPLS:
-            raise ValueError(f"topk={topk!r}: valid values are {list(kds.TOPK_IMPLS)}")
-        self.topk = topk
+        self.topk = _check_topk(topk)
         self.ps, self.budget_cfg, self.sink, self.local, self.gqa = page_size, budget, sink, local, gqa
         self.kmin = self.kmax = None
 
@@ -499,10 +505,7 @@ class QuestLayer(FullLayer):
         u = u.masked_fill((pid < c_lo // ps) | (pid >= p_hi), float("-inf"))
         k_cap = min(self._want(self.capacity), u.shape[-1])
         count = self._want(n).to(torch.int32).expand(u.shape[0], u.shape[1]).contiguous()  # [B, Hs]
-        if self.topk == "radix":
-            chosen = ktopk.select(u, k_cap, count, backend=self.backend)  # [B, Hs, k_cap], −1 padded
-        else:
-            chosen = ktopk.select_reference(u, k_cap, count)
+        chosen = ktopk.select(u, k_cap, count, backend=self._topk_backend())  # [B, Hs, k_cap], −1 padded
         tok = kqu.pages_to_tokens(chosen, ps, self.capacity)  # [B, Hs, k_cap·ps]
         tok = torch.where((tok >= c_lo) & (tok < c_hi), tok, torch.full_like(tok, -1))
         sink = torch.arange(self.sink, device=dev, dtype=tok.dtype)
