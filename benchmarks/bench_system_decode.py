@@ -49,7 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", default="16384,32768,98304")
     ap.add_argument("--methods", default="full,full_graph,ds,ds_graph,ds_offload,magicpig_10_150,magicpig_8_75",
                     help="a _graph suffix decodes with static shapes captured in one CUDA graph (full, ds, quest); a "
-                         "_torchtopk suffix (ds, quest) takes torch.topk instead of kernels.topk")
+                         "_torchtopk suffix (ds, quest) takes torch.topk instead of kernels.topk; name@B runs batch B "
+                         "instead of the planned one (e.g. full_graph@10 past the GPU's capacity: an OOM is recorded)")
     ap.add_argument("--steps", type=int, default=12, help="decode steps per run (warm-up included)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--gpu-reserve-gib", type=float, default=24.0, help="GPU memory kept free of caches")
@@ -253,14 +254,16 @@ def main(argv=None) -> int:
                 rec["skipped"] = f"time budget {a.time_budget_s:.0f} s spent"
                 records.append(rec)
                 continue
+            name, _, forced = name.partition("@")  # name@B: this batch, whatever the plan says
+            rec["method"] = name
             parts = name.split("_")
             graph = "graph" in parts
             topk = "torch" if "torchtopk" in parts else "radix"
             base = "_".join(p for p in parts if p not in ("graph", "torchtopk"))
             cfg = method_config(base, n_layers, shape["num_key_value_heads"], shape["head_dim"])
             batch, plan = plan_batch(base, cfg, ctx, a.steps, shape, n_layers, gpu_free, cpu_free, a.max_batch)
-            batch = a.batch or batch
-            rec.update(batch=batch, plan=plan, cuda_graph=graph, topk=topk,
+            batch = int(forced) if forced else (a.batch or batch)
+            rec.update(batch=batch, batch_forced=bool(forced or a.batch), plan=plan, cuda_graph=graph, topk=topk,
                        method_config={k: v for k, v in cfg.items() if k != "channels"})
             if batch < 1:
                 rec["skipped"] = "does not fit one row"

@@ -3,6 +3,7 @@ top kernels by GPU time and the top operators by CPU time (for finding what a st
 
     python benchmarks/profile_system_decode.py --method ds --context 16384 --batch 48
     python benchmarks/profile_system_decode.py --methods ds --batches 45 --cuda-graph --steps 20   # captured step
+    python benchmarks/profile_system_decode.py --methods magicpig_10_150 --batches 14 --phases --steps 8
 
 With ``--cuda-graph`` the steps replay one CUDA graph; the kernels of the replays are listed like eager ones (the
 prefill's kernels are in the same table: use many steps and read the decode kernels per step).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -51,6 +53,22 @@ def _sync_debug(model, method, ids, batch) -> None:
         print(f"--- {count} synchronising calls from:\n{stack}")
 
 
+def _phases(model, method, ids, batch, steps, label) -> None:
+    """Untimed-phase run (for the step time) and a phase-timed run of the same decode; prints ms per step."""
+    plain = decode(model, method, ids, steps, repeat_batch=batch)
+    timed = decode(model, method, ids, steps, repeat_batch=batch, phase_times=True)
+    n = timed.stats["phase_steps"]
+    ms = {k: v / n for k, v in timed.stats["phase_ms"].items()}
+    step_plain = statistics.median(plain.step_ms[1:])
+    step_timed = statistics.median(timed.step_ms[2:])
+    print(f"== {label}: ms per step (median of {len(plain.step_ms) - 1} steady steps) {step_plain:.1f} untimed, "
+          f"{step_timed:.1f} with the phase brackets")
+    for k, v in sorted(ms.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:40s} {v:8.2f} ms  {100 * v / step_timed:5.1f} %")
+    rest = step_timed - sum(ms.values())
+    print(f"  {'rest of the step (model, dense layers)':40s} {rest:8.2f} ms  {100 * rest / step_timed:5.1f} %")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="llama3_1_8b", choices=sorted(SHAPES))
@@ -61,6 +79,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--rows", type=int, default=14)
     ap.add_argument("--cuda-graph", action="store_true", help="decode with the captured static step")
+    ap.add_argument("--phases", action="store_true", help="print the per-step wall time of the phases a layer brackets "
+                    "(MagicPIG: GPU part, codes to the host, CPU sampling, CPU attention, merge; decode(phase_times="
+                    "True)) and the rest of the step, instead of profiling")
     ap.add_argument("--sync-debug", action="store_true", help="print where a decode step synchronises with the GPU "
                     "(torch.cuda.set_sync_debug_mode) instead of profiling")
     a = ap.parse_args(argv)
@@ -77,6 +98,9 @@ def main(argv=None) -> int:
             decode(model, m, ids, 3, repeat_batch=b, cuda_graph=a.cuda_graph)  # warm-up (compilation)
             if a.sync_debug:
                 _sync_debug(model, m, ids, b)
+                continue
+            if a.phases:
+                _phases(model, m, ids, b, a.steps, f"{name} context {a.context} batch {b}")
                 continue
             with torch.profiler.profile(activities=acts) as prof:
                 res = decode(model, m, ids, a.steps, repeat_batch=b, cuda_graph=a.cuda_graph)

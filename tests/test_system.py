@@ -333,3 +333,41 @@ def test_cli_rejects_a_method_without_system_path(tmp_path):
     res = _cli(tmp_path, "method=oracle", "new_tokens=2")
     assert res.returncode == 2
     assert "method='oracle' has no system path; valid: ['full', 'double_sparsity', 'magicpig', 'quest']" in res.stderr
+
+
+def test_magicpig_layer_sample_equals_brute_force():
+    """The MagicPIG layer's sample set -- hash tables of the keys before the local window at the first step, plus
+    the overflow list of keys that left the window since -- equals brute-force collision counting over all those
+    keys' codes (eq. 10's rule), as cache positions, valid entries first and ascending, for GQA rows."""
+    import contextlib
+    import types
+
+    import kernels.magicpig as kmp
+    import kernels.magicpig_cpu as kmc
+    from sparse_eval.system.layers import MagicPIGLayer
+
+    k_bits, n_tables, m, sink = 3, 6, 2, 2  # few bits: many collisions, so the overflow keys get sampled too
+    method = build_method(dict(name="magicpig", K=k_bits, L=n_tables, min_collisions=m, sink=sink, local=4,
+                               dense_layers=[0]))
+    layer = MagicPIGLayer(1, 64, method, backend_gpu="torch")
+    gen = torch.Generator().manual_seed(0)
+    layer.update(torch.randn(2, 2, 30, 16, generator=gen), torch.randn(2, 2, 30, 16, generator=gen))
+    session = types.SimpleNamespace(stats=__import__("collections").Counter(),
+                                    phase=lambda name: contextlib.nullcontext())
+    for _ in range(7):
+        kn, vn = torch.randn(2, 2, 1, 16, generator=gen), torch.randn(2, 2, 1, 16, generator=gen)
+        layer.update(kn, vn)
+        layer.decode(session, None, torch.randn(2, 4, 1, 16, generator=gen), kn, vn, 0.25)
+    assert layer.over_codes.shape[2] == 6 and layer.cand_end == layer.table_end + 6  # the first step built the tables
+    q_codes = kmp.hash_codes(torch.randn(2, 4, 16, generator=gen), layer.w, k_bits, n_tables, backend="torch")
+    idx, cnt = layer._sample(q_codes)
+    keys = layer.keys[:, :, sink:layer.cand_end].float() - layer.mean[:, :, None]
+    ref_idx, ref_cnt = kmc.sample_reference(kmp.hash_codes(keys, layer.w, k_bits, n_tables, backend="torch"),
+                                            q_codes, m)
+    assert cnt.tolist() == ref_cnt.tolist()
+    for b in range(2):
+        for h in range(4):
+            c = int(cnt[b, h])
+            assert idx[b, h, :c].tolist() == (ref_idx[b, h, :c] + sink).tolist()
+            assert (idx[b, h, c:] == -1).all()
+    assert (idx >= layer.table_end).any() and ((idx >= 0) & (idx < layer.table_end)).any()

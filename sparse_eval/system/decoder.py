@@ -23,6 +23,7 @@ and replayed; eager steps are bound by Python and kernel launches at these model
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -124,10 +125,38 @@ def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype
     return layers
 
 
+class PhaseTimes:
+    """Host wall time of named phases of the decode steps (``session.phase(name)`` brackets one), for breaking a
+    step down.  Each bracket synchronises the GPU at both ends, so the phases are the work they enclose, and the
+    steps run slower than untimed ones: timings for throughput come from runs without it."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.ms: collections.Counter = collections.Counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.ms[name] += 1e3 * (time.perf_counter() - t)
+
+
+def _no_phase(name: str) -> contextlib.nullcontext:
+    return contextlib.nullcontext()
+
+
 class SystemSession:
     """The layers of one generation, the side stream and buffers of DS-Offload, and per-run counters."""
 
-    def __init__(self, model: Any, method: Method, layers: list[FullLayer]):
+    def __init__(self, model: Any, method: Method, layers: list[FullLayer], phase_times: PhaseTimes | None = None):
+        self.phase_times = phase_times
+        self.phase = phase_times if phase_times is not None else _no_phase  # phase(name): a context manager
         self.model = model
         self.method = method
         self.cache = SystemCache(layers)
@@ -345,7 +374,7 @@ def _decode_static(model: Any, session: SystemSession, kw: dict[str, Any], nxt: 
 @torch.inference_mode()
 def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: int, *, repeat_batch: int = 1,
            cuda_graph: bool = False, label_scale_dtype: torch.dtype | None = None, backend_gpu: str = "auto",
-           backend_cpu: str = "auto", topk: str = "radix") -> DecodeResult:
+           backend_cpu: str = "auto", topk: str = "radix", phase_times: bool = False) -> DecodeResult:
     """Prefill ``input_ids`` [B, T] (equal lengths, no padding) densely, then ``max_new_tokens`` greedy steps with
     ``method`` (no stop token: every row decodes the same number of steps, as a throughput run does).
     ``repeat_batch`` tiles the cache over the batch (B·repeat rows) after the first decode step (the prefill
@@ -356,7 +385,11 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
     ``_decode_static``), captured once in a CUDA graph on the GPU (full attention, Quest and GPU Double
     Sparsity).  The cache is then tiled right after the prefill, and ``stats["graph_capture_ms"]`` holds the
     capture time.
-    ``topk``: see ``build_layers``."""
+    ``topk``: see ``build_layers``.
+    ``phase_times``: time the phases the layers bracket (``PhaseTimes``; MagicPIG's GPU part, codes to the host,
+    CPU sampling, CPU attention, merge) over the steps after the first; ``stats["phase_ms"]`` holds their totals
+    and ``stats["phase_steps"]`` the number of steps.  The steps synchronise at every bracket: use it for
+    breakdowns, not for throughput.  Eager steps only."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected [B, T], got shape {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
@@ -370,7 +403,11 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
                           backend_gpu=backend_gpu, backend_cpu=backend_cpu, topk=topk)
     if cuda_graph:
         _check_graph_capable(method, layers)
-    session = SystemSession(model, method, layers)
+        if phase_times:
+            raise ValueError("phase_times=true times eager steps; a captured step (cuda_graph=true) has no host-side "
+                             "phases. Valid: one of them")
+    phases = PhaseTimes(cuda) if phase_times else None
+    session = SystemSession(model, method, layers, phases)
     attach(model, session)
     kw = cache_kwargs(model, session.cache)
     if cuda:
@@ -406,8 +443,13 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
                     layer.repeat_batch(repeat_batch)
                 out = [x.repeat(repeat_batch, 1) for x in out]
                 nxt = out[-1]
+            if step == 0 and phases is not None:  # the first step builds MagicPIG's tables: not a steady step
+                phases.ms.clear()
             timer.mark()
         steps = timer.intervals_ms()
+        if phases is not None:
+            session.stats["phase_ms"] = dict(phases.ms)
+            session.stats["phase_steps"] = max(0, max_new_tokens - 2)
         return DecodeResult(tokens=torch.cat(out, 1).cpu(), prefill_ms=prefill_ms, step_ms=steps,
                             batch=b * repeat_batch, context=t, stats=dict(session.stats), memory=_memory(session, dev))
     finally:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
@@ -47,7 +48,6 @@ import kernels.topk as ktopk
 from kernels.merge import merge_by_lse
 
 from ..methods.base import budget_bound
-from ..methods.magicpig import collision_counts
 
 
 def _query_len(args: tuple, kwargs: dict) -> int:
@@ -647,9 +647,9 @@ class MagicPIGLayer(FullLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         first = not self.is_initialized
         t = key_states.shape[2]
-        # one contiguous device-to-host copy, then the strided write into the head-major host cache (the CPU
+        # one contiguous device-to-host copy each, then the strided write into the head-major host cache (the CPU
         # kernel wants head-major rows); a strided device-to-pageable copy would move row by row
-        super().update(key_states.to("cpu"), value_states.to("cpu"))
+        super().update(*_to_host(key_states, value_states))
         if first:  # prefill: the sink and the last `local` keys on the GPU, with room for the generated ones
             s = self.cfg.sink
             self.sink_k = key_states[:, :, :s].clone()
@@ -710,65 +710,134 @@ class MagicPIGLayer(FullLayer):
         self.over_codes = torch.empty(b, hkv, 0, c.L, dtype=torch.int32)
         self.mean_cpu = self.mean.cpu()
 
-    def _overflow(self, n: int) -> None:
-        """Hash the keys that left the local window since the last step into the overflow list."""
+    def _overflow_keys(self, n: int) -> torch.Tensor | None:
+        """The keys that left the local window since the last step, centred by μ: [B, Hkv, t, D] float32 on the
+        GPU (None if none left)."""
         hi = max(self.cfg.sink, n - self.cfg.local)
         if hi <= self.cand_end:
-            return
+            return None
         k, _ = self._window(self.cand_end, hi)
-        codes = kmp.hash_codes(k.float() - self.mean[:, :, None], self.w, self.cfg.K, self.cfg.L,
-                               backend=self.backend_gpu).cpu()
-        self.over_codes = torch.cat([self.over_codes, codes.to(torch.int32)], 2)
         self.cand_end = hi
+        return k.float() - self.mean[:, :, None]
 
-    def _sample(self, q_codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(idx int32 [B, Hq, S] cache positions, −1 padded; count [B, Hq]) of the sampled keys."""
+    def _codes_async(self, q3: torch.Tensor, k_over: torch.Tensor | None) -> tuple:
+        """Start the SimHash codes of the query rows and of the keys leaving the window (one GPU launch) and the
+        query rows in float32 on their way to the host; ``_codes_wait`` collects them."""
         c = self.cfg
-        idx, cnt = kmc.sample(self.tables, q_codes, c.min_collisions, backend=self.backend_cpu)
-        idx = torch.where(idx >= 0, idx + c.sink, idx)
-        if self.over_codes.shape[2]:
-            hit = collision_counts(q_codes[:, :, None].long(), self.over_codes.long()) >= c.min_collisions
-            hit = hit[:, :, 0]  # [B, Hq, n_over]
-            extra = torch.where(hit, torch.arange(hit.shape[-1], dtype=torch.int32) + self.table_end,
-                                torch.full_like(hit, -1, dtype=torch.int32))
-            idx = torch.cat([idx, extra], -1)
-            cnt = cnt + hit.sum(-1, dtype=torch.int32)
-            order = torch.argsort((idx < 0).to(torch.int8), dim=-1, stable=True)  # valid entries first
-            idx = torch.gather(idx, -1, order)
-        return idx, cnt
+        qf = q3.float()
+        rows = [qf.reshape(-1, q3.shape[-1])] + ([] if k_over is None else [k_over.reshape(-1, q3.shape[-1])])
+        x = torch.cat(rows) if len(rows) > 1 else rows[0]
+        codes = kmp.hash_codes(x, self.w, c.K, c.L, backend=self.backend_gpu).to(torch.int32)
+        return _to_host_async(codes, qf), tuple(q3.shape), None if k_over is None else tuple(k_over.shape)
+
+    def _codes_wait(self, started: tuple) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(q codes int32 [B, Hq, L], key codes int32 [B, Hkv, t, L] or None, q float32 [B, Hq, D]) on the host."""
+        (codes, q_host), q_shape, k_shape = _wait_host(started[0]), started[1], started[2]
+        nq = q_shape[0] * q_shape[1]
+        q_codes = codes[:nq].view(*q_shape[:2], self.cfg.L)
+        over = None if k_shape is None else codes[nq:].view(*k_shape[:3], self.cfg.L)
+        return q_codes, over, q_host
+
+    def _sample(self, q_codes: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(idx int32 [B, Hq, S] cache positions, −1 padded; count int32 [B, Hq]) of the sampled keys: the tables'
+        samples (ascending), then the overflow list's (ascending).  numpy only, like the kernel wrappers (no torch
+        CPU ops between the numba kernels); the overflow hits go straight to their slots after each row's count
+        (no sort of the padded rows)."""
+        c = self.cfg
+        idx_t, cnt_t = kmc.sample(self.tables, q_codes, c.min_collisions, backend=self.backend_cpu)
+        idx, cnt = idx_t.numpy(), cnt_t.numpy()
+        np.add(idx, c.sink, out=idx, where=idx >= 0)
+        n_over = self.over_codes.shape[2]
+        if not n_over:
+            return idx, cnt
+        b, hq, s = idx.shape
+        over = self.over_codes.numpy()  # [B, Hkv, n_over, L]
+        g = hq // over.shape[1]
+        qc = q_codes.numpy().reshape(b, over.shape[1], g, 1, c.L)
+        hit = ((qc == over[:, :, None]).sum(-1, dtype=np.int32) >= c.min_collisions).reshape(b, hq, n_over)
+        extra = hit.sum(-1, dtype=np.int32)
+        out = np.full((b, hq, s + int(extra.max())), -1, np.int32)
+        out[:, :, :s] = idx
+        bi, hi, ji = np.nonzero(hit)  # row-major: ascending j within each row
+        out[bi, hi, cnt[bi, hi] + np.cumsum(hit, -1, dtype=np.int32)[bi, hi, ji] - 1] = ji + self.table_end
+        return out, cnt + extra
 
     def decode(self, session, module, q, k_new, v_new, scaling):
         c = self.cfg
         n = self.n
         q3 = q[:, :, 0]  # [B, Hq, D]
         b, hq, d = q3.shape
+        phase = session.phase
         if self.tables is None:  # first step with a candidate key: fix μ, build the tables
             self._build(n, q.device)
+        codes = None
         if self.tables is not None:
-            self._overflow(n)
-        # GPU part: the static keys, sink [0, sink) and window [max(sink, n - local), n)  (u = 1)
-        lo = max(c.sink, n - c.local)
-        wk, wv = self._window(lo, n)
-        ks = torch.cat([self.sink_k[:, :, :min(c.sink, n)], wk], 2)
-        vs = torch.cat([self.sink_v[:, :, :min(c.sink, n)], wv], 2)
-        g = hq // ks.shape[1]
-        s = torch.einsum("bhgd,bhnd->bhgn", q3.view(b, -1, g, d).float(), ks.float()) * scaling
-        lse_g = torch.logsumexp(s, -1)  # [B, Hkv, G]
-        o_g = torch.einsum("bhgn,bhnd->bhgd", torch.softmax(s, -1), vs.float())
-        o_g, lse_g = o_g.reshape(b, hq, d), lse_g.reshape(b, hq)
-        if self.tables is None:  # no candidate keys yet: every key is static
+            # the query's codes (and the new overflow keys') first, so that the CPU part can start while the GPU
+            # computes the static part below
+            with phase("magicpig_codes_to_host"):
+                codes = self._codes_async(q3, self._overflow_keys(n))
+        with phase("magicpig_gpu_static"):
+            # GPU part: the static keys, sink [0, sink) and window [max(sink, n - local), n)  (u = 1)
+            lo = max(c.sink, n - c.local)
+            wk, wv = self._window(lo, n)
+            ks = torch.cat([self.sink_k[:, :, :min(c.sink, n)], wk], 2)
+            vs = torch.cat([self.sink_v[:, :, :min(c.sink, n)], wv], 2)
+            g = hq // ks.shape[1]
+            s = torch.einsum("bhgd,bhnd->bhgn", q3.view(b, -1, g, d).float(), ks.float()) * scaling
+            lse_g = torch.logsumexp(s, -1)  # [B, Hkv, G]
+            o_g = torch.einsum("bhgn,bhnd->bhgd", torch.softmax(s, -1), vs.float())
+            o_g, lse_g = o_g.reshape(b, hq, d), lse_g.reshape(b, hq)
+        if codes is None:  # no candidate keys yet: every key is static
             return o_g.to(q.dtype).unsqueeze(2)
-        # CPU part: the query's codes (GPU) -> sampling and the −log u-corrected attention (CPU, eq. 11)
-        q_codes = kmp.hash_codes(q3, self.w, c.K, c.L, backend=self.backend_gpu).cpu()
-        idx, cnt = self._sample(q_codes)
-        session.stats["sampled"] += int(cnt.sum())
-        session.stats["sample_rows"] += cnt.numel()
-        session.stats["candidates"] += (self.cand_end - c.sink) * cnt.numel()
-        o_c, lse_c = kmc.attention(q3.cpu(), self.keys, self.values, idx, cnt, k_bits=c.K, n_tables=c.L,
-                                   min_collisions=c.min_collisions, scaling=scaling, k_mean=self.mean_cpu,
-                                   backend=self.backend_cpu)
-        o, _ = merge_by_lse(o_c.to(q.device, non_blocking=True), lse_c.to(q.device, non_blocking=True), o_g, lse_g)
-        return o.to(q.dtype).unsqueeze(2)
+        # CPU part: sampling and the −log u-corrected attention (eq. 11)
+        with phase("magicpig_codes_to_host"):
+            q_codes, over, q_host = self._codes_wait(codes)
+            if over is not None:
+                self.over_codes = torch.cat([self.over_codes, over], 2)
+        with phase("magicpig_cpu_sample"):
+            idx, cnt = self._sample(q_codes)
+        session.stats["sampled"] += int(cnt.sum(dtype=np.int64))
+        session.stats["sample_rows"] += cnt.size
+        session.stats["candidates"] += (self.cand_end - c.sink) * cnt.size
+        with phase("magicpig_cpu_attention"):
+            o_c, lse_c = kmc.attention(q_host, self.keys, self.values, torch.from_numpy(idx), torch.from_numpy(cnt),
+                                       k_bits=c.K, n_tables=c.L, min_collisions=c.min_collisions, scaling=scaling,
+                                       k_mean=self.mean_cpu, backend=self.backend_cpu)
+        with phase("magicpig_merge"):
+            o, _ = merge_by_lse(*_to_device(q.device, o_c, lse_c), o_g, lse_g)
+            return o.to(q.dtype).unsqueeze(2)
+
+
+def _to_device(dev: torch.device, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Copies of host tensors on ``dev``, through page-locked memory without a wait (a copy from pageable memory
+    would block until the stream reaches it)."""
+    if dev.type != "cuda":
+        return xs
+    return tuple(x.pin_memory().to(dev, non_blocking=True) for x in xs)
+
+
+def _to_host_async(*xs: torch.Tensor) -> tuple:
+    """Start copies of ``xs`` to the host (into page-locked memory when they are on the GPU); ``_wait_host`` returns
+    them once they have landed.  One wait for all of them rather than one each, and the stream may go on with other
+    work meanwhile."""
+    if not xs or not xs[0].is_cuda:
+        return tuple(x.cpu() for x in xs), None
+    out = tuple(x.to("cpu", non_blocking=True) for x in xs)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(xs[0].device))
+    return out, done
+
+
+def _wait_host(started: tuple) -> tuple[torch.Tensor, ...]:
+    out, done = started
+    if done is not None:
+        done.synchronize()
+    return out
+
+
+def _to_host(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """CPU copies of ``xs``, waited for (see ``_to_host_async``)."""
+    return _wait_host(_to_host_async(*xs))
 
 
 def rope_function(attn_module: Any):
