@@ -334,12 +334,9 @@ def tune_label_scores(args, device, gen, rows):
         del x, cache
 
 
-TOPK_CONFIGS = [("tiles", 8, 2048, 4, 2), ("tiles", 8, 2048, 4, 99), ("tiles", 8, 4096, 4, 2),
-                ("tiles", 8, 1024, 4, 2), ("tiles", 8, 2048, 8, 2), ("tiles", 4, 2048, 4, 4),
-                ("row", 8, 4096, 8, 0), ("row", 8, 2048, 8, 0), ("row", 8, 4096, 4, 0), ("row", 8, 8192, 16, 0),
-                ("row", 8, 2048, 4, 0), ("row", 4, 4096, 8, 0)]
-# (layout, radix bits, BLOCK_N, warps, first pass counted by per-key atomics (tiles only; 99 = tile histograms in
-# every pass))
+TOPK_CONFIGS = [(8, 2048, 4, 2), (8, 2048, 4, 99), (8, 4096, 4, 2), (8, 1024, 4, 2), (8, 2048, 8, 2), (4, 2048, 4, 4)]
+# (radix bits, BLOCK_N, warps, first pass counted by per-key atomics; 99 = tile histograms in every pass).  A
+# one-program-per-row layout (commit 1d25a96) measured slower at every shape: experiments/kernels/session5.
 TOPK_SHAPES = ((32, 16384), (45, 16384), (16, 16384), (22, 32768), (7, 98304), (4, 131072))
 
 
@@ -358,14 +355,10 @@ def tune_topk(b, n, args, device, gen, rows):
 
     rows.append({"kind": "topk_tune", "batch": b, "context": n, "impl": "torch.topk",
                  "ms": timed(lambda: torch.topk(scores, k, dim=-1, sorted=False))})
-    rows.append({"kind": "topk_tune", "batch": b, "context": n, "impl": "kernels.topk", "layout": "auto",
-                 "ms": timed(lambda: topk.select(scores, k))})
-    for lay, rb, bn, nw, af in TOPK_CONFIGS:
-        cfg = {"layout": lay, "radix_bits": rb, "block_n": bn, "num_warps": nw,
-               "atomic_from": af if lay == "tiles" else None}
+    for rb, bn, nw, af in TOPK_CONFIGS:
+        cfg = {"radix_bits": rb, "block_n": bn, "num_warps": nw, "atomic_from": af}
         try:
-            ms = timed(lambda: topk.select(scores, k, layout=lay, radix_bits=rb, block_n=bn, num_warps=nw,
-                                           atomic_from=af))
+            ms = timed(lambda: topk.select(scores, k, radix_bits=rb, block_n=bn, num_warps=nw, atomic_from=af))
         except Exception as e:  # a configuration the compiler rejects: recorded
             rows.append({"kind": "topk_tune", "batch": b, "context": n, **cfg, "error": str(e)[:300]})
             continue
@@ -461,7 +454,7 @@ def main(argv=None):
             ("r", "r", ""), ("bits", "bits", ""), ("block_n", "BLOCK_N", ""), ("num_warps", "warps", ""),
             ("ms", "ms", ".4f"), ("gbps", "GB/s", ".0f")]),
         (topk_rows, "top-k of N/16 per row, rows [B, 8, N] fp32:", shape + [
-            ("impl", "impl", ""), ("layout", "layout", ""), ("radix_bits", "radix bits", ""), ("block_n", "BLOCK_N", ""),
+            ("impl", "impl", ""), ("radix_bits", "radix bits", ""), ("block_n", "BLOCK_N", ""),
             ("num_warps", "warps", ""), ("atomic_from", "atomics from pass", ""), ("ms", "ms", ".4f")]),
         (tune_rows, "sparse attention launch configurations (N/16 random indices):", shape + [
             ("gqa", "selection", ""), ("block_n", "BLOCK_N", ""), ("num_warps", "warps", ""),

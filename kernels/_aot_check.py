@@ -59,9 +59,6 @@ def _configs():
             out.append((_tl_topk._hist, tk, dict(c, PASS=p, ATOMIC=p >= 2), (), 4))
         out.append((_tl_topk._count, tk, dict(c, PASSES=32 // rb), (), 4))
         out.append((_tl_topk._write, tk, dict(c, PASSES=32 // rb, TILES_P2=64, PAD=256), (), 4))
-        for bn, nw in ((4096, 8), (8192, 16)):
-            out.append((_tl_topk._select_row, tk, dict(HAS_CNT=cnt, BITS=rb, BLOCK_N=bn, INTERP=False, N_CHUNKS=0,
-                                                       K_CHUNKS=0), (), nw))
     return out
 
 

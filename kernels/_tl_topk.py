@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, next_pow2, triton_interpret
+from ._common import as_rows, next_pow2
 
 
 @triton.jit
@@ -147,101 +147,6 @@ def _write(S, CNT, H, ST, G, OUT, stride_s, stride_o, N, K_MAX, rows, tiles,
     tl.store(out + slot, o, mask=take)
     s = tile * PAD + tl.arange(0, PAD)
     tl.store(out + s, tl.full([PAD], -1, tl.int32), mask=(s >= total) & (s < K_MAX))
-
-
-@triton.jit
-def _row_hist(src, start, N, prefix, P: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Histogram [2^BITS] of digit P of the chunk's keys that match the prefix of the earlier digits."""
-    R: tl.constexpr = 1 << BITS
-    SHIFT: tl.constexpr = 32 - BITS * (P + 1)
-    o = start + tl.arange(0, BLOCK_N)
-    inside = o < N
-    key = _keys(tl.load(src + o, mask=inside, other=0.0))
-    match = inside
-    if P > 0:
-        match = match & ((key >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS)))
-    return tl.histogram(((key >> SHIFT) & (R - 1)).to(tl.int32), R, mask=match)
-
-
-@triton.jit
-def _row_write(src, out, start, N, thr, ties, written, eq_seen, BLOCK_N: tl.constexpr):
-    """The chunk's positions with key > thr and its finite ties while fewer than ``ties`` were taken before it,
-    at the slots after the ``written`` ones; returns the updated (written, eq_seen)."""
-    o = start + tl.arange(0, BLOCK_N)
-    x = tl.load(src + o, mask=o < N, other=float("-inf"))
-    key = _keys(x)
-    inside = (o < N) & (x > float("-inf"))
-    is_eq = (key == thr) & inside
-    eq_rank = eq_seen + tl.cumsum(is_eq.to(tl.int32), 0) - 1
-    take = ((key > thr) & inside) | (is_eq & (eq_rank < ties))
-    slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
-    tl.store(out + slot, o, mask=take)
-    return written + tl.sum(take.to(tl.int32), 0), eq_seen + tl.sum(is_eq.to(tl.int32), 0)
-
-
-@triton.jit
-def _select_row(S, CNT, OUT, stride_s, stride_o, N, K_MAX,
-                HAS_CNT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                INTERP: tl.constexpr, N_CHUNKS: tl.constexpr, K_CHUNKS: tl.constexpr):
-    """The whole radix select of one row in one program (grid: rows): the digit passes, each a loop over the row
-    in chunks of BLOCK_N that adds up the chunk histograms (the row stays in L2 between passes), then the ordered
-    write of the positions above the threshold and the first ties, with running counts, and the −1 padding.  One
-    launch instead of 32/BITS + 2, for when there are enough rows to fill the GPU.  (INTERP: the interpreter takes
-    no tensor loop bounds, so the loops run N_CHUNKS / K_CHUNKS times there, masked past N / K_MAX.)"""
-    row = tl.program_id(0)
-    R: tl.constexpr = 1 << BITS
-    src = S + row.to(tl.int64) * stride_s
-    out = OUT + row.to(tl.int64) * stride_o
-    k = _budget(CNT, row, N, K_MAX, HAS_CNT)
-    digits = tl.arange(0, R)
-    prefix = tl.zeros([], tl.uint32)
-    k_rem = k
-    for p in tl.static_range(32 // BITS):
-        h = tl.zeros([R], tl.int32)
-        if INTERP:
-            for c in range(0, N_CHUNKS):
-                h += _row_hist(src, c * BLOCK_N, N, prefix, p, BITS, BLOCK_N)
-        else:
-            for start in range(0, N, BLOCK_N):
-                h += _row_hist(src, start, N, prefix, p, BITS, BLOCK_N)
-        # the digit of the k-th key, as in _digit_step
-        ge = tl.cumsum(h, 0, reverse=True)
-        best = tl.sum((ge >= k_rem).to(tl.int32), 0) - 1
-        k_rem -= tl.sum(tl.where(digits > best, h, 0), 0)
-        prefix = prefix | (best.to(tl.uint32) << (32 - BITS * (p + 1)))
-    # prefix is now the k-th key, and k_rem the number of ties at it to take (k − #keys above it)
-    written = tl.zeros([], tl.int32)
-    eq_seen = tl.zeros([], tl.int32)
-    if INTERP:
-        for c in range(0, N_CHUNKS):
-            written, eq_seen = _row_write(src, out, c * BLOCK_N, N, prefix, k_rem, written, eq_seen, BLOCK_N)
-        for c in range(0, K_CHUNKS):
-            s = c * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(out + s, tl.full([BLOCK_N], -1, tl.int32), mask=(s >= written) & (s < K_MAX))
-    else:
-        for start in range(0, N, BLOCK_N):
-            written, eq_seen = _row_write(src, out, start, N, prefix, k_rem, written, eq_seen, BLOCK_N)
-        for start in range(0, K_MAX, BLOCK_N):
-            s = start + tl.arange(0, BLOCK_N)
-            tl.store(out + s, tl.full([BLOCK_N], -1, tl.int32), mask=(s >= written) & (s < K_MAX))
-
-
-def select_row(scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n: int,
-               num_warps: int) -> torch.Tensor:
-    """``_select_row`` on a grid of one program per row."""
-    s2, lead = as_rows(scores)
-    rows, n = s2.shape
-    out = torch.empty((rows, k_max), dtype=torch.int32, device=scores.device)
-    if rows == 0:
-        return out.view(*lead, k_max)
-    has_cnt = count is not None
-    cnt = count.reshape(-1).to(device=scores.device, dtype=torch.int32).contiguous() if has_cnt else out
-    block_n = min(block_n, max(16, next_pow2(max(n, k_max))))
-    interp = triton_interpret()
-    _select_row[(rows,)](s2, cnt, out, s2.stride(0), out.stride(0), n, k_max, HAS_CNT=has_cnt, BITS=radix_bits,
-                         BLOCK_N=block_n, INTERP=interp, N_CHUNKS=triton.cdiv(n, block_n) if interp else 0,
-                         K_CHUNKS=triton.cdiv(k_max, block_n) if interp else 0, num_warps=num_warps)
-    return out.view(*lead, k_max)
 
 
 def select(scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n: int, num_warps: int,

@@ -23,7 +23,7 @@ import torch
 
 from ._common import resolve_gpu_backend
 
-__all__ = ["LAYOUTS", "select", "select_reference"]
+__all__ = ["select", "select_reference"]
 
 
 def _check(scores: torch.Tensor, k_max: int, count):
@@ -51,41 +51,22 @@ def select_reference(scores: torch.Tensor, k_max: int, count: torch.Tensor | Non
     return out
 
 
-LAYOUTS = ("auto", "tiles", "row")
-
-
 def select(scores: torch.Tensor, k_max: int, count: torch.Tensor | None = None, *, backend: str = "auto",
-           layout: str = "auto", radix_bits: int = 8, block_n: int | None = None, num_warps: int | None = None,
-           atomic_from: int = 2) -> torch.Tensor:
+           radix_bits: int = 8, block_n: int = 2048, num_warps: int = 4, atomic_from: int = 2) -> torch.Tensor:
     """Top-k positions per row (see the module docstring): scores float32 [..., N]; k_max the slots per row (the
     budget when ``count`` is None); count int [...] per-row budgets ≤ k_max on the device.  int32 [..., k_max],
-    positions in increasing order, then −1.  ``layout``: ``tiles`` spreads each pass over (row, tile of
-    ``block_n``) programs (32/radix_bits + 2 launches); ``row`` runs the whole select of a row in one program
-    (one launch; it loops over the row in chunks of ``block_n``); ``auto`` takes ``tiles`` (``row`` measured
-    slower at every shape tried on the H200).  Both give the same output.  ``radix_bits``: digit width of a pass (32/radix_bits histogram
-    passes); passes from ``atomic_from`` on (``tiles``) count with one global atomic per key that matches the
-    prefix (few do by then) instead of a tile histogram.  ``block_n`` / ``num_warps`` default to 2048 / 4
-    (``tiles``) and 4096 / 8 (``row``)."""
+    positions in increasing order, then −1.  ``radix_bits``: digit width of a pass (32/radix_bits histogram
+    passes); ``block_n``: scores per program; passes from ``atomic_from`` on count with one global atomic per key
+    that matches the prefix (few do by then) instead of a tile histogram."""
     _check(scores, k_max, count)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: valid values are {list(LAYOUTS)}")
     which = resolve_gpu_backend(backend, scores, count)
     if which == "torch":
         return select_reference(scores, k_max, count)
     if radix_bits not in (4, 8):
         raise ValueError(f"radix_bits={radix_bits}: valid values are [4, 8]")
-    if layout == "auto":
-        layout = "tiles"
-    if block_n is None:
-        block_n = 4096 if layout == "row" else 2048
-    if num_warps is None:
-        num_warps = 8 if layout == "row" else 4
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n}: must be a power of two >= 16")
     from . import _tl_topk
 
-    if layout == "row":
-        return _tl_topk.select_row(scores, k_max, count, radix_bits=radix_bits, block_n=block_n,
-                                   num_warps=num_warps)
     return _tl_topk.select(scores, k_max, count, radix_bits=radix_bits, block_n=block_n, num_warps=num_warps,
                            atomic_from=atomic_from)

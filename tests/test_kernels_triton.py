@@ -216,9 +216,8 @@ def _values_of(scores, sel):
     return out
 
 
-@pytest.mark.parametrize("radix_bits, atomic_from, layout", [(4, 2, "tiles"), (8, 2, "tiles"), (8, 99, "tiles"),
-                                                        (8, 2, "row"), (4, 2, "row")])
-def test_topk_select_matches_sorted_topk(radix_bits, atomic_from, layout):
+@pytest.mark.parametrize("radix_bits, atomic_from", [(4, 2), (8, 2), (8, 99)])
+def test_topk_select_matches_sorted_topk(radix_bits, atomic_from):
     """The radix-select top-k picks keys of exactly the same scores as torch.topk (equal sets up to ties), per-row
     budgets from a device tensor, −inf never picked, ties broken towards lower positions across tiles, positions
     in increasing order, −1 padding (also with more slots than scores)."""
@@ -234,7 +233,7 @@ def test_topk_select_matches_sorted_topk(radix_bits, atomic_from, layout):
     count = count.to(DEV)
     for k_max, cnt in ((25, None), (200, None), (150, count)):
         got = topk.select(s, k_max, cnt, backend="triton", radix_bits=radix_bits, block_n=64,  # 3 tiles per row
-                          atomic_from=atomic_from, layout=layout)  # per-key atomics from that pass on, or not
+                          atomic_from=atomic_from)  # per-key atomics from that pass on, or tile histograms only
         ref = topk.select_reference(s, k_max, cnt)
         assert got.shape == ref.shape == (2, 3, k_max) and got.dtype == torch.int32
         assert _values_of(s, got) == _values_of(s, ref)
@@ -249,23 +248,6 @@ def test_topk_select_matches_sorted_topk(radix_bits, atomic_from, layout):
     assert taken == at_thr[: len(taken)].tolist()  # the lowest positions among the ties
     with pytest.raises(ValueError, match="count"):
         topk.select(s, 5, torch.ones(3, dtype=torch.int32, device=DEV))
-    with pytest.raises(ValueError, match=r"layout='rows': valid values are \['auto', 'tiles', 'row'\]"):
-        topk.select(s, 5, layout="rows", backend="triton")
-
-
-def test_topk_row_and_tile_layouts_agree():
-    """One program per row and (row, tile) programs pick the same positions in the same slots (the same tie rule:
-    lowest positions first), for rows longer than a chunk, a budget per row, ties and −inf."""
-    gen = _gen(11)
-    s = torch.round(torch.randn(5, 700, generator=gen) * 4) / 4  # many ties
-    s[2, 600:] = float("-inf")
-    s = s.to(DEV)
-    count = torch.tensor([1, 64, 650, 0, 200], dtype=torch.int32, device=DEV)
-    for k_max, cnt in ((64, None), (700, count)):
-        a = topk.select(s, k_max, cnt, backend="triton", layout="row", block_n=128)
-        b = topk.select(s, k_max, cnt, backend="triton", layout="tiles", block_n=128)
-        assert torch.equal(a, b)
-    assert int((a[2] >= 0).sum()) == 600 and int((a[3] >= 0).sum()) == 0
 
 
 @pytest.mark.parametrize("bits", [8, 4])
