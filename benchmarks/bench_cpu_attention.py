@@ -52,6 +52,8 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-sweeps", action="store_true", help="skip the thread and prefetch sweeps")
+    ap.add_argument("--huge-pages-ab", action="store_true", help="also time the attention of the last (B, N, density) "
+                    "with the K/V cache on default pages and on transparent huge pages, alternating, in this run")
     a = ap.parse_args(argv)
     q = a.quick
     a.batches = a.batches or ([1] if q else [1, 4])
@@ -142,6 +144,46 @@ def bench_attention(args, b, n, dens, flush, stream_gbps, gen, rows, sweep=False
                          "frac_of_stream": gbps / stream_gbps})
         magicpig_cpu.set_num_threads(top)
     return summary
+
+
+def huge_pages_ab(args, b, n, dens, flush, stream_gbps, gen, rows, rounds: int = 3) -> None:
+    """Attention over a K/V cache allocated plainly (torch.empty) and over one advised onto transparent huge pages
+    before its first touch (``kernels._common.advise_huge_pages``), alternating, ``rounds`` times each."""
+    from kernels._common import advise_huge_pages
+
+    s = max(1, int(round(dens * n)))
+    q = torch.randn(b, HQ, D, generator=gen)
+    sets = random_index_sets(b, n, s, 4, gen)
+    cnt = torch.full((b, HQ), s, dtype=torch.int32)
+    nbytes = b * HQ * s * (2 * D * 2 + 4)
+    src = torch.randn(b, HKV, n, D, generator=gen).to(torch.bfloat16)
+    for r in range(rounds):
+        for huge in (False, True):
+            k = torch.empty(b, HKV, n, D, dtype=torch.bfloat16)
+            v = torch.empty_like(k)
+            advised = huge and advise_huge_pages(k) and advise_huge_pages(v)
+            k.copy_(src)
+            v.copy_(src)
+            mean = k.float().mean(2)
+            state = {"i": r}
+
+            def run():
+                state["i"] = (state["i"] + 1) % len(sets)
+                return magicpig_cpu.attention(q, k, v, sets[state["i"]], cnt, k_bits=10, n_tables=150, k_mean=mean)
+
+            t = time_cpu(run, 1, args.reps, flush)
+            gbps = nbytes / (t["median_ms"] * 1e-3) / 1e9
+            rows.append({"kind": "huge_pages_ab", "impl": "numba", "batch": b, "context": n, "density": dens,
+                         "huge_pages": huge, "advised": bool(advised), "round": r, **t, "gbps": gbps,
+                         "frac_of_stream": gbps / stream_gbps, "anon_huge_kb": _anon_huge_kb()})
+            del k, v
+
+
+def _anon_huge_kb() -> int | None:
+    try:
+        return int(next(x for x in open("/proc/meminfo") if x.startswith("AnonHugePages")).split()[1])
+    except (OSError, StopIteration):
+        return None
 
 
 def bench_lookup(args, b, n, k_bits, n_tables, flush, stream_gbps, gen, rows):
@@ -252,6 +294,8 @@ def main(argv=None):
             for k_bits, n_tables in args.kl:
                 bench_lookup(args, b, n, k_bits, n_tables, flush, sg, gen, rows)
 
+    if args.huge_pages_ab:
+        huge_pages_ab(args, args.batches[-1], args.contexts[-1], args.densities[-1], flush, sg, gen, rows)
     payload = {"hardware": hw, "stream": stream, "args": {k: str(v) for k, v in vars(args).items()}, "records": rows}
     for r in rows:
         r["hardware"] = {"cpu_model": hw.get("cpu_model"), "logical_cpus": hw.get("logical_cpus"),
@@ -269,6 +313,13 @@ def main(argv=None):
         ("batch", "B", ""), ("context", "N", ""), ("K", "K", ""), ("L", "L", ""), ("density", "dens", ".4f"),
         ("median_ms", "ms", ".3f"), ("gbps", "GB/s", ".1f"), ("frac_of_stream", "of stream", ".2f"),
         ("build_ms", "build ms", ".1f")])
+    ab = [r for r in rows if r["kind"] == "huge_pages_ab"]
+    if ab:
+        print("\nK/V cache on default pages vs transparent huge pages (last attention config, alternating):")
+        table += "\n" + print_table(ab, [("round", "round", ""), ("huge_pages", "huge pages", ""),
+                                         ("advised", "madvise ok", ""), ("median_ms", "ms", ".3f"),
+                                         ("gbps", "GB/s", ".1f"), ("frac_of_stream", "of stream", ".2f"),
+                                         ("anon_huge_kb", "AnonHugePages kB", "")])
     sweeps = [r for r in rows if r["kind"] in ("thread_sweep", "prefetch_sweep")]
     if sweeps:
         print("\nsweeps (last attention config):")

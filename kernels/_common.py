@@ -97,3 +97,23 @@ def check_heads(hq: int, hkv: int, what: str = "query heads") -> int:
     if hkv <= 0 or hq % hkv:
         raise ValueError(f"{what} ({hq}) must be a positive multiple of KV heads ({hkv})")
     return hq // hkv
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back ``t``'s memory with transparent huge pages (``madvise(MADV_HUGEPAGE)`` over the 4 KiB
+    pages it spans entirely).  It takes effect for pages not yet touched, so call it right after allocating.
+    Random row gathers over a large host cache miss the TLB on nearly every row with 4 KiB pages.  Returns False
+    (and changes nothing) off Linux or for a CPU tensor the call refuses."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux") or t.is_cuda or t.numel() == 0:
+        return False
+    page = 4096
+    start = (t.data_ptr() + page - 1) // page * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end <= start:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    madv_hugepage = 14
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), madv_hugepage) == 0

@@ -386,3 +386,18 @@ def test_torch_fallback_without_numba(monkeypatch):
     assert torch.equal(idx, ref[0]) and torch.equal(cnt, ref[1])
     with pytest.raises(RuntimeError, match="numba"):
         magicpig_cpu.sample(tables, qcodes, 2, backend="numba")
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+                    reason="no transparent huge pages on this system")
+def test_advise_huge_pages_on_an_untouched_host_tensor():
+    """madvise(MADV_HUGEPAGE) is accepted for a fresh host tensor, leaves its contents usable, and is refused for
+    tensors spanning no whole page (and for CUDA tensors, without a call)."""
+    from kernels._common import advise_huge_pages
+
+    t = torch.empty(1 << 22, dtype=torch.bfloat16)  # 8 MiB, not touched yet
+    assert advise_huge_pages(t)
+    t.copy_(torch.arange(1 << 22, dtype=torch.float32))
+    assert float(t[12345]) == 12352.0 and float(t[0]) == 0.0  # bf16 rounding of 12345
+    assert not advise_huge_pages(torch.empty(8, dtype=torch.float32))
+    assert not advise_huge_pages(torch.empty(0))
