@@ -60,7 +60,7 @@ def _phases(model, method, ids, batch, steps, label) -> None:
     n = timed.stats["phase_steps"]
     ms = {k: v / n for k, v in timed.stats["phase_ms"].items()}
     step_plain = statistics.median(plain.step_ms[1:])
-    step_timed = statistics.median(timed.step_ms[2:])
+    step_timed = statistics.median(timed.step_ms[1:])
     print(f"== {label}: ms per step (median of {len(plain.step_ms) - 1} steady steps) {step_plain:.1f} untimed, "
           f"{step_timed:.1f} with the phase brackets")
     for k, v in sorted(ms.items(), key=lambda kv: -kv[1]):

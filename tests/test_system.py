@@ -83,6 +83,24 @@ def test_same_tokens_as_accuracy_path(stories, prompts, which):
         assert 0 < got.stats["sampled"] < got.stats["candidates"]
 
 
+def test_phase_times_break_down_the_magicpig_steps(stories, prompts):
+    """decode(phase_times=True) times MagicPIG's phases over the steps after the first (the table build), they fit
+    inside the steps they were taken in, and the tokens are those of an untimed decode; a captured step refuses it."""
+    model, _ = stories
+    cfg = CONFIGS["magicpig"]
+    plain = _system(model, cfg, [prompts[0]], backend_gpu="torch")
+    timed = _system(model, cfg, [prompts[0]], backend_gpu="torch", phase_times=True)
+    assert timed.tokens.tolist() == plain.tokens.tolist()
+    ms = timed.stats["phase_ms"]
+    assert set(ms) == {"magicpig_codes_to_host", "magicpig_gpu_static", "magicpig_cpu_sample",
+                       "magicpig_cpu_attention", "magicpig_merge"}
+    assert timed.stats["phase_steps"] == NEW - 2
+    assert all(v > 0 for v in ms.values()) and sum(ms.values()) < sum(timed.step_ms[1:])
+    assert "phase_ms" not in plain.stats
+    with pytest.raises(ValueError, match="phase_times=true times eager steps"):
+        _system(model, CONFIGS["ds"], [prompts[0][:80]], cuda_graph=True, phase_times=True)
+
+
 def test_ds_offload_first_layer_falls_back_to_own_query(stories, prompts):
     model, tok = stories
     cfg = dict(name="double_sparsity", beta=0.05, offload=True, dense_layers=[])

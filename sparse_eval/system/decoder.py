@@ -155,7 +155,6 @@ class SystemSession:
     """The layers of one generation, the side stream and buffers of DS-Offload, and per-run counters."""
 
     def __init__(self, model: Any, method: Method, layers: list[FullLayer], phase_times: PhaseTimes | None = None):
-        self.phase_times = phase_times
         self.phase = phase_times if phase_times is not None else _no_phase  # phase(name): a context manager
         self.model = model
         self.method = method
