@@ -17,7 +17,7 @@ import tempfile
 
 
 def _configs():
-    from . import _tl_hash, _tl_labels, _tl_scores, _tl_sparse_decode, _tl_topk
+    from . import _tl_hash, _tl_labels, _tl_merge, _tl_scores, _tl_sparse_decode, _tl_topk
 
     sd = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "IDX": "*i32", "CNT": "*i32", "PACC": "*fp32", "PM": "*fp32",
           "PL": "*fp32", "O": "*bf16", "LSE": "*fp32"}
@@ -52,6 +52,10 @@ def _configs():
                     dict(R=32, BLOCK_R=16 if bits == 4 else 32, BITS=bits), (), 1))
     out.append((_tl_labels._query_labels_kernel, {"Q": "*bf16", "QCH": "*i32", "OUT": "*fp32"},
                 dict(R=32, BLOCK_R=32, BITS=4, QUANT=True), (), 1))
+    out.append((_tl_merge._attend_merge_kernel,
+                {"Q": "*bf16", "K1": "*bf16", "V1": "*bf16", "K2": "*bf16", "V2": "*bf16", "OO": "*fp32",
+                 "LO": "*fp32", "OUT": "*fp32", "LSE": "*fp32", "scale": "fp32"},
+                dict(G=4, G_P2=4, D=128, BLOCK_D=128, BLOCK_N=16, INTERP=False, IT1=0, IT2=0), (), 4))
     tk = {"S": "*fp32", "CNT": "*i32", "H": "*i32", "ST": "*i32", "G": "*i32", "OUT": "*i32"}
     for rb, cnt in ((8, True), (4, False)):
         c = dict(HAS_CNT=cnt, BITS=rb, BLOCK_N=2048)

@@ -415,3 +415,31 @@ def test_kernels_compile_for_hopper_without_spills():
     res = subprocess.run([sys.executable, "-m", "kernels._aot_check"], cwd=Path(__file__).resolve().parents[1],
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_attend_and_merge_matches_reference():
+    """The fused static-keys attention + LSE merge (MagicPIG's GPU part) equals attention over the concatenated
+    parts merged by ``merge_by_lse``: GQA, a window that is a strided view of a larger buffer, parts longer than a
+    block, an empty first part, and an empty other part whose o is NaN (it must not leak)."""
+    from kernels import merge
+
+    gen = _gen(21)
+    b, hq, hkv, d = 2, 8, 2, 64
+    q = _randn(b, hq, d, gen=gen, dtype=torch.bfloat16)
+    sink_k, sink_v = (_randn(b, hkv, 4, d, gen=gen, dtype=torch.bfloat16) for _ in range(2))
+    buf_k, buf_v = (_randn(b, hkv, 90, d, gen=gen, dtype=torch.bfloat16) for _ in range(2))
+    o_other = _randn(b, hq, d, gen=gen)
+    lse_other = _randn(b, hq, gen=gen) * 3
+    lse_other[1, 2:] = float("-inf")  # no sampled keys for these rows
+    o_other[1, 2:] = float("nan")
+    for k1, v1, k2, v2 in ((sink_k, sink_v, buf_k[:, :, 7:77], buf_v[:, :, 7:77]),
+                           (sink_k[:, :, :0], sink_v[:, :, :0], buf_k[:, :, 3:20], buf_v[:, :, 3:20]),
+                           (sink_k, sink_v, buf_k[:, :, :0], buf_v[:, :, :0])):
+        got_o, got_l = merge.attend_and_merge(q, k1, v1, k2, v2, o_other, lse_other, 0.125, backend="triton")
+        ref_o, ref_l = merge.attend_and_merge_reference(q, k1, v1, k2, v2, o_other, lse_other, 0.125)
+        assert torch.isfinite(got_o).all() and torch.isfinite(got_l).all()
+        torch.testing.assert_close(got_o.cpu(), ref_o.cpu(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_l.cpu(), ref_l.cpu(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="empty"):
+        merge.attend_and_merge(q, sink_k[:, :, :0], sink_v[:, :, :0], buf_k[:, :, :0], buf_v[:, :, :0], o_other,
+                               lse_other, 0.125)

@@ -42,11 +42,11 @@ import kernels._common as kcommon
 import kernels.ds as kds
 import kernels.magicpig as kmp
 import kernels.magicpig_cpu as kmc
+import kernels.merge as kmerge
 import kernels.offload as koff
 import kernels.quest as kqu
 import kernels.sparse_decode as ksd
 import kernels.topk as ktopk
-from kernels.merge import merge_by_lse
 
 from ..methods.base import budget_bound
 
@@ -783,23 +783,19 @@ class MagicPIGLayer(FullLayer):
             self._build(n, q.device)
         codes = None
         if self.tables is not None:
-            # the query's codes (and the new overflow keys') first, so that the CPU part can start while the GPU
-            # computes the static part below
+            # the query's codes (and the new overflow keys') on their way to the host first
             with phase("magicpig_codes_to_host"):
                 codes = self._codes_async(q3, self._overflow_keys(n))
-        with phase("magicpig_gpu_static"):
-            # GPU part: the static keys, sink [0, sink) and window [max(sink, n - local), n)  (u = 1)
-            lo = max(c.sink, n - c.local)
-            wk, wv = self._window(lo, n)
-            ks = torch.cat([self.sink_k[:, :, :min(c.sink, n)], wk], 2)
-            vs = torch.cat([self.sink_v[:, :, :min(c.sink, n)], wv], 2)
-            g = hq // ks.shape[1]
-            s = torch.einsum("bhgd,bhnd->bhgn", q3.view(b, -1, g, d).float(), ks.float()) * scaling
-            lse_g = torch.logsumexp(s, -1)  # [B, Hkv, G]
-            o_g = torch.einsum("bhgn,bhnd->bhgd", torch.softmax(s, -1), vs.float())
-            o_g, lse_g = o_g.reshape(b, hq, d), lse_g.reshape(b, hq)
+        # the static keys, attended on the GPU with weight 1 (u = 1): sink [0, sink) and window [max(sink, n - local), n)
+        s_n = min(c.sink, n)
+        wk, wv = self._window(max(c.sink, n - c.local), n)
+        static = (self.sink_k[:, :, :s_n], self.sink_v[:, :, :s_n], wk, wv)
         if codes is None:  # no candidate keys yet: every key is static
-            return o_g.to(q.dtype).unsqueeze(2)
+            with phase("magicpig_gpu_attention_merge"):
+                o, _ = kmerge.attend_and_merge(q3, *static, torch.zeros(b, hq, d, device=q.device),
+                                               torch.full((b, hq), float("-inf"), device=q.device), scaling,
+                                               backend=self.backend_gpu)
+                return o.to(q.dtype).unsqueeze(2)
         # CPU part: sampling and the −log u-corrected attention (eq. 11)
         with phase("magicpig_codes_to_host"):
             q_codes, over, q_host = self._codes_wait(codes)
@@ -814,8 +810,10 @@ class MagicPIGLayer(FullLayer):
             o_c, lse_c = kmc.attention(q_host, self.keys, self.values, torch.from_numpy(idx), torch.from_numpy(cnt),
                                        k_bits=c.K, n_tables=c.L, min_collisions=c.min_collisions, scaling=scaling,
                                        k_mean=self.mean_cpu, backend=self.backend_cpu)
-        with phase("magicpig_merge"):
-            o, _ = merge_by_lse(*_to_device(q.device, o_c, lse_c), o_g, lse_g)
+        with phase("magicpig_gpu_attention_merge"):
+            # the static keys' attention merged with the CPU part by log-sum-exp, in one launch on CUDA
+            o, _ = kmerge.attend_and_merge(q3, *static, *_to_device(q.device, o_c, lse_c), scaling,
+                                           backend=self.backend_gpu)
             return o.to(q.dtype).unsqueeze(2)
 
 
