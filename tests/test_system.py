@@ -178,6 +178,7 @@ def test_static_step_gives_the_same_tokens(stories, prompts, which):
     assert tiled.tokens.tolist() == [eager.tokens[1].tolist()] * 2
 
 
+@pytest.mark.skipif(CUDA, reason="CPU model in the interpreter; on CUDA: test_gpu_system_path_matches_accuracy_path")
 def test_magicpig_with_the_triton_kernels(stories, prompts):
     """MagicPIG's GPU part through its Triton kernels (query and overflow-key codes; the static keys' attention
     merged with the CPU part in one launch; the interpreter without CUDA) decodes the accuracy path's tokens."""
