@@ -8,6 +8,10 @@ softmax: running max m, sum l, accumulator), then lse = m + log l, and the merge
     lse' = log(e^lse + e^lse_other),   o' = e^(lse − lse') o + e^(lse_other − lse') o_other
 
 with an empty other part (lse_other = −inf) contributing nothing, whatever its o.
+
+The products are elementwise in IEEE fp32 rather than ``_tl_sparse_decode._attend_tile``'s ``tl.dot`` (which
+pads the query rows to 16 and runs P·V in the cache dtype): a few query rows against ~70 keys cost nothing either
+way, and this way the result matches the fp32 torch reference to rounding.
 """
 
 from __future__ import annotations

@@ -339,9 +339,10 @@ def _cli(runs, *args):
 def test_cli_decodes_and_checks_against_accuracy_path(tmp_path):
     out = tmp_path / "rec.json"
     res = _cli(tmp_path, "method=magicpig", "method.dense_layers=[0]", "method.K=10", "method.L=20", "method.local=16",
-               "context=128", "new_tokens=6", "batch=2", f"output={out}")
+               "context=128", "new_tokens=6", "batch=2", "phase_times=true", f"output={out}")
     assert res.returncode == 0, res.stderr
     assert "accuracy path: 2/2 rows and 12/12 tokens identical" in res.stdout
+    assert "phases, ms per step over the 4 steps after the first" in res.stdout and "magicpig_cpu_sample" in res.stdout
     import json
 
     rec = json.loads(out.read_text())

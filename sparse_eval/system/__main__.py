@@ -36,6 +36,7 @@ class SystemRunConfig:
     new_tokens: int = 32
     cuda_graph: bool = False
     topk: str = "radix"
+    phase_times: bool = False
     compare_accuracy_path: bool = True
     output: str | None = None
     paths: PathsConfig = field(default_factory=PathsConfig)
@@ -87,13 +88,13 @@ def run(cfg: Any) -> dict[str, Any]:
         name = cfg.model.name
     method.setup(model, name)
     res = decode(model, method, ids, cfg.new_tokens, repeat_batch=cfg.repeat_batch, cuda_graph=cfg.cuda_graph,
-                 topk=cfg.topk)
+                 topk=cfg.topk, phase_times=cfg.phase_times)
     steady = res.step_ms[2:] or res.step_ms  # the first steps include compilation and index builds
     med = statistics.median(steady)
     record: dict[str, Any] = {
         "model": name, "random_weights": bool(cfg.random_shape), "method": dataclass_dict(method.config),
         "context": cfg.context, "batch": res.batch, "new_tokens": cfg.new_tokens, "cuda_graph": cfg.cuda_graph,
-        "topk": cfg.topk,
+        "topk": cfg.topk, "phase_times": cfg.phase_times,
         "device": str(next(model.parameters()).device),
         "prefill_ms": res.prefill_ms, "ms_per_step_median": med, "tokens_per_s": res.batch * 1e3 / med,
         "memory_bytes": res.memory, "stats": res.stats,
@@ -149,6 +150,11 @@ def main(cfg) -> None:
     mem = rec["memory_bytes"]
     print(f"  cache: {mem.get('cache_gpu', 0) / 2**20:.1f} MiB on the GPU, {mem.get('cache_cpu', 0) / 2**20:.1f} MiB in CPU memory"
           + (f"; GPU peak {mem['gpu_peak'] / 2**30:.2f} GiB" if "gpu_peak" in mem else ""))
+    phases = rec["stats"].get("phase_ms")
+    if phases:
+        n = max(1, rec["stats"]["phase_steps"])
+        print(f"  phases, ms per step over the {n} steps after the first (the steps synchronise at each phase): "
+              + ", ".join(f"{k} {v / n:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
     agree = rec.get("agreement_with_accuracy_path")
     if agree:
         print(f"  accuracy path: {agree['rows_identical']}/{agree['rows']} rows and {agree['tokens_identical']}/"
