@@ -685,7 +685,9 @@ class MagicPIGLayer(FullLayer):
             setattr(self, name, getattr(self, name).repeat(times, 1, 1, 1))
         if self.tables is not None:
             t = self.tables
-            self.tables = type(t)(perm=t.perm.repeat(times, 1, 1, 1), offsets=t.offsets.repeat(times, 1, 1, 1),
+            # on the huge pages the built tables have (numpy advises its large arrays), so that a tiled row is
+            # looked up as fast as a distinct one would be
+            self.tables = type(t)(perm=_tile(t.perm, times, pin=False), offsets=_tile(t.offsets, times, pin=False),
                                   k_bits=t.k_bits, n_tables=t.n_tables)
             self.mean = self.mean.repeat(times, 1, 1)
             self.mean_cpu = self.mean.cpu()
