@@ -390,6 +390,8 @@ def sample_kernel(perm, offsets, qcodes, m, nthreads, do_sort, out_idx, out_cnt)
     perm/offsets as built by ``build_kernel``; qcodes [B, Hq, L] int32; out_idx [B, Hq, N] int32 (first
     out_cnt[b, h] entries written: ascending when do_sort, else in discovery order); out_cnt [B, Hq] int32.
     Ascending order comes from a per-thread bitmap of sampled keys scanned word by word (no comparison sort).
+    The counters are reset after each row by a sequential clear, unless the row touched under 1/32 of them (then
+    one by one): at (10,150) and (8,75) a row touches 1/7 to 1/3 of the keys, where the clear is cheaper.
 
     The L buckets of a row are random places in memory (tables of MBs per head), and each bucket's place is read
     from ``offsets`` first: a chain of two cache misses per table.  So a row runs in stages over its L tables --
@@ -412,6 +414,7 @@ def sample_kernel(perm, offsets, qcodes, m, nthreads, do_sort, out_idx, out_cnt)
             h = r % hq
             t = h // g
             found = 0
+            touched = 0
             lo_w = nwords
             hi_w = -1
             for l in range(l_):  # stage 1: the offset pairs
@@ -429,6 +432,7 @@ def sample_kernel(perm, offsets, qcodes, m, nthreads, do_sort, out_idx, out_cnt)
                     lo = hi = 0
                 lo_b[l] = lo
                 hi_b[l] = hi
+                touched += hi - lo
             for l in range(l_):  # stage 3: count
                 for p in range(lo_b[l], hi_b[l]):
                     key = np.uint64(perm[b, t, l, p])
@@ -443,9 +447,13 @@ def sample_kernel(perm, offsets, qcodes, m, nthreads, do_sort, out_idx, out_cnt)
                         else:
                             out_idx[b, h, found] = np.int32(key)
                         found += 1
-            for l in range(l_):  # reset the counters the row touched
-                for p in range(lo_b[l], hi_b[l]):
-                    cnt[np.uint64(perm[b, t, l, p])] = 0
+            if touched * 32 < n:  # reset the counters the row touched, one by one
+                for l in range(l_):
+                    for p in range(lo_b[l], hi_b[l]):
+                        cnt[np.uint64(perm[b, t, l, p])] = 0
+            else:  # or all of them, sequentially (vectorised): a 1.15-1.3x faster look-up at (10,150), (8,75)
+                for i in range(n):
+                    cnt[i] = 0
             if do_sort:
                 j = 0
                 for w in range(lo_w, hi_w + 1):

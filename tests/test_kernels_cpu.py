@@ -118,6 +118,26 @@ def test_sample_equals_brute_force(backend, min_collisions):
 
 
 @needs_numba
+def test_sample_with_small_buckets_equals_brute_force():
+    """Many bits per table: each row touches few counters, so the kernel resets them one by one (the other branch
+    of its counter reset); rows that share a thread must not see each other's counts."""
+    _, _, _, _, kcodes, qcodes = _problem(17, k_bits=10, n_tables=12)
+    tables = magicpig_cpu.build_tables(kcodes, 10)
+    before = magicpig_cpu.get_num_threads()
+    magicpig_cpu.set_num_threads(1)  # every row of the batch on one thread, after one another
+    try:
+        idx, cnt = magicpig_cpu.sample(tables, qcodes, 2)
+    finally:
+        magicpig_cpu.set_num_threads(before)
+    ref_idx, ref_cnt = magicpig_cpu.sample_reference(kcodes, qcodes, 2)
+    assert torch.equal(cnt, ref_cnt) and torch.equal(idx, ref_idx)
+    off = tables.offsets.long()
+    touched = [sum(int(off[b, h // 4, l, qcodes[b, h, l] + 1] - off[b, h // 4, l, qcodes[b, h, l]]) for l in range(12))
+               for b in range(2) for h in range(8)]
+    assert max(touched) * 32 < kcodes.shape[2] and int(cnt.max()) > 0  # every row resets one by one; a sample
+
+
+@needs_numba
 def test_sample_unsorted_is_same_set_and_bad_codes_match_nothing():
     _, _, _, _, kcodes, qcodes = _problem(9)
     tables = magicpig_cpu.build_tables(kcodes, 6)

@@ -1,0 +1,39 @@
+"""Same-process comparison of the MagicPIG table look-up before / after session 5's counter reset (a sequential
+clear instead of re-walking the row's buckets), alternating calls, median of 8 after one warm-up each.
+
+    PYTHONPATH=. python experiments/kernels/cpu/session5_local/lookup_reset.py 1 2
+"""
+import sys
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _lookup_before import sample_kernel_before  # noqa: E402
+
+import kernels.magicpig_cpu as kmc  # noqa: E402
+from kernels import _nb_magicpig as nbm  # noqa: E402
+
+for th in (int(x) for x in sys.argv[1:] or ["1"]):
+    numba.set_num_threads(th)
+    for b, n, k, l_ in ((14, 16384, 10, 150), (14, 16384, 8, 75), (4, 32768, 10, 150), (4, 98304, 10, 150)):
+        g = torch.Generator().manual_seed(0)
+        tables = kmc.build_tables(torch.randint(0, 1 << k, (b, 8, n, l_), generator=g, dtype=torch.int32), k)
+        p, o = tables.perm.numpy(), tables.offsets.numpy()
+        qn = torch.randint(0, 1 << k, (b, 32, l_), generator=g, dtype=torch.int32).numpy()
+        ts = {"before": [], "after": []}
+        outs = {}
+        for r in range(9):
+            for name, f in (("before", sample_kernel_before), ("after", nbm.sample_kernel)):
+                out, c = np.empty((b, 32, n), np.int32), np.empty((b, 32), np.int32)
+                t = time.perf_counter()
+                f(p, o, qn, 2, th, True, out, c)
+                ts[name].append(time.perf_counter() - t)
+                outs[name] = [out[i, h, :c[i, h]].tolist() for i in range(b) for h in range(32)]
+        assert outs["before"] == outs["after"]
+        med = {k2: sorted(v[1:])[4] * 1e3 for k2, v in ts.items()}
+        print(f"threads {th}  B={b} N={n} (K,L)=({k},{l_}): before {med['before']:.2f} ms, after {med['after']:.2f} ms, "
+              f"{med['before'] / med['after']:.2f}x; same output")
