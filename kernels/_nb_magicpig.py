@@ -415,8 +415,6 @@ def sample_kernel(perm, offsets, qcodes, m, nthreads, do_sort, out_idx, out_cnt)
             t = h // g
             found = 0
             touched = 0
-            lo_w = nwords
-            hi_w = -1
             for l in range(l_):  # stage 1: the offset pairs
                 code = qcodes[b, h, l]
                 if code >= 0 and code < nb:
@@ -438,14 +436,12 @@ def sample_kernel(perm, offsets, qcodes, m, nthreads, do_sort, out_idx, out_cnt)
                     key = np.uint64(perm[b, t, l, p])
                     k2 = cnt[key] + np.uint16(1)
                     cnt[key] = k2
-                    if k2 == m:
-                        if do_sort:
-                            w = np.int64(key >> np.uint64(6))
-                            bitmap[w] |= np.uint64(1) << (key & np.uint64(63))
-                            lo_w = min(lo_w, w)
-                            hi_w = max(hi_w, w)
-                        else:
-                            out_idx[b, h, found] = np.int32(key)
+                    if do_sort:  # branch-free: whether this entry completes a key's m-th collision is unpredictable
+                        hit = np.uint64(k2 == m)
+                        bitmap[np.int64(key >> np.uint64(6))] |= hit << (key & np.uint64(63))
+                        found += np.int64(hit)
+                    elif k2 == m:
+                        out_idx[b, h, found] = np.int32(key)
                         found += 1
             if touched * 32 < n:  # reset the counters the row touched, one by one
                 for l in range(l_):
@@ -456,7 +452,7 @@ def sample_kernel(perm, offsets, qcodes, m, nthreads, do_sort, out_idx, out_cnt)
                     cnt[i] = 0
             if do_sort:
                 j = 0
-                for w in range(lo_w, hi_w + 1):
+                for w in range(nwords):
                     word = bitmap[w]
                     while word:
                         out_idx[b, h, j] = w * 64 + np.int64(_cttz64(word))

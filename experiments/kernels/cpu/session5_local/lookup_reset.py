@@ -1,5 +1,7 @@
-"""Same-process comparison of the MagicPIG table look-up before / after session 5's counter reset (a sequential
-clear instead of re-walking the row's buckets), alternating calls, median of 8 after one warm-up each.
+"""Same-process comparison of the MagicPIG table look-up before session 5's changes (commit 72e1f54) and the
+repository's kernel, alternating calls, median of 8 after one warm-up each.  `lookup_reset.txt` was taken at
+b55a9e9 (the counters cleared sequentially instead of re-walking the row's buckets), `lookup_session5.txt` after
+the branch-free count as well.
 
     PYTHONPATH=. python experiments/kernels/cpu/session5_local/lookup_reset.py 1 2
 """
