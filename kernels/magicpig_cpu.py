@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -224,6 +225,18 @@ def sample_reference(key_codes: torch.Tensor, q_codes: torch.Tensor, min_collisi
     return _pad_rows(rows, b, hq)
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(size: int) -> np.ndarray:
+    """A per-thread int32 buffer of at least ``size`` entries, kept between calls: the look-up writes a few entries
+    per row into [B, Hq, N] slots, and a fresh array would page-fault (and, on huge pages, zero) every call."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _SCRATCH.buf = np.empty(size, np.int32)
+    return buf[:size]
+
+
 def sample(tables: HashTables, q_codes: torch.Tensor, min_collisions: int = 2, *, sort: bool = True,
            backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Sample set of each query row from the tables (see ``sample_reference`` for the rule).
@@ -236,7 +249,7 @@ def sample(tables: HashTables, q_codes: torch.Tensor, min_collisions: int = 2, *
     if _backend(backend) == "torch":
         return sample_reference(tables.key_codes(), qc, min_collisions)
     nb = _nb()
-    out = np.empty((b, hq, max(n, 1)), np.int32)
+    out = _scratch(b * hq * max(n, 1)).reshape(b, hq, max(n, 1))
     cnt = np.empty((b, hq), np.int32)
     threads = nb.get_threads()
     nb.sample_kernel(tables.perm.numpy(), tables.offsets.numpy(), qc.numpy(), int(min_collisions), threads,
