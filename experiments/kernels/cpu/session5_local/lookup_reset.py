@@ -13,11 +13,28 @@ import numba
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _lookup_before import sample_kernel_before  # noqa: E402
-
 import kernels.magicpig_cpu as kmc  # noqa: E402
 from kernels import _nb_magicpig as nbm  # noqa: E402
+
+
+def _kernel_before():
+    """sample_kernel as of commit 72e1f54, taken from git (run inside the repository) and compiled beside the
+    current one."""
+    import subprocess
+    import tempfile
+
+    src = subprocess.run(["git", "show", "72e1f54:kernels/_nb_magicpig.py"], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent).stdout
+    start = src.index("@njit(parallel=True, cache=True)\ndef sample_kernel(")
+    body = src[start:src.index("@njit(fastmath=_FAST", start)]
+    mod = Path(tempfile.mkdtemp()) / "_lookup_before.py"
+    mod.write_text("import numpy as np\nfrom numba import njit, prange\n"
+                   "from kernels._nb_magicpig import _cttz64, _prefetch\n\n" + body.replace("cache=True", "cache=False"))
+    sys.path.insert(0, str(mod.parent))
+    return __import__("_lookup_before").sample_kernel
+
+
+sample_kernel_before = _kernel_before()
 
 for th in (int(x) for x in sys.argv[1:] or ["1"]):
     numba.set_num_threads(th)
