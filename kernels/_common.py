@@ -102,8 +102,9 @@ def check_heads(hq: int, hkv: int, what: str = "query heads") -> int:
 def advise_huge_pages(t: torch.Tensor) -> bool:
     """Ask Linux to back ``t``'s memory with transparent huge pages (``madvise(MADV_HUGEPAGE)`` over the 4 KiB
     pages it spans entirely).  It takes effect for pages not yet touched, so call it right after allocating.
-    Random row gathers over a large host cache miss the TLB on nearly every row with 4 KiB pages.  Returns False
-    (and changes nothing) off Linux or for a CPU tensor the call refuses."""
+    Random row gathers over a large host cache miss the TLB on nearly every row with 4 KiB pages.  Returns whether
+    the advice was taken: False (nothing changed) off Linux, for a CUDA or empty tensor, for one spanning no whole
+    page, or when the kernel refuses it."""
     import ctypes
     import sys
 
