@@ -69,6 +69,10 @@ def parse_args(argv=None):
         a.contexts, a.num_layers, a.batch, a.steps, a.warmup = "2048", 2, 2, 5, 2
     a.contexts = [int(x) for x in a.contexts.split(",")]
     a.methods = a.methods.split(",")
+    for m in a.methods:
+        forced = m.partition("@")[2]
+        if "@" in m and not (forced.isdigit() and int(forced) > 0):
+            ap.error(f"--methods: {m!r}: the batch after '@' must be a positive integer (e.g. full_graph@10)")
     return a
 
 
@@ -248,14 +252,13 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     for ctx in a.contexts:
         ids = torch.randint(0, shape["vocab_size"], (1, ctx), generator=gen)
-        for name in a.methods:
+        for spec in a.methods:
+            name, _, forced = spec.partition("@")  # name@B: this batch, whatever the plan says
             rec: dict = {"method": name, "context": ctx}
             if time.time() - t_start > a.time_budget_s:
                 rec["skipped"] = f"time budget {a.time_budget_s:.0f} s spent"
                 records.append(rec)
                 continue
-            name, _, forced = name.partition("@")  # name@B: this batch, whatever the plan says
-            rec["method"] = name
             parts = name.split("_")
             graph = "graph" in parts
             topk = "torch" if "torchtopk" in parts else "radix"

@@ -13,8 +13,8 @@ import numba
 import numpy as np
 import torch
 
-import kernels.magicpig_cpu as kmc  # noqa: E402
-from kernels import _nb_magicpig as nbm  # noqa: E402
+import kernels.magicpig_cpu as kmc
+from kernels import _nb_magicpig as nbm
 
 
 def _kernel_before():
