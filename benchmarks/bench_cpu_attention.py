@@ -52,6 +52,11 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-sweeps", action="store_true", help="skip the thread and prefetch sweeps")
+    ap.add_argument("--prefetch-ab", action="store_true", help="also time, for every (B, N, density), the attention "
+                    "with the V rows prefetched in its last pass and together with the K rows in its first "
+                    "(prefetch_v_early), and the gather of the same rows without arithmetic (the access pattern's "
+                    "ceiling), also with K and V side by side per token, alternating, in this "
+                    "run, on caches on transparent huge pages as the system path allocates them")
     ap.add_argument("--huge-pages-ab", action="store_true", help="also time the attention of the last (B, N, density) "
                     "with the K/V cache on default pages and on transparent huge pages, alternating, in this run")
     a = ap.parse_args(argv)
@@ -179,6 +184,60 @@ def huge_pages_ab(args, b, n, dens, flush, stream_gbps, gen, rows, rounds: int =
             del k, v
 
 
+def prefetch_ab(args, b, n, dens, flush, stream_gbps, gen, rows, rounds: int = 3) -> None:
+    """Same process, alternating ``rounds`` times: the attention with its V rows prefetched in pass (4) only and
+    in pass (1) with the K rows (``prefetch_v_early``), and ``gather_read_kernel`` (the same K and V rows read and
+    summed, nothing else: what this access pattern allows on this machine); and that gather with K and V of a token
+    side by side in one buffer [B, Hkv, N, 2·D] (one 512-byte read per sampled key instead of two of 256 at
+    unrelated places: what a cache in that layout would allow).  Bytes as in ``bench_attention``; the caches on transparent huge pages."""
+    import numba
+
+    from kernels import _nb_magicpig as nbm
+    from kernels._common import advise_huge_pages
+
+    s = max(1, int(round(dens * n)))
+    q = torch.randn(b, HQ, D, generator=gen)
+    sets = random_index_sets(b, n, s, 4, gen)
+    cnt = torch.full((b, HQ), s, dtype=torch.int32)
+    nbytes = b * HQ * s * (2 * D * 2 + 4)
+    k = torch.empty(b, HKV, n, D, dtype=torch.bfloat16)
+    v = torch.empty_like(k)
+    kv = torch.empty(b, HKV, n, 2, D, dtype=torch.bfloat16)
+    advised = advise_huge_pages(k) and advise_huge_pages(v) and advise_huge_pages(kv)
+    k.copy_(torch.randn(b, HKV, n, D, generator=gen))
+    v.copy_(torch.randn(b, HKV, n, D, generator=gen))
+    kv[..., 0, :], kv[..., 1, :] = k, v
+    kv2 = kv.view(b, HKV, n, 2 * D)  # a token's K and V: one 512-byte row
+    mean = k.float().mean(2)
+    state = {"i": 0}
+
+    def nxt():
+        state["i"] = (state["i"] + 1) % len(sets)
+        return sets[state["i"]]
+
+    def attend(kk, vv, early):
+        return lambda: magicpig_cpu.attention(q, kk, vv, nxt(), cnt, k_bits=10, n_tables=150, k_mean=mean,
+                                              prefetch_v_early=early)
+
+    def gather(kk, vv):
+        kn, vn = kk.view(torch.uint16).numpy(), vv.view(torch.uint16).numpy()
+
+        def run():
+            with numba.parallel_chunksize(1):
+                nbm.gather_read_kernel(kn, vn, nxt().numpy(), cnt.numpy(), nbm.PREFETCH_ROWS)
+        return run
+
+    variants = {"attention_v_in_pass4": attend(k, v, 0), "attention_v_early": attend(k, v, 1 << 30),
+                "gather_read": gather(k, v), "gather_read_kv_side_by_side": gather(kv2, kv2.new_empty(b, HKV, n, 0))}
+    for r in range(rounds):
+        for name, fn in variants.items():
+            t = time_cpu(fn, 1, args.reps, flush)
+            gbps = nbytes / (t["median_ms"] * 1e-3) / 1e9
+            rows.append({"kind": "prefetch_ab", "impl": name, "batch": b, "context": n, "density": dens,
+                         "selected_per_head": s, "huge_pages": bool(advised), "round": r, **t, "gbps": gbps,
+                         "frac_of_stream": gbps / stream_gbps})
+
+
 def _anon_huge_kb() -> int | None:
     try:
         return int(next(x for x in open("/proc/meminfo") if x.startswith("AnonHugePages")).split()[1])
@@ -291,6 +350,8 @@ def main(argv=None):
             for i, dens in enumerate(args.densities):
                 sweep = not args.no_sweeps and b == args.batches[-1] and n == args.contexts[-1] and i == len(args.densities) - 1
                 summaries.append(bench_attention(args, b, n, dens, flush, sg, gen, rows, sweep=sweep))
+                if args.prefetch_ab:
+                    prefetch_ab(args, b, n, dens, flush, sg, gen, rows)
             for k_bits, n_tables in args.kl:
                 bench_lookup(args, b, n, k_bits, n_tables, flush, sg, gen, rows)
 
@@ -320,6 +381,13 @@ def main(argv=None):
                                          ("advised", "madvise ok", ""), ("median_ms", "ms", ".3f"),
                                          ("gbps", "GB/s", ".1f"), ("frac_of_stream", "of stream", ".2f"),
                                          ("anon_huge_kb", "AnonHugePages kB", "")])
+    pab = [r for r in rows if r["kind"] == "prefetch_ab"]
+    if pab:
+        print("\nV rows prefetched in pass 4 vs with the K rows, and the bare gather; K, V apart or side by side "
+              "(alternating):")
+        table += "\n" + print_table(pab, [("batch", "B", ""), ("context", "N", ""), ("density", "dens", ".3f"),
+                                          ("round", "round", ""), ("impl", "variant", ""), ("median_ms", "ms", ".3f"),
+                                          ("gbps", "GB/s", ".1f"), ("frac_of_stream", "of stream", ".2f")])
     sweeps = [r for r in rows if r["kind"] in ("thread_sweep", "prefetch_sweep")]
     if sweeps:
         print("\nsweeps (last attention config):")

@@ -22,6 +22,9 @@ from numba.extending import intrinsic, overload
 
 PREFETCH_ROWS = 16  # default distance: gathered rows requested ahead of use (≈ DRAM latency / time per row;
 # the best of 0/4/8/16/32 in the 16-thread prefetch sweep on the H200 host, experiments/kernels/cpu/session4)
+PREFETCH_V_EARLY_MAX = 512  # default of attention(prefetch_v_early=): rows of at most this many keys get their V
+# rows requested in pass (1) with the K rows.  On the H200 host's Xeon (16 threads, experiments/kernels/cpu/session6)
+# that was 1.07-1.15x faster at 328 keys per row, even at 819, and 0.83-0.98x at 1,966-4,915
 # reassociation lets LLVM vectorise the float32 reductions over the head dim; no 'nnan'/'ninf' (the code
 # relies on -inf and on exact comparisons)
 _FAST = {"reassoc", "contract", "nsz"}
@@ -194,7 +197,7 @@ def _exp_nonpos(x):
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
-def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, out, lse, bad):
+def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, v_early_max, out, lse, bad):
     """q [B, Hq, D] f32; k, v [B, Hkv, N, D] (uint16 bf16 bits / int16 fp16 bits / f32); idx [B, Hq, S] int32;
     count [B, Hq] int32; mean [B, Hkv, D] f32; logu [T + 1] f64: log u at p = j / T (eq. 10, linear
     interpolation between nodes); out [B, Hq, D] f32; lse [B, Hq] f32.
@@ -208,7 +211,9 @@ def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, out,
     (3) the softmax weights e^(l − max), vectorised over keys (``_exp_nonpos``);
     (4) the gathered V rows, four per step (o[d] loaded and stored once per four rows instead of per row).
     Passes (1) and (4) gather each row once, the rows ``pf`` positions ahead requested with a software prefetch
-    (pf = 0: none); the last S mod 4 keys go through one-row loops.  A row with an index outside [0, N) is not
+    (pf = 0: none); the last S mod 4 keys go through one-row loops.  A row of at most ``v_early_max`` keys also
+    has its V rows prefetched in pass (1), with the K rows (pass (4) then finds them in cache, and pass (1) keeps
+    twice the misses in flight), and its first ``pf`` rows requested before the loop.  A row with an index outside [0, N) is not
     computed (o = 0, lse = NaN) and sets bad[0] = 1."""
     nt = logu.shape[0] - 1
     kstep = max(1, 64 // k.itemsize)
@@ -245,12 +250,23 @@ def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, out,
         ccs = np.empty(max(n, 1), np.float32)  # [S] ‖k − mean‖²
         xs = np.empty(max(n, 1), np.float64)  # [S] p · T (eq. 11)
         n4 = n - n % 4
+        v_early = pf > 0 and n <= v_early_max
+        if v_early:  # the rows before the prefetch distance
+            for jp in range(min(pf, n)):
+                ia = np.uint64(idx[b, h, jp])
+                for d0 in range(0, d_, kstep):
+                    _prefetch(k, b, t, ia, d0)
+                for d0 in range(0, d_, vstep):
+                    _prefetch(v, b, t, ia, d0)
         for j0 in range(0, n4, 4):  # (1) K rows, four keys per step (q[d], mean[d] loaded once for the four)
             if pf > 0:
                 for jp in range(j0 + pf, min(j0 + pf + 4, n)):
                     ia = np.uint64(idx[b, h, jp])
                     for d0 in range(0, d_, kstep):
                         _prefetch(k, b, t, ia, d0)
+                    if v_early:
+                        for d0 in range(0, d_, vstep):
+                            _prefetch(v, b, t, ia, d0)
             i0 = np.uint64(idx[b, h, j0])  # unsigned: no negative-index wraparound code in the row loops
             i1 = np.uint64(idx[b, h, j0 + 1])
             i2 = np.uint64(idx[b, h, j0 + 2])
@@ -462,6 +478,47 @@ def sample_kernel(perm, offsets, qcodes, m, nthreads, do_sort, out_idx, out_cnt)
             out_cnt[b, h] = found
 
 
+@njit(parallel=True, cache=True)
+def extra_hits_kernel(qcodes, extra, m, hit_idx, hit_cnt):
+    """Keys outside the tables, by brute force: for each query row (b, h), the e in [0, E) whose codes extra[b, h //
+    G, e] equal the row's qcodes[b, h] in at least m of the L tables, ascending, into hit_idx[b, h, :hit_cnt[b, h]].
+    qcodes [B, Hq, L] int32; extra [B, Hkv, E, L] int32; hit_idx [B, Hq, E] int32; hit_cnt [B, Hq] int32."""
+    b_, hq, l_ = qcodes.shape
+    g = hq // extra.shape[1]
+    for r in prange(b_ * hq):
+        b = r // hq
+        h = r % hq
+        t = h // g
+        found = 0
+        for e in range(extra.shape[2]):
+            eq = 0
+            for l in range(l_):
+                eq += np.int32(extra[b, t, e, l] == qcodes[b, h, l])
+            if eq >= m:
+                hit_idx[b, h, found] = e
+                found += 1
+        hit_cnt[b, h] = found
+
+
+@njit(parallel=True, cache=True)
+def finish_rows_kernel(rows, cnt, offset, hit_idx, hit_cnt, extra_offset, out):
+    """out[b, h] = the first cnt[b, h] entries of rows[b, h] plus ``offset``, then the hit_cnt[b, h] entries of
+    hit_idx[b, h] plus ``extra_offset``, then −1 to the width of out.  rows [B, Hq, ≥ max cnt], hit_idx
+    [B, Hq, E] int32; out [B, Hq, W] int32 with W ≥ max(cnt + hit_cnt)."""
+    b_, hq, w = out.shape
+    for r in prange(b_ * hq):
+        b = r // hq
+        h = r % hq
+        n = cnt[b, h]
+        for j in range(n):
+            out[b, h, j] = rows[b, h, j] + offset
+        ne = hit_cnt[b, h]
+        for j in range(ne):
+            out[b, h, n + j] = hit_idx[b, h, j] + extra_offset
+        for j in range(n + ne, w):
+            out[b, h, j] = -1
+
+
 @njit(fastmath=_FAST, cache=True)
 def _sum_f32(x):
     s = np.float32(0.0)
@@ -483,6 +540,41 @@ def stream_read_kernel(x):
         lo = min(n, c * per)
         partial[c] = _sum_f32(x[lo:min(n, lo + per)])
     return partial.sum()
+
+
+@njit(parallel=True, cache=True)
+def gather_read_kernel(k, v, idx, count, pf):
+    """The memory traffic of ``attention_kernel`` without its arithmetic (the benchmark's ceiling for this access
+    pattern): per query row, the count[b, h] indexed rows of k and then of v for its KV head, the rows ``pf`` ahead
+    prefetched; each row's 16-bit words summed into an integer.  k, v [B, Hkv, N, D_k], [B, Hkv, N, D_v]
+    uint16/int16 (D_v = 0 skips v: e.g. k holding a token's K and V side by side, D_k = 2·D); idx [B, Hq, S]
+    int32 (entries assumed in [0, N)); count [B, Hq] int32.  Returns the total."""
+    b_, hq, _ = idx.shape
+    g = hq // k.shape[1]
+    acc = np.zeros(b_ * hq, np.int64)
+    for r in prange(b_ * hq):
+        b = r // hq
+        h = r % hq
+        t = h // g
+        n = count[b, h]
+        s = np.int64(0)
+        for arr in (k, v):
+            d_ = arr.shape[3]
+            if d_ == 0:
+                continue
+            step = max(1, 64 // arr.itemsize)
+            for j in range(n):
+                if pf > 0 and j + pf < n:
+                    ia = np.uint64(idx[b, h, j + pf])
+                    for d0 in range(0, d_, step):
+                        _prefetch(arr, b, t, ia, d0)
+                i = np.uint64(idx[b, h, j])
+                rs = np.int32(0)  # up to 2 * 128 16-bit words fit an int32 sum
+                for d in range(d_):
+                    rs += np.int32(arr[b, t, i, d])
+                s += rs
+        acc[r] = s
+    return acc.sum()
 
 
 def set_threads(n: int) -> None:

@@ -237,28 +237,60 @@ def _scratch(size: int) -> np.ndarray:
     return buf[:size]
 
 
+def _extra_hits_reference(q_codes: np.ndarray, extra: np.ndarray, min_collisions: int) -> list[list[np.ndarray]]:
+    """For each query row, the ascending e whose codes extra[b, h // G, e] equal the row's in ≥ m tables."""
+    b, hq, _ = q_codes.shape
+    g = hq // extra.shape[1]
+    eq = (q_codes.reshape(b, extra.shape[1], g, 1, -1) == extra[:, :, None]).sum(-1)  # [B, Hkv, G, E]
+    hit = eq.reshape(b, hq, -1) >= min_collisions
+    return [[np.nonzero(hit[bi, h])[0] for h in range(hq)] for bi in range(b)]
+
+
 def sample(tables: HashTables, q_codes: torch.Tensor, min_collisions: int = 2, *, sort: bool = True,
-           backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+           backend: str = "auto", index_offset: int = 0, extra_codes: torch.Tensor | None = None,
+           extra_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample set of each query row from the tables (see ``sample_reference`` for the rule).
     q_codes [B, Hq, L] int (codes outside [0, 2^K) match nothing).  Returns (idx int32 [B, Hq, S_max],
-    −1 padded, ascending when ``sort``; count int32 [B, Hq])."""
+    −1 padded, ascending when ``sort``; count int32 [B, Hq]).
+
+    A cache that grew after its tables were built: ``extra_codes`` [B, Hkv, E, L] are the codes of E further keys,
+    matched by brute force with the same rule; a row's hits among them follow its table hits, as
+    ``extra_offset + e`` in ascending e (and are counted).  ``index_offset`` is added to the table hits (e.g. the
+    sink tokens before the tables' first key).  All of this happens in the kernels: no pass of numpy or torch over
+    the [B, Hq, S] result."""
     _check_qcodes(tables, q_codes, min_collisions)
     b, hkv, n = tables.shape
     hq = q_codes.shape[1]
     qc = q_codes.detach().cpu().to(torch.int32).contiguous()
+    if extra_codes is not None and (extra_codes.dim() != 4 or tuple(extra_codes.shape[:2]) != (b, hkv)
+                                    or extra_codes.shape[3] != tables.n_tables):
+        raise ValueError(f"extra_codes {tuple(extra_codes.shape)}: expected [B={b}, Hkv={hkv}, E, L={tables.n_tables}]")
+    n_extra = 0 if extra_codes is None else extra_codes.shape[2]
     if _backend(backend) == "torch":
-        return sample_reference(tables.key_codes(), qc, min_collisions)
+        idx, cnt = sample_reference(tables.key_codes(), qc, min_collisions)
+        if not index_offset and not n_extra:
+            return idx, cnt
+        hits = (_extra_hits_reference(qc.numpy(), extra_codes.detach().cpu().to(torch.int32).numpy(),
+                                      int(min_collisions)) if n_extra else None)
+        rows = [torch.cat([idx[bi, h, :cnt[bi, h]] + index_offset]
+                          + ([torch.from_numpy(hits[bi][h]).to(torch.int32) + extra_offset] if n_extra else []))
+                for bi in range(b) for h in range(hq)]
+        return _pad_rows(rows, b, hq)
     nb = _nb()
     out = _scratch(b * hq * max(n, 1)).reshape(b, hq, max(n, 1))
     cnt = np.empty((b, hq), np.int32)
     threads = nb.get_threads()
     nb.sample_kernel(tables.perm.numpy(), tables.offsets.numpy(), qc.numpy(), int(min_collisions), threads,
                      bool(sort), out, cnt)
-    width = int(cnt.max()) if cnt.size else 0
-    idx = out[:, :, :width].copy()
-    # pad each row past its count (the kernel leaves that part unwritten)
-    idx[np.arange(width)[None, None, :] >= cnt[:, :, None]] = -1
-    return torch.from_numpy(idx), torch.from_numpy(cnt)
+    hit_cnt = np.zeros((b, hq), np.int32)
+    hit_idx = np.empty((b, hq, max(n_extra, 1)), np.int32)
+    if n_extra:
+        ex = extra_codes.detach().cpu().to(torch.int32).contiguous().numpy()
+        nb.extra_hits_kernel(qc.numpy(), ex, int(min_collisions), hit_idx, hit_cnt)
+    total = cnt + hit_cnt
+    idx = np.empty((b, hq, int(total.max()) if total.size else 0), np.int32)
+    nb.finish_rows_kernel(out, cnt, int(index_offset), hit_idx, hit_cnt, int(extra_offset), idx)
+    return torch.from_numpy(idx), torch.from_numpy(total)
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -363,10 +395,13 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, count: torch.Tensor | None = None, *,
     k_bits: int, n_tables: int, min_collisions: int = 2, scaling: float | None = None,
     k_mean: torch.Tensor | None = None, correct: bool = True, backend: str = "auto", prefetch: int | None = None,
+    prefetch_v_early: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled attention on CPU (see ``attention_reference`` for the arguments).  k, v: CPU tensors, last dim
     contiguous (any other strides, e.g. a slice of a preallocated cache, are read in place).  ``prefetch``:
-    software-prefetch distance in gathered rows (None: the default, 0: off)."""
+    software-prefetch distance in gathered rows (None: the default, 0: off); ``prefetch_v_early``: rows with at most
+    this many sampled keys request their V rows together with the K rows, in the kernel's first pass (None: the
+    default, ``PREFETCH_V_EARLY_MAX`` of the numba module; 0: no row).  Neither changes the result."""
     _check_attn(q, k, v, idx, count, k_mean)
     _check_kl(k_bits, n_tables)
     if not 1 <= int(min_collisions) <= int(n_tables):
@@ -400,12 +435,15 @@ def attention(
     pf = nb.PREFETCH_ROWS if prefetch is None else int(prefetch)
     if pf < 0:
         raise ValueError(f"prefetch={prefetch}: must be >= 0 (0 turns software prefetch off)")
+    v_early = nb.PREFETCH_V_EARLY_MAX if prefetch_v_early is None else int(prefetch_v_early)
+    if v_early < 0:
+        raise ValueError(f"prefetch_v_early={prefetch_v_early}: must be >= 0 (a row length; 0: no row)")
     bad = np.zeros(1, np.int64)
     import numba
 
     with numba.parallel_chunksize(1):  # rows (query heads) handed out one at a time: sample sizes differ by head
-        nb.attention_kernel(qn, _kv_numpy(k), _kv_numpy(v), ixn, cn, mean, scaling, table, bool(correct), pf, out,
-                            lse, bad)
+        nb.attention_kernel(qn, _kv_numpy(k), _kv_numpy(v), ixn, cn, mean, scaling, table, bool(correct), pf, v_early,
+                            out, lse, bad)
     if bad[0]:
         raise ValueError(f"idx: the first count entries of each row must lie in [0, N={k.shape[2]})")
     return torch.from_numpy(out), torch.from_numpy(lse)

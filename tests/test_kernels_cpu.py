@@ -117,6 +117,26 @@ def test_sample_equals_brute_force(backend, min_collisions):
     assert int(cnt.min()) > 0 and int(cnt.max()) < kcodes.shape[2]  # a non-trivial sample
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sample_with_extra_keys_and_offsets_equals_brute_force(backend):
+    """Keys beyond the tables (``extra_codes``, e.g. those that left the local window after the build) are matched
+    by the same rule and follow each row's table hits, ascending, at extra_offset + e; index_offset shifts the table
+    hits; the count covers both.  Against brute force over all the keys' codes at once."""
+    _, _, _, _, kcodes, qcodes = _problem(21)
+    n_tab, n_extra, off, e_off = 30, 10, 4, 1000
+    tables = magicpig_cpu.build_tables(kcodes[:, :, :n_tab], 6, backend=backend)
+    extra = kcodes[:, :, n_tab:n_tab + n_extra].contiguous()
+    idx, cnt = magicpig_cpu.sample(tables, qcodes, 1, backend=backend, index_offset=off, extra_codes=extra,
+                                   extra_offset=e_off)
+    ref_idx, ref_cnt = magicpig_cpu.sample_reference(kcodes[:, :, :n_tab + n_extra], qcodes, 1)
+    assert torch.equal(cnt, ref_cnt)
+    shifted = torch.where(ref_idx < 0, ref_idx, torch.where(ref_idx < n_tab, ref_idx + off, ref_idx - n_tab + e_off))
+    assert torch.equal(idx, shifted)
+    assert bool((idx >= e_off).any()) and bool(((idx >= 0) & (idx < e_off)).any())  # hits of both kinds
+    with pytest.raises(ValueError, match="extra_codes"):
+        magicpig_cpu.sample(tables, qcodes, 1, backend=backend, extra_codes=extra[:, :1])
+
+
 @needs_numba
 def test_sample_with_small_buckets_equals_brute_force():
     """Many bits per table: each row touches few counters, so the kernel resets them one by one (the other branch
@@ -288,9 +308,9 @@ def test_attention_blocked_rows_with_remainders(dtype):
         for correct in (True, False):
             o_ref, l_ref = magicpig_cpu.attention_reference(q, k, v, idx, cnt, k_bits=8, n_tables=30, k_mean=mean,
                                                             correct=correct)
-            for pf in (0, 1, 3, 16):
+            for pf, early in ((0, 0), (1, 0), (3, 0), (16, 0), (0, 1000), (3, 1000), (16, 1000), (16, 6)):
                 o, lse = magicpig_cpu.attention(q, k, v, idx, cnt, k_bits=8, n_tables=30, k_mean=mean,
-                                                correct=correct, prefetch=pf)
+                                                correct=correct, prefetch=pf, prefetch_v_early=early)
                 assert bool(torch.isinf(lse[0, 0])) and (o[0, 0] == 0).all()
                 assert torch.allclose(o, o_ref, atol=1e-5, rtol=1e-4), (d, correct, pf)
                 fin = torch.isfinite(l_ref)
@@ -421,3 +441,29 @@ def test_advise_huge_pages_on_an_untouched_host_tensor():
     assert float(t[12345]) == 12352.0 and float(t[0]) == 0.0  # bf16 rounding of 12345
     assert not advise_huge_pages(torch.empty(8, dtype=torch.float32))
     assert not advise_huge_pages(torch.empty(0))
+
+
+@needs_numba
+def test_gather_read_kernel_sums_exactly_the_gathered_rows():
+    """The benchmark's access-pattern ceiling reads the same rows as the attention: its total equals the sum of the
+    16-bit words of the first count[b, h] indexed K and V rows of each query head's KV head, for any prefetch."""
+    from kernels import _nb_magicpig as nbm
+
+    gen = _gen(5)
+    b, hq, hkv, n, d = 2, 4, 2, 50, 24
+    k = torch.randint(0, 1 << 16, (b, hkv, n, d), generator=gen, dtype=torch.int32).to(torch.uint16)
+    v = torch.randint(0, 1 << 16, (b, hkv, n, d), generator=gen, dtype=torch.int32).to(torch.uint16)
+    idx = torch.stack([torch.randperm(n, generator=gen)[:9] for _ in range(b * hq)]).view(b, hq, 9).int()
+    cnt = torch.tensor([[0, 1, 5, 9], [9, 3, 2, 7]], dtype=torch.int32)
+    want = 0
+    for bi in range(b):
+        for h in range(hq):
+            rows = idx[bi, h, :cnt[bi, h]].long()
+            t = h // (hq // hkv)
+            want += int(k[bi, t, rows].long().sum()) + int(v[bi, t, rows].long().sum())
+    kv = torch.cat([k, v], -1)  # a token's K and V side by side, read as one row (the second array empty)
+    for pf in (0, 2, 16):
+        got = nbm.gather_read_kernel(k.numpy(), v.numpy(), idx.numpy(), cnt.numpy(), pf)
+        assert int(got) == want, pf
+        got = nbm.gather_read_kernel(kv.numpy(), kv[..., :0].contiguous().numpy(), idx.numpy(), cnt.numpy(), pf)
+        assert int(got) == want, pf

@@ -366,7 +366,8 @@ def test_cli_rejects_a_method_without_system_path(tmp_path):
     assert "method='oracle' has no system path; valid: ['full', 'double_sparsity', 'magicpig', 'quest']" in res.stderr
 
 
-def test_magicpig_layer_sample_equals_brute_force():
+@pytest.mark.parametrize("backend_cpu", ["auto", "torch"])
+def test_magicpig_layer_sample_equals_brute_force(backend_cpu):
     """The MagicPIG layer's sample set -- hash tables of the keys before the local window at the first step, plus
     the overflow list of keys that left the window since -- equals brute-force collision counting over all those
     keys' codes (eq. 10's rule), as cache positions, valid entries first and ascending, for GQA rows."""
@@ -380,7 +381,7 @@ def test_magicpig_layer_sample_equals_brute_force():
     k_bits, n_tables, m, sink = 3, 6, 2, 2  # few bits: many collisions, so the overflow keys get sampled too
     method = build_method(dict(name="magicpig", K=k_bits, L=n_tables, min_collisions=m, sink=sink, local=4,
                                dense_layers=[0]))
-    layer = MagicPIGLayer(1, 64, method, backend_gpu="torch")
+    layer = MagicPIGLayer(1, 64, method, backend_gpu="torch", backend_cpu=backend_cpu)
     gen = torch.Generator().manual_seed(0)
     layer.update(torch.randn(2, 2, 30, 16, generator=gen), torch.randn(2, 2, 30, 16, generator=gen))
     session = types.SimpleNamespace(stats=__import__("collections").Counter(),

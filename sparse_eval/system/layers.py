@@ -753,27 +753,14 @@ class MagicPIGLayer(FullLayer):
 
     def _sample(self, q_codes: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(idx int32 [B, Hq, S] cache positions, −1 padded; count int32 [B, Hq]) of the sampled keys: the tables'
-        samples (ascending), then the overflow list's (ascending).  numpy only, like the kernel wrappers (no torch
-        CPU ops between the numba kernels); the overflow hits go straight to their slots after each row's count
-        (no sort of the padded rows)."""
+        samples (ascending), then the overflow list's (ascending), placed by the look-up's own kernels (on the
+        H200 machine's Xeon, numpy passes for the sink offset, the padding and the overflow hits took ~0.9 ms per
+        layer at 16K × 14 rows, more than the look-up's 0.7 ms; experiments/system_decode/session6)."""
         c = self.cfg
-        idx_t, cnt_t = kmc.sample(self.tables, q_codes, c.min_collisions, backend=self.backend_cpu)
-        idx, cnt = idx_t.numpy(), cnt_t.numpy()
-        np.add(idx, c.sink, out=idx, where=idx >= 0)
-        n_over = self.over_codes.shape[2]
-        if not n_over:
-            return idx, cnt
-        b, hq, s = idx.shape
-        over = self.over_codes.numpy()  # [B, Hkv, n_over, L]
-        g = hq // over.shape[1]
-        qc = q_codes.numpy().reshape(b, over.shape[1], g, 1, c.L)
-        hit = ((qc == over[:, :, None]).sum(-1, dtype=np.int32) >= c.min_collisions).reshape(b, hq, n_over)
-        extra = hit.sum(-1, dtype=np.int32)
-        out = np.full((b, hq, s + int(extra.max())), -1, np.int32)
-        out[:, :, :s] = idx
-        bi, hi, ji = np.nonzero(hit)  # row-major: ascending j within each row
-        out[bi, hi, cnt[bi, hi] + np.cumsum(hit, -1, dtype=np.int32)[bi, hi, ji] - 1] = ji + self.table_end
-        return out, cnt + extra
+        idx, cnt = kmc.sample(self.tables, q_codes, c.min_collisions, backend=self.backend_cpu, index_offset=c.sink,
+                              extra_codes=self.over_codes if self.over_codes.shape[2] else None,
+                              extra_offset=self.table_end)
+        return idx.numpy(), cnt.numpy()
 
     def decode(self, session, module, q, k_new, v_new, scaling):
         c = self.cfg

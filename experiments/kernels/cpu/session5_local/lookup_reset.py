@@ -4,7 +4,11 @@ b55a9e9 (the counters cleared sequentially instead of re-walking the row's bucke
 the branch-free count as well.
 
     PYTHONPATH=. python experiments/kernels/cpu/session5_local/lookup_reset.py 1 2
+
+Where there is no git history (the GPU machine gets a copy of the working tree), point LOOKUP_BEFORE_SRC at a copy of
+that commit's ``kernels/_nb_magicpig.py`` (``git show 72e1f54:kernels/_nb_magicpig.py > before.py``).
 """
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,8 +27,11 @@ def _kernel_before():
     import subprocess
     import tempfile
 
-    src = subprocess.run(["git", "show", "72e1f54:kernels/_nb_magicpig.py"], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).parent).stdout
+    if os.environ.get("LOOKUP_BEFORE_SRC"):
+        src = Path(os.environ["LOOKUP_BEFORE_SRC"]).read_text()
+    else:
+        src = subprocess.run(["git", "show", "72e1f54:kernels/_nb_magicpig.py"], capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).parent).stdout
     start = src.index("@njit(parallel=True, cache=True)\ndef sample_kernel(")
     body = src[start:src.index("@njit(fastmath=_FAST", start)]
     mod = Path(tempfile.mkdtemp()) / "_lookup_before.py"
