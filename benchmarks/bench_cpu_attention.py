@@ -185,11 +185,16 @@ def huge_pages_ab(args, b, n, dens, flush, stream_gbps, gen, rows, rounds: int =
 
 
 def prefetch_ab(args, b, n, dens, flush, stream_gbps, gen, rows, rounds: int = 3) -> None:
-    """Same process, alternating ``rounds`` times: the attention with its V rows prefetched in pass (4) only and
-    in pass (1) with the K rows (``prefetch_v_early``), and ``gather_read_kernel`` (the same K and V rows read and
-    summed, nothing else: what this access pattern allows on this machine); and that gather with K and V of a token
-    side by side in one buffer [B, Hkv, N, 2·D] (one 512-byte read per sampled key instead of two of 256 at
-    unrelated places: what a cache in that layout would allow).  Bytes as in ``bench_attention``; the caches on transparent huge pages."""
+    """Same process, alternating ``rounds`` times:
+
+    * the attention with its V rows prefetched in pass (4) only, in pass (1) with the K rows (``prefetch_v_early``),
+      by the default rule, and by the default rule over K and V side by side in one buffer [B, Hkv, N, 2, D] (the
+      system path's MagicPIG cache);
+    * ``gather_read_kernel``: the same K and V rows read and summed, nothing else (what this access pattern allows
+      on this machine), from separate buffers and side by side (one 512-byte read per sampled key instead of two of
+      256 at unrelated places).
+
+    Bytes as in ``bench_attention``; the caches on transparent huge pages."""
     import numba
 
     from kernels import _nb_magicpig as nbm
@@ -228,6 +233,7 @@ def prefetch_ab(args, b, n, dens, flush, stream_gbps, gen, rows, rounds: int = 3
         return run
 
     variants = {"attention_v_in_pass4": attend(k, v, 0), "attention_v_early": attend(k, v, 1 << 30),
+                "attention": attend(k, v, None), "attention_kv_side_by_side": attend(kv[..., 0, :], kv[..., 1, :], None),
                 "gather_read": gather(k, v), "gather_read_kv_side_by_side": gather(kv2, kv2.new_empty(b, HKV, n, 0))}
     for r in range(rounds):
         for name, fn in variants.items():

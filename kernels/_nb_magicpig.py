@@ -197,8 +197,11 @@ def _exp_nonpos(x):
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
-def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, v_early_max, out, lse, bad):
-    """q [B, Hq, D] f32; k, v [B, Hkv, N, D] (uint16 bf16 bits / int16 fp16 bits / f32); idx [B, Hq, S] int32;
+def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, v_early_max, n_keys, v_col, out, lse,
+                     bad):
+    """q [B, Hq, D] f32; k, v [B, Hkv, ≥ n_keys, ≥ D] (uint16 bf16 bits / int16 fp16 bits / f32): key i's K is
+    k[b, t, i, :D] and its V v[b, t, i, v_col:v_col + D] (v_col = D with k and v one buffer holding a token's K and V
+    side by side; else 0); idx [B, Hq, S] int32;
     count [B, Hq] int32; mean [B, Hkv, D] f32; logu [T + 1] f64: log u at p = j / T (eq. 10, linear
     interpolation between nodes); out [B, Hq, D] f32; lse [B, Hq] f32.
 
@@ -213,8 +216,8 @@ def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, v_ea
     Passes (1) and (4) gather each row once, the rows ``pf`` positions ahead requested with a software prefetch
     (pf = 0: none); the last S mod 4 keys go through one-row loops.  A row of at most ``v_early_max`` keys also
     has its V rows prefetched in pass (1), with the K rows (pass (4) then finds them in cache, and pass (1) keeps
-    twice the misses in flight), and its first ``pf`` rows requested before the loop.  A row with an index outside [0, N) is not
-    computed (o = 0, lse = NaN) and sets bad[0] = 1."""
+    twice the misses in flight), and its first ``pf`` rows requested before the loop.  A row with an index outside
+    [0, n_keys) is not computed (o = 0, lse = NaN) and sets bad[0] = 1."""
     nt = logu.shape[0] - 1
     kstep = max(1, 64 // k.itemsize)
     vstep = max(1, 64 // v.itemsize)
@@ -227,10 +230,9 @@ def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, v_ea
         h = r % hq
         t = h // g
         n = count[b, h]
-        n_keys = k.shape[2]
         ok = True
         for j in range(n):
-            if np.uint64(idx[b, h, j]) >= n_keys:  # negative entries wrap to huge unsigned values
+            if np.uint64(idx[b, h, j]) >= np.uint64(n_keys):  # negative entries wrap to huge unsigned values
                 ok = False
         if not ok:
             bad[0] = 1
@@ -257,7 +259,7 @@ def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, v_ea
                 for d0 in range(0, d_, kstep):
                     _prefetch(k, b, t, ia, d0)
                 for d0 in range(0, d_, vstep):
-                    _prefetch(v, b, t, ia, d0)
+                    _prefetch(v, b, t, ia, v_col + d0)
         for j0 in range(0, n4, 4):  # (1) K rows, four keys per step (q[d], mean[d] loaded once for the four)
             if pf > 0:
                 for jp in range(j0 + pf, min(j0 + pf + 4, n)):
@@ -266,7 +268,7 @@ def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, v_ea
                         _prefetch(k, b, t, ia, d0)
                     if v_early:
                         for d0 in range(0, d_, vstep):
-                            _prefetch(v, b, t, ia, d0)
+                            _prefetch(v, b, t, ia, v_col + d0)
             i0 = np.uint64(idx[b, h, j0])  # unsigned: no negative-index wraparound code in the row loops
             i1 = np.uint64(idx[b, h, j0 + 1])
             i2 = np.uint64(idx[b, h, j0 + 2])
@@ -349,7 +351,7 @@ def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, v_ea
                 for jp in range(j0 + pf, min(j0 + pf + 4, n)):
                     ia = np.uint64(idx[b, h, jp])
                     for d0 in range(0, d_, vstep):
-                        _prefetch(v, b, t, ia, d0)
+                        _prefetch(v, b, t, ia, v_col + d0)
             i0 = np.uint64(idx[b, h, j0])
             i1 = np.uint64(idx[b, h, j0 + 1])
             i2 = np.uint64(idx[b, h, j0 + 2])
@@ -359,13 +361,13 @@ def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, v_ea
             w2 = w[j0 + 2]
             w3 = w[j0 + 3]
             for d in range(d_):
-                o[d] += (w0 * _to_f32(v[b, t, i0, d]) + w1 * _to_f32(v[b, t, i1, d])) + (
-                    w2 * _to_f32(v[b, t, i2, d]) + w3 * _to_f32(v[b, t, i3, d]))
+                o[d] += (w0 * _to_f32(v[b, t, i0, v_col + d]) + w1 * _to_f32(v[b, t, i1, v_col + d])) + (
+                    w2 * _to_f32(v[b, t, i2, v_col + d]) + w3 * _to_f32(v[b, t, i3, v_col + d]))
         for j in range(n4, n):
             i = np.uint64(idx[b, h, j])
             wj = w[j]
             for d in range(d_):
-                o[d] += wj * _to_f32(v[b, t, i, d])
+                o[d] += wj * _to_f32(v[b, t, i, v_col + d])
         inv = np.float32(1.0 / ssum)
         for d in range(d_):
             o[d] *= inv

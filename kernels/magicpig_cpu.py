@@ -391,6 +391,30 @@ def _kv_numpy(x: torch.Tensor) -> np.ndarray:
     return x.numpy()
 
 
+def _side_by_side(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """The [B, H, N', 2·D] buffer (N' ≥ N) of which k and v are the halves, ``kv[..., 0, :]`` and ``kv[..., 1, :]``
+    of a C-contiguous [B, H, N', 2, D] cache (a token's K and V in one 512-byte row at D = 128 in bf16), else None."""
+    b, h, n, d = k.shape
+    st = k.stride()
+    if (v.stride() != st or v.dtype != k.dtype or st[3] != 1 or st[2] != 2 * d or st[1] % (2 * d)
+            or st[0] != h * st[1] or v.data_ptr() != k.data_ptr() + d * k.element_size()):
+        return None
+    rows = st[1] // (2 * d)
+    if rows < n or (k.storage_offset() + b * st[0]) * k.element_size() > k.untyped_storage().nbytes():
+        return None
+    return torch.as_strided(k, (b, h, rows, 2 * d), (h * rows * 2 * d, rows * 2 * d, 2 * d, 1))
+
+
+def _kv_arrays(k: torch.Tensor, v: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
+    """(K rows, V rows, column of V in its rows) for the kernel, read in place where the layout allows: separate
+    caches (or token slices of larger ones), or K and V side by side in one buffer."""
+    kv = _side_by_side(k, v)
+    if kv is not None:
+        a = _kv_numpy(kv)
+        return a, a, k.shape[3]
+    return _kv_numpy(k), _kv_numpy(v), 0
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, count: torch.Tensor | None = None, *,
     k_bits: int, n_tables: int, min_collisions: int = 2, scaling: float | None = None,
@@ -398,7 +422,9 @@ def attention(
     prefetch_v_early: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled attention on CPU (see ``attention_reference`` for the arguments).  k, v: CPU tensors, last dim
-    contiguous (any other strides, e.g. a slice of a preallocated cache, are read in place).  ``prefetch``:
+    contiguous; read in place when contiguous, token slices of larger preallocated caches, or the two halves of one
+    [B, Hkv, N, 2, D] cache (a token's K and V side by side: one 512-byte read per key at D = 128 in bf16, a bare gather
+    of the rows ran 1.05–1.14x as fast as two separate 256-byte reads on the H200 machine's Xeon), else copied.  ``prefetch``:
     software-prefetch distance in gathered rows (None: the default, 0: off); ``prefetch_v_early``: rows with at most
     this many sampled keys request their V rows together with the K rows, in the kernel's first pass (None: the
     default, ``PREFETCH_V_EARLY_MAX`` of the numba module; 0: no row).  Neither changes the result."""
@@ -442,7 +468,8 @@ def attention(
     import numba
 
     with numba.parallel_chunksize(1):  # rows (query heads) handed out one at a time: sample sizes differ by head
-        nb.attention_kernel(qn, _kv_numpy(k), _kv_numpy(v), ixn, cn, mean, scaling, table, bool(correct), pf, v_early,
+        ka, va, v_col = _kv_arrays(k, v)
+        nb.attention_kernel(qn, ka, va, ixn, cn, mean, scaling, table, bool(correct), pf, v_early, k.shape[2], v_col,
                             out, lse, bad)
     if bad[0]:
         raise ValueError(f"idx: the first count entries of each row must lie in [0, N={k.shape[2]})")

@@ -467,3 +467,36 @@ def test_gather_read_kernel_sums_exactly_the_gathered_rows():
         assert int(got) == want, pf
         got = nbm.gather_read_kernel(kv.numpy(), kv[..., :0].contiguous().numpy(), idx.numpy(), cnt.numpy(), pf)
         assert int(got) == want, pf
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_reads_k_and_v_side_by_side_in_place(dtype):
+    """K and V as the two halves of one [B, Hkv, N', 2, D] cache (N' > N: a token slice) are read in place, with the
+    same result as separate caches, and an index in [N, N') is rejected like any other outside [0, N)."""
+    import numpy as np
+
+    gen = _gen(13)
+    b, hq, hkv, n, cap, d = 2, 8, 2, 90, 120, 64
+    kv = torch.randn(b, hkv, cap, 2, d, generator=gen).to(dtype)
+    k, v = kv[:, :, :n, 0], kv[:, :, :n, 1]
+    q = torch.randn(b, hq, d, generator=gen)
+    mean = k.float().mean(2)
+    idx = torch.stack([torch.randperm(n, generator=gen)[:40] for _ in range(b * hq)]).view(b, hq, 40).int()
+    cnt = torch.randint(0, 41, (b, hq), generator=gen, dtype=torch.int32)
+    ka, va, v_col = magicpig_cpu._kv_arrays(k, v)
+    assert v_col == d and ka is va and np.shares_memory(ka, kv.view(torch.int16).numpy())
+    o1, l1 = magicpig_cpu.attention(q, k, v, idx, cnt, k_bits=8, n_tables=30, k_mean=mean)
+    o2, l2 = magicpig_cpu.attention(q, k.contiguous(), v.contiguous(), idx, cnt, k_bits=8, n_tables=30, k_mean=mean)
+    assert torch.equal(o1, o2) and torch.equal(torch.isfinite(l1), torch.isfinite(l2))
+    fin = torch.isfinite(l1)
+    assert torch.equal(l1[fin], l2[fin])
+    o_ref, l_ref = magicpig_cpu.attention_reference(q, k, v, idx, cnt, k_bits=8, n_tables=30, k_mean=mean)
+    assert torch.allclose(o1, o_ref, atol=1e-5, rtol=1e-4) and torch.allclose(l1[fin], l_ref[fin], atol=1e-5)
+    assert magicpig_cpu._side_by_side(k, kv[:, :, :n, 0]) is None  # not the two halves of one buffer
+    bad = idx.clone()
+    bad[1, 2, 0] = n + 5  # inside the buffer, outside the cache's N
+    cnt_bad = cnt.clone()
+    cnt_bad[1, 2] = 40
+    with pytest.raises(ValueError, match=f"N={n}"):
+        magicpig_cpu.attention(q, k, v, bad, cnt_bad, k_bits=8, n_tables=30, k_mean=mean)

@@ -41,7 +41,8 @@ def timeit_all(c, flush, correct=True, pf=None):
                 ix = sets[r % 4]
                 p = m.PREFETCH_ROWS if pf is None else pf
                 t = time.perf_counter()
-                extra = (m.PREFETCH_V_EARLY_MAX,) if hasattr(m, "PREFETCH_V_EARLY_MAX") else ()  # session 6's argument
+                # session 6's arguments: rows with early V prefetch, the cache's N, V's column in its rows
+                extra = (m.PREFETCH_V_EARLY_MAX, k.shape[2], 0) if hasattr(m, "PREFETCH_V_EARLY_MAX") else ()
                 m.attention_kernel(q, k, v, ix, cnt, mean, 0.088, table, correct, p, *extra, out, lse, bad)
                 ts[mi].append((time.perf_counter() - t) * 1e3)
     return [(statistics.median(t[2:]), min(t[2:])) for t in ts]
