@@ -5,6 +5,10 @@ the branch-free count as well.
 
     PYTHONPATH=. python experiments/kernels/cpu/session5_local/lookup_reset.py 1 2
 
+Session 6: the output arrays are allocated once per kernel; before, a fresh [B, 32, N] array per call put its page
+faults inside the timed call (on the H200 machine's Xeon that took (10,150) at B = 14 from 0.40 to 0.84 ms,
+``../session6/lookup_threads_xeon.txt``), which is in ``../session6/lookup_reset_xeon.txt``.
+
 Where there is no git history (the GPU machine gets a copy of the working tree), point LOOKUP_BEFORE_SRC at a copy of
 that commit's ``kernels/_nb_magicpig.py`` (``git show 72e1f54:kernels/_nb_magicpig.py > before.py``).
 """
@@ -52,9 +56,10 @@ for th in (int(x) for x in sys.argv[1:] or ["1"]):
         qn = torch.randint(0, 1 << k, (b, 32, l_), generator=g, dtype=torch.int32).numpy()
         ts = {"before": [], "after": []}
         outs = {}
+        bufs = {name: (np.empty((b, 32, n), np.int32), np.empty((b, 32), np.int32)) for name in ts}
         for r in range(9):
             for name, f in (("before", sample_kernel_before), ("after", nbm.sample_kernel)):
-                out, c = np.empty((b, 32, n), np.int32), np.empty((b, 32), np.int32)
+                out, c = bufs[name]  # kept between calls: a fresh array page-faults inside the timed call
                 t = time.perf_counter()
                 f(p, o, qn, 2, th, True, out, c)
                 ts[name].append(time.perf_counter() - t)
