@@ -423,9 +423,10 @@ def attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled attention on CPU (see ``attention_reference`` for the arguments).  k, v: CPU tensors, last dim
     contiguous; read in place when contiguous, token slices of larger preallocated caches, or the two halves of one
-    [B, Hkv, N, 2, D] cache (a token's K and V side by side: one 512-byte read per key at D = 128 in bf16, a bare gather
-    of the rows ran 1.05–1.14x as fast as two separate 256-byte reads on the H200 machine's Xeon), else copied.  ``prefetch``:
-    software-prefetch distance in gathered rows (None: the default, 0: off); ``prefetch_v_early``: rows with at most
+    [B, Hkv, N, 2, D] cache (a token's K and V side by side: one 512-byte read per key at D = 128 in bf16; a bare
+    gather of such rows ran 1.05–1.14x as fast as two separate 256-byte reads on the H200 machine's Xeon), else
+    copied.  ``prefetch``: software-prefetch distance in gathered rows (None: the default, 0: off);
+    ``prefetch_v_early``: rows with at most
     this many sampled keys request their V rows together with the K rows, in the kernel's first pass (None: the
     default, ``PREFETCH_V_EARLY_MAX`` of the numba module; 0: no row).  Neither changes the result."""
     _check_attn(q, k, v, idx, count, k_mean)
