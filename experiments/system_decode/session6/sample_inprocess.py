@@ -26,7 +26,8 @@ ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 model = random_model("llama3_1_8b", dev, torch.bfloat16)
 n_layers = model.config.num_hidden_layers
-method = build_method(method_config("magicpig_10_150", n_layers, 8, 128))
+cfg = method_config("magicpig_10_150", n_layers, 8, 128)
+method = build_method(cfg)
 ids = torch.randint(0, 32000, (1, ctx), generator=torch.Generator().manual_seed(0)).to(dev)
 
 times = {"wrapper": [], "kernel": [], "kernel_threads": []}
@@ -54,7 +55,7 @@ kmc.sample, nbm.sample_kernel = sample, kernel
 res = decode(model, method, ids, 6, repeat_batch=batch, phase_times=True)
 steps = res.stats["phase_steps"]
 print(f"B={batch} N={ctx}: phase ms per step", {k: round(v / steps, 2) for k, v in res.stats["phase_ms"].items()})
-per_step = 30
+per_step = n_layers - len(cfg["dense_layers"])  # sparse layers: one look-up each per step
 for name in ("wrapper", "kernel"):
     xs = times[name][-steps * per_step:]
     print(f"  {name}: {1e3 * sum(xs) / steps:.2f} ms per step, median {1e3 * statistics.median(xs):.3f} ms per call "
