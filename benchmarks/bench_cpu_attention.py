@@ -151,16 +151,21 @@ def bench_attention(args, b, n, dens, flush, stream_gbps, gen, rows, sweep=False
     return summary
 
 
+def _queries(b: int, n: int, dens: float, gen: torch.Generator):
+    """(S, q [B, Hq, D], four index sets [B, Hq, S], count [B, Hq], bytes a call gathers) of an A/B config."""
+    s = max(1, int(round(dens * n)))
+    q = torch.randn(b, HQ, D, generator=gen)
+    sets = random_index_sets(b, n, s, 4, gen)
+    cnt = torch.full((b, HQ), s, dtype=torch.int32)
+    return s, q, sets, cnt, b * HQ * s * (2 * D * 2 + 4)
+
+
 def huge_pages_ab(args, b, n, dens, flush, stream_gbps, gen, rows, rounds: int = 3) -> None:
     """Attention over a K/V cache allocated plainly (torch.empty) and over one advised onto transparent huge pages
     before its first touch (``kernels._common.advise_huge_pages``), alternating, ``rounds`` times each."""
     from kernels._common import advise_huge_pages
 
-    s = max(1, int(round(dens * n)))
-    q = torch.randn(b, HQ, D, generator=gen)
-    sets = random_index_sets(b, n, s, 4, gen)
-    cnt = torch.full((b, HQ), s, dtype=torch.int32)
-    nbytes = b * HQ * s * (2 * D * 2 + 4)
+    s, q, sets, cnt, nbytes = _queries(b, n, dens, gen)
     src = torch.randn(b, HKV, n, D, generator=gen).to(torch.bfloat16)
     for r in range(rounds):
         for huge in (False, True):
@@ -200,11 +205,7 @@ def prefetch_ab(args, b, n, dens, flush, stream_gbps, gen, rows, rounds: int = 3
     from kernels import _nb_magicpig as nbm
     from kernels._common import advise_huge_pages
 
-    s = max(1, int(round(dens * n)))
-    q = torch.randn(b, HQ, D, generator=gen)
-    sets = random_index_sets(b, n, s, 4, gen)
-    cnt = torch.full((b, HQ), s, dtype=torch.int32)
-    nbytes = b * HQ * s * (2 * D * 2 + 4)
+    s, q, sets, cnt, nbytes = _queries(b, n, dens, gen)
     k = torch.empty(b, HKV, n, D, dtype=torch.bfloat16)
     v = torch.empty_like(k)
     kv = torch.empty(b, HKV, n, 2, D, dtype=torch.bfloat16)
