@@ -257,15 +257,35 @@ except ImportError:  # pragma: no cover - without the plugin these launchers do 
     _sl = None
 
 
+# states of a job that may still run (or run again) and write its result; any other state is final
+_LIVE_STATES = {"PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+                "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
+
+
+def job_record(job_id: str) -> dict[str, str]:
+    """The controller's record of a job (``scontrol show job -o``: JobState, Reason, ExitCode, Restarts, ...), kept
+    for a while after it ended (slurm.conf MinJobAge); {} when the controller has none or cannot be asked."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    line = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+    return dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+
+
 def _queue_state(job_id: str) -> str | None:
-    """The job's state in ``squeue``: None when it is not in the queue any more, "UNKNOWN" when squeue fails."""
+    """The job's state: ``squeue``'s, else (a job squeue does not list) the controller's record if that says the
+    job may still run; None when it has ended or is unknown to Slurm, "UNKNOWN" when squeue fails."""
     try:
         out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return "UNKNOWN"
-    if out.returncode != 0:
-        return None if "Invalid job id" in out.stderr else "UNKNOWN"
-    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+    if out.returncode != 0 and "Invalid job id" not in out.stderr:
+        return "UNKNOWN"
+    if out.returncode == 0 and out.stdout.strip():
+        return out.stdout.strip().splitlines()[0]
+    state = job_record(job_id).get("JobState")
+    return state if state in _LIVE_STATES else None
 
 
 def wait_for_result(job: Any, poll_s: float = 2.0, grace_s: float | None = None) -> Any:
@@ -284,8 +304,11 @@ def wait_for_result(job: Any, poll_s: float = 2.0, grace_s: float | None = None)
                 state = _queue_state(job.job_id)
                 gone_since = (gone_since or now) if state is None else None
             if gone_since is not None and now - gone_since > grace_s:
+                rec = job_record(job.job_id)
+                said = ", ".join(f"{k}={rec[k]}" for k in ("JobState", "Reason", "ExitCode", "Restarts", "RunTime")
+                                 if k in rec)
                 raise RuntimeError(f"Slurm job {job.job_id} left the queue without a result (killed, out of memory, "
-                                   f"or cancelled); its log: {job.paths.stderr}")
+                                   f"or cancelled; Slurm: {said or 'no record'}); its log: {job.paths.stderr}")
         elif job.done():
             break
         time.sleep(poll_s)

@@ -65,6 +65,27 @@ def _sh(args: list[str], env: dict[str, str], **kw) -> subprocess.CompletedProce
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=60, **kw)
 
 
+def _diagnose(slurm: dict[str, str], sweep: Path, job_id: str, seen: list) -> str:
+    """What a failed run needs to be understood: the states the test saw after its signal, the job's own logs and
+    the controller's and node daemon's log lines about it."""
+    parts = [f"\n--- squeue states of {job_id} after the signal: {seen}"]
+    logs = sorted((sweep / ".submitit" / job_id).glob("*_log.*"))
+    for p in logs:
+        parts.append(f"--- {p.name}:\n" + p.read_text(errors="replace")[-2500:])
+    internal = {job_id}  # an array task's own job id ("*** JOB 4 ON ...") is what the daemons' logs name
+    for p in logs:
+        text = p.read_text(errors="replace")
+        internal.update(w for w in text.split() if w.isdigit() and f"JOB {w} " in text)
+    for name in ("slurmctld.log", "slurmd.log"):
+        log_file = Path(slurm["SLURM_LOCAL_DIR"]) / "log" / name
+        if log_file.exists():
+            lines = [ln for ln in log_file.read_text(errors="replace").splitlines()
+                     if any(f"JobId={j} " in ln or f"JobId={j}\n" in ln + "\n" or f"job {j} " in ln.lower()
+                            or f"StepId={j}." in ln for j in internal)]
+            parts.append(f"--- {name}, {len(lines)} lines about {sorted(internal)}:\n" + "\n".join(lines[-60:]))
+    return "\n".join(parts)
+
+
 def test_smoke_sweep_through_slurm_with_a_requeued_job(slurm, tmp_path):
     env = {**os.environ, "SLURM_CONF": slurm["SLURM_CONF"], "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -95,16 +116,21 @@ def test_smoke_sweep_through_slurm_with_a_requeued_job(slurm, tmp_path):
         time.sleep(0.1)
     assert job_id, "the oracle job never started writing samples"
     # the requeued job waits for Slurm's requeue delay (BeginTime, ~2 min): let it start now
+    seen = []  # (seconds since the signal, squeue's state) each time it changed, for the failure message
+    t0 = time.time()
     for _ in range(600):
         state = _sh(["squeue", "-h", "-j", job_id, "-o", "%T %r"], env).stdout.strip()
+        if not seen or seen[-1][1] != state:
+            seen.append((round(time.time() - t0, 1), state))
         if state.startswith("PENDING"):
-            _sh(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env)
+            update = _sh(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env)
+            seen.append((round(time.time() - t0, 1), f"StartTime=now: rc {update.returncode} {update.stderr.strip()}"))
             break
         if launcher.poll() is not None:
             break
         time.sleep(0.2)
     out, _ = launcher.communicate(timeout=300)
-    assert launcher.returncode == 0, out[-4000:]
+    assert launcher.returncode == 0, out[-3000:] + _diagnose(slurm, sweep, job_id, seen)
     assert "sweep: 4 jobs, 4 ok, 0 failed" in out
 
     # every job's results arrived, each sample once

@@ -368,3 +368,43 @@ def test_a_vanished_slurm_job_fails_instead_of_hanging(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="left the queue without a result"):
         sweep.wait_for_result(SlurmJob(), poll_s=0.05, grace_s=0.3)
     assert time.monotonic() - t0 < 10
+
+
+def _fake_slurm(tmp_path, monkeypatch, squeue_out: str, record: str) -> None:
+    """``squeue`` and ``scontrol`` on PATH that print the given lines (a controller's view of one job)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("squeue", squeue_out), ("scontrol", record)):
+        exe = bin_dir / name
+        exe.write_text(f"#!/bin/sh\nprintf '%s' '{text}'\n")
+        exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_a_job_squeue_does_not_list_is_alive_while_its_record_says_so(tmp_path, monkeypatch):
+    """A requeued job that squeue does not list (seen on a loaded machine) counts as alive while the controller's
+    record gives a state in which it may still run; a final state counts as gone and is named in the error."""
+    from sparse_eval import sweep
+
+    _fake_slurm(tmp_path, monkeypatch, "RUNNING\n", "JobId=4 ArrayJobId=1 ArrayTaskId=2 JobState=RUNNING")
+    assert sweep._queue_state("1_2") == "RUNNING"
+    _fake_slurm(tmp_path, monkeypatch, "", "JobId=4 ArrayJobId=1 ArrayTaskId=2 JobState=PENDING Reason=BeginTime "
+                "Restarts=1")
+    assert sweep._queue_state("1_2") == "PENDING"
+    _fake_slurm(tmp_path, monkeypatch, "", "JobId=4 JobState=OUT_OF_MEMORY Reason=OutOfMemory ExitCode=0:125 "
+                "Restarts=1 RunTime=00:00:07")
+    assert sweep._queue_state("1_2") is None
+
+    class Paths:
+        result_pickle = tmp_path / "never.pkl"
+        stderr = tmp_path / "log.err"
+
+    class SlurmJob:
+        job_id = "1_2"
+        paths = Paths()
+
+    with pytest.raises(RuntimeError, match="Slurm: JobState=OUT_OF_MEMORY, Reason=OutOfMemory, ExitCode=0:125, "
+                                           "Restarts=1, RunTime=00:00:07"):
+        sweep.wait_for_result(SlurmJob(), poll_s=0.05, grace_s=0.3)
+    _fake_slurm(tmp_path, monkeypatch, "", "")  # the controller has forgotten it
+    assert sweep._queue_state("1_2") is None and sweep.job_record("1_2") == {}
