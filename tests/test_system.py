@@ -153,6 +153,9 @@ GRAPH_CONFIGS = {
     # pages of 4: ⌊0.105·n⌋ // 4 grows from 6 to 7 pages at n = 267 (n = 261..276 here), so the device count is
     # below k_cap = 7 in the first steps; a sink and a local window that do not end on page boundaries
     "quest_budget_grows": dict(name="quest", budget=0.105, page_size=4, sink=5, local=7, dense_layers=[1]),
+    # the step in pieces around the CPU part: window ring, the leaving key's codes, host buffers
+    "magicpig": CONFIGS["magicpig"],
+    "magicpig_default": CONFIGS["magicpig_default"],
 }
 
 
@@ -172,6 +175,9 @@ def test_static_step_gives_the_same_tokens(stories, prompts, which):
         assert by_sort.tokens.tolist() == eager.tokens.tolist()
     assert len(static.step_ms) == NEW - 1
     assert static.tokens[0].tolist() == _accuracy_tokens(model, tok, cfg, prompts[0])
+    if which.startswith("magicpig"):  # every static step sampled, as the eager ones did
+        assert static.stats["sampled"] == eager.stats["sampled"] > 0
+        assert static.stats["candidates"] == eager.stats["candidates"]
     if which == "ds":
         assert static.tokens[0].tolist() != _accuracy_tokens(model, tok, dict(name="full"), prompts[0])
     tiled = _system(model, cfg, [prompts[1]], backend_gpu="torch", cuda_graph=True, repeat_batch=2)
@@ -263,11 +269,13 @@ def test_static_budget_matches_budget_bound():
     assert int(st.pos) == 205
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS["magicpig"], CONFIGS["ds_offload"]])
-def test_cuda_graph_refuses_host_side_methods(stories, prompts, cfg):
+def test_cuda_graph_refuses_host_side_methods(stories, prompts):
     model, _ = stories
     with pytest.raises(ValueError, match="cuda_graph=true: the static-shape decode step exists for full attention, quest"):
-        _system(model, cfg, [prompts[0][:80]], cuda_graph=True)
+        _system(model, CONFIGS["ds_offload"], [prompts[0][:80]], cuda_graph=True)
+    # MagicPIG's static step needs a full local window after the sink (sink 4 + local 64 > 40 + 1 tokens)
+    with pytest.raises(ValueError, match="n = 41, local = 64, sink = 4: decode with cuda_graph=false"):
+        _system(model, CONFIGS["magicpig_default"], [prompts[0][:40]], cuda_graph=True)
 
 
 def test_offload_gather_matches_indexing():
@@ -310,15 +318,26 @@ def test_gpu_system_path_matches_accuracy_path(stories, prompts, which):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("which", ["full", "ds", "ds_kv_head_8bit", "ds_budget_grows", "quest", "quest_budget_grows"])
-def test_gpu_cuda_graph_matches_accuracy_path(stories, prompts, which):
-    """On CUDA the static step is captured once and replayed: still the accuracy path's tokens, on both rows."""
+@pytest.mark.parametrize("which", ["full", "ds", "ds_kv_head_8bit", "ds_budget_grows", "quest", "quest_budget_grows",
+                                   "magicpig", "magicpig_default"])
+def test_gpu_cuda_graph_matches_accuracy_path(stories, prompts, which, monkeypatch):
+    """On CUDA the static step is captured once and replayed (MagicPIG's in pieces, one more than its sparse
+    layers): still the accuracy path's tokens, on both rows."""
+    from sparse_eval.system.decoder import PIECES_ENV
+
     model, tok = stories
     model = model.to("cuda")
     try:
         cfg = GRAPH_CONFIGS[which]
+        if which.startswith("magicpig"):
+            with pytest.raises(ValueError, match=f"not yet verified on a GPU \\(set {PIECES_ENV}=1"):
+                _system(model, cfg, prompts, cuda_graph=True)
+            monkeypatch.setenv(PIECES_ENV, "1")
         got = _system(model, cfg, prompts, label_scale_dtype=torch.float32, cuda_graph=True)
         assert got.stats["graph_capture_ms"] > 0
+        if which.startswith("magicpig"):
+            sparse = model.config.num_hidden_layers - len(cfg["dense_layers"])
+            assert got.stats["graph_pieces"] == sparse + 1
         for row, ids in enumerate(prompts):
             ref = _accuracy_tokens(model, tok, cfg, torch.tensor(ids, device="cuda"))
             assert got.tokens[row].tolist() == ref, f"row {row}"

@@ -15,9 +15,11 @@ Which method runs where:
 | ``magicpig`` | CPU (+ hash tables) | codes on GPU; sampling + sampled attention on CPU (numba); sink/local on GPU; LSE merge |
 | ``quest`` | GPU (+ page min/max) | page bounds → top pages → attention over their tokens + sink/local (Triton) |
 
-With ``cuda_graph=True`` (full, ``quest`` and ``double_sparsity`` on the GPU) every decode step has static shapes
-(``layers.StaticStep``: device-side position, row lengths and budgets), so one step is captured in a CUDA graph
-and replayed; eager steps are bound by Python and kernel launches at these model sizes.
+With ``cuda_graph=True`` (full, ``quest``, ``double_sparsity`` on the GPU and ``magicpig``) every decode step has
+static shapes (``layers.StaticStep``: device-side position, row lengths and budgets), so one step is captured in a
+CUDA graph and replayed; eager steps are bound by Python and kernel launches at these model sizes.  MagicPIG's step
+waits on the host in each sparse layer (its CPU part), so it is captured in pieces cut there (``_Pieces``): one
+graph from each layer's CPU part to the next, replayed in order with the CPU parts between them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,6 +171,8 @@ class SystemSession:
         offload = any(isinstance(x, DSOffloadLayer) for x in layers)
         cuda = next(model.parameters()).is_cuda
         self.side_stream = torch.cuda.Stream() if offload and cuda else None
+        self.cuda = cuda
+        self.pieces: _Pieces | None = None  # set while a static step is captured in pieces
         self.offload_input = getattr(method.config, "offload_input", "attn_input")
         self.norm_w = getattr(method, "_norm_w", {}) if offload else {}
         if offload and self.offload_input == "residual" and not self.norm_w:
@@ -203,6 +208,17 @@ class SystemSession:
         qp = qp.transpose(1, 2)
         qp, _ = rope(qp, qp, cos[:, -1:], sin[:, -1:])
         self.pending[i + 1] = self.layers[i + 1].predict(self, qp[:, :, 0])
+
+    def cut(self, host_part) -> None:
+        """Where a static step waits on the host (MagicPIG's CPU part): the GPU work enqueued so far must have
+        finished (its copies to the host landed), then ``host_part()`` runs, then the step goes on.  While the step
+        is being captured in pieces, this ends the current piece there (``_Pieces.cut``)."""
+        if self.pieces is not None:
+            self.pieces.cut(host_part)
+            return
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+        host_part()
 
     def buffer(self, layer_idx: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> tuple:
         """Views [B, Hs, S, D] into one of two GPU buffers (layer parity picks it): layer l+1's gather fills
@@ -298,20 +314,85 @@ def _memory(session: SystemSession, dev: torch.device) -> dict[str, int]:
     return out
 
 
-def _check_graph_capable(method: Method, layers: list[FullLayer]) -> None:
+# MagicPIG's step captured in pieces has passed its tests on the CPU (the static step, run eagerly) but not yet on
+# a GPU: until it has, capturing it on CUDA needs this set to 1 (tests/test_system.py's GPU test sets it)
+PIECES_ENV = "SPARSE_EVAL_UNVERIFIED_PIECES"
+
+
+def _check_graph_capable(method: Method, layers: list[FullLayer], cuda: bool) -> None:
     bad = sorted({layer.kind for layer in layers if not layer.static_capable})
     if bad:
-        raise ValueError(f"cuda_graph=true: the static-shape decode step exists for full attention, quest and "
-                         f"double_sparsity (offload=false); method {method.name!r} uses layer kinds {bad}. Valid: "
+        raise ValueError(f"cuda_graph=true: the static-shape decode step exists for full attention, quest, magicpig "
+                         f"and double_sparsity (offload=false); method {method.name!r} uses layer kinds {bad}. Valid: "
                          f"cuda_graph=false for those")
+    if cuda and any(getattr(x, "cuts_step", False) for x in layers) and os.environ.get(PIECES_ENV) != "1":
+        raise ValueError(f"cuda_graph=true with method {method.name!r}: its step captured in pieces around the CPU "
+                         f"part is not yet verified on a GPU (set {PIECES_ENV}=1 to run it anyway). Valid: "
+                         f"cuda_graph=false")
+
+
+class _Pieces:
+    """A decode step captured as a chain of CUDA graphs cut where it waits on the host.
+
+    ``begin``, then the step's Python code runs as usual: its GPU work is recorded into the current piece until a
+    layer calls ``SystemSession.cut(host_part)``; ``cut`` ends that piece, replays it at once (so the step's data
+    exist), waits for it, runs ``host_part`` and begins the next piece; ``end`` closes the last one.  The capturing
+    step therefore also decodes one token.  ``replay`` runs a later step: each piece, then (after its copies to the
+    host have landed) its host part.  All pieces share one memory pool and always replay in capture order, so a
+    tensor that one piece makes and the next reads keeps its address."""
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.hosts: list[Any] = []
+        self._g: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._g = torch.cuda.CUDAGraph()
+        self._g.capture_begin(pool=self.pool)
+
+    def cut(self, host_part) -> None:
+        self._close(host_part)
+        torch.cuda.current_stream().synchronize()
+        host_part()
+        self.begin()
+
+    def end(self) -> None:
+        self._close(None)
+
+    def abort(self) -> None:
+        """Leave capture mode after an error inside a piece (the stream would refuse all later work)."""
+        g, self._g = self._g, None
+        if g is not None:
+            try:
+                g.capture_end()
+            except RuntimeError:  # the capture was invalidated by the error itself
+                pass
+
+    def _close(self, host_part) -> None:
+        g, self._g = self._g, None
+        g.capture_end()
+        self.graphs.append(g)
+        self.hosts.append(host_part)
+        g.replay()
+
+    def replay(self) -> None:
+        stream = torch.cuda.current_stream()
+        for g, host_part in zip(self.graphs, self.hosts):
+            g.replay()
+            if host_part is not None:
+                stream.synchronize()
+                host_part()
 
 
 def _decode_static(model: Any, session: SystemSession, kw: dict[str, Any], nxt: torch.Tensor, steps: int,
                    cuda: bool) -> tuple[list[torch.Tensor], list[float], dict[str, float]]:
     """``steps`` greedy decode steps with static shapes (``layers.StaticStep``).  On CUDA the first step runs eagerly
     (Triton compilation, on a side stream as graph capture wants), the second is captured once in a CUDA graph,
-    and every later step replays it: no Python and no kernel launches per step.  On the CPU each step runs the same
-    static code eagerly.  Returns (tokens [B, 1] per step, ms per step, extra timings)."""
+    and every later step replays it: no Python and no kernel launches per step.  A step with host parts (MagicPIG)
+    is captured in pieces (``_Pieces``); that capturing step also decodes, and later steps replay the pieces with
+    the host parts between them.  On the CPU each step runs the same static code eagerly.  Returns (tokens [B, 1]
+    per step, ms per step, extra timings: ``graph_capture_ms``, and ``graph_pieces`` for a step in pieces)."""
     layers = session.layers
     if steps < 1:
         return [], [], {}
@@ -345,7 +426,33 @@ def _decode_static(model: Any, session: SystemSession, kw: dict[str, Any], nxt: 
         out.append(ids.clone())
         timer.mark()
         ms = timer.intervals_ms()
-        if steps > 1 and cuda:
+        left = steps - 1
+        if left and cuda and any(getattr(layer, "cuts_step", False) for layer in layers):
+            pieces = _Pieces()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            session.pieces = pieces
+            try:
+                with torch.cuda.stream(side):
+                    pieces.begin()
+                    step()  # recorded piece by piece, each piece run once right after its capture
+                    pieces.end()
+            except BaseException:
+                pieces.abort()
+                raise
+            finally:
+                session.pieces = None
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            extra["graph_capture_ms"] = 1e3 * (time.perf_counter() - t0)
+            extra["graph_pieces"] = len(pieces.graphs)
+            out.append(ids.clone())
+            ms.append(extra["graph_capture_ms"])  # a decoded step, timed with its capture
+            left -= 1
+            run = pieces.replay
+        elif left and cuda:
             graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -358,7 +465,7 @@ def _decode_static(model: Any, session: SystemSession, kw: dict[str, Any], nxt: 
             run = step
         timer = _Timer(cuda)
         timer.mark()
-        for _ in range(steps - 1):
+        for _ in range(left):
             run()
             out.append(ids.clone())
             timer.mark()
@@ -382,7 +489,8 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
 
     ``cuda_graph``: decode with static shapes (preallocated capacity, device-side positions and budgets; see
     ``_decode_static``), captured once in a CUDA graph on the GPU (full attention, Quest and GPU Double
-    Sparsity).  The cache is then tiled right after the prefill, and ``stats["graph_capture_ms"]`` holds the
+    Sparsity; MagicPIG in pieces around its CPU parts, after one eager step that builds its tables).  The cache is
+    then tiled right after the prefill (MagicPIG: after that step), and ``stats["graph_capture_ms"]`` holds the
     capture time.
     ``topk``: see ``build_layers``.
     ``phase_times``: time the phases the layers bracket (``PhaseTimes``; MagicPIG's GPU part, codes to the host,
@@ -401,7 +509,7 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
     layers = build_layers(model, method, t + max_new_tokens, label_scale_dtype=label_scale_dtype,
                           backend_gpu=backend_gpu, backend_cpu=backend_cpu, topk=topk)
     if cuda_graph:
-        _check_graph_capable(method, layers)
+        _check_graph_capable(method, layers, cuda)
         if phase_times:
             raise ValueError("phase_times=true times eager steps; a captured step (cuda_graph=true) has no host-side "
                              "phases. Valid: one of them")
@@ -419,16 +527,27 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
         prefill_ms = timer.intervals_ms()[0]
         nxt = logits.argmax(-1, keepdim=True)  # [B, 1]
         if cuda_graph:
+            first: list[torch.Tensor] = [nxt]
+            first_ms: list[float] = []
+            if max_new_tokens > 1 and any(getattr(layer, "builds_at_first_step", False) for layer in layers):
+                # one eager step first, at batch B: it builds MagicPIG's tables (then tiled with the cache)
+                timer = _Timer(cuda)
+                timer.mark()
+                nxt = model(input_ids=nxt, use_cache=True, **kw).logits[:, -1].argmax(-1, keepdim=True)
+                timer.mark()
+                first_ms = timer.intervals_ms()
+                first.append(nxt)
             if repeat_batch > 1:
                 if cuda:  # the prefill's activations are freed: hand their blocks back before the tiled cache
                     torch.cuda.empty_cache()
                 for layer in layers:
                     layer.repeat_batch(repeat_batch)
-                nxt = nxt.repeat(repeat_batch, 1)
-            got, steps, extra = _decode_static(model, session, kw, nxt, max_new_tokens - 1, cuda)
-            return DecodeResult(tokens=torch.cat([nxt, *got], 1).cpu(), prefill_ms=prefill_ms, step_ms=steps,
-                                batch=b * repeat_batch, context=t, stats=dict(session.stats, **extra),
-                                memory=_memory(session, dev))
+                first = [x.repeat(repeat_batch, 1) for x in first]
+                nxt = first[-1]
+            got, steps, extra = _decode_static(model, session, kw, nxt, max_new_tokens - len(first), cuda)
+            return DecodeResult(tokens=torch.cat([*first, *got], 1).cpu(), prefill_ms=prefill_ms,
+                                step_ms=first_ms + steps, batch=b * repeat_batch, context=t,
+                                stats=dict(session.stats, **extra), memory=_memory(session, dev))
         out = [nxt]
         timer = _Timer(cuda)
         timer.mark()

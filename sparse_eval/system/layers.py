@@ -636,7 +636,11 @@ class MagicPIGLayer(FullLayer):
     """
 
     kind = "magicpig"
-    static_capable = False
+    # a static step (``_decode_static``) has a host part in the middle: on CUDA the decoder captures the step in
+    # pieces cut there (``SystemSession.cut``) and runs the host part between their replays
+    static_capable = True
+    cuts_step = True
+    builds_at_first_step = True  # the first decode step (eager) fixes μ and builds the tables
 
     def __init__(self, layer_idx: int, capacity: int, method: Any, *, backend_gpu: str = "auto",
                  backend_cpu: str = "auto"):
@@ -654,6 +658,7 @@ class MagicPIGLayer(FullLayer):
         self.tables = None
         self.cand_end = 0  # keys [sink, cand_end) are candidates (in the tables or the overflow)
         self.table_end = 0
+        self.ring = None  # static steps: the local window as a ring, and the host/device buffers (``_static_init``)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """One host buffer [B, Hkv, capacity, 2, D] with a token's K and V side by side (keys and values are its two
@@ -667,6 +672,8 @@ class MagicPIGLayer(FullLayer):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.static is not None:  # static step: the new token reaches the host and the window in _decode_static
+            return key_states, value_states
         first = not self.is_initialized
         t = key_states.shape[2]
         # one contiguous device-to-host copy each, then the strided write into the head-major host cache (the CPU
@@ -775,6 +782,8 @@ class MagicPIGLayer(FullLayer):
         return idx.numpy(), cnt.numpy()
 
     def decode(self, session, module, q, k_new, v_new, scaling):
+        if self.static is not None:
+            return self._decode_static(session, q, k_new, v_new, scaling)
         c = self.cfg
         n = self.n
         q3 = q[:, :, 0]  # [B, Hq, D]
@@ -816,6 +825,106 @@ class MagicPIGLayer(FullLayer):
             o, _ = kmerge.attend_and_merge(q3, *static, *_to_device(q.device, o_c, lse_c), scaling,
                                            backend=self.backend_gpu)
             return o.to(q.dtype).unsqueeze(2)
+
+    # -- static steps (the captured decode step) ------------------------------------------------------------
+    def _static_init(self) -> None:
+        """From the eager layout to the static one, after at least one eager step: the window [n − local, n) moves
+        into a ring of ``local`` slots (position p in slot p mod local, so the key that leaves the window when
+        position p arrives is the one p overwrites), and fixed host (page-locked) and device buffers carry each
+        step's codes, query, new K/V and the CPU part's output across the host part."""
+        c = self.cfg
+        n = self.n
+        if self.tables is None or n - c.local < c.sink:
+            raise ValueError(f"layer {self.layer_idx}: a static MagicPIG step needs the tables built and a full local "
+                             f"window after the sink (n − local ≥ sink); n = {n}, local = {c.local}, sink = {c.sink}: "
+                             f"decode with cuda_graph=false for prompts this short")
+        if self.cand_end != n - c.local:
+            raise RuntimeError(f"layer {self.layer_idx}: candidates end at {self.cand_end}, expected n − local = "
+                               f"{n - c.local}")
+        wk, wv = self._window(n - c.local, n)  # [B, Hkv, local, D], positions n − local .. n − 1
+        slots = torch.arange(n - c.local, n, device=wk.device) % c.local
+        ring_k = torch.empty_like(wk)
+        ring_v = torch.empty_like(wv)
+        ring_k[:, :, slots] = wk
+        ring_v[:, :, slots] = wv
+        self.ring = (ring_k, ring_v)
+        self.host_n = n  # the position the next static step writes (host side)
+        self._static_bufs: dict[str, torch.Tensor] = {}
+
+    def _buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A fixed buffer of this layer's static steps: on ``device``, or on the host (``device`` cpu), page-locked
+        when the GPU is in use (a copy to or from pageable memory cannot be captured)."""
+        got = self._static_bufs.get(name)
+        if got is None:
+            if device.type == "cpu":
+                got = torch.empty(shape, dtype=dtype, pin_memory=self.mean.is_cuda)
+            else:
+                got = torch.empty(shape, dtype=dtype, device=device)
+            self._static_bufs[name] = got
+        return got
+
+    def _decode_static(self, session, q, k_new, v_new, scaling):
+        """One decode step with static shapes (all shapes fixed, no host value read on the GPU side): the GPU
+        work before the host part (window ring, the SimHash codes of the query and of the key leaving the window,
+        copies to the host), ``session.cut`` (the host part, ``_host_part``: new K/V into the host cache, the
+        table sampling and the CPU attention of eq. 11), then the merge by log-sum-exp with the static keys."""
+        if self.ring is None:
+            self._static_init()
+        c = self.cfg
+        st = self.static
+        q3 = q[:, :, 0]  # [B, Hq, D]
+        b, hq, d = q3.shape
+        hkv = k_new.shape[1]
+        ring_k, ring_v = self.ring
+        slot = torch.remainder(st.pos, c.local)  # [1] on the device
+        leaving = ring_k.index_select(2, slot)  # [B, Hkv, 1, D] position pos − local: it leaves the window now
+        ring_k.index_copy_(2, slot, k_new)
+        ring_v.index_copy_(2, slot, v_new)
+        x = torch.cat([q3.float().reshape(-1, d), (leaving[:, :, 0].float() - self.mean).reshape(-1, d)])
+        codes = kmp.hash_codes(x, self.w, c.K, c.L, backend=self.backend_gpu).to(torch.int32)  # [B·Hq + B·Hkv, L]
+        host = torch.device("cpu")
+        h_codes = self._buf("codes", tuple(codes.shape), torch.int32, host)
+        h_q = self._buf("q", (b, hq, d), torch.float32, host)
+        h_kv = self._buf("kv", (b, hkv, 2, d), k_new.dtype, host)
+        # contiguous on both sides, so each is one asynchronous copy into page-locked memory (capturable)
+        h_codes.copy_(codes, non_blocking=True)
+        h_q.copy_(q3.float().contiguous(), non_blocking=True)
+        h_kv.copy_(torch.stack([k_new[:, :, 0], v_new[:, :, 0]], 2), non_blocking=True)  # [B, Hkv, 2, D]
+        h_o = self._buf("o", (b, hq, d), torch.float32, host)
+        h_lse = self._buf("lse", (b, hq), torch.float32, host)
+        session.cut(lambda: self._host_part(session, scaling))
+        d_o = self._buf("o_dev", (b, hq, d), torch.float32, q.device)
+        d_lse = self._buf("lse_dev", (b, hq), torch.float32, q.device)
+        d_o.copy_(h_o, non_blocking=True)
+        d_lse.copy_(h_lse, non_blocking=True)
+        o, _ = kmerge.attend_and_merge(q3, self.sink_k[:, :, :c.sink], self.sink_v[:, :, :c.sink], ring_k, ring_v,
+                                       d_o, d_lse, scaling, backend=self.backend_gpu)
+        return o.to(q.dtype).unsqueeze(2)
+
+    def _host_part(self, session, scaling: float) -> None:
+        """The host part of a static step, once its copies have landed (host-side state only; no GPU work): the
+        new token's K and V into the host cache at ``host_n``, the leaving key's codes onto the overflow list,
+        the sampling and the CPU attention, whose output and log-sum-exp go to the fixed host buffers."""
+        c = self.cfg
+        bufs = self._static_bufs
+        n = self.host_n
+        self.kv[:, :, n].copy_(bufs["kv"])
+        b, hq, d = bufs["q"].shape
+        nq = b * hq
+        q_codes = bufs["codes"][:nq].view(b, hq, c.L)
+        over = bufs["codes"][nq:].view(b, -1, 1, c.L)
+        self.over_codes = torch.cat([self.over_codes, over], 2)
+        self.cand_end += 1  # position n − local left the window
+        idx, cnt = self._sample(q_codes)
+        session.stats["sampled"] += int(cnt.sum(dtype=np.int64))
+        session.stats["sample_rows"] += cnt.size
+        session.stats["candidates"] += (self.cand_end - c.sink) * cnt.size
+        o_c, lse_c = kmc.attention(bufs["q"], self.keys, self.values, torch.from_numpy(idx), torch.from_numpy(cnt),
+                                   k_bits=c.K, n_tables=c.L, min_collisions=c.min_collisions, scaling=scaling,
+                                   k_mean=self.mean_cpu, backend=self.backend_cpu)
+        bufs["o"].copy_(o_c)
+        bufs["lse"].copy_(lse_c)
+        self.host_n = n + 1
 
 
 def _to_device(dev: torch.device, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
