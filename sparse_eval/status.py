@@ -49,10 +49,16 @@ DEFAULT_RECENT_S = 300.0
 
 # -- writers (used by the runner) ------------------------------------------------------------------------------
 
-def _where() -> dict[str, Any]:
+def slurm_job_id() -> str | None:
+    """This process's Slurm job as squeue names it: ``<array job>_<task>`` for an array task, else the job id."""
     env = os.environ
-    slurm = env.get("SLURM_ARRAY_JOB_ID") and f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID')}"
-    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": slurm or env.get("SLURM_JOB_ID"),
+    if env.get("SLURM_ARRAY_JOB_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID')}"
+    return env.get("SLURM_JOB_ID")
+
+
+def _where() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": slurm_job_id(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 

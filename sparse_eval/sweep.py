@@ -32,6 +32,8 @@ from typing import Any, Sequence
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from .status import slurm_job_id
+
 log = logging.getLogger("sparse_eval")
 
 JOB_STATUS = "job_status.json"  # in each job's Hydra output folder (${hydra.sweep.dir}/${hydra.sweep.subdir})
@@ -68,7 +70,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(hc.runtime.output_dir)
     record: dict[str, Any] = {
         "job_num": hc.job.num, "overrides": list(hc.overrides.task), "output_dir": str(out_dir),
-        "host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": _slurm_job_id(),
+        "host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": slurm_job_id(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     per_job = os.environ.get(GPUS_PER_JOB_ENV)  # set by TolerantLocalLauncher for its job processes
@@ -89,13 +91,6 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     record["time_s"] = time.perf_counter() - t0
     _write_json(out_dir / JOB_STATUS, record)
     return record
-
-
-def _slurm_job_id() -> str | None:
-    env = os.environ
-    if env.get("SLURM_ARRAY_JOB_ID"):
-        return f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID')}"
-    return env.get("SLURM_JOB_ID")
 
 
 # -- GPUs for local parallel launchers ---------------------------------------------------------------------------
