@@ -269,6 +269,56 @@ def test_static_budget_matches_budget_bound():
     assert int(st.pos) == 205
 
 
+def test_pieces_run_each_host_part_after_its_piece_has_finished(monkeypatch):
+    """``_Pieces`` with the CUDA graph API recorded instead of run: capturing a step with two host parts gives three
+    pieces in one pool, each run once right after its capture; a replay runs them in capture order with each host
+    part after a wait for its piece (its copies to the host); ``abort`` ends an open capture."""
+    from sparse_eval.system import decoder
+
+    events = []
+
+    class Graph:
+        made = 0
+
+        def __init__(self):
+            Graph.made += 1
+            self.i = Graph.made
+
+        def capture_begin(self, pool=None):
+            events.append(("begin", self.i, pool))
+
+        def capture_end(self):
+            events.append(("end", self.i))
+
+        def replay(self):
+            events.append(("replay", self.i))
+
+    class Stream:
+        def synchronize(self):
+            events.append(("wait",))
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    pieces = decoder._Pieces()
+    pieces.begin()
+    pieces.cut(lambda: events.append(("host", "a")))
+    pieces.cut(lambda: events.append(("host", "b")))
+    pieces.end()
+    assert events == [("begin", 1, "pool"), ("end", 1), ("replay", 1), ("wait",), ("host", "a"),
+                      ("begin", 2, "pool"), ("end", 2), ("replay", 2), ("wait",), ("host", "b"),
+                      ("begin", 3, "pool"), ("end", 3), ("replay", 3)]
+    events.clear()
+    pieces.replay()
+    assert events == [("replay", 1), ("wait",), ("host", "a"), ("replay", 2), ("wait",), ("host", "b"), ("replay", 3)]
+    events.clear()
+    other = decoder._Pieces()
+    other.begin()
+    other.abort()
+    other.abort()  # nothing open any more: no second capture_end
+    assert events == [("begin", 4, "pool"), ("end", 4)]
+
+
 def test_cuda_graph_refuses_host_side_methods(stories, prompts):
     model, _ = stories
     with pytest.raises(ValueError, match="cuda_graph=true: the static-shape decode step exists for full attention, quest"):
