@@ -52,3 +52,38 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, g: int)
         s.stride(0), s.stride(1), s.stride(2), idx.stride(0), idx.stride(1), d.stride(0), d.stride(1), d.stride(2),
         D=src.shape[-1], BLOCK_S=block_s, BLOCK_D=block_d,
     )
+
+
+@triton.jit
+def _put_rows_kernel(
+    SRC, DST, POS, H, T, N,
+    s_sb, s_sh, s_st, d_sb, d_sh, d_sn,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = tl.load(POS).to(tl.int64)
+    row = pos + offs_t
+    ok = (offs_t < T) & (row < N) & (row >= 0)
+    m = ok[:, None] & (offs_d < D)[None, :]
+    x = tl.load(SRC + b * s_sb + h * s_sh + offs_t[:, None].to(tl.int64) * s_st + offs_d[None, :], mask=m, other=0)
+    tl.store(DST + b * d_sb + h * d_sh + row[:, None] * d_sn + offs_d[None, :], x, mask=m)
+
+
+def put_rows(src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:
+    word = _WORD.get(src.dtype, src.dtype)
+    s, d = src.view(word), dst.view(word)
+    b, h, t, dim = src.shape
+    if t == 0 or b * h == 0:
+        return
+    block_d = next_pow2(dim)
+    block_t = max(1, min(64, 8192 // block_d, next_pow2(t)))
+    grid = (b * h, triton.cdiv(t, block_t))
+    _put_rows_kernel[grid](
+        s, d, pos.reshape(1), h, t, dst.shape[2],
+        s.stride(0), s.stride(1), s.stride(2), d.stride(0), d.stride(1), d.stride(2),
+        D=dim, BLOCK_T=block_t, BLOCK_D=block_d,
+    )

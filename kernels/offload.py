@@ -18,7 +18,7 @@ import torch
 
 from ._common import check_heads, resolve_gpu_backend
 
-__all__ = ["gather_rows", "gather_rows_reference", "pinned_empty", "unpin_all"]
+__all__ = ["gather_rows", "gather_rows_reference", "pinned_empty", "put_rows", "put_rows_reference", "unpin_all"]
 
 
 def _check(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> int:
@@ -66,6 +66,48 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, *, back
     from . import _tl_offload
 
     _tl_offload.gather_rows(src, idx, dst, g)
+    return dst
+
+
+def _check_put(src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:
+    if src.dim() != 4 or dst.dim() != 4 or src.shape[:2] != dst.shape[:2] or src.shape[3] != dst.shape[3]:
+        raise ValueError(f"expected src [B, Hkv, T, D] and dst [B, Hkv, N, D]; got {tuple(src.shape)}, "
+                         f"{tuple(dst.shape)}")
+    if src.dtype != dst.dtype:
+        raise ValueError(f"src dtype {src.dtype} != dst dtype {dst.dtype}")
+    if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"pos: expected one int32/int64 position, got {pos.dtype} {tuple(pos.shape)}")
+    if src.stride(-1) != 1 or dst.stride(-1) != 1:
+        raise ValueError("src and dst need a contiguous last dimension")
+
+
+def put_rows_reference(src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """dst[:, :, pos + t] = src[:, :, t] for t < T, by torch indexing (reads ``pos`` on the host)."""
+    _check_put(src, dst, pos)
+    p = int(pos.reshape(()).item())
+    if p < 0 or p + src.shape[2] > dst.shape[2]:
+        raise IndexError(f"pos {p} + {src.shape[2]} rows is outside the cache's {dst.shape[2]} rows")
+    dst[:, :, p:p + src.shape[2]] = src.to(dst.device)
+    return dst
+
+
+def put_rows(src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``put_rows_reference`` with ``pos`` [1] read on the device: on CUDA one Triton launch writes the rows of a
+    GPU tensor ``src`` straight into the pinned host cache ``dst`` (mapped under unified virtual addressing), so a
+    static decode step can store its new token at a device-side position and be captured in a CUDA graph (no host
+    value, no host thread).  Positions past the cache are not written.  backend: "auto" (Triton when src and pos
+    are CUDA tensors and dst is pinned or on the GPU), "triton", "torch"."""
+    _check_put(src, dst, pos)
+    if backend == "auto":
+        backend = "triton" if (src.is_cuda and pos.is_cuda and (dst.is_cuda or _is_pinned(dst))) else "torch"
+        backend = resolve_gpu_backend(backend if backend == "torch" else "auto", src, pos)
+    else:
+        backend = resolve_gpu_backend(backend, src, pos)
+    if backend == "torch":
+        return put_rows_reference(src, dst, pos)
+    from . import _tl_offload
+
+    _tl_offload.put_rows(src, dst, pos)
     return dst
 
 

@@ -156,6 +156,11 @@ GRAPH_CONFIGS = {
     # the step in pieces around the CPU part: window ring, the leaving key's codes, host buffers
     "magicpig": CONFIGS["magicpig"],
     "magicpig_default": CONFIGS["magicpig_default"],
+    # the predicted top keys gathered from the host cache (radix select with device counts, the lowest selected
+    # score displaced by a better new key); with dense_layers=[] layer 0 has no predecessor and uses its own query
+    "ds_offload": CONFIGS["ds_offload"],
+    "ds_offload_attn_input": CONFIGS["ds_offload_attn_input"],
+    "ds_offload_own_query": dict(name="double_sparsity", beta=0.05, offload=True, dense_layers=[]),
 }
 
 
@@ -178,6 +183,9 @@ def test_static_step_gives_the_same_tokens(stories, prompts, which):
     if which.startswith("magicpig"):  # every static step sampled, as the eager ones did
         assert static.stats["sampled"] == eager.stats["sampled"] > 0
         assert static.stats["candidates"] == eager.stats["candidates"]
+    if which.startswith("ds_offload"):  # the same layers predicted or fell back to their own query
+        assert static.stats.get("offload_own_query", 0) == eager.stats.get("offload_own_query", 0)
+        assert (static.stats.get("offload_own_query", 0) > 0) == (which == "ds_offload_own_query")
     if which == "ds":
         assert static.tokens[0].tolist() != _accuracy_tokens(model, tok, dict(name="full"), prompts[0])
     tiled = _system(model, cfg, [prompts[1]], backend_gpu="torch", cuda_graph=True, repeat_batch=2)
@@ -319,10 +327,8 @@ def test_pieces_run_each_host_part_after_its_piece_has_finished(monkeypatch):
     assert events == [("begin", 4, "pool"), ("end", 4)]
 
 
-def test_cuda_graph_refuses_host_side_methods(stories, prompts):
+def test_cuda_graph_refuses_what_it_cannot_run(stories, prompts):
     model, _ = stories
-    with pytest.raises(ValueError, match="cuda_graph=true: the static-shape decode step exists for full attention, quest"):
-        _system(model, CONFIGS["ds_offload"], [prompts[0][:80]], cuda_graph=True)
     # MagicPIG's static step needs a full local window after the sink (sink 4 + local 64 > 40 + 1 tokens)
     with pytest.raises(ValueError, match="n = 41, local = 64, sink = 4: decode with cuda_graph=false"):
         _system(model, CONFIGS["magicpig_default"], [prompts[0][:40]], cuda_graph=True)
@@ -347,6 +353,34 @@ def test_offload_gather_matches_indexing():
         assert ref[idx < 0].abs().sum() == 0 and ref[idx >= 0].abs().sum() > 0
 
 
+def test_offload_put_rows_matches_indexing():
+    """kernels.offload.put_rows (Triton, in the interpreter without CUDA) writes a step's rows at a position read on
+    the device, into a token-major host cache as the offloaded layers hold it, exactly as torch indexing does;
+    rows past the cache are dropped (the reference refuses them)."""
+    pytest.importorskip("triton")
+    from kernels import offload
+
+    gen = torch.Generator().manual_seed(1)
+    dev = "cuda" if CUDA else "cpu"
+    for t in (1, 3):
+        src = torch.randn(2, 3, t, 16, generator=gen).to(torch.bfloat16)
+        host = torch.zeros(40, 2, 3, 16, dtype=torch.bfloat16)  # [N, B, Hkv, D]
+        host = host.pin_memory() if CUDA else host
+        got = offload.put_rows(src.to(dev), host.permute(1, 2, 0, 3), torch.tensor([7], device=dev), backend="triton")
+        ref = offload.put_rows_reference(src, torch.zeros(2, 3, 40, 16, dtype=torch.bfloat16), torch.tensor([7]))
+        if CUDA:
+            torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), ref) and ref[:, :, 7:7 + t].abs().sum() > 0
+    edge = torch.zeros(2, 3, 40, 16, dtype=torch.bfloat16)
+    edge = edge.pin_memory() if CUDA else edge
+    offload.put_rows(src.to(dev), edge, torch.tensor([38], device=dev), backend="triton")  # 3 rows from 38: 2 fit
+    if CUDA:
+        torch.cuda.synchronize()
+    assert torch.equal(edge[:, :, 38:], src[:, :, :2]) and edge[:, :, :38].abs().sum() == 0
+    with pytest.raises(IndexError, match="pos 38 \\+ 3 rows is outside the cache's 40 rows"):
+        offload.put_rows_reference(src, torch.zeros(2, 3, 40, 16, dtype=torch.bfloat16), torch.tensor([38]))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("which", ["full", "ds", "ds_offload", "magicpig", "quest"])
@@ -369,20 +403,20 @@ def test_gpu_system_path_matches_accuracy_path(stories, prompts, which):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("which", ["full", "ds", "ds_kv_head_8bit", "ds_budget_grows", "quest", "quest_budget_grows",
-                                   "magicpig", "magicpig_default"])
+                                   "magicpig", "magicpig_default", "ds_offload", "ds_offload_own_query"])
 def test_gpu_cuda_graph_matches_accuracy_path(stories, prompts, which, monkeypatch):
     """On CUDA the static step is captured once and replayed (MagicPIG's in pieces, one more than its sparse
     layers): still the accuracy path's tokens, on both rows."""
-    from sparse_eval.system.decoder import PIECES_ENV
+    from sparse_eval.system.decoder import UNVERIFIED_ENV
 
     model, tok = stories
     model = model.to("cuda")
     try:
         cfg = GRAPH_CONFIGS[which]
-        if which.startswith("magicpig"):
-            with pytest.raises(ValueError, match=f"not yet verified on a GPU \\(set {PIECES_ENV}=1"):
+        if which.startswith(("magicpig", "ds_offload")):
+            with pytest.raises(ValueError, match=f"not yet verified on a GPU \\(set {UNVERIFIED_ENV}=1"):
                 _system(model, cfg, prompts, cuda_graph=True)
-            monkeypatch.setenv(PIECES_ENV, "1")
+            monkeypatch.setenv(UNVERIFIED_ENV, "1")
         got = _system(model, cfg, prompts, label_scale_dtype=torch.float32, cuda_graph=True)
         assert got.stats["graph_capture_ms"] > 0
         if which.startswith("magicpig"):
@@ -425,8 +459,12 @@ def test_cli_static_step(tmp_path):
                "new_tokens=5", f"output={out}")
     assert res.returncode == 0, res.stderr
     assert "static step" in res.stdout and "accuracy path: 1/1 rows and 5/5 tokens identical" in res.stdout
-    res = _cli(tmp_path, "method=double_sparsity", "method.offload=true", "cuda_graph=true", "new_tokens=2")
-    assert res.returncode == 2 and "cuda_graph=true: the static-shape decode step exists for" in res.stderr
+    res = _cli(tmp_path, "method=double_sparsity", "method.offload=true", "cuda_graph=true", "context=128",
+               "new_tokens=5")
+    assert res.returncode == 0, res.stderr
+    assert "static step" in res.stdout and "accuracy path: 1/1 rows and 5/5 tokens identical" in res.stdout
+    res = _cli(tmp_path, "method=magicpig", "method.dense_layers=[0]", "cuda_graph=true", "context=40", "new_tokens=3")
+    assert res.returncode == 2 and "n = 41, local = 64, sink = 4: decode with cuda_graph=false" in res.stderr
 
 
 def test_cli_rejects_a_method_without_system_path(tmp_path):

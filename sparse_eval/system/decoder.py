@@ -15,11 +15,14 @@ Which method runs where:
 | ``magicpig`` | CPU (+ hash tables) | codes on GPU; sampling + sampled attention on CPU (numba); sink/local on GPU; LSE merge |
 | ``quest`` | GPU (+ page min/max) | page bounds → top pages → attention over their tokens + sink/local (Triton) |
 
-With ``cuda_graph=True`` (full, ``quest``, ``double_sparsity`` on the GPU and ``magicpig``) every decode step has
-static shapes (``layers.StaticStep``: device-side position, row lengths and budgets), so one step is captured in a
-CUDA graph and replayed; eager steps are bound by Python and kernel launches at these model sizes.  MagicPIG's step
-waits on the host in each sparse layer (its CPU part), so it is captured in pieces cut there (``_Pieces``): one
-graph from each layer's CPU part to the next, replayed in order with the CPU parts between them.
+With ``cuda_graph=True`` (every method) every decode step has static shapes (``layers.StaticStep``: device-side
+position, row lengths and budgets), so one step is captured in a CUDA graph and replayed; eager steps are bound by
+Python and kernel launches at these model sizes.  MagicPIG's step waits on the host in each sparse layer (its CPU
+part), so it is captured in pieces cut there (``_Pieces``): one graph from each layer's CPU part to the next,
+replayed in order with the CPU parts between them.  DS-Offload's
+static step (the predicted rows gathered from pinned host memory on a side stream, the new token written there by
+a kernel at the device-side position) has no host part and is captured whole.  The captures of MagicPIG and
+DS-Offload have not yet run on a GPU: on CUDA they need ``UNVERIFIED_ENV`` set to 1.
 """
 
 from __future__ import annotations
@@ -314,20 +317,17 @@ def _memory(session: SystemSession, dev: torch.device) -> dict[str, int]:
     return out
 
 
-# MagicPIG's step captured in pieces has passed its tests on the CPU (the static step, run eagerly) but not yet on
-# a GPU: until it has, capturing it on CUDA needs this set to 1 (tests/test_system.py's GPU test sets it)
-PIECES_ENV = "SPARSE_EVAL_UNVERIFIED_PIECES"
+# The static steps of MagicPIG (captured in pieces) and DS-Offload have passed their tests on the CPU (run eagerly)
+# but their capture has not yet run on a GPU (layer attribute ``capture_verified``): until it has, capturing them on
+# CUDA needs this set to 1 (tests/test_system.py's GPU test sets it)
+UNVERIFIED_ENV = "SPARSE_EVAL_UNVERIFIED_CAPTURE"
 
 
 def _check_graph_capable(method: Method, layers: list[FullLayer], cuda: bool) -> None:
-    bad = sorted({layer.kind for layer in layers if not layer.static_capable})
-    if bad:
-        raise ValueError(f"cuda_graph=true: the static-shape decode step exists for full attention, quest, magicpig "
-                         f"and double_sparsity (offload=false); method {method.name!r} uses layer kinds {bad}. Valid: "
-                         f"cuda_graph=false for those")
-    if cuda and any(getattr(x, "cuts_step", False) for x in layers) and os.environ.get(PIECES_ENV) != "1":
-        raise ValueError(f"cuda_graph=true with method {method.name!r}: its step captured in pieces around the CPU "
-                         f"part is not yet verified on a GPU (set {PIECES_ENV}=1 to run it anyway). Valid: "
+    unverified = sorted({layer.kind for layer in layers if not layer.capture_verified})
+    if cuda and unverified and os.environ.get(UNVERIFIED_ENV) != "1":
+        raise ValueError(f"cuda_graph=true with method {method.name!r}: the captured step of layer kinds {unverified} "
+                         f"is not yet verified on a GPU (set {UNVERIFIED_ENV}=1 to run it anyway). Valid: "
                          f"cuda_graph=false")
 
 
@@ -488,10 +488,10 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
     be set up for the model (``method.setup(model, name)``) where it needs it (Double Sparsity).
 
     ``cuda_graph``: decode with static shapes (preallocated capacity, device-side positions and budgets; see
-    ``_decode_static``), captured once in a CUDA graph on the GPU (full attention, Quest and GPU Double
-    Sparsity; MagicPIG in pieces around its CPU parts, after one eager step that builds its tables).  The cache is
-    then tiled right after the prefill (MagicPIG: after that step), and ``stats["graph_capture_ms"]`` holds the
-    capture time.
+    ``_decode_static``), captured once in a CUDA graph on the GPU (MagicPIG in pieces around its CPU parts, after
+    one eager step that builds its tables; MagicPIG and DS-Offload only with ``UNVERIFIED_ENV``=1 for now).  The
+    cache is then tiled right after the prefill (MagicPIG: after that step), and ``stats["graph_capture_ms"]``
+    holds the capture time.
     ``topk``: see ``build_layers``.
     ``phase_times``: time the phases the layers bracket (``PhaseTimes``; MagicPIG's GPU part, codes to the host,
     CPU sampling, CPU attention, merge) over the steps after the first; ``stats["phase_ms"]`` holds their totals

@@ -105,8 +105,9 @@ class FullLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    # kinds that can decode with a ``StaticStep`` (and so run captured in a CUDA graph)
-    static_capable = True
+    # every kind can decode with a ``StaticStep`` (and so run captured in a CUDA graph); this says whether that
+    # capture has passed the GPU tests (decoder.UNVERIFIED_ENV otherwise)
+    capture_verified = True
 
     def __init__(self, layer_idx: int, capacity: int, kv_device: torch.device | str | None = None, pin: bool = True,
                  backend: str = "auto"):
@@ -533,7 +534,7 @@ class DSOffloadLayer(DSLayer):
     the previous layer's input and gathers the top rows into a GPU buffer on a side stream."""
 
     kind = "ds_offload"
-    static_capable = False
+    capture_verified = False  # its static step passes on the CPU; its capture has not run on a GPU yet
 
     def __init__(self, *args: Any, **kwargs: Any):
         kwargs["kv_device"] = "cpu"
@@ -542,13 +543,44 @@ class DSOffloadLayer(DSLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         # KV: device -> pinned host on the compute stream (a later gather on the side stream waits for it);
         # labels on the GPU
-        out = super().update(key_states, value_states, *args, **kwargs)
+        if self.static is not None and key_states.is_cuda:
+            # static step: the new token into the pinned host cache at the device-side position (one launch each,
+            # capturable: no host value), its labels likewise
+            koff.put_rows(key_states, self.keys, self.static.pos)
+            koff.put_rows(value_states, self.values, self.static.pos)
+            self.labels.append_at(key_states, self.static.pos, self.hq, self.backend)
+            out = (key_states, value_states)
+        else:
+            out = super().update(key_states, value_states, *args, **kwargs)
         self._new = (key_states, value_states)
         return out
+
+    def _side_gather(self, session, ids: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor,
+                     record: bool) -> torch.cuda.Event | None:
+        """Gather the host rows ``ids`` [B, Hs, S] into ``buf_k``/``buf_v`` [B, Hs, S, D], on the session's side
+        stream when on CUDA (returns the event the compute stream waits for), else at once.  ``record``: tell
+        the allocator that ``ids`` is used on the side stream (an eager step drops it before the wait; a static
+        step keeps it until its decode has waited)."""
+        stream = session.side_stream
+        if stream is None:
+            koff.gather_rows(self.keys, ids, buf_k)
+            koff.gather_rows(self.values, ids, buf_v)
+            return None
+        stream.wait_stream(torch.cuda.current_stream(ids.device))
+        with torch.cuda.stream(stream):
+            koff.gather_rows(self.keys, ids, buf_k)
+            koff.gather_rows(self.values, ids, buf_v)
+            event = torch.cuda.Event()
+            event.record(stream)
+        if record:
+            ids.record_stream(stream)
+        return event
 
     def predict(self, session, q_pred: torch.Tensor) -> dict[str, Any]:
         """Top keys among the ``self.n`` stored ones for the predicted query q_pred [B, Hq, D], and their gather
         into the session's buffer (on the side stream when on CUDA).  Called before this step's key arrives."""
+        if self.static is not None:
+            return self._predict_static(session, q_pred)
         n_old = self.n
         k_tot = self.budget(n_old + 1)
         k_old = min(k_tot, n_old)
@@ -558,40 +590,57 @@ class DSOffloadLayer(DSLayer):
         hs = ids.shape[1]
         buf_k, buf_v = session.buffer(self.layer_idx, (ids.shape[0], hs, k_tot + 1, self.keys.shape[-1]),
                                       self.keys.dtype, q_pred.device)
-        stream = session.side_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(q_pred.device))
-            with torch.cuda.stream(stream):
-                koff.gather_rows(self.keys, ids, buf_k[:, :, :k_old])
-                koff.gather_rows(self.values, ids, buf_v[:, :, :k_old])
-                event = torch.cuda.Event()
-                event.record(stream)
-            ids.record_stream(stream)
-        else:
-            koff.gather_rows(self.keys, ids, buf_k[:, :, :k_old])
-            koff.gather_rows(self.values, ids, buf_v[:, :, :k_old])
-            event = None
+        event = self._side_gather(session, ids, buf_k[:, :, :k_old], buf_v[:, :, :k_old], record=True)
         return {"event": event, "buf_k": buf_k, "buf_v": buf_v, "vals": vals, "ql": ql, "k_tot": k_tot,
                 "k_old": k_old, "n_old": n_old}
 
-    def _include_new(self, p: dict[str, Any]) -> torch.Tensor:
-        """Exact top-k over all n keys from the top-k of the n−1 old ones: the new key (scored with the same
-        predicted query) enters iff the old keys did not fill the budget or it beats the k-th best old score; it
-        then replaces that k-th key.  bool [B, Hs]."""
-        k_new = self._new[0]  # [B, Hkv, 1, D]
+    def _predict_static(self, session, q_pred: torch.Tensor) -> dict[str, Any]:
+        """``predict`` with static shapes: scores over the whole capacity, −inf from the stored keys' end
+        (n_old = lengths − 1: this step's key has not arrived); the top k_old = min(budget(n_old + 1), n_old) of
+        each row (device counts) by ``kernels.topk.select`` into k_cap = budget(capacity) slots, positions
+        ascending and −1 padded; their rows gathered into the first k_cap slots of the buffer; the lowest selected
+        score and its slot (the old key that a better new key displaces, as the k-th of the eager sorted
+        top-k)."""
+        st = self.static
+        ql = self.query_labels(q_pred)
+        n_old = st.lengths - 1  # [B]
+        scores = self.label_scores(ql, self.capacity, n_old)  # [B, Hs, capacity]
+        b, hs, _ = scores.shape
+        k_tot = st.budget_rows(self.beta, hs)  # [B, Hs] budget(n_old + 1)
+        k_old = torch.minimum(k_tot, n_old.view(-1, 1)).contiguous()
+        k_cap = self.budget(self.capacity)
+        ids = ktopk.select(scores, k_cap, k_old, backend=self._topk_backend())  # [B, Hs, k_cap]
+        picked = scores.gather(-1, ids.clamp_min(0).long())
+        kth, kth_slot = torch.where(ids >= 0, picked, torch.full_like(picked, float("inf"))).min(-1)  # [B, Hs]
+        buf_k, buf_v = session.buffer(self.layer_idx, (b, hs, k_cap + 1, self.keys.shape[-1]), self.keys.dtype,
+                                      q_pred.device)
+        event = self._side_gather(session, ids, buf_k[:, :, :k_cap], buf_v[:, :, :k_cap], record=False)
+        return {"event": event, "buf_k": buf_k, "buf_v": buf_v, "ids": ids, "kth": kth, "kth_slot": kth_slot,
+                "ql": ql, "k_tot": k_tot, "k_old": k_old}
+
+    def _new_score(self, ql: torch.Tensor, k_new: torch.Tensor) -> torch.Tensor:
+        """The new key's label score under the predicted query ql [B, Hq, r]: [B, Hs]."""
         lab = kds.dequantize_labels(self.labels.labels_of(k_new, self.hq))  # [B, Hl, 1, r]
-        ql = p["ql"]  # [B, Hq, r]
         b, hq, r = ql.shape
         hl = lab.shape[1]
         s_new = (ql.view(b, hl, hq // hl, r) * lab[:, :, 0].unsqueeze(2)).sum(-1).reshape(b, hq)
         if self.gqa == "kv_head":
             hkv = self.keys.shape[1]
             s_new = s_new.view(b, hkv, hq // hkv).sum(-1)
+        return s_new
+
+    def _include_new(self, p: dict[str, Any]) -> torch.Tensor:
+        """Exact top-k over all n keys from the top-k of the n−1 old ones: the new key (scored with the same
+        predicted query) enters iff the old keys did not fill the budget or it beats the k-th best old score; it
+        then replaces that k-th key.  bool [B, Hs]."""
+        s_new = self._new_score(p["ql"], self._new[0])
         if p["k_old"] < p["k_tot"]:
             return torch.ones_like(s_new, dtype=torch.bool)
         return s_new > p["vals"][..., -1]
 
     def decode(self, session, module, q, k_new, v_new, scaling):
+        if self.static is not None:
+            return self._decode_static_offload(session, q, k_new, v_new, scaling)
         p = session.pending.pop(self.layer_idx, None)
         q3 = q[:, :, 0]
         if p is None:  # no predecessor input (first layer): the layer's own query, gathered synchronously
@@ -624,6 +673,32 @@ class DSOffloadLayer(DSLayer):
             p["event"] = None
         return p
 
+    def _decode_static_offload(self, session, q, k_new, v_new, scaling):
+        """``decode`` with static shapes: the buffer's k_cap gathered slots (−1 where a row selected fewer), the
+        new key in the last slot if it enters the exact top-k of all n keys (it beats the lowest selected old
+        score, or the old keys did not fill the budget), displacing that lowest one when the budget was full."""
+        p = session.pending.pop(self.layer_idx, None)
+        q3 = q[:, :, 0]
+        if p is None:  # no predecessor input (first layer): the layer's own query (it scores the old keys only)
+            p = self._predict_static(session, q3)
+            session.stats["offload_own_query"] += 1
+        if p["event"] is not None:
+            torch.cuda.current_stream(q.device).wait_event(p["event"])
+        buf_k, buf_v, ids = p["buf_k"], p["buf_v"], p["ids"]
+        b, hs, slots = buf_k.shape[:3]
+        last = slots - 1  # = k_cap
+        hkv = self.keys.shape[1]
+        buf_k[:, :, last] = k_new[:, :, 0].repeat_interleave(hs // hkv, 1)
+        buf_v[:, :, last] = v_new[:, :, 0].repeat_interleave(hs // hkv, 1)
+        full = p["k_old"] == p["k_tot"]  # [B, Hs]
+        inc = ~full | (self._new_score(p["ql"], k_new) > p["kth"])
+        slot = torch.arange(last, device=q.device, dtype=torch.int32).expand(b, hs, last)
+        idx = torch.cat([torch.where(ids >= 0, slot, -1), torch.where(inc, last, -1).to(torch.int32).unsqueeze(-1)], -1)
+        at = p["kth_slot"].unsqueeze(-1)  # [B, Hs, 1]
+        idx.scatter_(-1, at, torch.where((inc & full).unsqueeze(-1), -1, idx.gather(-1, at)))
+        o, _ = ksd.attention(q3, buf_k, buf_v, idx, scaling=scaling, backend=self.backend)
+        return o.unsqueeze(2)
+
 
 class MagicPIGLayer(FullLayer):
     """MagicPIG with its KV cache and hash tables in CPU memory (§4.4).
@@ -638,7 +713,7 @@ class MagicPIGLayer(FullLayer):
     kind = "magicpig"
     # a static step (``_decode_static``) has a host part in the middle: on CUDA the decoder captures the step in
     # pieces cut there (``SystemSession.cut``) and runs the host part between their replays
-    static_capable = True
+    capture_verified = False  # its static step passes on the CPU; its capture in pieces has not run on a GPU yet
     cuts_step = True
     builds_at_first_step = True  # the first decode step (eager) fixes μ and builds the tables
 
