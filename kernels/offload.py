@@ -52,16 +52,19 @@ def _is_pinned(x: torch.Tensor) -> bool:
     return x.is_pinned() or any(p <= x.data_ptr() < p + t.numel() * t.element_size() for p, t in _PINNED.items())
 
 
+def _backend(backend: str, host: torch.Tensor, *gpu: torch.Tensor) -> str:
+    """"triton" or "torch" for a kernel between the ``gpu`` tensors and the cache ``host``: "auto" takes Triton when
+    the ``gpu`` tensors are CUDA tensors and ``host`` is pinned (or on the GPU)."""
+    if backend == "auto" and not (all(x.is_cuda for x in gpu) and (host.is_cuda or _is_pinned(host))):
+        return "torch"
+    return resolve_gpu_backend(backend, *gpu)
+
+
 def gather_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """See the module docstring.  backend: "auto" (Triton when idx and dst are CUDA tensors and src is pinned),
     "triton", "torch"."""
     g = _check(src, idx, dst)
-    if backend == "auto":
-        backend = "triton" if (idx.is_cuda and dst.is_cuda and (src.is_cuda or _is_pinned(src))) else "torch"
-        backend = resolve_gpu_backend(backend if backend == "torch" else "auto", idx, dst)
-    else:
-        backend = resolve_gpu_backend(backend, idx, dst)
-    if backend == "torch":
+    if _backend(backend, src, idx, dst) == "torch":
         return gather_rows_reference(src, idx, dst)
     from . import _tl_offload
 
@@ -98,12 +101,7 @@ def put_rows(src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor, *, backend
     value, no host thread).  Positions past the cache are not written.  backend: "auto" (Triton when src and pos
     are CUDA tensors and dst is pinned or on the GPU), "triton", "torch"."""
     _check_put(src, dst, pos)
-    if backend == "auto":
-        backend = "triton" if (src.is_cuda and pos.is_cuda and (dst.is_cuda or _is_pinned(dst))) else "torch"
-        backend = resolve_gpu_backend(backend if backend == "torch" else "auto", src, pos)
-    else:
-        backend = resolve_gpu_backend(backend, src, pos)
-    if backend == "torch":
+    if _backend(backend, dst, src, pos) == "torch":
         return put_rows_reference(src, dst, pos)
     from . import _tl_offload
 

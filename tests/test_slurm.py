@@ -80,7 +80,7 @@ def _diagnose(slurm: dict[str, str], sweep: Path, job_id: str, seen: list) -> st
         log_file = Path(slurm["SLURM_LOCAL_DIR"]) / "log" / name
         if log_file.exists():
             lines = [ln for ln in log_file.read_text(errors="replace").splitlines()
-                     if any(f"JobId={j} " in ln or f"JobId={j}\n" in ln + "\n" or f"job {j} " in ln.lower()
+                     if any(f"JobId={j} " in ln or ln.endswith(f"JobId={j}") or f"job {j} " in ln.lower()
                             or f"StepId={j}." in ln for j in internal)]
             parts.append(f"--- {name}, {len(lines)} lines about {sorted(internal)}:\n" + "\n".join(lines[-60:]))
     return "\n".join(parts)
