@@ -49,8 +49,7 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", default="16384,32768,98304")
     ap.add_argument("--methods", default="full,full_graph,ds,ds_graph,ds_offload,magicpig_10_150,magicpig_8_75",
                     help="a _graph suffix decodes with static shapes captured in one CUDA graph (magicpig_K_L_graph "
-                         "in pieces cut at its CPU parts; magicpig and ds_offload need "
-                         "SPARSE_EVAL_UNVERIFIED_CAPTURE=1 until verified on a GPU); a "
+                         "in pieces cut at its CPU parts); a "
                          "_torchtopk suffix (ds, quest) takes torch.topk instead of kernels.topk; name@B runs batch B "
                          "instead of the planned one (e.g. full_graph@10 past the GPU's capacity: an OOM is recorded)")
     ap.add_argument("--steps", type=int, default=12, help="decode steps per run (warm-up included)")

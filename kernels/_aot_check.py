@@ -31,8 +31,9 @@ def _configs():
     # the H200 it runs at 0.97x sdpa's speed (16K) and 8 warps (no spill) is no faster (experiments/kernels/session3)
     out.append((_tl_sparse_decode._sparse_decode_split, sd,
                 dict(base, QPI=4, HAS_CNT=True, SINGLE=False, UPCAST=False, DENSE=True), ("qk_scale",), 4, 256))
+    # float32 tiles multiply in IEEE fp32 (FMA, no tensor cores): BLOCK_N 32 at 8 warps
     out.append((_tl_sparse_decode._sparse_decode_split, sd32,
-                dict(base, QPI=4, HAS_CNT=False, SINGLE=False, UPCAST=True), ("qk_scale",), 8))
+                dict(base, QPI=4, HAS_CNT=False, SINGLE=False, UPCAST=True, BLOCK_N=32), ("qk_scale",), 8))
     out.append((_tl_sparse_decode._sparse_decode_reduce,
                 {"PACC": "*fp32", "PM": "*fp32", "PL": "*fp32", "O": "*bf16", "LSE": "*fp32"},
                 dict(D=128, BLOCK_D=128, BLOCK_S=4), (), 4))

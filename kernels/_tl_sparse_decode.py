@@ -3,7 +3,8 @@
 Under the interpreter (and for float32 caches) every load is cast to float32 right after ``tl.load``: the
 interpreter's bf16 ``tl.dot`` is wrong.  Compiled for the GPU, the bf16/fp16 K/V tiles go to the tensor cores as
 they are (an fp32 copy of a [64, 128] tile doubles the registers and made ptxas spill at sm_90), with P cast to
-the cache dtype for P·V as flash attention does; scores, softmax state and the accumulator are float32.
+the cache dtype for P·V as flash attention does; scores, softmax state and the accumulator are float32.  Float32
+tiles multiply in IEEE float32 (``input_precision="ieee"``), not in Triton's default TF32.
 """
 
 from __future__ import annotations
@@ -42,15 +43,23 @@ def _attend_tile(n0, end, i_base, k_base, v_base, stride_kn, stride_vn, q, qk_sc
     if UPCAST:
         kt = kt.to(tl.float32)
         vt = vt.to(tl.float32)
-    # scaled after the product: q and k enter the product exactly (same dtype, or bf16 values in tf32)
-    s = tl.dot(q, tl.trans(kt)) * qk_scale  # [BLOCK_Q, BLOCK_N], log2 units
+    # scaled after the product: q and k enter the product exactly (same dtype).  Float32 tiles (UPCAST) multiply in
+    # IEEE float32: Triton's default for them on the GPU is TF32 (10-bit mantissa, ~1e-3 relative error per score),
+    # which on an fp32 model moves label-score near-ties and so the selected keys away from the torch reference
+    if UPCAST:
+        s = tl.dot(q, tl.trans(kt), input_precision="ieee") * qk_scale  # [BLOCK_Q, BLOCK_N], log2 units
+    else:
+        s = tl.dot(q, tl.trans(kt)) * qk_scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
     return m_new, l_i, acc
 
 
@@ -189,7 +198,11 @@ def run(q, k, v, idx, *, scaling, count, out_dtype, block_n, num_splits, num_war
         return o, lse
     block_d = max(16, next_pow2(d))
     block_q = max(16, next_pow2(qpi))
-    block_n = block_n or (64 if block_d <= 128 else 32)
+    upcast = triton_interpret() or k.dtype == torch.float32 or k.dtype != q.dtype
+    # ptxas (sm_90, D 128): 16-bit tiles at BLOCK_N 64 fit 4 warps without spilling (~248 registers); float32
+    # tiles (IEEE products on the FMA units) fit 8 warps at BLOCK_N 32 and spill at 64
+    fp32_tiles_on_gpu = upcast and not triton_interpret()
+    block_n = block_n or (32 if block_d > 128 or fp32_tiles_on_gpu else 64)
     if num_splits is None:
         splits, per = split_plan(b * hi, s_len, block_n, _sm_count(dev))
     else:
@@ -201,10 +214,7 @@ def run(q, k, v, idx, *, scaling, count, out_dtype, block_n, num_splits, num_war
         idx = cnt  # unused by the DENSE kernel
     else:
         cnt = count.to(device=dev, dtype=torch.int32).contiguous() if count is not None else idx
-    upcast = triton_interpret() or k.dtype == torch.float32 or k.dtype != q.dtype
-    # ptxas (sm_90, BLOCK_N 64, D 128): 16-bit tiles fit 4 warps without spilling (~248 registers); float32 tiles
-    # spill at 4 warps and fit at 8
-    extra = {"num_warps": num_warps or (8 if upcast and block_n >= 64 else 4)}
+    extra = {"num_warps": num_warps or (8 if fp32_tiles_on_gpu else 4)}
     if num_stages is not None:
         extra["num_stages"] = num_stages
     single = splits == 1

@@ -386,15 +386,16 @@ def test_offload_put_rows_matches_indexing():
 @pytest.mark.parametrize("which", ["full", "ds", "ds_offload", "magicpig", "quest"])
 def test_gpu_system_path_matches_accuracy_path(stories, prompts, which):
     """On CUDA (Triton kernels, pinned host cache read by the GPU, numba CPU part), fp32 model: the same
-    tokens as the accuracy path on the same device."""
+    tokens as the accuracy path on the same device, on both rows (the Triton attention multiplies fp32 tiles in
+    IEEE fp32: with TF32, Triton's default, row 1 of ds_offload took another key at a label-score near-tie)."""
     model, tok = stories
     model = model.to("cuda")
     try:
         cfg = dict(name="full") if which == "full" else CONFIGS[which]
-        ids = [prompts[0]]
-        ref = _accuracy_tokens(model, tok, cfg, torch.tensor(ids[0], device="cuda"))
-        got = _system(model, cfg, ids, label_scale_dtype=torch.float32)
-        assert got.tokens[0].tolist() == ref
+        got = _system(model, cfg, prompts, label_scale_dtype=torch.float32)
+        for row, ids in enumerate(prompts):
+            ref = _accuracy_tokens(model, tok, cfg, torch.tensor(ids, device="cuda"))
+            assert got.tokens[row].tolist() == ref, f"row {row}"
         assert got.memory["gpu_peak"] > 0
     finally:
         model.to("cpu")
@@ -404,19 +405,13 @@ def test_gpu_system_path_matches_accuracy_path(stories, prompts, which):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("which", ["full", "ds", "ds_kv_head_8bit", "ds_budget_grows", "quest", "quest_budget_grows",
                                    "magicpig", "magicpig_default", "ds_offload", "ds_offload_own_query"])
-def test_gpu_cuda_graph_matches_accuracy_path(stories, prompts, which, monkeypatch):
+def test_gpu_cuda_graph_matches_accuracy_path(stories, prompts, which):
     """On CUDA the static step is captured once and replayed (MagicPIG's in pieces, one more than its sparse
     layers): still the accuracy path's tokens, on both rows."""
-    from sparse_eval.system.decoder import UNVERIFIED_ENV
-
     model, tok = stories
     model = model.to("cuda")
     try:
         cfg = GRAPH_CONFIGS[which]
-        if which.startswith(("magicpig", "ds_offload")):
-            with pytest.raises(ValueError, match=f"not yet verified on a GPU \\(set {UNVERIFIED_ENV}=1"):
-                _system(model, cfg, prompts, cuda_graph=True)
-            monkeypatch.setenv(UNVERIFIED_ENV, "1")
         got = _system(model, cfg, prompts, label_scale_dtype=torch.float32, cuda_graph=True)
         assert got.stats["graph_capture_ms"] > 0
         if which.startswith("magicpig"):

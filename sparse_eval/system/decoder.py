@@ -21,8 +21,7 @@ Python and kernel launches at these model sizes.  MagicPIG's step waits on the h
 part), so it is captured in pieces cut there (``_Pieces``): one graph from each layer's CPU part to the next,
 replayed in order with the CPU parts between them.  DS-Offload's
 static step (the predicted rows gathered from pinned host memory on a side stream, the new token written there by
-a kernel at the device-side position) has no host part and is captured whole.  The captures of MagicPIG and
-DS-Offload have not yet run on a GPU: on CUDA they need ``UNVERIFIED_ENV`` set to 1.
+a kernel at the device-side position) has no host part and is captured whole.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -317,20 +315,6 @@ def _memory(session: SystemSession, dev: torch.device) -> dict[str, int]:
     return out
 
 
-# The static steps of MagicPIG (captured in pieces) and DS-Offload have passed their tests on the CPU (run eagerly)
-# but their capture has not yet run on a GPU (layer attribute ``capture_verified``): until it has, capturing them on
-# CUDA needs this set to 1 (tests/test_system.py's GPU test sets it)
-UNVERIFIED_ENV = "SPARSE_EVAL_UNVERIFIED_CAPTURE"
-
-
-def _check_graph_capable(method: Method, layers: list[FullLayer], cuda: bool) -> None:
-    unverified = sorted({layer.kind for layer in layers if not layer.capture_verified})
-    if cuda and unverified and os.environ.get(UNVERIFIED_ENV) != "1":
-        raise ValueError(f"cuda_graph=true with method {method.name!r}: the captured step of layer kinds {unverified} "
-                         f"is not yet verified on a GPU (set {UNVERIFIED_ENV}=1 to run it anyway). Valid: "
-                         f"cuda_graph=false")
-
-
 class _Pieces:
     """A decode step captured as a chain of CUDA graphs cut where it waits on the host.
 
@@ -489,7 +473,7 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
 
     ``cuda_graph``: decode with static shapes (preallocated capacity, device-side positions and budgets; see
     ``_decode_static``), captured once in a CUDA graph on the GPU (MagicPIG in pieces around its CPU parts, after
-    one eager step that builds its tables; MagicPIG and DS-Offload only with ``UNVERIFIED_ENV``=1 for now).  The
+    one eager step that builds its tables).  The
     cache is then tiled right after the prefill (MagicPIG: after that step), and ``stats["graph_capture_ms"]``
     holds the capture time.
     ``topk``: see ``build_layers``.
@@ -509,7 +493,6 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
     layers = build_layers(model, method, t + max_new_tokens, label_scale_dtype=label_scale_dtype,
                           backend_gpu=backend_gpu, backend_cpu=backend_cpu, topk=topk)
     if cuda_graph:
-        _check_graph_capable(method, layers, cuda)
         if phase_times:
             raise ValueError("phase_times=true times eager steps; a captured step (cuda_graph=true) has no host-side "
                              "phases. Valid: one of them")

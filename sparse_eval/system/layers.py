@@ -105,10 +105,6 @@ class FullLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    # every kind can decode with a ``StaticStep`` (and so run captured in a CUDA graph); this says whether that
-    # capture has passed the GPU tests (decoder.UNVERIFIED_ENV otherwise)
-    capture_verified = True
-
     def __init__(self, layer_idx: int, capacity: int, kv_device: torch.device | str | None = None, pin: bool = True,
                  backend: str = "auto"):
         super().__init__()
@@ -534,7 +530,6 @@ class DSOffloadLayer(DSLayer):
     the previous layer's input and gathers the top rows into a GPU buffer on a side stream."""
 
     kind = "ds_offload"
-    capture_verified = False  # its static step passes on the CPU; its capture has not run on a GPU yet
 
     def __init__(self, *args: Any, **kwargs: Any):
         kwargs["kv_device"] = "cpu"
@@ -713,7 +708,6 @@ class MagicPIGLayer(FullLayer):
     kind = "magicpig"
     # a static step (``_decode_static``) has a host part in the middle: on CUDA the decoder captures the step in
     # pieces cut there (``SystemSession.cut``) and runs the host part between their replays
-    capture_verified = False  # its static step passes on the CPU; its capture in pieces has not run on a GPU yet
     cuts_step = True
     builds_at_first_step = True  # the first decode step (eager) fixes μ and builds the tables
 
