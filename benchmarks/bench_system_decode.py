@@ -50,7 +50,10 @@ def parse_args(argv=None):
     ap.add_argument("--methods", default="full,full_graph,ds,ds_graph,ds_offload,magicpig_10_150,magicpig_8_75",
                     help="a _graph suffix decodes with static shapes captured in one CUDA graph (magicpig_K_L_graph "
                          "in pieces cut at its CPU parts); a "
-                         "_torchtopk suffix (ds, quest) takes torch.topk instead of kernels.topk; name@B runs batch B "
+                         "_torchtopk suffix (ds, quest) takes torch.topk instead of kernels.topk; a _halves suffix "
+                         "(with _graph) decodes the batch as two halves whose captured steps run interleaved (MagicPIG: "
+                         "one half's GPU pieces during the other's CPU parts; prefill_ms_batch1 is then the two "
+                         "prefills'); name@B runs batch B "
                          "instead of the planned one (e.g. full_graph@10 past the GPU's capacity: an OOM is recorded)")
     ap.add_argument("--steps", type=int, default=12, help="decode steps per run (warm-up included)")
     ap.add_argument("--warmup", type=int, default=3)
@@ -263,11 +266,13 @@ def main(argv=None) -> int:
             parts = name.split("_")
             graph = "graph" in parts
             topk = "torch" if "torchtopk" in parts else "radix"
-            base = "_".join(p for p in parts if p not in ("graph", "torchtopk"))
+            interleave = 2 if "halves" in parts else 1
+            base = "_".join(p for p in parts if p not in ("graph", "torchtopk", "halves"))
             cfg = method_config(base, n_layers, shape["num_key_value_heads"], shape["head_dim"])
             batch, plan = plan_batch(base, cfg, ctx, a.steps, shape, n_layers, gpu_free, cpu_free, a.max_batch)
             batch = int(forced) if forced else (a.batch or batch)
             rec.update(batch=batch, batch_forced=bool(forced or a.batch), plan=plan, cuda_graph=graph, topk=topk,
+                       interleave=interleave,
                        method_config={k: v for k, v in cfg.items() if k != "channels"})
             if batch < 1:
                 rec["skipped"] = "does not fit one row"
@@ -277,7 +282,8 @@ def main(argv=None) -> int:
                 method = build_method(cfg)
                 method.setup(model, a.shape)
                 t0 = time.time()
-                res = decode(model, method, ids, a.steps, repeat_batch=batch, cuda_graph=graph, topk=topk)
+                res = decode(model, method, ids, a.steps, repeat_batch=batch, cuda_graph=graph, topk=topk,
+                             interleave=interleave)
                 steps = res.step_ms[a.warmup:] or res.step_ms  # step_ms has steps - 1 entries
                 med = statistics.median(steps)
                 rec.update(ms_per_step=med, ms_min=min(steps), ms_max=max(steps), timed_steps=len(steps),

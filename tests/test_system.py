@@ -327,6 +327,71 @@ def test_pieces_run_each_host_part_after_its_piece_has_finished(monkeypatch):
     assert events == [("begin", 4, "pool"), ("end", 4)]
 
 
+def test_interleaved_replay_runs_one_halfs_host_part_while_the_other_halfs_piece_runs(monkeypatch):
+    """``_replay_interleaved`` with the graph API recorded: the GPU queue is A0 B0 A1 B1 A2 B2; each host part waits
+    for its own piece only (the event recorded right after it) and is followed at once by its chain's next piece,
+    so A's host part i runs while B's piece i is queued and B's while A's piece i + 1 is."""
+    from sparse_eval.system import decoder
+
+    log = []
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            log.append(("replay", self.name))
+
+    class Event:
+        def __init__(self, after):
+            self.after = after
+
+        def synchronize(self):
+            log.append(("wait", self.after))
+
+    class Stream:
+        def record_event(self):
+            return Event(next(e[1] for e in reversed(log) if e[0] == "replay"))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    chains = []
+    for c in "AB":
+        p = decoder._Pieces.__new__(decoder._Pieces)
+        p.graphs = [Graph(f"{c}{i}") for i in range(3)]
+        p.hosts = [lambda c=c, i=i: log.append(("host", f"{c}{i}")) for i in range(2)] + [None]
+        chains.append(p)
+    decoder._replay_interleaved(chains)
+    assert log == [("replay", "A0"), ("replay", "B0"),
+                   ("wait", "A0"), ("host", "A0"), ("replay", "A1"), ("wait", "B0"), ("host", "B0"), ("replay", "B1"),
+                   ("wait", "A1"), ("host", "A1"), ("replay", "A2"), ("wait", "B1"), ("host", "B1"), ("replay", "B2")]
+    chains[1].graphs.pop()
+    with pytest.raises(ValueError, match=r"interleaved chains have \[3, 2\] pieces"):
+        decoder._replay_interleaved(chains)
+
+
+@pytest.mark.parametrize("which", ["magicpig", "ds_offload"])
+def test_interleaved_halves_decode_each_rows_own_tokens(stories, prompts, which):
+    """``interleave=2`` decodes the two halves of the rows as two sessions (their own caches, tables, prefill and
+    static steps): each row gets the tokens it gets in one decode, split by prompts or by tiling; MagicPIG samples
+    as many keys in all.  Bad combinations fail with the valid ones."""
+    model, _ = stories
+    cfg = GRAPH_CONFIGS[which]
+    eager = _system(model, cfg, prompts, backend_gpu="torch")
+    got = _system(model, cfg, prompts, backend_gpu="torch", cuda_graph=True, interleave=2)
+    assert got.tokens.tolist() == eager.tokens.tolist()
+    assert len(got.step_ms) == NEW - 1 and got.batch == 2
+    if which == "magicpig":
+        assert got.stats["sampled"] == eager.stats["sampled"] > 0
+    tiled = _system(model, cfg, [prompts[1]], backend_gpu="torch", cuda_graph=True, repeat_batch=3, interleave=2)
+    assert tiled.tokens.tolist() == [eager.tokens[1].tolist()] * 3 and tiled.batch == 3
+    with pytest.raises(ValueError, match="interleave=2 .* needs cuda_graph=true"):
+        _system(model, cfg, prompts, interleave=2)
+    with pytest.raises(ValueError, match="interleave=3: valid values are 1"):
+        _system(model, cfg, prompts, cuda_graph=True, interleave=3)
+    with pytest.raises(ValueError, match="got batch 2, repeat_batch 2"):
+        _system(model, cfg, prompts, cuda_graph=True, interleave=2, repeat_batch=2)
+
+
 def test_cuda_graph_refuses_what_it_cannot_run(stories, prompts):
     model, _ = stories
     # MagicPIG's static step needs a full local window after the sink (sink 4 + local 64 > 40 + 1 tokens)
@@ -407,7 +472,8 @@ def test_gpu_system_path_matches_accuracy_path(stories, prompts, which):
                                    "magicpig", "magicpig_default", "ds_offload", "ds_offload_own_query"])
 def test_gpu_cuda_graph_matches_accuracy_path(stories, prompts, which):
     """On CUDA the static step is captured once and replayed (MagicPIG's in pieces, one more than its sparse
-    layers): still the accuracy path's tokens, on both rows."""
+    layers): still the accuracy path's tokens, on both rows; and with the rows in two halves whose steps run
+    interleaved (``interleave=2``)."""
     model, tok = stories
     model = model.to("cuda")
     try:
@@ -420,6 +486,9 @@ def test_gpu_cuda_graph_matches_accuracy_path(stories, prompts, which):
         for row, ids in enumerate(prompts):
             ref = _accuracy_tokens(model, tok, cfg, torch.tensor(ids, device="cuda"))
             assert got.tokens[row].tolist() == ref, f"row {row}"
+        if which.startswith(("magicpig", "ds_offload")):  # two halves, their pieces interleaved
+            halves = _system(model, cfg, prompts, label_scale_dtype=torch.float32, cuda_graph=True, interleave=2)
+            assert halves.tokens.tolist() == got.tokens.tolist()
     finally:
         model.to("cpu")
 

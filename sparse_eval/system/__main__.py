@@ -35,6 +35,7 @@ class SystemRunConfig:
     repeat_batch: int = 1
     new_tokens: int = 32
     cuda_graph: bool = False
+    interleave: int = 1
     topk: str = "radix"
     phase_times: bool = False
     compare_accuracy_path: bool = True
@@ -88,13 +89,13 @@ def run(cfg: Any) -> dict[str, Any]:
         name = cfg.model.name
     method.setup(model, name)
     res = decode(model, method, ids, cfg.new_tokens, repeat_batch=cfg.repeat_batch, cuda_graph=cfg.cuda_graph,
-                 topk=cfg.topk, phase_times=cfg.phase_times)
+                 topk=cfg.topk, phase_times=cfg.phase_times, interleave=cfg.interleave)
     steady = res.step_ms[2:] or res.step_ms  # the first steps include compilation and index builds
     med = statistics.median(steady)
     record: dict[str, Any] = {
         "model": name, "random_weights": bool(cfg.random_shape), "method": dataclass_dict(method.config),
         "context": cfg.context, "batch": res.batch, "new_tokens": cfg.new_tokens, "cuda_graph": cfg.cuda_graph,
-        "topk": cfg.topk, "phase_times": cfg.phase_times,
+        "interleave": cfg.interleave, "topk": cfg.topk, "phase_times": cfg.phase_times,
         "device": str(next(model.parameters()).device),
         "prefill_ms": res.prefill_ms, "ms_per_step_median": med, "tokens_per_s": res.batch * 1e3 / med,
         "memory_bytes": res.memory, "stats": res.stats,

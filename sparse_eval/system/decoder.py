@@ -21,7 +21,9 @@ Python and kernel launches at these model sizes.  MagicPIG's step waits on the h
 part), so it is captured in pieces cut there (``_Pieces``): one graph from each layer's CPU part to the next,
 replayed in order with the CPU parts between them.  DS-Offload's
 static step (the predicted rows gathered from pinned host memory on a side stream, the new token written there by
-a kernel at the device-side position) has no host part and is captured whole.
+a kernel at the device-side position) has no host part and is captured whole.  ``interleave=2`` decodes the batch
+as two independent halves whose pieces replay interleaved (``_replay_interleaved``), so that the GPU runs one
+half's pieces while the host runs the other half's CPU parts.
 """
 
 from __future__ import annotations
@@ -252,6 +254,12 @@ def _grab_inputs(module, args, kwargs):
         session.inputs[module.layer_idx] = (kwargs["hidden_states"], kwargs.get("position_embeddings"))
 
 
+def use(model: Any, session: SystemSession) -> None:
+    """Point the attached model's attention modules at ``session`` (one of several decoding the same model)."""
+    for m in session.modules.values():
+        setattr(m, _ATTR, session)
+
+
 def attach(model: Any, session: SystemSession) -> None:
     detach(model)
     for m in session.modules.values():
@@ -306,10 +314,10 @@ class _Timer:
         return [1e3 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
 
 
-def _memory(session: SystemSession, dev: torch.device) -> dict[str, int]:
-    """Bytes of the caches on the GPU and in CPU memory, and the GPU's peak allocation of the run."""
-    mem = session.nbytes()
-    out = {"cache_gpu": mem["gpu"], "cache_cpu": mem["cpu"]}
+def _memory(sessions: list[SystemSession], dev: torch.device) -> dict[str, int]:
+    """Bytes of the sessions' caches on the GPU and in CPU memory, and the GPU's peak allocation of the run."""
+    mems = [session.nbytes() for session in sessions]
+    out = {"cache_gpu": sum(m["gpu"] for m in mems), "cache_cpu": sum(m["cpu"] for m in mems)}
     if dev.type == "cuda":
         out["gpu_peak"] = int(torch.cuda.max_memory_allocated(dev))
     return out
@@ -369,102 +377,172 @@ class _Pieces:
                 host_part()
 
 
-def _decode_static(model: Any, session: SystemSession, kw: dict[str, Any], nxt: torch.Tensor, steps: int,
-                   cuda: bool) -> tuple[list[torch.Tensor], list[float], dict[str, float]]:
-    """``steps`` greedy decode steps with static shapes (``layers.StaticStep``).  On CUDA the first step runs eagerly
-    (Triton compilation, on a side stream as graph capture wants), the second is captured once in a CUDA graph,
-    and every later step replays it: no Python and no kernel launches per step.  A step with host parts (MagicPIG)
-    is captured in pieces (``_Pieces``); that capturing step also decodes, and later steps replay the pieces with
-    the host parts between them.  On the CPU each step runs the same static code eagerly.  Returns (tokens [B, 1]
-    per step, ms per step, extra timings: ``graph_capture_ms``, and ``graph_pieces`` for a step in pieces)."""
-    layers = session.layers
-    if steps < 1:
-        return [], [], {}
-    b = nxt.shape[0]
-    st = StaticStep(layers[0].n, b, nxt.device)
-    for layer in layers:
-        layer.static = st
-    ids = nxt.clone()  # [B, 1] static input of every step
-    fkw = dict(kw, position_ids=st.pos.view(1, 1), use_cache=True, logits_to_keep=1)
-    if "cache_position" in inspect.signature(model.forward).parameters:  # transformers < 5.24
-        fkw["cache_position"] = st.pos
+def _replay_interleaved(chains: list[_Pieces]) -> None:
+    """One step of several independent decodes (disjoint rows, each captured in pieces), interleaved so that the
+    GPU runs one chain's piece while the host runs another's host part.  Chain c's piece i + 1 is enqueued as soon
+    as its host part i has run, and that host part waits only for its own piece i (an event recorded after it), so
+    with two chains A and B the GPU runs A0 B0 A1 B1 ... while the host runs A's part i during B's piece i and B's
+    part i during A's piece i + 1.  Every chain has the same number of pieces (same model and method)."""
+    n = len(chains[0].graphs)
+    if any(len(c.graphs) != n for c in chains):
+        raise ValueError(f"interleaved chains have {[len(c.graphs) for c in chains]} pieces: must be equal")
+    stream = torch.cuda.current_stream()
+    done = []
+    for c in chains:
+        c.graphs[0].replay()
+        done.append(stream.record_event())
+    for i in range(n - 1):
+        for k, c in enumerate(chains):
+            done[k].synchronize()
+            c.hosts[i]()
+            c.graphs[i + 1].replay()
+            done[k] = stream.record_event()
 
-    def step() -> None:
-        logits = model(input_ids=ids, **fkw).logits[:, -1]
-        ids.copy_(logits.argmax(-1, keepdim=True))
-        st.advance()
 
-    out: list[torch.Tensor] = []
-    extra: dict[str, float] = {}
-    try:
-        timer = _Timer(cuda)
-        timer.mark()
-        if cuda:
+class _StaticRun:
+    """The static-shape decode steps (``layers.StaticStep``) of one session: ``warm`` runs the first step eagerly (on
+    CUDA on a side stream, as graph capture wants: Triton compiles there), ``capture`` records the next one (a whole
+    CUDA graph, not run; or, for a step with host parts such as MagicPIG's, ``_Pieces``, which also decodes),
+    ``replay`` runs a later one.  On the CPU every step runs the same static code eagerly.  ``out`` holds the tokens
+    [B, 1] of the steps run; ``close`` hands the layers back to eager decoding."""
+
+    def __init__(self, model: Any, session: SystemSession, kw: dict[str, Any], nxt: torch.Tensor, cuda: bool):
+        self.model, self.session, self.cuda = model, session, cuda
+        self.st = StaticStep(session.layers[0].n, nxt.shape[0], nxt.device)
+        for layer in session.layers:
+            layer.static = self.st
+        self.ids = nxt.clone()  # [B, 1] static input of every step
+        self.fkw = dict(kw, position_ids=self.st.pos.view(1, 1), use_cache=True, logits_to_keep=1)
+        if "cache_position" in inspect.signature(model.forward).parameters:  # transformers < 5.24
+            self.fkw["cache_position"] = self.st.pos
+        self.out: list[torch.Tensor] = []
+        self.pieces: _Pieces | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.in_pieces = cuda and any(getattr(layer, "cuts_step", False) for layer in session.layers)
+
+    def step(self) -> None:
+        use(self.model, self.session)  # the attention modules decode with this session's layers
+        logits = self.model(input_ids=self.ids, **self.fkw).logits[:, -1]
+        self.ids.copy_(logits.argmax(-1, keepdim=True))
+        self.st.advance()
+
+    def warm(self) -> None:
+        if self.cuda:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                step()
+                self.step()
             torch.cuda.current_stream().wait_stream(side)
         else:
-            step()
-        out.append(ids.clone())
-        timer.mark()
-        ms = timer.intervals_ms()
-        left = steps - 1
-        if left and cuda and any(getattr(layer, "cuts_step", False) for layer in layers):
+            self.step()
+        self.out.append(self.ids.clone())
+
+    def capture(self) -> dict[str, float]:
+        """Capture the next step (CUDA only); returns ``graph_capture_ms`` (and ``graph_pieces``).  In pieces, the
+        capturing step decodes a token (in ``out``); a whole graph is recorded without running."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if self.in_pieces:
             pieces = _Pieces()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            session.pieces = pieces
+            self.session.pieces = pieces
             try:
                 with torch.cuda.stream(side):
                     pieces.begin()
-                    step()  # recorded piece by piece, each piece run once right after its capture
+                    self.step()  # recorded piece by piece, each piece run once right after its capture
                     pieces.end()
             except BaseException:
                 pieces.abort()
                 raise
             finally:
-                session.pieces = None
+                self.session.pieces = None
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
-            extra["graph_capture_ms"] = 1e3 * (time.perf_counter() - t0)
-            extra["graph_pieces"] = len(pieces.graphs)
-            out.append(ids.clone())
-            ms.append(extra["graph_capture_ms"])  # a decoded step, timed with its capture
-            left -= 1
-            run = pieces.replay
-        elif left and cuda:
-            graph = torch.cuda.CUDAGraph()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.cuda.graph(graph):
-                step()  # recorded, not run
-            torch.cuda.synchronize()
-            extra["graph_capture_ms"] = 1e3 * (time.perf_counter() - t0)
-            run = graph.replay
+            self.pieces = pieces
+            self.out.append(self.ids.clone())
+            return {"graph_capture_ms": 1e3 * (time.perf_counter() - t0), "graph_pieces": len(pieces.graphs)}
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()  # recorded, not run
+        torch.cuda.synchronize()
+        return {"graph_capture_ms": 1e3 * (time.perf_counter() - t0)}
+
+    def replay(self) -> None:
+        if self.pieces is not None:
+            self.pieces.replay()
+        elif self.graph is not None:
+            self.graph.replay()
         else:
-            run = step
-        timer = _Timer(cuda)
-        timer.mark()
-        for _ in range(left):
-            run()
-            out.append(ids.clone())
-            timer.mark()
-        ms += timer.intervals_ms()
-    finally:
-        for layer in layers:
+            self.step()
+        self.out.append(self.ids.clone())
+
+    def close(self) -> None:
+        for layer in self.session.layers:
             layer.static = None
-            layer.n += len(out)
-    return out, ms, extra
+            layer.n += len(self.out)
+
+
+def _decode_static(runs: list[_StaticRun], steps: int, cuda: bool) -> tuple[list[float], dict[str, float]]:
+    """``steps`` greedy decode steps of every run (each its own rows): the first eager, the second captured (in
+    pieces it also decodes: its time, capture included, is that step's), the rest replayed.  Two runs whose steps
+    are in pieces replay interleaved (``_replay_interleaved``); otherwise the runs replay one after the other.
+    Returns (ms per step, all runs together; extra timings: ``graph_capture_ms`` summed over the runs, and
+    ``graph_pieces`` of one run's step)."""
+    if steps < 1:
+        return [], {}
+    extra: dict[str, float] = {}
+    timer = _Timer(cuda)
+    timer.mark()
+    for run in runs:
+        run.warm()
+    timer.mark()
+    ms = timer.intervals_ms()
+    left = steps - 1
+    if left and cuda:
+        for run in runs:
+            got = run.capture()
+            extra["graph_capture_ms"] = extra.get("graph_capture_ms", 0.0) + got["graph_capture_ms"]
+            if "graph_pieces" in got:
+                extra["graph_pieces"] = got["graph_pieces"]
+        if all(run.pieces is not None for run in runs):  # the capturing step decoded: timed with its capture
+            ms.append(extra["graph_capture_ms"])
+            left -= 1
+    interleaved = len(runs) == 2 and all(run.pieces is not None for run in runs)
+    timer = _Timer(cuda)
+    timer.mark()
+    for _ in range(left):
+        if interleaved:
+            _replay_interleaved([run.pieces for run in runs])
+            for run in runs:
+                run.out.append(run.ids.clone())
+        else:
+            for run in runs:
+                run.replay()
+        timer.mark()
+    ms += timer.intervals_ms()
+    return ms, extra
+
+
+def _halves(input_ids: torch.Tensor, repeat_batch: int, interleave: int) -> list[tuple[torch.Tensor, int]]:
+    """The rows of each interleaved decode, as (prompts, repeat_batch): the prompts split in two, or, for one prompt
+    tiled (a throughput run), the tiling split in two."""
+    if interleave == 1:
+        return [(input_ids, repeat_batch)]
+    b = input_ids.shape[0]
+    if b >= 2 and repeat_batch == 1:
+        return [(input_ids[: b // 2], 1), (input_ids[b // 2:], 1)]
+    if b == 1 and repeat_batch >= 2:
+        return [(input_ids, repeat_batch // 2), (input_ids, repeat_batch - repeat_batch // 2)]
+    raise ValueError(f"interleave=2 splits the rows in two: it needs batch >= 2 with repeat_batch = 1, or batch 1 "
+                     f"with repeat_batch >= 2; got batch {b}, repeat_batch {repeat_batch}")
 
 
 @torch.inference_mode()
 def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: int, *, repeat_batch: int = 1,
            cuda_graph: bool = False, label_scale_dtype: torch.dtype | None = None, backend_gpu: str = "auto",
-           backend_cpu: str = "auto", topk: str = "radix", phase_times: bool = False) -> DecodeResult:
+           backend_cpu: str = "auto", topk: str = "radix", phase_times: bool = False,
+           interleave: int = 1) -> DecodeResult:
     """Prefill ``input_ids`` [B, T] (equal lengths, no padding) densely, then ``max_new_tokens`` greedy steps with
     ``method`` (no stop token: every row decodes the same number of steps, as a throughput run does).
     ``repeat_batch`` tiles the cache over the batch (B·repeat rows) after the first decode step (the prefill
@@ -472,10 +550,14 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
     be set up for the model (``method.setup(model, name)``) where it needs it (Double Sparsity).
 
     ``cuda_graph``: decode with static shapes (preallocated capacity, device-side positions and budgets; see
-    ``_decode_static``), captured once in a CUDA graph on the GPU (MagicPIG in pieces around its CPU parts, after
-    one eager step that builds its tables).  The
-    cache is then tiled right after the prefill (MagicPIG: after that step), and ``stats["graph_capture_ms"]``
-    holds the capture time.
+    ``_StaticRun``), captured once in a CUDA graph on the GPU (MagicPIG in pieces around its CPU parts, after
+    one eager step that builds its tables).  The cache is then tiled right after the prefill (MagicPIG: after that
+    step), and ``stats["graph_capture_ms"]`` holds the capture time.
+    ``interleave``: 2 splits the rows into two independent decodes (``_halves``: two sessions, each with its own
+    caches, prefill and capture) whose steps run interleaved (``_replay_interleaved``): with a step in pieces
+    (MagicPIG) the GPU runs one half's pieces while the host runs the other half's CPU parts.  Needs
+    ``cuda_graph``; the tokens are those of the rows decoded alone.  ``prefill_ms`` and the first step's time are
+    the two halves' summed.
     ``topk``: see ``build_layers``.
     ``phase_times``: time the phases the layers bracket (``PhaseTimes``; MagicPIG's GPU part, codes to the host,
     CPU sampling, CPU attention, merge) over the steps after the first; ``stats["phase_ms"]`` holds their totals
@@ -487,50 +569,60 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
     if topk not in TOPK_IMPLS:
         raise ValueError(f"topk={topk!r}: valid values are {list(TOPK_IMPLS)}")
+    if interleave not in (1, 2):
+        raise ValueError(f"interleave={interleave!r}: valid values are 1 (one decode) and 2 (two halves interleaved)")
+    if interleave == 2 and not cuda_graph:
+        raise ValueError("interleave=2 interleaves the captured steps of two halves of the batch: it needs "
+                         "cuda_graph=true")
+    if cuda_graph and phase_times:
+        raise ValueError("phase_times=true times eager steps; a captured step (cuda_graph=true) has no host-side "
+                         "phases. Valid: one of them")
+    halves = _halves(input_ids, repeat_batch, interleave)
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
     b, t = input_ids.shape
-    layers = build_layers(model, method, t + max_new_tokens, label_scale_dtype=label_scale_dtype,
-                          backend_gpu=backend_gpu, backend_cpu=backend_cpu, topk=topk)
-    if cuda_graph:
-        if phase_times:
-            raise ValueError("phase_times=true times eager steps; a captured step (cuda_graph=true) has no host-side "
-                             "phases. Valid: one of them")
     phases = PhaseTimes(cuda) if phase_times else None
-    session = SystemSession(model, method, layers, phases)
-    attach(model, session)
-    kw = cache_kwargs(model, session.cache)
+    sessions: list[SystemSession] = []
+    runs: list[_StaticRun] = []
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     try:
+        if cuda_graph:
+            prefill_ms, first_ms, firsts = 0.0, [], []
+            for ids_h, rep_h in halves:
+                session = SystemSession(model, method, build_layers(
+                    model, method, t + max_new_tokens, label_scale_dtype=label_scale_dtype, backend_gpu=backend_gpu,
+                    backend_cpu=backend_cpu, topk=topk))
+                sessions.append(session)
+                attach(model, session)
+                kw = cache_kwargs(model, session.cache)
+                got_ms, first, nxt = _prefill_for_static(model, session, kw, ids_h.to(dev), rep_h, max_new_tokens,
+                                                         cuda)
+                prefill_ms += got_ms[0]
+                first_ms = [a + c for a, c in zip(first_ms, got_ms[1:])] if first_ms else got_ms[1:]
+                firsts.append(first)
+                runs.append(_StaticRun(model, session, kw, nxt, cuda))
+            steps, extra = _decode_static(runs, max_new_tokens - len(firsts[0]), cuda)
+            tokens = torch.cat([torch.cat([*first, *run.out], 1) for first, run in zip(firsts, runs)], 0)
+            stats = collections.Counter()
+            for session in sessions:
+                stats.update(session.stats)
+            return DecodeResult(tokens=tokens.cpu(), prefill_ms=prefill_ms, step_ms=first_ms + steps,
+                                batch=b * repeat_batch, context=t, stats=dict(stats, **extra),
+                                memory=_memory(sessions, dev))
+        session = SystemSession(model, method, build_layers(
+            model, method, t + max_new_tokens, label_scale_dtype=label_scale_dtype, backend_gpu=backend_gpu,
+            backend_cpu=backend_cpu, topk=topk), phases)
+        sessions.append(session)
+        layers = session.layers
+        attach(model, session)
+        kw = cache_kwargs(model, session.cache)
         timer = _Timer(cuda)
         timer.mark()
         logits = model(input_ids=input_ids.to(dev), use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
         timer.mark()
         prefill_ms = timer.intervals_ms()[0]
         nxt = logits.argmax(-1, keepdim=True)  # [B, 1]
-        if cuda_graph:
-            first: list[torch.Tensor] = [nxt]
-            first_ms: list[float] = []
-            if max_new_tokens > 1 and any(getattr(layer, "builds_at_first_step", False) for layer in layers):
-                # one eager step first, at batch B: it builds MagicPIG's tables (then tiled with the cache)
-                timer = _Timer(cuda)
-                timer.mark()
-                nxt = model(input_ids=nxt, use_cache=True, **kw).logits[:, -1].argmax(-1, keepdim=True)
-                timer.mark()
-                first_ms = timer.intervals_ms()
-                first.append(nxt)
-            if repeat_batch > 1:
-                if cuda:  # the prefill's activations are freed: hand their blocks back before the tiled cache
-                    torch.cuda.empty_cache()
-                for layer in layers:
-                    layer.repeat_batch(repeat_batch)
-                first = [x.repeat(repeat_batch, 1) for x in first]
-                nxt = first[-1]
-            got, steps, extra = _decode_static(model, session, kw, nxt, max_new_tokens - len(first), cuda)
-            return DecodeResult(tokens=torch.cat([*first, *got], 1).cpu(), prefill_ms=prefill_ms,
-                                step_ms=first_ms + steps, batch=b * repeat_batch, context=t,
-                                stats=dict(session.stats, **extra), memory=_memory(session, dev))
         out = [nxt]
         timer = _Timer(cuda)
         timer.mark()
@@ -552,9 +644,40 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
             session.stats["phase_ms"] = dict(phases.ms)
             session.stats["phase_steps"] = max(0, max_new_tokens - 2)
         return DecodeResult(tokens=torch.cat(out, 1).cpu(), prefill_ms=prefill_ms, step_ms=steps,
-                            batch=b * repeat_batch, context=t, stats=dict(session.stats), memory=_memory(session, dev))
+                            batch=b * repeat_batch, context=t, stats=dict(session.stats),
+                            memory=_memory(sessions, dev))
     finally:
+        for run in runs:
+            run.close()
         detach(model)
-        session.layers.clear()
-        session.pending.clear()
+        for session in sessions:
+            session.layers.clear()
+            session.pending.clear()
         koff.unpin_all()
+
+
+def _prefill_for_static(model: Any, session: SystemSession, kw: dict[str, Any], input_ids: torch.Tensor,
+                        repeat_batch: int, max_new_tokens: int, cuda: bool
+                        ) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
+    """The prefill of one static decode, then (for layers that build at their first step: MagicPIG's tables) one
+    eager step at batch B, then the tiling.  Returns (ms of the prefill and of that step, the tokens so far [B', 1]
+    each, the next input [B', 1])."""
+    timer = _Timer(cuda)
+    timer.mark()
+    logits = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
+    timer.mark()
+    nxt = logits.argmax(-1, keepdim=True)  # [B, 1]
+    first = [nxt]
+    if max_new_tokens > 1 and any(getattr(layer, "builds_at_first_step", False) for layer in session.layers):
+        nxt = model(input_ids=nxt, use_cache=True, **kw).logits[:, -1].argmax(-1, keepdim=True)
+        timer.mark()
+        first.append(nxt)
+    ms = timer.intervals_ms()
+    if repeat_batch > 1:
+        if cuda:  # the prefill's activations are freed: hand their blocks back before the tiled cache
+            torch.cuda.empty_cache()
+        for layer in session.layers:
+            layer.repeat_batch(repeat_batch)
+        first = [x.repeat(repeat_batch, 1) for x in first]
+        nxt = first[-1]
+    return ms, first, nxt
