@@ -291,8 +291,9 @@ def main(argv=None) -> int:
                            first_steps_ms=res.step_ms[: a.warmup], memory=res.memory, wall_s=time.time() - t0)
                 if res.stats.get("sample_rows"):
                     rec["sampled_fraction_of_candidates"] = res.stats["sampled"] / max(1, res.stats["candidates"])
-                if "graph_capture_ms" in res.stats:
-                    rec["graph_capture_ms"] = res.stats["graph_capture_ms"]
+                for key in ("graph_capture_ms", "host_wait_ms_per_step", "host_part_ms_per_step"):
+                    if key in res.stats:
+                        rec[key] = res.stats[key]
                 if "offload_own_query" in res.stats:
                     rec["offload_own_query_calls"] = res.stats["offload_own_query"]
             except torch.OutOfMemoryError as e:  # a plan that was too optimistic: recorded, the sweep goes on

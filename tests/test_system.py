@@ -5,6 +5,8 @@ and the step captured in a CUDA graph on CUDA."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -358,9 +360,11 @@ def test_interleaved_replay_runs_one_halfs_host_part_while_the_other_halfs_piece
     for c in "AB":
         p = decoder._Pieces.__new__(decoder._Pieces)
         p.graphs = [Graph(f"{c}{i}") for i in range(3)]
-        p.hosts = [lambda c=c, i=i: log.append(("host", f"{c}{i}")) for i in range(2)] + [None]
+        p.hosts = [lambda c=c, i=i: (time.sleep(0.01), log.append(("host", f"{c}{i}"))) for i in range(2)] + [None]
+        p.wait_s = p.host_s = 0.0
         chains.append(p)
     decoder._replay_interleaved(chains)
+    assert all(p.host_s >= 0.02 and p.wait_s < p.host_s for p in chains)  # each chain's host parts timed as its own
     assert log == [("replay", "A0"), ("replay", "B0"),
                    ("wait", "A0"), ("host", "A0"), ("replay", "A1"), ("wait", "B0"), ("host", "B0"), ("replay", "B1"),
                    ("wait", "A1"), ("host", "A1"), ("replay", "A2"), ("wait", "B1"), ("host", "B1"), ("replay", "B2")]

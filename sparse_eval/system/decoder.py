@@ -338,6 +338,8 @@ class _Pieces:
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.hosts: list[Any] = []
         self._g: torch.cuda.CUDAGraph | None = None
+        # host seconds over the replays: waiting for a piece to finish, and running the host parts
+        self.wait_s = self.host_s = 0.0
 
     def begin(self) -> None:
         self._g = torch.cuda.CUDAGraph()
@@ -373,8 +375,15 @@ class _Pieces:
         for g, host_part in zip(self.graphs, self.hosts):
             g.replay()
             if host_part is not None:
-                stream.synchronize()
-                host_part()
+                self._host(stream.synchronize, host_part)
+
+    def _host(self, wait, host_part) -> None:
+        t0 = time.perf_counter()
+        wait()
+        t1 = time.perf_counter()
+        host_part()
+        self.wait_s += t1 - t0
+        self.host_s += time.perf_counter() - t1
 
 
 def _replay_interleaved(chains: list[_Pieces]) -> None:
@@ -393,8 +402,7 @@ def _replay_interleaved(chains: list[_Pieces]) -> None:
         done.append(stream.record_event())
     for i in range(n - 1):
         for k, c in enumerate(chains):
-            done[k].synchronize()
-            c.hosts[i]()
+            c._host(done[k].synchronize, c.hosts[i])
             c.graphs[i + 1].replay()
             done[k] = stream.record_event()
 
@@ -487,8 +495,9 @@ def _decode_static(runs: list[_StaticRun], steps: int, cuda: bool) -> tuple[list
     """``steps`` greedy decode steps of every run (each its own rows): the first eager, the second captured (in
     pieces it also decodes: its time, capture included, is that step's), the rest replayed.  Two runs whose steps
     are in pieces replay interleaved (``_replay_interleaved``); otherwise the runs replay one after the other.
-    Returns (ms per step, all runs together; extra timings: ``graph_capture_ms`` summed over the runs, and
-    ``graph_pieces`` of one run's step)."""
+    Returns (ms per step, all runs together; extra timings: ``graph_capture_ms`` summed over the runs,
+    ``graph_pieces`` of one run's step, and for steps in pieces the host's ms per replayed step spent waiting for
+    the pieces (``host_wait_ms_per_step``) and in the host parts (``host_part_ms_per_step``))."""
     if steps < 1:
         return [], {}
     extra: dict[str, float] = {}
@@ -521,6 +530,10 @@ def _decode_static(runs: list[_StaticRun], steps: int, cuda: bool) -> tuple[list
                 run.replay()
         timer.mark()
     ms += timer.intervals_ms()
+    chains = [run.pieces for run in runs if run.pieces is not None]
+    if chains and left:  # where the host's time went in the replayed steps: waiting for the GPU, or host parts
+        extra["host_wait_ms_per_step"] = 1e3 * sum(c.wait_s for c in chains) / left
+        extra["host_part_ms_per_step"] = 1e3 * sum(c.host_s for c in chains) / left
     return ms, extra
 
 
