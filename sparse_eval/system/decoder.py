@@ -167,11 +167,14 @@ class SystemSession:
         self.cache = SystemCache(layers)
         self.layers = layers
         self.modules = {m.layer_idx: m for m in attention_modules(model)}
+        # each layer's input of the current decode step (hidden states [B, 1, H], position embeddings), kept for
+        # DS-Offload's prediction of the next layer's keys (``_predict``); other methods keep none
         self.inputs: dict[int, tuple] = {}
         self.pending: dict[int, dict] = {}
         self.stats: collections.Counter = collections.Counter()
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         offload = any(isinstance(x, DSOffloadLayer) for x in layers)
+        self.keeps_inputs = offload
         cuda = next(model.parameters()).is_cuda
         self.side_stream = torch.cuda.Stream() if offload and cuda else None
         self.cuda = cuda
@@ -249,9 +252,15 @@ class SystemSession:
 
 
 def _grab_inputs(module, args, kwargs):
+    """Keep a layer's input for DS-Offload's prediction: decode steps only.  The prefill's would pin [B, T, H]
+    hidden states of every layer (26 GB at 96K for Llama-3.1-8B) until the first decode step replaced them, and a
+    captured decode tiles its caches before that step."""
     session = getattr(module, _ATTR, None)
-    if session is not None and "hidden_states" in kwargs:
-        session.inputs[module.layer_idx] = (kwargs["hidden_states"], kwargs.get("position_embeddings"))
+    if session is None or not session.keeps_inputs:
+        return
+    h = kwargs.get("hidden_states")
+    if h is not None and h.shape[1] == 1:
+        session.inputs[module.layer_idx] = (h, kwargs.get("position_embeddings"))
 
 
 def use(model: Any, session: SystemSession) -> None:
@@ -666,6 +675,7 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
         for session in sessions:
             session.layers.clear()
             session.pending.clear()
+            session.inputs.clear()
         koff.unpin_all()
 
 
