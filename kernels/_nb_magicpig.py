@@ -481,10 +481,11 @@ def sample_kernel(perm, offsets, qcodes, m, nthreads, do_sort, out_idx, out_cnt)
 
 
 @njit(parallel=True, cache=True)
-def extra_hits_kernel(qcodes, extra, m, hit_idx, hit_cnt):
-    """Keys outside the tables, by brute force: for each query row (b, h), the e in [0, E) whose codes extra[b, h //
-    G, e] equal the row's qcodes[b, h] in at least m of the L tables, ascending, into hit_idx[b, h, :hit_cnt[b, h]].
-    qcodes [B, Hq, L] int32; extra [B, Hkv, E, L] int32; hit_idx [B, Hq, E] int32; hit_cnt [B, Hq] int32."""
+def extra_hits_kernel(qcodes, extra, n_extra, m, hit_idx, hit_cnt):
+    """Keys outside the tables, by brute force: for each query row (b, h), the e in [0, n_extra) whose codes
+    extra[b, h // G, e] equal the row's qcodes[b, h] in at least m of the L tables, ascending, into
+    hit_idx[b, h, :hit_cnt[b, h]].  qcodes [B, Hq, L] int32; extra [B, Hkv, ≥ n_extra, L] int32 (a buffer filled up
+    to n_extra); hit_idx [B, Hq, ≥ n_extra] int32; hit_cnt [B, Hq] int32."""
     b_, hq, l_ = qcodes.shape
     g = hq // extra.shape[1]
     for r in prange(b_ * hq):
@@ -492,7 +493,7 @@ def extra_hits_kernel(qcodes, extra, m, hit_idx, hit_cnt):
         h = r % hq
         t = h // g
         found = 0
-        for e in range(extra.shape[2]):
+        for e in range(n_extra):
             eq = 0
             for l in range(l_):
                 eq += np.int32(extra[b, t, e, l] == qcodes[b, h, l])

@@ -248,14 +248,16 @@ def _extra_hits_reference(q_codes: np.ndarray, extra: np.ndarray, min_collisions
 
 def sample(tables: HashTables, q_codes: torch.Tensor, min_collisions: int = 2, *, sort: bool = True,
            backend: str = "auto", index_offset: int = 0, extra_codes: torch.Tensor | None = None,
-           extra_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           extra_offset: int = 0, extra_count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample set of each query row from the tables (see ``sample_reference`` for the rule).
     q_codes [B, Hq, L] int (codes outside [0, 2^K) match nothing).  Returns (idx int32 [B, Hq, S_max],
     −1 padded, ascending when ``sort``; count int32 [B, Hq]).
 
     A cache that grew after its tables were built: ``extra_codes`` [B, Hkv, E, L] are the codes of E further keys,
     matched by brute force with the same rule; a row's hits among them follow its table hits, as
-    ``extra_offset + e`` in ascending e (and are counted).  ``index_offset`` is added to the table hits (e.g. the
+    ``extra_offset + e`` in ascending e (and are counted).  ``extra_count``: only the first ``extra_count`` of the E
+    (a preallocated buffer filled as keys arrive: read in place, no copy per call; None: all E).
+    ``index_offset`` is added to the table hits (e.g. the
     sink tokens before the tables' first key).  All of this happens in the kernels: no pass of numpy or torch over
     the [B, Hq, S] result."""
     _check_qcodes(tables, q_codes, min_collisions)
@@ -266,11 +268,15 @@ def sample(tables: HashTables, q_codes: torch.Tensor, min_collisions: int = 2, *
                                     or extra_codes.shape[3] != tables.n_tables):
         raise ValueError(f"extra_codes {tuple(extra_codes.shape)}: expected [B={b}, Hkv={hkv}, E, L={tables.n_tables}]")
     n_extra = 0 if extra_codes is None else extra_codes.shape[2]
+    if extra_count is not None:
+        if not 0 <= int(extra_count) <= n_extra:
+            raise ValueError(f"extra_count={extra_count}: must lie in [0, E={n_extra}] (the extra_codes given)")
+        n_extra = int(extra_count)
     if _backend(backend) == "torch":
         idx, cnt = sample_reference(tables.key_codes(), qc, min_collisions)
         if not index_offset and not n_extra:
             return idx, cnt
-        hits = (_extra_hits_reference(qc.numpy(), extra_codes.detach().cpu().to(torch.int32).numpy(),
+        hits = (_extra_hits_reference(qc.numpy(), extra_codes[:, :, :n_extra].detach().cpu().to(torch.int32).numpy(),
                                       int(min_collisions)) if n_extra else None)
         rows = [torch.cat([idx[bi, h, :cnt[bi, h]] + index_offset]
                           + ([torch.from_numpy(hits[bi][h]).to(torch.int32) + extra_offset] if n_extra else []))
@@ -286,7 +292,7 @@ def sample(tables: HashTables, q_codes: torch.Tensor, min_collisions: int = 2, *
     hit_idx = np.empty((b, hq, max(n_extra, 1)), np.int32)
     if n_extra:
         ex = extra_codes.detach().cpu().to(torch.int32).contiguous().numpy()
-        nb.extra_hits_kernel(qc.numpy(), ex, int(min_collisions), hit_idx, hit_cnt)
+        nb.extra_hits_kernel(qc.numpy(), ex, n_extra, int(min_collisions), hit_idx, hit_cnt)
     total = cnt + hit_cnt
     idx = np.empty((b, hq, int(total.max()) if total.size else 0), np.int32)
     nb.finish_rows_kernel(out, cnt, int(index_offset), hit_idx, hit_cnt, int(extra_offset), idx)

@@ -135,6 +135,16 @@ def test_sample_with_extra_keys_and_offsets_equals_brute_force(backend):
     assert bool((idx >= e_off).any()) and bool(((idx >= 0) & (idx < e_off)).any())  # hits of both kinds
     with pytest.raises(ValueError, match="extra_codes"):
         magicpig_cpu.sample(tables, qcodes, 1, backend=backend, extra_codes=extra[:, :1])
+    # a preallocated buffer filled up to extra_count: what lies beyond is never read (there, keys that would match
+    # every row of KV head 0 in every table)
+    buf = torch.cat([extra, qcodes[:, :1, None].expand(-1, extra.shape[1], 3, -1)], 2).contiguous()
+    got_idx, got_cnt = magicpig_cpu.sample(tables, qcodes, 1, backend=backend, index_offset=off, extra_codes=buf,
+                                           extra_offset=e_off, extra_count=n_extra)
+    assert torch.equal(got_cnt, cnt) and torch.equal(got_idx, idx)
+    more_idx, more_cnt = magicpig_cpu.sample(tables, qcodes, 1, backend=backend, extra_codes=buf)
+    assert bool((more_cnt > cnt).any())  # the buffer's tail does match when it is counted
+    with pytest.raises(ValueError, match=r"extra_count=14: must lie in \[0, E=13\]"):
+        magicpig_cpu.sample(tables, qcodes, 1, backend=backend, extra_codes=buf, extra_count=14)
 
 
 @needs_numba

@@ -588,7 +588,7 @@ def test_magicpig_layer_sample_equals_brute_force(backend_cpu):
         kn, vn = torch.randn(2, 2, 1, 16, generator=gen), torch.randn(2, 2, 1, 16, generator=gen)
         layer.update(kn, vn)
         layer.decode(session, None, torch.randn(2, 4, 1, 16, generator=gen), kn, vn, 0.25)
-    assert layer.over_codes.shape[2] == 6 and layer.cand_end == layer.table_end + 6  # the first step built the tables
+    assert layer.n_over == 6 and layer.cand_end == layer.table_end + 6  # the first step built the tables
     q_codes = kmp.hash_codes(torch.randn(2, 4, 16, generator=gen), layer.w, k_bits, n_tables, backend="torch")
     idx, cnt = layer._sample(q_codes)
     keys = layer.keys[:, :, sink:layer.cand_end].float() - layer.mean[:, :, None]

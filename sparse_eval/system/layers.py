@@ -702,7 +702,7 @@ class MagicPIGLayer(FullLayer):
     hash with the same hyperplanes).  The keys a row may sample are the non-static ones (between the sink and
     the local window); μ (centering) is their mean at the first decode step, as in the accuracy path.  Keys
     leaving the local window later are hashed with that μ into an overflow list that is searched by brute force
-    next to the tables (it holds at most the number of generated tokens).
+    next to the tables (it holds at most the number of generated tokens, in a buffer preallocated for all of them).
     """
 
     kind = "magicpig"
@@ -779,7 +779,7 @@ class MagicPIGLayer(FullLayer):
                                   k_bits=t.k_bits, n_tables=t.n_tables)
             self.mean = self.mean.repeat(times, 1, 1)
             self.mean_cpu = self.mean.cpu()
-            self.over_codes = self.over_codes.repeat(times, 1, 1, 1)
+            self.over_codes = self.over_codes.repeat(times, 1, 1, 1)  # [B, Hkv, room, L], first n_over filled
 
     def nbytes(self) -> dict[str, int]:
         out = super().nbytes()
@@ -808,8 +808,20 @@ class MagicPIGLayer(FullLayer):
             self.mean = k_c.double().mean(2).float()  # as MagicPIG._fix_center (float64, then float32)
         codes = kmp.hash_codes(k_c.float() - self.mean[:, :, None], self.w, c.K, c.L, backend=self.backend_gpu)
         self.tables = kmc.build_tables(codes.cpu(), c.K, backend=self.backend_cpu)
-        self.over_codes = torch.empty(b, hkv, 0, c.L, dtype=torch.int32)
+        # codes of the keys that leave the window later: at most capacity − hi of them, written in place as they
+        # come (a concatenation per step copied the whole list: quadratic in the generated tokens)
+        self.over_codes = torch.empty(b, hkv, max(1, self.capacity - hi), c.L, dtype=torch.int32)
+        self.n_over = 0
         self.mean_cpu = self.mean.cpu()
+
+    def _append_overflow(self, codes: torch.Tensor) -> None:
+        """codes [B, Hkv, e, L] of keys that left the window, after the ones stored."""
+        e = codes.shape[2]
+        if self.n_over + e > self.over_codes.shape[2]:
+            raise RuntimeError(f"layer {self.layer_idx}: {self.n_over} + {e} overflow keys exceed the room for "
+                               f"{self.over_codes.shape[2]} (capacity {self.capacity})")
+        self.over_codes[:, :, self.n_over:self.n_over + e] = codes
+        self.n_over += e
 
     def _overflow_keys(self, n: int) -> torch.Tensor | None:
         """The keys that left the local window since the last step, centred by μ: [B, Hkv, t, D] float32 on the
@@ -846,8 +858,8 @@ class MagicPIGLayer(FullLayer):
         layer at 16K × 14 rows, more than the look-up's 0.7 ms; experiments/system_decode/session6)."""
         c = self.cfg
         idx, cnt = kmc.sample(self.tables, q_codes, c.min_collisions, backend=self.backend_cpu, index_offset=c.sink,
-                              extra_codes=self.over_codes if self.over_codes.shape[2] else None,
-                              extra_offset=self.table_end)
+                              extra_codes=self.over_codes if self.n_over else None, extra_offset=self.table_end,
+                              extra_count=self.n_over)
         return idx.numpy(), cnt.numpy()
 
     def decode(self, session, module, q, k_new, v_new, scaling):
@@ -879,7 +891,7 @@ class MagicPIGLayer(FullLayer):
         with phase("magicpig_codes_to_host"):
             q_codes, over, q_host = self._codes_wait(codes)
             if over is not None:
-                self.over_codes = torch.cat([self.over_codes, over], 2)
+                self._append_overflow(over)
         with phase("magicpig_cpu_sample"):
             idx, cnt = self._sample(q_codes)
         session.stats["sampled"] += int(cnt.sum(dtype=np.int64))
@@ -982,7 +994,7 @@ class MagicPIGLayer(FullLayer):
         nq = b * hq
         q_codes = bufs["codes"][:nq].view(b, hq, c.L)
         over = bufs["codes"][nq:].view(b, -1, 1, c.L)
-        self.over_codes = torch.cat([self.over_codes, over], 2)
+        self._append_overflow(over)
         self.cand_end += 1  # position n − local left the window
         idx, cnt = self._sample(q_codes)
         session.stats["sampled"] += int(cnt.sum(dtype=np.int64))
