@@ -294,6 +294,9 @@ def main(argv=None) -> int:
                 for key in ("graph_capture_ms", "host_wait_ms_per_step", "host_part_ms_per_step"):
                     if key in res.stats:
                         rec[key] = res.stats[key]
+                if res.stats.get("host_parts"):  # MagicPIG's static host parts, per layer: look-up, attention
+                    for key in ("host_sample_ms", "host_attention_ms"):
+                        rec[key + "_per_layer"] = res.stats[key] / res.stats["host_parts"]
                 if "offload_own_query" in res.stats:
                     rec["offload_own_query_calls"] = res.stats["offload_own_query"]
             except torch.OutOfMemoryError as e:  # a plan that was too optimistic: recorded, the sweep goes on

@@ -185,6 +185,10 @@ def test_static_step_gives_the_same_tokens(stories, prompts, which):
     if which.startswith("magicpig"):  # every static step sampled, as the eager ones did
         assert static.stats["sampled"] == eager.stats["sampled"] > 0
         assert static.stats["candidates"] == eager.stats["candidates"]
+        # one timed host part per sparse layer and static step (all but the prefill's token and the eager first step)
+        sparse = model.config.num_hidden_layers - len(cfg["dense_layers"])
+        assert static.stats["host_parts"] == (NEW - 2) * sparse
+        assert static.stats["host_sample_ms"] > 0 and static.stats["host_attention_ms"] > 0
     if which.startswith("ds_offload"):  # the same layers predicted or fell back to their own query
         assert static.stats.get("offload_own_query", 0) == eager.stats.get("offload_own_query", 0)
         assert (static.stats.get("offload_own_query", 0) > 0) == (which == "ds_offload_own_query")

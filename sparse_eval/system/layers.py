@@ -31,6 +31,7 @@ N tokens, D head dim, T tokens of the call.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -996,16 +997,23 @@ class MagicPIGLayer(FullLayer):
         over = bufs["codes"][nq:].view(b, -1, 1, c.L)
         self._append_overflow(over)
         self.cand_end += 1  # position n − local left the window
+        t0 = time.perf_counter()
         idx, cnt = self._sample(q_codes)
+        t1 = time.perf_counter()
         session.stats["sampled"] += int(cnt.sum(dtype=np.int64))
         session.stats["sample_rows"] += cnt.size
         session.stats["candidates"] += (self.cand_end - c.sink) * cnt.size
         o_c, lse_c = kmc.attention(bufs["q"], self.keys, self.values, torch.from_numpy(idx), torch.from_numpy(cnt),
                                    k_bits=c.K, n_tables=c.L, min_collisions=c.min_collisions, scaling=scaling,
                                    k_mean=self.mean_cpu, backend=self.backend_cpu)
+        t2 = time.perf_counter()
         bufs["o"].copy_(o_c)
         bufs["lse"].copy_(lse_c)
         self.host_n = n + 1
+        # where the host parts' time goes (per-layer averages: stats / host_parts): the look-up, the attention
+        session.stats["host_parts"] += 1
+        session.stats["host_sample_ms"] += 1e3 * (t1 - t0)
+        session.stats["host_attention_ms"] += 1e3 * (t2 - t1)
 
 
 def _to_device(dev: torch.device, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
