@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -86,6 +87,27 @@ def _diagnose(slurm: dict[str, str], sweep: Path, job_id: str, seen: list) -> st
     return "\n".join(parts)
 
 
+def _wait_until_old_run_ended(job_id: str, env: dict[str, str], limit_s: float = 60.0) -> str:
+    """Wait until the node has no slurmstepd left for ``job_id``'s previous run (its process title is
+    "slurmstepd: [<job>.<step>]", with the array task's own job id), then 2 s more. The failure this prevents: the
+    relaunch came 0.3 s after the old run was cancelled, within the same second, and slurmd refused it as
+    "already killed" (it had just revoked that job's launch credential). Returns what it saw, for the failure
+    message."""
+    record = _sh(["scontrol", "show", "job", "-o", job_id], env).stdout
+    internal = re.search(r"\bJobId=(\d+)", record)
+    if not internal or not shutil.which("pgrep"):
+        time.sleep(5)
+        return "old run: no job id or no pgrep, waited 5 s"
+    t0 = time.time()
+    while time.time() - t0 < limit_s:
+        if _sh(["pgrep", "-f", rf"slurmstepd: \[{internal.group(1)}\."], env).returncode != 0:
+            break
+        time.sleep(0.2)
+    waited = time.time() - t0
+    time.sleep(2)
+    return f"old run of job {internal.group(1)}: slurmstepd gone after {waited:.1f} s (limit {limit_s:.0f} s)"
+
+
 def test_smoke_sweep_through_slurm_with_a_requeued_job(slurm, tmp_path):
     env = {**os.environ, "SLURM_CONF": slurm["SLURM_CONF"], "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -123,6 +145,10 @@ def test_smoke_sweep_through_slurm_with_a_requeued_job(slurm, tmp_path):
         if not seen or seen[-1][1] != state:
             seen.append((round(time.time() - t0, 1), state))
         if state.startswith("PENDING"):
+            # Slurm's own requeue delay gives the node time to finish the old run; releasing the job at once must
+            # wait for that too, else slurmd refuses the launch ("Job 4 already killed, do not launch batch job":
+            # seen once on a loaded machine, the job then FAILED with RunTime 0)
+            seen.append((round(time.time() - t0, 1), _wait_until_old_run_ended(job_id, env)))
             update = _sh(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env)
             seen.append((round(time.time() - t0, 1), f"StartTime=now: rc {update.returncode} {update.stderr.strip()}"))
             break
