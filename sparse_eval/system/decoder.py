@@ -608,16 +608,21 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
     runs: list[_StaticRun] = []
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
+
+    def open_session(phase_times: PhaseTimes | None = None) -> tuple[SystemSession, dict[str, Any]]:
+        """A session with its own layers, attached to the model; and the model's cache arguments for it."""
+        session = SystemSession(model, method, build_layers(
+            model, method, t + max_new_tokens, label_scale_dtype=label_scale_dtype, backend_gpu=backend_gpu,
+            backend_cpu=backend_cpu, topk=topk), phase_times)
+        sessions.append(session)
+        attach(model, session)
+        return session, cache_kwargs(model, session.cache)
+
     try:
         if cuda_graph:
             prefill_ms, first_ms, firsts = 0.0, [], []
             for ids_h, rep_h in halves:
-                session = SystemSession(model, method, build_layers(
-                    model, method, t + max_new_tokens, label_scale_dtype=label_scale_dtype, backend_gpu=backend_gpu,
-                    backend_cpu=backend_cpu, topk=topk))
-                sessions.append(session)
-                attach(model, session)
-                kw = cache_kwargs(model, session.cache)
+                session, kw = open_session()
                 got_ms, first, nxt = _prefill_for_static(model, session, kw, ids_h.to(dev), rep_h, max_new_tokens,
                                                          cuda)
                 prefill_ms += got_ms[0]
@@ -632,13 +637,7 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
             return DecodeResult(tokens=tokens.cpu(), prefill_ms=prefill_ms, step_ms=first_ms + steps,
                                 batch=b * repeat_batch, context=t, stats=dict(stats, **extra),
                                 memory=_memory(sessions, dev))
-        session = SystemSession(model, method, build_layers(
-            model, method, t + max_new_tokens, label_scale_dtype=label_scale_dtype, backend_gpu=backend_gpu,
-            backend_cpu=backend_cpu, topk=topk), phases)
-        sessions.append(session)
-        layers = session.layers
-        attach(model, session)
-        kw = cache_kwargs(model, session.cache)
+        session, kw = open_session(phases)
         timer = _Timer(cuda)
         timer.mark()
         logits = model(input_ids=input_ids.to(dev), use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
@@ -654,9 +653,7 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
             out.append(nxt)
             if step == 0 and repeat_batch > 1:
                 # tile after the first step, so that per-row index builds (MagicPIG's tables) run once
-                for layer in layers:
-                    layer.repeat_batch(repeat_batch)
-                out = [x.repeat(repeat_batch, 1) for x in out]
+                out = _tile_rows(session, out, repeat_batch)
                 nxt = out[-1]
             if step == 0 and phases is not None:  # the first step builds MagicPIG's tables: not a steady step
                 phases.ms.clear()
@@ -699,8 +696,14 @@ def _prefill_for_static(model: Any, session: SystemSession, kw: dict[str, Any], 
     if repeat_batch > 1:
         if cuda:  # the prefill's activations are freed: hand their blocks back before the tiled cache
             torch.cuda.empty_cache()
-        for layer in session.layers:
-            layer.repeat_batch(repeat_batch)
-        first = [x.repeat(repeat_batch, 1) for x in first]
+        first = _tile_rows(session, first, repeat_batch)
         nxt = first[-1]
     return ms, first, nxt
+
+
+def _tile_rows(session: SystemSession, tokens: list[torch.Tensor], times: int) -> list[torch.Tensor]:
+    """Tile every layer's cache ``times`` over the batch (``FullLayer.repeat_batch``) and the tokens so far with
+    it."""
+    for layer in session.layers:
+        layer.repeat_batch(times)
+    return [x.repeat(times, 1) for x in tokens]
