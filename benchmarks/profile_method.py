@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--model", default="stories260k")
     ap.add_argument("--context", type=int, default=448)
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--method", default="magicpig")
+    ap.add_argument("--method", default="magicpig", help="one method or a comma-separated list (one model load)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--error", action="store_true")
     ap.add_argument("--rows", type=int, default=30)
@@ -35,13 +35,18 @@ def main() -> None:
     cache = make_cache(model)
     with torch.inference_mode():
         first = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
-    opts = method_options(args.method)
+    for name in [m for m in args.method.split(",") if m]:
+        profile_one(name, model, cache, first, args, device)
+
+
+def profile_one(name, model, cache, first, args, device) -> None:
+    opts = method_options(name)
     n_layers = model.config.num_hidden_layers
     opts["dense_layers"] = [i for i in opts.get("dense_layers", []) if i < n_layers] or [0]
-    if args.method == "double_sparsity":
+    if name == "double_sparsity":
         hd = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
         opts["channels"] = [list(range(hd))] * model.config.num_attention_heads
-    method = build_method(make_config(args.method, opts))
+    method = build_method(make_config(name, opts))
     method.setup(model, args.model)
     attach(model, method, Runtime(protocol="A", compute_error=args.error))
     time_decode(model, cache, args.context, first, 2, device)
@@ -50,9 +55,13 @@ def main() -> None:
         ms = time_decode(model, cache, args.context, first, args.steps, device)
     detach(model)
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(f"{args.method}: {ms:.2f} ms/step")
+    line = f"{name}: {ms:.2f} ms/step"
+    if device.type == "cuda":  # device-side work per step: kernels (and copies/memsets) and how many launches
+        dev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.time_range.elapsed_us() for e in dev) / 1e3 / args.steps
+        line += f"; GPU busy {busy:.2f} ms/step in {len(dev) / args.steps:.0f} kernels/copies per step"
+    print(line)
     print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
-
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,8 @@ import torch
 
 from sparse_eval.methods import attend, build_method, make_config
 from sparse_eval.methods.base import resolve_budget
-from sparse_eval.methods.core import key_validity, static_keys
+from sparse_eval.methods.core import (_keys_times_rows, _values_split8, key_validity, masked_softmax, scores_gqa,
+                                      static_keys, weighted_values)
 
 
 def rand_qkv(b=1, hq=4, hkv=2, n=200, d=16, q_len=1, seed=0, peaked=1.0):
@@ -164,3 +165,35 @@ def test_padded_batch_equals_rows_alone_for_attend():
         b, sb = attend(name, q, kp, vp, attention_mask=mask, sink=2, local=4, **opts)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert torch.equal(sa["keep"], sb["keep"][..., pad:]) and not sb["keep"][..., :pad].any()
+
+
+@pytest.mark.parametrize("ql,n", [(1, 13), (3, 16), (2, 40)])
+def test_grouped_products_equal_repeated_kv(ql, n):
+    """scores_gqa / weighted_values (a KV group's heads as rows of one product) against K and V repeated per query
+    head, and the CUDA formulations (K · rowsᵀ; the reduction split at a multiple of 8) against the plain ones."""
+    g = torch.Generator().manual_seed(3)
+    b, hq, hkv, d = 2, 6, 2, 8
+    q = torch.randn(b, hq, ql, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, n, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, n, d, generator=g, dtype=torch.float64)
+    kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    s = scores_gqa(q, k, 0.5)
+    torch.testing.assert_close(s, (q @ kr.transpose(-1, -2)).float() * 0.5)
+    p = torch.softmax(s, -1)
+    torch.testing.assert_close(weighted_values(p, v), p.double() @ vr)
+    qg = q.reshape(b, hkv, hq // hkv * ql, d)
+    torch.testing.assert_close(_keys_times_rows(qg, k), qg @ k.transpose(-1, -2))
+    pg = p.reshape(b, hkv, hq // hkv * ql, n)
+    torch.testing.assert_close(_values_split8(pg, v), pg.double() @ v)
+    # in bf16 the split sums its two parts in fp32: within a bf16 rounding of the one-product value
+    vb = v.to(torch.bfloat16)
+    torch.testing.assert_close(_values_split8(pg, vb).float(), (pg.to(torch.bfloat16) @ vb).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_masked_softmax_keeps_nan_and_zeroes_empty_rows():
+    x = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [float("nan"), 0.0, 0.0]])
+    keep = torch.tensor([[True, False, True], [False, False, False], [True, True, False]])
+    p = masked_softmax(x, keep)
+    torch.testing.assert_close(p[0], torch.tensor([1 / (1 + math.e ** 2), 0.0, math.e ** 2 / (1 + math.e ** 2)]))
+    assert torch.equal(p[1], torch.zeros(3))  # nothing kept: zeros, not NaN
+    assert bool(torch.isnan(p[2, :2]).all()) and p[2, 2] == 0  # a NaN among kept logits is not hidden

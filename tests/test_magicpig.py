@@ -91,6 +91,12 @@ def test_collision_counts_are_chunked_exactly():
     ref = (qc.reshape(2, 2, 6, 1, 7) == kc[:, :, None]).sum(-1).reshape(2, 4, 3, 50)
     for budget in (1, 7, 100, 1 << 20):
         assert torch.equal(collision_counts(qc, kc, budget).long(), ref)
+    for L in (255, 256, 300):  # counts summed as uint8 up to L = 255, as int16 above: up to L, no wrap-around
+        qc = torch.zeros(1, 2, 1, L, dtype=torch.int16)
+        kc = torch.randint(0, 2, (1, 1, 9, L), generator=g, dtype=torch.int16)
+        kc[0, 0, 0] = 0  # a key equal to the query in every table
+        ref = (kc == 0).sum(-1).reshape(1, 1, 1, 9).expand(1, 2, 1, 9)
+        assert torch.equal(collision_counts(qc, kc).long(), ref) and int(ref.max()) == L
     x = torch.tensor([[1.0, -1.0, 2.0, 0.0, -3.0, 5.0]])  # L=2 tables of K=3 bits, bit b = sign of column l·K+b
     assert pack_signs(x, 3, 2).tolist() == [[0b101, 0b100]]
 

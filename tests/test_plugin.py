@@ -113,3 +113,23 @@ class _NoTok:
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))
+
+
+def test_pass_masks_are_shared_by_the_layers_of_a_pass_only():
+    """The decode masks are computed once per forward pass (same mask object and shapes), again for a new mask
+    object of the same shapes, and not at all for passes longer than query_chunk (made per block by the core)."""
+    from sparse_eval.attention.plugin import SparseSession
+
+    session = SparseSession(build_method(make_config("topk", {"budget": 0.5})), Runtime(query_chunk=4), 2, 2)
+    first = session._masks(None, 1, 1, 10, "cpu")
+    assert session._masks(None, 1, 1, 10, "cpu") is first
+    assert session._masks(None, 1, 1, 11, "cpu") is not first
+    mask = torch.ones(1, 1, 1, 10, dtype=torch.bool)
+    mask[..., :3] = False  # left padding
+    padded = session._masks(mask, 1, 1, 10, "cpu")
+    assert padded is not first and session._masks(mask, 1, 1, 10, "cpu") is padded
+    other = mask.clone()
+    other[..., :5] = False
+    again = session._masks(other, 1, 1, 10, "cpu")
+    assert again is not padded and int(again.n_valid) == 5 and int(padded.n_valid) == 7
+    assert session._masks(None, 1, 5, 10, "cpu") is None

@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from ..methods.base import Method
-from ..methods.core import key_validity, sparse_attention, static_keys
+from ..methods.core import PassMasks, key_validity, pass_masks, sparse_attention, static_keys
 from .recorder import StatsRecorder
 
 ATTENTION_NAME = "sparse_eval"
@@ -113,6 +113,7 @@ class SparseSession:
         self.recorder = StatsRecorder(num_layers, num_heads)
         self._phase: str | None = None
         self.layer_inputs: dict[int, tuple] = {}  # per layer: (hidden_states, position_embeddings) of the last call
+        self._mask_memo: tuple | None = None  # (attention mask, shapes, PassMasks) of the last call
 
     # -- protocol ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -136,22 +137,40 @@ class SparseSession:
         return q_len == 1  # A (and B without an explicit context/question split)
 
     # -- the attention call -----------------------------------------------------------------------
+    def _masks(self, attention_mask, b: int, q_len: int, kv_len: int, device) -> PassMasks | None:
+        """``pass_masks`` of ``key_validity``, computed once per forward pass: the layers of one pass get the same
+        mask object and shapes.  The memo holds the mask itself, so the identity test cannot match a later mask
+        that reuses a freed one's id.  Only for passes of at most ``query_chunk`` rows (decoding): a long
+        prefill's [B, 1, Q, N] masks are made per block of rows by the core instead."""
+        c = self.method.config
+        if q_len > self.runtime.query_chunk:
+            return None
+        key = (b, q_len, kv_len, str(device), c.sink, c.local)
+        memo = self._mask_memo
+        if memo is not None and memo[0] is attention_mask and memo[1] == key:
+            return memo[2]
+        masks = pass_masks(key_validity(attention_mask, b, q_len, kv_len, device), c.sink, c.local)
+        self._mask_memo = (attention_mask, key, masks)
+        return masks
+
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layer_idx = module.layer_idx
         b, hq, q_len, d = query.shape
         scaling = module.scaling if scaling is None else scaling
         if not self.is_sparse(layer_idx, q_len):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        valid = key_validity(attention_mask, b, q_len, key.shape[2], query.device)
+        masks = self._masks(attention_mask, b, q_len, key.shape[2], query.device)
+        valid = masks.valid if masks is not None else key_validity(attention_mask, b, q_len, key.shape[2], query.device)
         if self.method.dense:
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-            static, n_valid = static_keys(valid, self.method.config.sink, self.method.config.local)
+            static, n_valid = (masks.static, masks.n_valid) if masks is not None else \
+                static_keys(valid, self.method.config.sink, self.method.config.local)
             self.recorder.add_full(layer_idx, static, n_valid, hq)
             return out, None
         state = _layer_state(getattr(module, _CACHE_ATTR, None), layer_idx)
         out, stats = sparse_attention(
             self.method, query, key, value, valid, scaling, state, layer_idx,
-            compute_error=self.runtime.compute_error, query_chunk=self.runtime.query_chunk,
+            compute_error=self.runtime.compute_error, query_chunk=self.runtime.query_chunk, masks=masks,
         )
         self.recorder.add(layer_idx, stats)
         return out.transpose(1, 2).contiguous(), None

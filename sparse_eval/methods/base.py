@@ -75,6 +75,10 @@ class AttentionContext:
     state: dict[str, Any]
     generator_seed: int
     query_offset: int = 0  # index of the first row of this block among the call's query rows
+    # bool [B, 1, Q, N]: ``candidates`` and its complement when the caller has them (they are the same for every
+    # layer of a forward pass); else computed here, once per context
+    candidate_mask: torch.Tensor | None = None
+    not_candidate_mask: torch.Tensor | None = None
 
     @property
     def groups(self) -> int:
@@ -83,7 +87,16 @@ class AttentionContext:
     @property
     def candidates(self) -> torch.Tensor:
         """bool [B, 1, Q, N]: keys a method may choose (valid and not static)."""
-        return self.valid & ~self.static
+        if self.candidate_mask is None:
+            self.candidate_mask = self.valid & ~self.static
+        return self.candidate_mask
+
+    @property
+    def not_candidates(self) -> torch.Tensor:
+        """bool [B, 1, Q, N]: ~candidates (keys a method must not choose)."""
+        if self.not_candidate_mask is None:
+            self.not_candidate_mask = ~self.candidates
+        return self.not_candidate_mask
 
     def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
         """[B, Hkv, ...] -> [B, Hq, ...] (each KV head repeated for its G query heads)."""

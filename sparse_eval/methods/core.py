@@ -12,6 +12,7 @@ lets every method's selection be checked against brute force.  The kernels in ``
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -51,31 +52,85 @@ def static_keys(valid: torch.Tensor, sink: int, local: int) -> tuple[torch.Tenso
     return static, n_valid
 
 
+@dataclass
+class PassMasks:
+    """The masks of one forward pass's query rows, the same for all its layers (``pass_masks``); shapes [B, 1, Q, N]
+    (key masks) and [B, 1, Q] (per row)."""
+
+    valid: torch.Tensor  # bool: causal and not padding
+    invalid: torch.Tensor  # bool: ~valid
+    static: torch.Tensor  # bool: sink + local keys
+    n_valid: torch.Tensor  # long [B, 1, Q, 1]
+    candidates: torch.Tensor  # bool: valid and not static
+    not_candidates: torch.Tensor  # bool: ~candidates
+    rows: torch.Tensor  # bool [B, 1, Q]: the row has a valid key
+    n_rows: torch.Tensor  # float [B, 1, Q]: max(n_valid, 1)
+    static_frac: torch.Tensor  # float [B, 1, Q]: static keys / n_rows
+
+    def rows_slice(self, start: int, stop: int) -> "PassMasks":
+        return PassMasks(*(getattr(self, f.name)[:, :, start:stop] for f in fields(self)))
+
+
+def pass_masks(valid: torch.Tensor, sink: int, local: int) -> PassMasks:
+    """Everything the core and the methods derive from ``valid`` (bool [B, 1, Q, N]) alone."""
+    static, n_valid = static_keys(valid, sink, local)
+    candidates = valid & ~static
+    n_rows = n_valid.squeeze(-1).clamp_min(1).float()
+    return PassMasks(valid=valid, invalid=~valid, static=static, n_valid=n_valid, candidates=candidates,
+                     not_candidates=~candidates, rows=(n_valid > 0).squeeze(-1), n_rows=n_rows,
+                     static_frac=static.sum(-1).float() / n_rows)
+
+
 def scores_gqa(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
-    """q [B, Hq, Q, D], k [B, Hkv, N, D] -> fp32 scores [B, Hq, Q, N] without repeating K."""
+    """q [B, Hq, Q, D], k [B, Hkv, N, D] -> fp32 scores [B, Hq, Q, N] without repeating K.
+
+    The G query heads of a KV group are stacked as G·Q rows of one product with that group's K.  (Broadcasting K
+    over the G heads instead makes ``matmul`` expand and copy K G times.)  On CUDA the product is taken as
+    K · rowsᵀ (``_keys_times_rows``)."""
     b, hq, ql, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(b, hkv, hq // hkv, ql, d)
-    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2))  # [B, Hkv, G, Q, N]
-    return s.reshape(b, hq, ql, k.shape[2]).float() * scaling
+    hkv, n = k.shape[1], k.shape[2]
+    qg = q.reshape(b, hkv, (hq // hkv) * ql, d)
+    s = _keys_times_rows(qg, k) if k.is_cuda else torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G·Q, N]
+    return s.float().reshape(b, hq, ql, n) * scaling
+
+
+def _keys_times_rows(qg: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """qg [B, Hkv, R, D] · kᵀ as (k · qgᵀ)ᵀ, [B, Hkv, R, N] (a transposed view).  cuBLAS's kernel for
+    qg · kᵀ runs 2-3x slower when N is not a multiple of 8; this one does not (H200:
+    ``experiments/accuracy_path/session9``)."""
+    return torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2)
 
 
 def weighted_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """p [B, Hq, Q, N] (fp32 probabilities), v [B, Hkv, N, D] -> [B, Hq, Q, D] in v's dtype."""
+    """p [B, Hq, Q, N] (fp32 probabilities), v [B, Hkv, N, D] -> [B, Hq, Q, D] in v's dtype (the G heads of a
+    group as G·Q rows of one product with its V, as in ``scores_gqa``; on CUDA ``_values_split8``)."""
     b, hq, ql, n = p.shape
     hkv = v.shape[1]
-    pg = p.reshape(b, hkv, hq // hkv, ql, n).to(v.dtype)
-    return torch.matmul(pg, v.unsqueeze(2)).reshape(b, hq, ql, v.shape[-1])
+    pg = p.reshape(b, hkv, (hq // hkv) * ql, n)
+    out = _values_split8(pg, v) if v.is_cuda else torch.matmul(pg.to(v.dtype), v)
+    return out.reshape(b, hq, ql, v.shape[-1])
+
+
+def _values_split8(pg: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """pg [B, Hkv, R, N] · v [B, Hkv, N, D] in v's dtype, the reduction split at the last multiple of 8: cuBLAS
+    runs a 16-bit product whose reduction length is not a multiple of 8 5-20x slower (H200:
+    ``experiments/accuracy_path/session9``).  The ≤ 7 last keys are a second product, added in (at least) fp32."""
+    n = pg.shape[-1]
+    n8 = n - n % 8
+    if n8 == n or n8 == 0:
+        return torch.matmul(pg.to(v.dtype), v)
+    head = torch.matmul(pg[..., :n8].to(v.dtype), v[:, :, :n8])
+    tail = torch.matmul(pg[..., n8:].to(v.dtype), v[:, :, n8:])
+    acc = torch.promote_types(v.dtype, torch.float32)
+    return head.to(acc).add_(tail.to(acc)).to(v.dtype)
 
 
 def masked_softmax(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Softmax over kept entries; rows with nothing kept give all zeros (never NaN)."""
-    x = logits.masked_fill(~keep, NEG_INF)
-    m = x.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(x - m)
-    z = e.sum(-1, keepdim=True)
-    return e / z.clamp_min(torch.finfo(e.dtype).tiny)
+    """Softmax over kept entries; rows with nothing kept give all zeros (never NaN): torch's softmax over the
+    masked logits, whose rows with nothing kept (all NaN there) are then zeroed with the other dropped entries
+    (a NaN among kept logits still shows)."""
+    dropped = ~keep
+    return torch.softmax(logits.masked_fill(dropped, NEG_INF), dim=-1).masked_fill_(dropped, 0.0)
 
 
 def sparse_attention(
@@ -90,6 +145,7 @@ def sparse_attention(
     compute_error: bool = True,
     query_chunk: int = 512,
     keep_masks: bool = False,
+    masks: PassMasks | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One attention call of a sparse layer.
 
@@ -97,7 +153,8 @@ def sparse_attention(
     Returns the output [B, Hq, Q, D] (q's dtype) and per-row statistics, each [B, Hq, Q]:
     ``cost1``, ``cost2`` (kept keys / valid keys), ``static_frac``, ``error`` (if computed), ``empty``
     (the method kept no key of its own), ``rows`` (row has at least one valid key), plus the method's
-    own extras; with ``keep_masks`` also ``keep`` bool [B, Hq, Q, N].
+    own extras; with ``keep_masks`` also ``keep`` bool [B, Hq, Q, N].  ``masks``: ``pass_masks(valid, sink,
+    local)`` when the caller has it already (the same for every layer of a pass).
     """
     cfg = method.config
     if method.prepare_with_valid:  # keys valid for the last query row: left padding is the only invalid key
@@ -110,18 +167,21 @@ def sparse_attention(
     outs, stats_chunks = [], []
     for start in range(0, ql, query_chunk):
         stop = min(ql, start + query_chunk)
-        qc, vc = q[:, :, start:stop], valid[:, :, start:stop]
-        scores = scores_gqa(qc, k, scaling).masked_fill(~vc, NEG_INF)
-        static, n_valid = static_keys(vc, cfg.sink, cfg.local)
+        if masks is None:  # per block of rows: [B, 1, Q, N] masks of a long prefill would not fit
+            m = pass_masks(valid[:, :, start:stop], cfg.sink, cfg.local)
+        else:
+            m = masks if (start, stop) == (0, ql) else masks.rows_slice(start, stop)
+        qc, vc, n_valid = q[:, :, start:stop], m.valid, m.n_valid
+        scores = scores_gqa(qc, k, scaling).masked_fill(m.invalid, NEG_INF)
         ctx = AttentionContext(
-            q=qc, k=k, v=v, scores=scores, valid=vc, static=static, n_valid=n_valid, scaling=scaling,
+            q=qc, k=k, v=v, scores=scores, valid=vc, static=m.static, n_valid=n_valid, scaling=scaling,
             layer_idx=layer_idx, state=state, generator_seed=hash((cfg.seed, layer_idx, step)) & 0x7FFFFFFF,
-            query_offset=start,
+            query_offset=start, candidate_mask=m.candidates, not_candidate_mask=m.not_candidates,
         )
         sel: Selection = method.select(ctx)
-        own = sel.keep & ctx.candidates
+        own = sel.keep & m.candidates
         empty = ~own.any(-1)  # [B, Hq, Q]
-        keep = own | static
+        keep = own | m.static
         if cfg.sink == 0 and cfg.local == 0:
             # nothing at all (no static keys configured and nothing picked): fall back to the newest valid key.
             # With a sink or a local window every row with a valid key keeps at least that static key.
@@ -130,12 +190,11 @@ def sparse_attention(
         logits = scores if sel.bias is None else scores + torch.where(keep, sel.bias, torch.zeros_like(scores))
         p = masked_softmax(logits, keep)
         out = weighted_values(p, v)
-        rows = (n_valid > 0).squeeze(-1).expand(b, hq, stop - start)
-        nv = n_valid.squeeze(-1).clamp_min(1).float()
+        rows = m.rows.expand(b, hq, stop - start)
         st: dict[str, torch.Tensor] = {
             "rows": rows,
-            "cost2": keep.sum(-1).float() / nv,
-            "static_frac": static.sum(-1).float().expand(b, hq, -1) / nv,
+            "cost2": keep.sum(-1).float() / m.n_rows,
+            "static_frac": m.static_frac.expand(b, hq, -1),
             "empty": empty & rows,
         }
         c1 = method.cost1(ctx, sel)

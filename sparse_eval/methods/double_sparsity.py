@@ -298,13 +298,17 @@ class DoubleSparsity(Method):
             or (st["n"] > 0 and not torch.equal(st["last_key"], k[:, :, st["n"] - 1]))
         )
         if fresh:
-            labels = pseudo_quantize(self._labels(k, ch, ctx.groups), bits)
-        elif st["n"] < n:
-            new = pseudo_quantize(self._labels(k[:, :, st["n"]:], ch, ctx.groups), bits)
-            labels = torch.cat([st["labels"], new], 2)
+            buf = pseudo_quantize(self._labels(k, ch, ctx.groups), bits)
         else:
-            labels = st["labels"]
-        ctx.state["ds"] = {"n": n, "batch": b, "bits": bits, "channels": ch, "labels": labels,
+            buf = st["buf"]
+            if st["n"] < n:  # append in place; the buffer grows geometrically (no copy of the whole cache per step)
+                if n > buf.shape[2]:
+                    grown = buf.new_empty(b, buf.shape[1], max(n, 2 * buf.shape[2]), buf.shape[3])
+                    grown[:, :, :st["n"]] = buf[:, :, :st["n"]]
+                    buf = grown
+                buf[:, :, st["n"]:n] = pseudo_quantize(self._labels(k[:, :, st["n"]:], ch, ctx.groups), bits)
+        labels = buf[:, :, :n]
+        ctx.state["ds"] = {"n": n, "batch": b, "bits": bits, "channels": ch, "buf": buf, "labels": labels,
                            "last_key": k[:, :, n - 1].clone() if n else None}
         return labels
 
@@ -349,7 +353,7 @@ class DoubleSparsity(Method):
         s_hat = torch.matmul(ql_lab, labels.transpose(-1, -2))  # [B, Hq, Q, N]   (Algorithm 1 line 4)
         if self.config.gqa == "kv_head":
             s_hat = ctx.group_sum(s_hat.masked_fill(~ctx.valid, 0.0))
-        s_hat = s_hat.masked_fill(~ctx.candidates, float("-inf"))
+        s_hat = s_hat.masked_fill(ctx.not_candidates, float("-inf"))
         return topk_mask(s_hat, want), s_hat  # line 5
 
     def select(self, ctx: AttentionContext) -> Selection:

@@ -191,7 +191,11 @@ def collision_counts(q_codes: torch.Tensor, k_codes: torch.Tensor, element_budge
         key_step = max(1, element_budget // per_key)
         for s in range(0, n, key_step):
             kk = k_codes[:, :, None, s:s + key_step, :]  # [B, Hkv, 1, n', L]
-            out[:, :, r0:r0 + row_step, s:s + key_step] = (qr == kk).sum(-1, dtype=torch.int16)
+            eq = qr == kk  # [B, Hkv, rows, n', L] bool
+            if nt <= 255:  # summed as uint8 in place: a sum into int16 first copies the whole comparison to int16
+                out[:, :, r0:r0 + row_step, s:s + key_step] = eq.view(torch.uint8).sum(-1, dtype=torch.uint8)
+            else:
+                out[:, :, r0:r0 + row_step, s:s + key_step] = eq.sum(-1, dtype=torch.int16)
     return out.reshape(b, hq, ql, n)
 
 
@@ -330,14 +334,18 @@ class MagicPIG(Method):
             grown = torch.empty(b, hkv, max(n, 2 * st["codes"].shape[2]), c.L, dtype=st["codes"].dtype, device=dev)
             grown[:, :, :done] = st["codes"][:, :, :done]
             st["codes"] = grown
-        # rows whose table is built now: the first call with a non-static valid key fixes μ (and r)
-        static, _ = static_keys(valid[:, None, None, :], c.sink, c.local)
-        cand = (valid & ~static[:, 0, 0]).to(torch.float64)  # [B, N]: the keys being hashed, padding excluded
-        new_rows = (cand.sum(-1) > 0) & ~st["built"]
-        idx = torch.nonzero(new_rows).flatten() if bool(new_rows.any()) else None
-        if idx is not None:
-            st["mean"][idx], st["r"][idx] = self._fix_center(k[idx], cand[idx])
-            st["built"][idx] = True
+        # rows whose table is built now: the first call with a non-static valid key fixes μ (and r).  Once every
+        # row is built (known on the host), nothing is left to check: no device sync per call after that.
+        idx = None
+        if not st.get("all_built", False):
+            static, _ = static_keys(valid[:, None, None, :], c.sink, c.local)
+            cand = (valid & ~static[:, 0, 0]).to(torch.float64)  # [B, N]: the keys being hashed, padding excluded
+            new_rows = (cand.sum(-1) > 0) & ~st["built"]
+            idx = torch.nonzero(new_rows).flatten() if bool(new_rows.any()) else None
+            if idx is not None:
+                st["mean"][idx], st["r"][idx] = self._fix_center(k[idx], cand[idx])
+                st["built"][idx] = True
+                st["all_built"] = bool(st["built"].all())
         r = st["r"] if c.mips else None
         if n > done:  # incremental: hash the keys added since the last call (rows built now are redone below)
             old = None if idx is None else torch.nonzero(~new_rows).flatten()

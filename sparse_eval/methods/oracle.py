@@ -47,7 +47,7 @@ class OracleSampling(Method):
 
     def select(self, ctx: AttentionContext) -> Selection:
         draws = resolve_budget(self.config.budget, ctx.n_valid, "method.budget")  # [B, 1, Q, 1]
-        s = ctx.scores.masked_fill(~ctx.candidates, float("-inf"))  # [B, Hq, Q, N]
+        s = ctx.scores.masked_fill(ctx.not_candidates, float("-inf"))  # [B, Hq, Q, N]
         lse = torch.logsumexp(s, dim=-1, keepdim=True)  # log Z_c  (-inf when no candidate)
         has = torch.isfinite(lse)
         w = torch.exp(s - torch.where(has, lse, torch.zeros_like(lse))).to(torch.float64)

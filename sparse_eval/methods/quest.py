@@ -99,10 +99,10 @@ def page_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch
     empty = ~torch.isfinite(kmin).all(-1)  # [B, Hkv, P]
     mn = torch.where(torch.isfinite(kmin), kmin, torch.zeros_like(kmin)).float()
     mx = torch.where(torch.isfinite(kmax), kmax, torch.zeros_like(kmax)).float()
-    qg = q.float().reshape(b, hkv, hq // hkv, ql, d)
-    u = torch.matmul(qg.clamp_min(0), mx.unsqueeze(2).transpose(-1, -2)) \
-        + torch.matmul(qg.clamp_max(0), mn.unsqueeze(2).transpose(-1, -2))  # [B, Hkv, G, Q, P]
-    u = u.masked_fill(empty.view(b, hkv, 1, 1, -1), float("-inf"))
+    qg = q.float().reshape(b, hkv, (hq // hkv) * ql, d)  # a group's heads as G·Q rows (no copies of M, m)
+    u = torch.matmul(qg.clamp_min(0), mx.transpose(-1, -2)) \
+        + torch.matmul(qg.clamp_max(0), mn.transpose(-1, -2))  # [B, Hkv, G·Q, P]
+    u = u.masked_fill(empty.view(b, hkv, 1, -1), float("-inf"))
     return u.reshape(b, hq, ql, -1)
 
 
