@@ -286,7 +286,8 @@ class DoubleSparsity(Method):
         return x.gather(-1, idx).float()
 
     def _label_cache(self, ctx: AttentionContext, ch: torch.Tensor) -> torch.Tensor:
-        """The label cache ``state['ds']['labels']`` fp32 [B, Hq, N, r], brought up to date with the keys: only the
+        """The label cache ``state['ds']['labels']`` fp32 [B, Hq, N, r] (a view of ``state['ds']['buf']``, which has
+        room to grow), brought up to date with the keys: only the
         keys that arrived since the last call are labelled (and quantized) and appended (§4.2).  It is rebuilt
         from scratch if the cache no longer matches (fewer keys, other batch, channels or bits)."""
         k = ctx.k
