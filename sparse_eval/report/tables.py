@@ -492,34 +492,48 @@ def cells(t: Table) -> list[list[str]]:
     return out
 
 
+def display_frame(t: Table):
+    """The table as display strings (``cells``), one column per key and value column, in order."""
+    import pandas as pd
+
+    return pd.DataFrame(cells(t), columns=t.key_cols + t.value_cols)
+
+
 def to_markdown(t: Table) -> str:
-    head = t.key_cols + t.value_cols
+    """A Markdown section: title, caption, and the table by ``DataFrame.to_markdown`` (GitHub pipes; key columns
+    left-aligned, value columns right-aligned)."""
     lines = [f"### {t.title}", "", t.caption, ""]
     if any(t.paper_source):
         lines += ["Cells: ours (paper, ours − paper) where the paper reports the same model and config.", ""]
-    esc = lambda s: s.replace("|", "\\|")  # noqa: E731
-    lines.append("| " + " | ".join(esc(h) for h in head) + " |")
-    lines.append("|" + "|".join("---" if i < len(t.key_cols) else "---:" for i in range(len(head))) + "|")
-    for row in cells(t):
-        lines.append("| " + " | ".join(esc(c) for c in row) + " |")
+    esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731  (a literal pipe would end the cell)
+    frame = display_frame(t).map(esc).rename(columns=esc)
+    align = ["left"] * len(t.key_cols) + ["right"] * len(t.value_cols)
+    lines.append(frame.to_markdown(index=False, tablefmt="pipe", colalign=align, disable_numparse=True))
     return "\n".join(lines) + "\n"
 
 
-def _tex(s: str) -> str:
-    rep = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
-           "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}", "α": r"$\alpha$", "β": r"$\beta$", "–": "--",
-           "−": "-", "≥": r"$\geq$"}
-    return "".join(rep.get(ch, ch) for ch in s)
+# characters LaTeX's text mode lacks (pandas' escape="latex" covers & % $ # _ { } ~ ^ and the backslash)
+_TEX_SYMBOLS = {"α": r"$\alpha$", "β": r"$\beta$", "–": "--", "−": "-", "≥": r"$\geq$"}
+_TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+                "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}"}
+
+
+def _tex_symbols(s: str) -> str:
+    return "".join(_TEX_SYMBOLS.get(ch, ch) for ch in s)
+
+
+def _tex_caption(s: str) -> str:
+    """The caption, which ``Styler.to_latex`` writes as given: special characters escaped as pandas does for cells."""
+    return _tex_symbols("".join(_TEX_SPECIAL.get(ch, ch) for ch in s))
 
 
 def to_latex(t: Table) -> str:
-    head = t.key_cols + t.value_cols
-    spec = "l" * len(t.key_cols) + "r" * len(t.value_cols)
-    lines = [r"\begin{table}[t]", r"\centering", r"\small", rf"\caption{{{_tex(t.title)}. {_tex(t.caption)}"
-             + (" Cells: ours (paper, ours $-$ paper)." if any(t.paper_source) else "") + "}",
-             rf"\label{{tab:{t.name}}}", rf"\begin{{tabular}}{{{spec}}}", r"\toprule",
-             " & ".join(_tex(h) for h in head) + r" \\", r"\midrule"]
-    for row in cells(t):
-        lines.append(" & ".join(_tex(c) for c in row) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
-    return "\n".join(lines) + "\n"
+    """A ``table`` float (booktabs rules) by ``Styler.to_latex``: caption and label from the table, key columns
+    left-aligned, value columns right-aligned, cells and header escaped by pandas."""
+    caption = f"{_tex_caption(t.title)}. {_tex_caption(t.caption)}" + (
+        " Cells: ours (paper, ours $-$ paper)." if any(t.paper_source) else "")
+    styler = (display_frame(t).style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
+              .set_table_styles([{"selector": "small", "props": ":;"}], overwrite=True))
+    tex = styler.to_latex(column_format="l" * len(t.key_cols) + "r" * len(t.value_cols), position="t",
+                          position_float="centering", hrules=True, label=f"tab:{t.name}", caption=caption)
+    return _tex_symbols(tex)
