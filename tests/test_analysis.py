@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparse_eval.analysis import common, ds_checks, error_vs_budget, geometry
-from sparse_eval.analysis.__main__ import main as analysis_main
+from sparse_eval.analysis import __main__ as app
 from sparse_eval.analysis.capture import capture_qkv, decoder_layers
 
 
@@ -155,11 +155,54 @@ def test_ds_checks_measure(stories):
     assert all(-1 <= x <= 1 for x in sim["hidden_cos"] + sim["query_cos"])
 
 
-def test_cli_errors_name_the_bad_value(capsys):
-    assert analysis_main(["geometry", "bogus=1"]) == 2
-    assert "bogus" in capsys.readouterr().err
-    assert analysis_main(["nope"]) == 2
-    assert "valid" in capsys.readouterr().err
-    assert analysis_main(["error_vs_budget", "budgets=[0,2]"]) == 2
-    assert "budgets" in capsys.readouterr().err
-    assert analysis_main(["geometry", "model=not_a_model"]) == 2
+def _compose(overrides):
+    from hydra import compose, initialize_config_dir
+
+    from sparse_eval.runner import CONF_DIR
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        return compose(config_name="analysis", overrides=overrides)
+
+
+def test_app_composes_each_analysis_with_its_defaults():
+    for name in ("geometry", "error_vs_budget", "ds_checks"):
+        cfg = _compose([f"analysis={name}", "paths.data_dir=/data"])
+        got, opts = app.analysis_of(cfg)
+        assert got == name
+        defaults = type(opts)()
+        defaults.data_dir = "/data"  # from paths.data_dir
+        assert opts == defaults  # conf/analysis/<name>.yaml holds the dataclass's defaults
+    _, opts = app.analysis_of(_compose(["analysis=error_vs_budget", "analysis.budgets=[0.1,0.5]",
+                                        "analysis.layers=[1,3]"]))
+    assert opts.budgets == [0.1, 0.5] and opts.layers == [1, 3]
+
+
+def test_app_errors_name_the_bad_value():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="bogus"):
+        _compose(["analysis=geometry", "analysis.bogus=1"])
+    with pytest.raises(ConfigCompositionException, match="ds_checks"):  # lists the valid analyses
+        _compose(["analysis=nope"])
+    with pytest.raises(ConfigCompositionException, match="not_a_model"):
+        _compose(["model=not_a_model"])
+    with pytest.raises(ValueError, match="budgets"):
+        app.run(_compose(["analysis=error_vs_budget", "analysis.budgets=[0,2]"]))
+
+
+def test_app_prints_a_summary_and_names_the_full_table(tmp_path):
+    cfg = _compose(["analysis=geometry", "analysis.num_random=2", "analysis.random_len=2", "analysis.num_sentences=2",
+                    "analysis.sentence_len=8", "analysis.length=24", "analysis.num_queries=2",
+                    "analysis.fractions=[0.5,1.0]", f"analysis.out={tmp_path}"])
+    res = app.run(cfg)
+    text = app.summary(res)
+    full = tmp_path / "geometry_per_layer.csv"
+    assert res["table_file"] == full and full.exists()
+    lines = text.splitlines()
+    assert f"full table (5 rows x {len(res['table'].columns)} columns): {full}" in lines
+    head = lines[0].split()
+    assert head == ["quantity", "mean", "min", "max"]  # one row per headline quantity, not a column per quantity
+    assert "top50%_mass" in text and "top100%_mass" not in text
+    sink_min = res["table"]["sink_cos_min"]
+    row = next(line.split() for line in lines if line.split()[:1] == ["sink_cos_min"])
+    assert float(row[2]) == pytest.approx(float(sink_min.min()), rel=1e-3, abs=1e-4)

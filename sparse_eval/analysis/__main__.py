@@ -1,83 +1,98 @@
-"""``python -m sparse_eval.analysis <name> [model=<conf/model name>] [model.<field>=...] [paths.data_dir=...]
-[<option>=<value> ...]``
+"""``python -m sparse_eval.analysis analysis=<name> [model=<conf/model name>] [analysis.<option>=<value> ...]``
 
-Overrides use Hydra's ``key=value`` syntax (values are YAML: ``budgets=[0.01,0.1]``, ``layers=null``,
-``center=false``).  ``model=`` picks ``conf/model/<name>.yaml`` exactly as ``python -m sparse_eval`` does and
-``model.path=`` / ``model.dtype=`` / ``model.device=`` ... override its fields; ``paths.data_dir=`` (or the
-``SPARSE_EVAL_DATA_DIR`` variable) is where ``text=local`` reads WikiText-2.  Every other key is an option of
-the analysis (listed by ``python -m sparse_eval.analysis <name> --help``).
+A Hydra app like ``python -m sparse_eval``: ``conf/analysis.yaml`` composes ``conf/model/<name>.yaml`` and
+``conf/analysis/<name>.yaml`` (the analysis's options with their defaults, checked against its options dataclass,
+registered here as ``<name>_schema``), so an unknown option or a value of the wrong type fails at start.
+``paths.data_dir=`` (or ``SPARSE_EVAL_DATA_DIR``) is where ``analysis.text=local`` reads WikiText-2.
+
+The analysis writes its raw numbers (JSON + CSV) and figures to ``analysis.out``; the command prints a short
+summary (means over layers of the headline numbers) and the files written, the per-layer table among them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import os
 import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from ..config import PathsConfig, register_configs, to_plain
+from ..models.loading import ModelConfig
+from ..runner import CONF_DIR
 from . import ANALYSES
-from .common import build_options, model_config, parse_value
 
 
-def parse(argv: list[str]) -> tuple[str, Any, Any]:
-    if not argv or argv[0] in ("-h", "--help"):
-        raise SystemExit(__doc__ + "\nanalyses: " + ", ".join(ANALYSES))
-    name, rest = argv[0], argv[1:]
-    if name not in ANALYSES:
-        raise ValueError(f"unknown analysis {name!r}; valid: {list(ANALYSES)}")
-    mod = importlib.import_module(ANALYSES[name][0])
-    cls = getattr(mod, ANALYSES[name][1])
-    if any(a in ("-h", "--help") for a in rest):
-        lines = [f"python -m sparse_eval.analysis {name} model=<name> [option=value ...]", "", "options (default):"]
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {f.name}={default!r}")
-        raise SystemExit("\n".join(lines) + "\n\n" + (mod.__doc__ or ""))
-    model_name, model_over, opts = "stories260k", {}, {}
-    data_dir = os.environ.get("SPARSE_EVAL_DATA_DIR")
-    for arg in rest:
-        if "=" not in arg:
-            raise ValueError(f"argument {arg!r}: expected key=value (e.g. model=stories260k, length=512)")
-        key, val = arg.split("=", 1)
-        key = key.lstrip("+")
-        if key == "model":
-            model_name = val
-        elif key.startswith("model."):
-            model_over[key[len("model."):]] = parse_value(val)
-        elif key == "paths.data_dir":
-            data_dir = val
-        else:
-            opts[key] = parse_value(val)
-    if "data_dir" in {f.name for f in dataclasses.fields(cls)} and "data_dir" not in opts:
-        opts["data_dir"] = data_dir
-    return name, model_config(model_name, model_over), build_options(cls, opts)
+@dataclass
+class AnalysisAppConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    analysis: Any = None  # conf/analysis/<name>.yaml: the options of one analysis
+    paths: PathsConfig = field(default_factory=PathsConfig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def options_class(name: str) -> type:
+    module, cls = ANALYSES[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def register_analysis_configs() -> None:
+    register_configs()
+    cs = ConfigStore.instance()
+    cs.store(name="analysis_app_schema", node=AnalysisAppConfig)
+    for name in ANALYSES:
+        cs.store(group="analysis", name=f"{name}_schema", node=options_class(name))
+
+
+def analysis_of(cfg: Any) -> tuple[str, Any]:
+    """(analysis name, its options dataclass) of a composed config."""
+    opts = OmegaConf.to_object(cfg.analysis)
+    for name in ANALYSES:
+        if type(opts) is options_class(name):
+            return name, opts
+    raise ValueError(f"analysis: {type(opts).__name__} is not an analysis; valid: analysis={list(ANALYSES)}")
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    """Runs the analysis a composed config names; returns its result (``out``, tables, figures) with ``name``."""
+    name, opts = analysis_of(cfg)
+    opts.validate()
+    model_cfg = ModelConfig(**to_plain(cfg.model))
+    result = importlib.import_module(ANALYSES[name][0]).run(model_cfg, opts)
+    return dict(result, name=name)
+
+
+def summary(result: dict[str, Any]) -> str:
+    """A few lines: the analysis's headline numbers (its module's ``summary``), the file with the full table,
+    and every file written."""
+    import pandas as pd
+
+    module = importlib.import_module(ANALYSES[result["name"]][0])
+    head = module.summary(result)
+    out: Path = result["out"]
+    full = pd.read_csv(result["table_file"])
+    lines = [head.to_string(index=False, float_format=lambda x: f"{x:.4g}"), "",
+             f"full table ({len(full)} rows x {len(full.columns)} columns): {result['table_file']}", "",
+             f"wrote {out}:"]
+    lines += [f"  {p.name}" for p in sorted(out.iterdir())]
+    return "\n".join(lines)
+
+
+register_analysis_configs()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="analysis")
+def main(cfg) -> None:
     try:
-        name, model_cfg, opts = parse(argv)
-        opts.validate()
-        mod = importlib.import_module(ANALYSES[name][0])
-        result = mod.run(model_cfg, opts)
+        result = run(cfg)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    out = result["out"]
-    table = result.get("table")
-    if table is None:
-        table = result.get("summary")
-        if table is not None:
-            table = table[table["layer"] == "mean"]
-    if table is not None:
-        with_pd = table.to_string(index=False, float_format=lambda x: f"{x:.4g}")
-        print(with_pd)
-    print(f"\nwrote {out}:")
-    for p in sorted(out.iterdir()):
-        print(f"  {p.name}")
-    return 0
+        sys.exit(2)
+    print(summary(result))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -42,25 +42,6 @@ def model_config(name: str = "stories260k", overrides: Mapping[str, Any] | None 
     return ModelConfig(**node)
 
 
-def parse_value(text: str) -> Any:
-    """``key=value`` values as Hydra reads them: YAML scalars and lists (``[1,2]``, ``true``, ``null``, ``0.1``)."""
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def build_options(cls: type, values: Mapping[str, Any]) -> Any:
-    """A dataclass of analysis options from plain values, refusing unknown keys by name."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for {cls.__name__}; valid options: {sorted(fields)}")
-    return cls(**dict(values))
-
-
 # -- model and text -----------------------------------------------------------------------------------------
 
 def load(model: ModelConfig) -> tuple[Any, Any, int]:
@@ -183,4 +164,14 @@ def run_measured(name: str, model_cfg: ModelConfig, opts: Any, measure: Any, per
     table = per_layer_table(res)
     table.to_csv(out / f"{name}_per_layer.csv", index=False)
     paths = figures(res, out, model_cfg.name, opts)
-    return {"out": out, "table": table, "figures": paths, "result": res}
+    return {"out": out, "table": table, "table_file": out / f"{name}_per_layer.csv", "figures": paths, "result": res}
+
+
+def layer_summary(table: Any, columns: list[str]) -> Any:
+    """Mean, min and max over the layers of a per-layer table's ``columns``: one row per column."""
+    import pandas as pd
+
+    cols = [c for c in columns if c in table]
+    stats = table[cols].agg(["mean", "min", "max"]).T
+    return pd.DataFrame({"quantity": cols, "mean": stats["mean"].values, "min": stats["min"].values,
+                         "max": stats["max"].values})

@@ -1,6 +1,6 @@
 """Double Sparsity calibration checks (DS §4.1 + App. A Fig. 7b; §5.2 + App. B.2 Fig. 8).
 
-    python -m sparse_eval.analysis ds_checks model=stories260k [ratios=[0.0625,0.125,0.25,0.5] ...]
+    python -m sparse_eval.analysis analysis=ds_checks model=stories260k [analysis.ratios=[0.0625,0.125,0.25,0.5] ...]
 
 * Channel overlap (Fig. 7b): the offline outlier channels of each layer and query head come from calibration
   text, ranked as ``sparse_eval.calibrate`` ranks them (``channel_statistics``: mean over tokens of |q_c·k_c| of
@@ -278,6 +278,13 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: DSCheckOption
                  f"{opts.hidden_blocks}×{res['block_size']}-token windows", fontsize=10)
     paths += common.save_figure(fig, out, "ds_fig8_layer_similarity")
     return paths
+
+
+def summary(result: dict[str, Any]):
+    """Channel overlap at each ratio and the layer-to-layer similarities, over layers (per layer:
+    ``result["table_file"]``)."""
+    table = result["table"]
+    return common.layer_summary(table, [c for c in table.columns if c != "layer"])
 
 
 def run(model_cfg, opts: DSCheckOptions) -> dict[str, Any]:

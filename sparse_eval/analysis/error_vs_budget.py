@@ -1,6 +1,6 @@
 """Estimation error against the budget (MagicPIG Fig. 3, Fig. 4, Fig. 6a/b; Theorem 3.3).
 
-    python -m sparse_eval.analysis error_vs_budget model=stories260k [length=512 num_queries=4 ...]
+    python -m sparse_eval.analysis analysis=error_vs_budget model=stories260k [analysis.length=512 analysis.num_queries=4 ...]
 
 On real text (a WikiText-2 passage of ``length`` tokens), the attention inputs of every layer are captured
 (post-RoPE q, K, V) and, for the last ``num_queries`` query rows (each a decoding step over the densely
@@ -274,4 +274,13 @@ def run(model_cfg, opts: ErrorOptions) -> dict[str, Any]:
         "provenance": common.provenance(model_cfg, opts, records[0]["text"] if records else None),
         "records": records})
     paths = figures(summary, out, model_cfg.name, opts, model_shape(model)["num_layers"])
-    return {"out": out, "summary": summary, "records": records, "figures": paths}
+    return {"out": out, "summary": summary, "table_file": out / "error_vs_budget.csv", "records": records,
+            "figures": paths}
+
+
+def summary(result: dict[str, Any]):
+    """Mean over layers of each method's error and attended fraction per budget (TopK, oracle) or (K, L)
+    (MagicPIG); every layer and column is in ``result["table_file"]``."""
+    s = result["summary"]
+    cols = [c for c in ("method", "budget", "K", "L", "error", "cost2") if c in s]
+    return s[s["layer"] == "mean"][cols]

@@ -1,6 +1,6 @@
 """Attention geometry (MagicPIG §3.1, Fig. 2, Fig. 5, App. C Fig. 10 and 11), per layer and head.
 
-    python -m sparse_eval.analysis geometry model=stories260k [num_sentences=50 sentence_len=128 ...]
+    python -m sparse_eval.analysis analysis=geometry model=stories260k [analysis.num_sentences=50 analysis.sentence_len=128 ...]
 
 What is measured (keys and queries post-RoPE, exactly as attention uses them; K/V per KV head):
 
@@ -371,6 +371,16 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
                  f"\n{opts.num_sentences} windows of {opts.sentence_len} tokens", fontsize=10)
     paths += common.save_figure(fig, out, "fig11_value_norms")
     return paths
+
+
+def summary(result: dict[str, Any]):
+    """The headline numbers over layers (the full per-layer table, one column per figure quantity and top-x
+    fraction, is ``result["table_file"]``): sink and mean-key cosines, the first value's norm, score spread, and
+    the attention mass of the smallest top-x fraction with and without the sink."""
+    fr = result["result"]["fractions"][0]
+    cols = ["sink_cos_min", "kavg_cos_mean", "v0_norm_over_median", "score_std", "logdev_std",
+            f"top{fr * 100:g}%_mass", f"top{fr * 100:g}%_mass_no_sink"]
+    return common.layer_summary(result["table"], cols)
 
 
 def run(model_cfg, opts: GeometryOptions) -> dict[str, Any]:
