@@ -6,7 +6,7 @@ each method's selection).  For every method this prefills one context densely (p
 and off.  The same prefilled cache is reused for every method (cropped back after each), and full attention
 is timed in the same process as the baseline.  Medians over ``--repeats``.
 
-    python benchmarks/bench_accuracy_path.py --model stories260k --context 448 --out experiments/accuracy_path/cpu
+    python benchmarks/bench_accuracy_path.py --model stories260k --context 448 --out experiments/accuracy_path_speed
     python benchmarks/bench_accuracy_path.py --model llama3_8b_random --context 16384 --out $OUT   # GPU machine
 """
 

@@ -352,7 +352,7 @@ def tune_label_scores(args, device, gen, rows):
 
 TOPK_CONFIGS = [(8, 2048, 4, 2), (8, 2048, 4, 99), (8, 4096, 4, 2), (8, 1024, 4, 2), (8, 2048, 8, 2), (4, 2048, 4, 4)]
 # (radix bits, BLOCK_N, warps, first pass counted by per-key atomics; 99 = tile histograms in every pass).  A
-# one-program-per-row layout (commit 1d25a96) measured slower at every shape: experiments/kernels/session5.
+# one-program-per-row layout (commit 1d25a96) is slower at every shape on the H200.
 TOPK_SHAPES = ((32, 16384), (45, 16384), (16, 16384), (22, 32768), (7, 98304), (4, 131072))
 
 

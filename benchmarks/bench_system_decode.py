@@ -10,7 +10,7 @@ over the batch (each row then does exactly the work a distinct row would).  Timi
 decode step; the first ``--warmup`` steps (Triton/numba compilation, MagicPIG's table build) are dropped;
 median over the rest.
 
-    python benchmarks/bench_system_decode.py --out experiments/system_decode            # the GPU machine
+    python benchmarks/bench_system_decode.py --out experiments/system_decode_throughput  # the GPU machine
     python benchmarks/bench_system_decode.py --smoke                                     # 2 layers, 2K, any machine
 
 Writes ``system_decode.json`` (records + hardware + command) and ``system_decode.png`` under ``--out``;
@@ -67,7 +67,7 @@ def parse_args(argv=None):
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="2 layers, contexts 2K, batch 2 (checks the plumbing)")
     ap.add_argument("--replot", default=None, help="redraw the figure of this system_decode.json and exit")
-    ap.add_argument("--out", default=os.environ.get("OUT", "experiments/system_decode"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "experiments/system_decode_throughput"))
     a = ap.parse_args(argv)
     if a.smoke:
         a.contexts, a.num_layers, a.batch, a.steps, a.warmup = "2048", 2, 2, 5, 2

@@ -3,8 +3,8 @@ batches that full attention on the GPU fits or fails (OOM) next to the batches t
 host memory, with their throughput and where their caches live.  Reads records written by
 ``bench_system_decode.py`` (e.g. runs with ``name@B`` batches past the GPU's capacity).
 
-    python benchmarks/plot_crossover.py --context 98304 --out experiments/system_decode/session5/crossover_96k.png \
-        experiments/system_decode/system_decode.json experiments/system_decode/session5/crossover_96k*.json
+    python benchmarks/plot_crossover.py --context 98304 --out experiments/offload_capacity_96k/crossover_96k.png \
+        experiments/system_decode_throughput/system_decode.json experiments/offload_capacity_96k/crossover_96k*.json
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def _configs():
         out.append((_tl_sparse_decode._sparse_decode_split, sd,
                     dict(base, QPI=qpi, HAS_CNT=cnt, SINGLE=single, UPCAST=False), ("qk_scale",), 4))
     # dense over row lengths (the captured full step) at its default 4 warps: ptxas spills 128 B there; measured on
-    # the H200 it runs at 0.97x sdpa's speed (16K) and 8 warps (no spill) is no faster (experiments/kernels/session3)
+    # the H200 it runs at 0.97x sdpa's speed (16K) and 8 warps (no spill) is no faster (experiments/ds_kernel_speed)
     out.append((_tl_sparse_decode._sparse_decode_split, sd,
                 dict(base, QPI=4, HAS_CNT=True, SINGLE=False, UPCAST=False, DENSE=True), ("qk_scale",), 4, 256))
     # float32 tiles multiply in IEEE fp32 (FMA, no tensor cores): BLOCK_N 32 at 8 warps

@@ -21,9 +21,9 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 PREFETCH_ROWS = 16  # default distance: gathered rows requested ahead of use (≈ DRAM latency / time per row;
-# the best of 0/4/8/16/32 in the 16-thread prefetch sweep on the H200 host, experiments/kernels/cpu/session4)
+# the best of 0/4/8/16/32 in the 16-thread prefetch sweep on the H200 host, experiments/magicpig_cpu_attention)
 PREFETCH_V_EARLY_MAX = 512  # default of attention(prefetch_v_early=): rows of at most this many keys get their V
-# rows requested in pass (1) with the K rows.  On the H200 host's Xeon (16 threads, experiments/kernels/cpu/session6)
+# rows requested in pass (1) with the K rows.  On the H200 host's Xeon (16 threads, experiments/magicpig_cpu_attention/gather_ceiling.txt)
 # that was 1.07-1.15x faster at 328 keys per row, about equal at 819, and 0.83-0.98x at 1,966-4,915
 # reassociation lets LLVM vectorise the float32 reductions over the head dim; no 'nnan'/'ninf' (the code
 # relies on -inf and on exact comparisons)
@@ -47,8 +47,8 @@ def _bits_as_float(typingctx, x):
 @intrinsic
 def _prefetch(typingctx, arr, i0, i1, i2, i3):
     """Software prefetch (read, into L2 and beyond: prefetcht1) of &arr[i0, i1, i2, i3] for a 4-D array.  L2
-    rather than L1 (prefetcht0) was chosen with an ad-hoc row-gather loop on the development box whose figures were
-    not kept; the recorded effect is the kernel's before/after (experiments/kernels/cpu/session4*)."""
+    rather than L1 (prefetcht0): the faster of the two in a row-gather loop on a development machine (figures not
+    kept)."""
     if not (isinstance(arr, types.Array) and arr.ndim == 4):
         return None
     sig = types.void(arr, i0, i1, i2, i3)

@@ -94,7 +94,7 @@ def label_scores(q_label, cache, *, reduce, lengths, block_n, num_warps):
     out = torch.empty((b, hl if reduce else hq, n), dtype=torch.float32, device=dev)
     lens = lengths.to(device=dev, dtype=torch.int32).contiguous() if lengths is not None else ql
     width = cache.r // 2 if cache.bits == 4 else cache.r
-    block_n = block_n or 512  # H200 sweep (experiments/kernels/label_tune): 512-1024 x 4 warps best
+    block_n = block_n or 512  # H200 sweep (bench_kernels.py's label tuning): 512-1024 x 4 warps best
     extra = {"num_warps": num_warps} if num_warps else {}
     _label_scores_kernel[(b * hl, triton.cdiv(n, block_n))](
         ql, lab, sc, ze, lens, out,

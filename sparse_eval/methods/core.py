@@ -97,7 +97,7 @@ def scores_gqa(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor
 def _keys_times_rows(qg: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """qg [B, Hkv, R, D] · kᵀ as (k · qgᵀ)ᵀ, [B, Hkv, R, N] (a transposed view).  cuBLAS's kernel for
     qg · kᵀ runs 2-3x slower when N is not a multiple of 8; this one does not (H200:
-    ``experiments/accuracy_path/session9``)."""
+    ``experiments/decode_products_alignment``)."""
     return torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2)
 
 
@@ -114,7 +114,7 @@ def weighted_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def _values_split8(pg: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """pg [B, Hkv, R, N] · v [B, Hkv, N, D] in v's dtype, the reduction split at the last multiple of 8: cuBLAS
     runs a 16-bit product whose reduction length is not a multiple of 8 5-20x slower (H200:
-    ``experiments/accuracy_path/session9``).  The ≤ 7 last keys are a second product, added in (at least) fp32."""
+    ``experiments/decode_products_alignment``).  The ≤ 7 last keys are a second product, added in (at least) fp32."""
     n = pg.shape[-1]
     n8 = n - n % 8
     if n8 == n or n8 == 0:

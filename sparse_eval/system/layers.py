@@ -219,7 +219,7 @@ def _host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A pageable host cache on transparent huge pages where Linux allows it: the CPU kernels gather random rows
     of it, and with 4 KiB pages nearly every row misses the TLB (MagicPIG's attention on the H200 machine's Xeon:
     6.2–6.5 against 7.1–7.3 ms in two of three alternating rounds, equal in the third;
-    experiments/kernels/cpu/session5)."""
+    experiments/magicpig_cpu_attention/huge_pages_ab.txt)."""
     out = torch.empty(shape, dtype=dtype)
     kcommon.advise_huge_pages(out)
     return out
@@ -734,7 +734,7 @@ class MagicPIGLayer(FullLayer):
         """One host buffer [B, Hkv, capacity, 2, D] with a token's K and V side by side (keys and values are its two
         halves): the CPU kernel then reads one 512-byte row per sampled key (D = 128, bf16) instead of two 256-byte
         rows at unrelated places, 1.05–1.14x the gather bandwidth on the H200 machine's Xeon
-        (experiments/kernels/cpu/session6)."""
+        (experiments/magicpig_cpu_attention/kv_side_by_side_gather.txt)."""
         b, hkv, _, d = key_states.shape
         self.device = key_states.device
         self.kv = _host_empty((b, hkv, self.capacity, 2, d), key_states.dtype)
@@ -856,7 +856,7 @@ class MagicPIGLayer(FullLayer):
         """(idx int32 [B, Hq, S] cache positions, −1 padded; count int32 [B, Hq]) of the sampled keys: the tables'
         samples (ascending), then the overflow list's (ascending), placed by the look-up's own kernels (on the
         H200 machine's Xeon, numpy passes for the sink offset, the padding and the overflow hits took ~0.9 ms per
-        layer at 16K × 14 rows, more than the look-up's 0.7 ms; experiments/system_decode/session6)."""
+        layer at 16K × 14 rows, more than the look-up's 0.7 ms)."""
         c = self.cfg
         idx, cnt = kmc.sample(self.tables, q_codes, c.min_collisions, backend=self.backend_cpu, index_offset=c.sink,
                               extra_codes=self.over_codes if self.n_over else None, extra_offset=self.table_end,
