@@ -51,12 +51,12 @@ def main():
         ps = p.reshape(b, hkv, g * ql, n)
         c = 16
         scores = {
-            "broadcast (session 1-8)": lambda: torch.matmul(q.reshape(b, hkv, g, ql, d), k.unsqueeze(2).transpose(-1, -2)).reshape(b, hq, ql, n),
+            "broadcast over the group": lambda: torch.matmul(q.reshape(b, hkv, g, ql, d), k.unsqueeze(2).transpose(-1, -2)).reshape(b, hq, ql, n),
             "G*Q rows @ K^T": lambda: torch.matmul(qs, k.transpose(-1, -2)).reshape(b, hq, ql, n),
             "(K @ (G*Q rows)^T)^T": lambda: torch.matmul(k, qs.transpose(-1, -2)).transpose(-1, -2).reshape(b, hq, ql, n),
         }
         values = {
-            "broadcast (session 1-8)": lambda: torch.matmul(p.reshape(b, hkv, g, ql, n).to(v.dtype), v.unsqueeze(2)).reshape(b, hq, ql, d),
+            "broadcast over the group": lambda: torch.matmul(p.reshape(b, hkv, g, ql, n).to(v.dtype), v.unsqueeze(2)).reshape(b, hq, ql, d),
             "G*Q rows @ V": lambda: torch.matmul(ps.to(v.dtype), v).reshape(b, hq, ql, d),
             "(V^T @ (G*Q rows)^T)^T": lambda: torch.matmul(v.transpose(-1, -2), ps.to(v.dtype).transpose(-1, -2)).transpose(-1, -2).reshape(b, hq, ql, d),
             "G*Q rows (padded to 8) @ V": lambda: (_padded_rows(ps, v.dtype) @ v).reshape(b, hq, ql, d),
