@@ -233,3 +233,25 @@ def test_pareto_has_a_panel_per_length_and_per_single_subtask(df, tmp_path, monk
     figures.pareto(lm, tmp_path)
     assert panels == {0: lm["subtask"].nunique()}
     assert (tmp_path / "pareto_lm_eval_llama3_1_8b_instruct.png").stat().st_size > 5_000
+
+
+def test_writers_escape_and_align():
+    """DataFrame.to_markdown / Styler.to_latex: a pipe stays inside its cell, LaTeX specials and the Greek letters
+    are escaped, key columns left-aligned and value columns right-aligned, paper cells 'ours (paper, diff)'."""
+    from sparse_eval.report.tables import Table
+
+    t = Table("t", "Title_1 & more", "α = 1/4, 5% of β", ["Model", "Config"], ["16K", "Avg"],
+              [{"Model": "a|b", "Config": "x_y", "16K": 12.34, "Avg": None}], paper=[{"16K": 10.0}],
+              paper_source=["Table 3"])
+    md = to_markdown(t).splitlines()
+    assert md[0] == "### Title_1 & more" and "α = 1/4, 5% of β" in md
+    head = next(i for i, line in enumerate(md) if line.startswith("| Model"))
+    assert [c.strip() for c in md[head].strip("|").split("|")] == ["Model", "Config", "16K", "Avg"]
+    assert md[head + 1].replace(" ", "").startswith("|:---") and md[head + 1].rstrip().endswith(":|")
+    cells = [c.strip() for c in md[head + 2].strip("|").replace("\\|", "\x00").split("|")]
+    assert cells == ["a\x00b", "x_y", "12.3 (10.0, +2.3)", "–"]
+    tex = to_latex(t)
+    assert r"\caption{Title\_1 \& more. $\alpha$ = 1/4, 5\% of $\beta$ Cells: ours (paper, ours $-$ paper).}" in tex
+    assert r"\begin{tabular}{llrr}" in tex and r"\label{tab:t}" in tex
+    assert r"a|b & x\_y & 12.3 (10.0, +2.3) & -- \\" in tex
+    assert tex.index(r"\toprule") < tex.index(r"\midrule") < tex.index(r"\bottomrule")
