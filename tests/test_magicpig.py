@@ -354,3 +354,45 @@ def test_generate_on_random_qwen2_with_padding():
     assert torch.equal(batched.sequences[1, -6:], alone.sequences[0, -6:])
     for a, b in zip(batched.logits, alone.logits):
         torch.testing.assert_close(a[1], b[0], rtol=1e-4, atol=1e-4)
+
+
+# -- settings that can never select a key, and runs that mostly do not -------------------------------------
+
+@pytest.mark.parametrize("opts, needle", [
+    ({"K": 10, "L": 150, "min_collisions": 151}, r"min_collisions=151 > method.L=150.*valid: 1\.\.150"),
+    ({"K": 8, "L": 1}, r"min_collisions=2 > method.L=1"),
+    ({"K": 40, "L": 150}, r"method.K=40 .*valid: K <= 28 at L=150.*lower method.K"),
+    ({"K": 62, "L": 10}, r"method.K=62 .*lower method.K"),
+])
+def test_impossible_settings_are_refused_at_start(opts, needle):
+    with pytest.raises(ValueError, match=needle):
+        build_method(make_config("magicpig", opts))
+
+
+def test_paper_settings_pass_the_start_check():
+    for k, l in ((10, 150), (10, 220), (8, 90), (9, 120), (8, 75)):
+        build_method(make_config("magicpig", {"K": k, "L": l}))
+
+
+def test_high_empty_selection_rate_warns_once_and_is_recorded(tmp_path, caplog):
+    import logging
+
+    from hydra import compose, initialize_config_dir
+
+    from sparse_eval.config import register_configs
+    from sparse_eval.runner import CONF_DIR, run
+
+    register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        cfg = compose(config_name="config", overrides=[
+            f"paths.runs_dir={tmp_path}", "method=magicpig", "method.K=16", "method.L=20", "method.dense_layers=[0]",
+            "task.window=96", "task.num_samples=1", "print_table=false", "eval.compute_error=false"])
+    with caplog.at_level(logging.WARNING, logger="sparse_eval"):
+        (summary,) = run(cfg)
+    assert summary["empty_selection_rate"] > 0.05
+    warned = [r for r in caplog.records if "selected no key of its own" in r.getMessage()]
+    assert len(warned) == 1 and summary["warnings"] == [warned[0].getMessage()]
+    import json
+    from pathlib import Path
+
+    assert json.loads((Path(summary["run_dir"]) / "summary.json").read_text())["warnings"] == summary["warnings"]
