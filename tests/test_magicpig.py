@@ -396,3 +396,30 @@ def test_high_empty_selection_rate_warns_once_and_is_recorded(tmp_path, caplog):
     from pathlib import Path
 
     assert json.loads((Path(summary["run_dir"]) / "summary.json").read_text())["warnings"] == summary["warnings"]
+
+
+def test_sparse_prefill_rows_hash_with_their_own_prefix_mean():
+    """Under a sparse prefill (several rows building the index) row t's keys are centered by the mean of its own
+    non-static keys: the selection equals a brute-force loop that hashes every key with each row's μ_t."""
+    from sparse_eval.methods.core import key_validity, pass_masks
+    from sparse_eval.methods.magicpig import collision_counts
+
+    torch.manual_seed(5)
+    b, hq, hkv, n, d = 1, 4, 2, 40, 8
+    q, k, v = torch.randn(b, hq, n, d), torch.randn(b, hkv, n, d) + 2.0, torch.randn(b, hkv, n, d)
+    opts = dict(K=4, L=20, sink=2, local=4)
+    m = build_method(make_config("magicpig", opts))
+    _, st = attend(m, q, k, v, compute_error=False)
+    masks = pass_masks(key_validity(None, b, n, n, q.device), 2, 4)
+    w = m.projection(0, d)
+    q_codes = m._hash(q, None, None, w)
+    for t in range(n):
+        cand = masks.candidates[0, 0, t]  # [N]
+        if not cand.any():
+            assert not st["keep"][0, :, t].logical_and(cand).any()
+            continue
+        mu = k[0][:, cand].double().mean(1).float()  # [Hkv, D]
+        codes = m._hash(k, mu[None], None, w)  # [1, Hkv, N, L]
+        counts = collision_counts(q_codes[:, :, t:t + 1], codes)[0, :, 0]  # [Hq, N]
+        want = (counts >= 2) & cand
+        assert torch.equal(st["keep"][0, :, t] & cand, want), t

@@ -447,7 +447,12 @@ class MagicPIG(Method):
         g = hq // hkv
         proj = torch.matmul(k.float(), w[:d])  # [B, Hkv, N, L·K]
         thresh = torch.matmul(mean, w[:d])  # [B, Hkv, Q, L·K]
+        # codes packed by a product with 2^j in float32 (exact up to 24 bits), else as integers (``pack_signs``)
+        as_float = c.K <= 24
+        pow2 = torch.pow(2.0, torch.arange(c.K, device=k.device, dtype=torch.float32))
         qg = q_codes.reshape(b, hkv, g, ql, c.L)
+        if as_float:
+            qg = qg.float()
         cand_any = ctx.candidates[:, 0]  # [B, Q, N]
         counts = torch.zeros(b, hkv, g, ql, n, dtype=torch.int16, device=k.device)
         row_step = max(1, (self.element_budget // 4) // max(1, b * hkv * n * c.L * c.K))
@@ -463,7 +468,11 @@ class MagicPIG(Method):
                 sq = (kk[:, :, None] - mean[:, :, r0:r1, None]).pow(2).sum(-1)  # [B, Hkv, r, m]
                 extra = (r[:, :, r0:r1, None] ** 2 - sq).clamp_min(0.0).sqrt()
                 p = p + extra[..., None] * w[d]
-            codes = pack_signs(p - thresh[:, :, r0:r1, None], c.K, c.L)  # [B, Hkv, r, m, L]
+            above = torch.gt(p, thresh[:, :, r0:r1, None])  # bit j: (k_i − μ_t)·w_j > 0, [B, Hkv, r, m, L·K]
+            if as_float:
+                codes = torch.matmul(above.view(*above.shape[:-1], c.L, c.K).to(torch.float32), pow2)  # [B, Hkv, r, m, L]
+            else:
+                codes = pack_signs(above, c.K, c.L)
             eq = qg[:, :, :, r0:r1, None, :] == codes[:, :, None]  # [B, Hkv, G, r, m, L]
             counts[:, :, :, r0:r1, :m] = eq.sum(-1, dtype=torch.int16)
         return counts.reshape(b, hq, ql, n)
