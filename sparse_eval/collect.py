@@ -14,7 +14,9 @@ equals what the task reports for that subtask.
 
 Columns (see also docs/sweeps.md):
 
-  model, model_path                  model config name and path
+  model, model_path                  the loaded model's label and path (run identity; not the config's name when
+                                     model.path was overridden under it), model_gguf_file, model_revision,
+                                     model_dtype, model_fingerprint (sha256 of its files, else of its config)
   method, method_config              method name; "name-key=value-..." of its own parameters (results.method_label)
   method.<field>                     every method field (budget, K, L, page_size, alpha, beta, ...; NaN if absent)
   sink, local, dense_layers, gqa     the shared method fields (dense_layers as "0,16")

@@ -106,3 +106,16 @@ def test_calibrate_writes_to_the_user_folder_which_the_method_reads_first(tmp_pa
     from sparse_eval.fingerprint import file_sha256
 
     assert exp.identity(exp.method_configs()[0])["inputs"] == {"channels_file_sha256": file_sha256(expected)}
+
+
+def test_collect_labels_rows_by_the_loaded_model(tmp_path):
+    from sparse_eval.collect import collect
+    from sparse_eval.runner import run
+
+    other = tmp_path / "OtherModel"
+    shutil.copytree(STORIES, other)
+    (summary,) = run(_cfg(tmp_path, "method=full", f"model.path={other}", "print_table=false"))
+    assert summary["model"] == "OtherModel" and summary["model_identity"]["given_name"] == "stories260k"
+    df = collect(tmp_path / "runs")
+    assert set(df["model"]) == {"OtherModel"} and set(df["model_path"]) == {str(other)}
+    assert df["model_fingerprint"].notna().all()
