@@ -273,8 +273,12 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         try:
             run_dir = run_dir_for(cfg.paths.runs_dir, exp.identity(m))
         except Exception as exc:  # the model or a method's input cannot be read: recorded under the config's identity
-            run_dir = run_dir_for(cfg.paths.runs_dir, exp.identity(m, loaded=False))
+            identity = exp.identity(m, loaded=False)
+            run_dir = run_dir_for(cfg.paths.runs_dir, identity)
             run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(identity)), encoding="utf-8")
+            if not (run_dir / "meta.json").exists():
+                (run_dir / "meta.json").write_text(json.dumps(provenance(), indent=2) + "\n", encoding="utf-8")
             write_failure(run_dir, exc)
             raise
         try:
