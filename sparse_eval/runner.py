@@ -79,7 +79,7 @@ class Experiment:
             self.model, self.tokenizer = load_model(self.model_cfg)
             self.context = max_context(self.model_cfg, self.model)
             self.num_layers = self.model.config.get_text_config().num_hidden_layers
-            self.model_identity = model_identity(self.model_cfg, self.model)
+            self.model_identity = model_identity(self.model_cfg, self.model, to_plain(self.cfg.paths))
 
     def samples(self):
         if self._samples is None:

@@ -119,3 +119,15 @@ def test_collect_labels_rows_by_the_loaded_model(tmp_path):
     df = collect(tmp_path / "runs")
     assert set(df["model"]) == {"OtherModel"} and set(df["model_path"]) == {str(other)}
     assert df["model_fingerprint"].notna().all()
+
+
+def test_a_shipped_config_with_interpolated_path_keeps_its_name(tmp_path):
+    from sparse_eval.models.loading import ModelConfig, model_label
+
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    paths = {"models_dir": str(tmp_path / "models")}
+    own = ModelConfig(name="smollm2_135m", path=f"{tmp_path}/models/smollm2-135m-instruct", gguf_file=gguf)
+    assert model_label(own, paths) == "smollm2_135m"
+    other = ModelConfig(name="smollm2_135m", path=str(tmp_path / "elsewhere"), gguf_file=gguf)
+    assert model_label(other, paths) == "elsewhere-SmolLM2-135M-Instruct.Q4_1"
+    assert model_label(ModelConfig(name="my_label", path=str(tmp_path / "elsewhere")), paths) == "my_label"

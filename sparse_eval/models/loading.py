@@ -106,25 +106,31 @@ def max_context(cfg: ModelConfig, model: Any) -> int:
 # -- run identity ---------------------------------------------------------------------------------------------
 
 
-def named_config(name: str) -> dict[str, Any] | None:
-    """The ``conf/model/<name>.yaml`` a model name refers to (None when the name is a free label)."""
+def named_config(name: str, paths: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The ``conf/model/<name>.yaml`` a model name refers to (None when the name is a free label), its
+    interpolations (``${paths.models_dir}``) resolved against ``paths``."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     path = MODEL_CONF_DIR / f"{name}.yaml"
     if not path.is_file():
         return None
-    node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    node = OmegaConf.load(path)
+    try:
+        node = OmegaConf.to_container(OmegaConf.create({"paths": dict(paths or {}), "model": node}), resolve=True)["model"]
+    except OmegaConfBaseException:
+        node = OmegaConf.to_container(node, resolve=False)
     node.pop("defaults", None)
     return node
 
 
-def model_label(cfg: ModelConfig) -> str:
+def model_label(cfg: ModelConfig, paths: dict[str, Any] | None = None) -> str:
     """The name results are filed under.  ``model.name`` when it is a free label or when ``model.path`` and
     ``model.gguf_file`` are those of ``conf/model/<name>.yaml``; a ``path`` (or GGUF file) overridden under a
     shipped config's name is recorded as what was loaded: the label is made from the path's last part and the
     GGUF file's stem (e.g. ``model.path=/m/SmolLM2 model.gguf_file=q8.gguf`` under ``model=stories260k`` files
     its results under ``SmolLM2-q8``), with a warning."""
-    conf = named_config(cfg.name)
+    conf = named_config(cfg.name, paths)
     if conf is None or (conf.get("path"), conf.get("gguf_file")) == (cfg.path, cfg.gguf_file):
         return cfg.name
     base = cfg.path[len(BUILTIN_PREFIX):] if cfg.path.startswith(BUILTIN_PREFIX) else cfg.path
@@ -163,16 +169,16 @@ def config_fingerprint(model: Any) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def model_identity(cfg: ModelConfig, model: Any) -> dict[str, Any]:
+def model_identity(cfg: ModelConfig, model: Any, paths: dict[str, Any] | None = None) -> dict[str, Any]:
     """What identifies the loaded model in a run's identity (its run directory's hash and its records): the
     path or hub id, revision, GGUF file and the dtype actually used, the fingerprint of its config and, when it
     is local, of its files (sha256 each, cached by path, size and mtime: ``sparse_eval.fingerprint``); for a
     hub id the hub's commit of the files when transformers reports it.  ``name`` is the label results are filed
-    under (``model_label``)."""
+    under (``model_label``; ``paths``: the run's ``paths`` config, for the model configs' interpolations)."""
     from ..fingerprint import combined_sha256, files_sha256
 
     out = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "how_to_get"}
-    out["name"] = model_label(cfg)
+    out["name"] = model_label(cfg, paths)
     if out["name"] != cfg.name:
         out["given_name"] = cfg.name
     out["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
