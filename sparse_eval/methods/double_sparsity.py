@@ -52,9 +52,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
-import os
 from pathlib import Path
 from typing import Any
 
@@ -219,8 +219,7 @@ class DoubleSparsity(Method):
         path = self.channels_path(model_name)
         if path is None:
             return {}
-        self._expected_sha256 = file_sha256(path) if path.is_file() else "missing"
-        return {"channels_file_sha256": self._expected_sha256}
+        return {"channels_file_sha256": file_sha256(path) if path.is_file() else "missing"}
 
     def provenance(self) -> dict[str, Any]:
         """The channel file (path and sha256) or ``method.channels`` the run used."""
