@@ -254,7 +254,8 @@ class MagicPIG(Method):
             if isinstance(val, bool) or not isinstance(val, int) or val < lo:
                 raise ValueError(f"method.{what}={val!r}: must be an integer >= {lo}")
         if c.K > _MAX_K:
-            raise ValueError(f"method.K={c.K}: codes are packed into 64-bit integers; valid: 1..{_MAX_K}")
+            raise ValueError(f"method.K={c.K}: a table's code must fit a 64-bit integer; valid: 1..{_MAX_K} "
+                             f"(the paper: 8-10); lower method.K")
         if c.min_collisions > c.L:
             raise ValueError(
                 f"method.min_collisions={c.min_collisions} > method.L={c.L}: a key can collide in at most L tables, "
