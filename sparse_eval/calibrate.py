@@ -15,8 +15,12 @@ the file has no time stamp, so the output is a deterministic function of (model,
 
 The file (JSON) records the model's name and shape, the data (origin and sha256), the number of tokens and
 blocks, the settings, the command, and for each statistic the channel order [layer][head][channel] (best
-first) and the mean values.  ``Method.setup`` of ``double_sparsity`` reads it from
-``sparse_eval/calibration/<model.name>.json`` (or ``method.channels_file``).
+first) and the mean values.  It is written to ``output`` or, by default, to the user's calibration folder
+(``$SPARSE_EVAL_CALIBRATION_DIR``, else ``$XDG_DATA_HOME/sparse_eval/calibration``, else
+``~/.local/share/sparse_eval/calibration``), never into the installed package, and the path is printed.
+``Method.setup`` of ``double_sparsity`` reads ``method.channels_file`` when given, else the first
+``<model.name>.json`` of: the user's folder, then the files shipped in ``sparse_eval/calibration/``.  The file's
+sha256 is part of the run's identity, so recalibrating gives new run directories.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 
 from .config import PathsConfig, register_configs, to_plain
-from .methods.double_sparsity import CALIBRATION_DIR
+from .methods.double_sparsity import calibration_dirs, user_calibration_dir
 from .models.loading import ModelConfig, load_model, max_context
 from .runner import CONF_DIR
 
@@ -55,7 +59,7 @@ class CalibrateConfig:
     block_size: int = 512  # tokens per forward (authors: 512); at most the model's context
     num_blocks: int | None = None  # null: every whole block of the text (authors: 256 blocks)
     rope: str = "authors"  # authors (qk after RoPE, q/k before) | after | before
-    output: str | None = None  # null: sparse_eval/calibration/<model.name>.json
+    output: str | None = None  # null: <user calibration folder>/<model.name>.json (see user_calibration_dir)
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 
@@ -231,10 +235,14 @@ def run(cfg: Any, command: str = "") -> Path:
         model, tokenizer, text, model_name=model_cfg.name, model_path=model_cfg.path, data_origin=origin,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks, rope=cfg.rope, command=command,
     )
-    out = Path(cfg.output).expanduser() if cfg.output else CALIBRATION_DIR / f"{model_cfg.name}.json"
+    out = Path(cfg.output).expanduser() if cfg.output else user_calibration_dir() / f"{model_cfg.name}.json"
     write(result, out)
     c = result["calibration"]
-    print(f"wrote {out}: {result['model']['num_layers']} layers, {c['tokens']} tokens ({c['blocks']} x {c['block_size']}) of {c['data']}")
+    print(f"wrote {out.resolve()}: {result['model']['num_layers']} layers, {c['tokens']} tokens "
+          f"({c['blocks']} x {c['block_size']}) of {c['data']}")
+    if not cfg.output:
+        print(f"method=double_sparsity model={model_cfg.name} reads it (search order: "
+              f"{', '.join(str(d) for d in calibration_dirs())})")
     return out
 
 

@@ -14,7 +14,9 @@ equals what the task reports for that subtask.
 
 Columns (see also docs/sweeps.md):
 
-  model, model_path                  model config name and path
+  model, model_path                  the loaded model's label and path (run identity; not the config's name when
+                                     model.path was overridden under it), model_gguf_file, model_revision,
+                                     model_dtype, model_fingerprint (sha256 of its files, else of its config)
   method, method_config              method name; "name-key=value-..." of its own parameters (results.method_label)
   method.<field>                     every method field (budget, K, L, page_size, alpha, beta, ...; NaN if absent)
   sink, local, dense_layers, gqa     the shared method fields (dense_layers as "0,16")
@@ -114,7 +116,11 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
     aggregate, metric = _task_aggregator(task_cfg)
     metric = metric or summary.get("metric") or "score"
     base: dict[str, Any] = {
-        "model": model.get("name"), "model_path": model.get("path"),
+        # the model as loaded (run identity; model.name of an overridden path is recorded in given_name)
+        "model": model.get("name"), "model_path": model.get("path"), "model_gguf_file": model.get("gguf_file"),
+        "model_revision": model.get("revision"), "model_dtype": model.get("dtype"),
+        "model_fingerprint": (model.get("fingerprint") or {}).get("files_sha256")
+        or (model.get("fingerprint") or {}).get("config_sha256"),
         "method": method.get("name"), "method_config": method_label(method),
         **{f"method.{k}": v for k, v in method.items() if k not in ("name", "sink", "local", "dense_layers", "gqa")
            and not isinstance(v, (dict, list))},

@@ -1,7 +1,12 @@
-"""The results store: one directory per run, derived from its config (so a re-launch finds its own results).
+"""The results store: one directory per run, derived from its identity (so a re-launch finds its own results).
+
+A run's identity (``runner.Experiment.identity``) is everything that can change its result: the model as loaded
+(``models.loading.model_identity``: source, revision, GGUF file, dtype, config and file sha256s), the method's
+config, the sha256 of the files the method reads (``inputs``), the task, the evaluation settings and the seed.
+``<model>`` below is the loaded model's label (``models.loading.model_label``), not a key of the identity.
 
     <runs_dir>/<task>/<model>/<method>-<key=value...>-<hash>/
-        config.yaml      the resolved config of the run
+        config.yaml      the run's identity (what the hash is of)
         meta.json        git commit, library versions, hardware, command line, start time
         samples.jsonl    one JSON line per finished sample, appended and flushed as it finishes
         summary.json     the run's metrics, costs and settings (+ per-layer / per-head aggregates)
@@ -48,7 +53,7 @@ def method_label(method: dict[str, Any]) -> str:
 
 
 def run_dir_for(runs_dir: str | Path, identity: dict[str, Any]) -> Path:
-    """identity: the parts of the config that decide the results (model, method, task, eval, seed)."""
+    """identity: everything that decides the results (model as loaded, method, its inputs, task, eval, seed)."""
     label = method_label(identity["method"])
     name = f"{label}-{config_hash(identity)}"
     return Path(runs_dir).expanduser() / _short(identity["task"]["name"]) / _short(identity["model"]["name"]) / name

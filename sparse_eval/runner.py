@@ -18,7 +18,7 @@ from .attention.plugin import PROTOCOLS, Runtime, attach, detach
 from .config import to_plain
 from .engine import Engine
 from .methods import build_method, make_config
-from .models.loading import ModelConfig, load_model, max_context
+from .models.loading import ModelConfig, load_model, max_context, model_identity
 from .results import SampleLog, provenance, run_dir_for, write_summary
 from .status import clear_failure, run_lock, write_failure, write_progress
 from .tasks import build_task
@@ -28,6 +28,7 @@ log = logging.getLogger("sparse_eval")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PACKAGE_CONF_DIR = Path(__file__).resolve().parent / "conf"
 RECORD_STATS = ("cost1", "cost2", "static_frac", "error")
+EMPTY_SELECTION_WARN = 0.05  # a run whose rows select no key of their own more often than this is flagged
 
 
 def method_options(name: str) -> dict[str, Any]:
@@ -78,6 +79,7 @@ class Experiment:
             self.model, self.tokenizer = load_model(self.model_cfg)
             self.context = max_context(self.model_cfg, self.model)
             self.num_layers = self.model.config.get_text_config().num_hidden_layers
+            self.model_identity = model_identity(self.model_cfg, self.model, to_plain(self.cfg.paths))
 
     def samples(self):
         if self._samples is None:
@@ -85,11 +87,23 @@ class Experiment:
             self._samples = self.task.samples(self.tokenizer, self.context)
         return self._samples
 
-    def identity(self, method: dict[str, Any]) -> dict[str, Any]:
+    def identity(self, method: dict[str, Any], loaded: bool = True) -> dict[str, Any]:
+        """Everything that decides a run's results (its directory's hash): the model as loaded
+        (``model_identity``: source, revision, GGUF file, dtype, config and file fingerprints; ``name`` is only
+        the label), the method's config and the sha256 of what it reads from outside it (``inputs``:
+        ``Method.external_inputs``, e.g. Double Sparsity's calibration file), the task, the evaluation settings
+        and the seed.  ``loaded=False``: from the config alone (where a run that cannot load records its failure)."""
         ev = self.cfg.eval
+        if loaded:
+            self.load()
+            model = self.model_identity
+            inputs = build_method(make_config(method["name"], method)).external_inputs(self.model_cfg.name)
+        else:
+            model, inputs = {k: v for k, v in dataclasses.asdict(self.model_cfg).items() if k != "how_to_get"}, {}
         return {
-            "model": dataclasses.asdict(self.model_cfg) | {"how_to_get": None},
+            "model": model,
             "method": method,
+            "inputs": inputs,
             "task": self.task_opts,
             "eval": {"protocol": self.protocol, "compute_error": ev.compute_error, "prefill_chunk": ev.prefill_chunk},
             "seed": self.cfg.seed,
@@ -113,6 +127,9 @@ class Experiment:
         method = build_method(make_config(method_opts["name"], method_opts))
         method.validate(num_layers=self.num_layers, context=self.context)
         method.setup(self.model, self.model_cfg.name)
+        if method.external_inputs(self.model_cfg.name) != identity["inputs"]:
+            raise RuntimeError(f"{run_dir}: a file the method reads changed after the run was named "
+                               f"({identity['inputs']}); run again to file the results under the new contents")
         self._provenance = method.provenance()
         torch.manual_seed(self.cfg.seed)
         session = attach(self.model, method, Runtime(self.protocol, self.cfg.eval.compute_error, self.cfg.eval.query_chunk))
@@ -148,6 +165,8 @@ class Experiment:
         out: dict[str, Any] = {
             "run_dir": str(run_dir),
             "model": identity["model"]["name"],
+            "model_identity": identity["model"],
+            "inputs": identity.get("inputs", {}),
             "method": identity["method"]["name"],
             "method_config": identity["method"],
             "method_provenance": getattr(self, "_provenance", {}),
@@ -169,6 +188,14 @@ class Experiment:
         for key in ("cost1", "cost2", "static_frac", "est_error", "empty_selections"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             out[key] = sum(vals) / len(vals) if vals else None
+        empty, rows = (sum(r.get(k) or 0.0 for r in ok) for k in ("empty_selections", "sparse_rows"))
+        out["empty_selection_rate"] = empty / rows if rows else None
+        out["warnings"] = []
+        if rows and empty / rows > EMPTY_SELECTION_WARN:
+            msg = (f"{run_dir.name}: the method selected no key of its own in {empty / rows:.1%} of its "
+                   f"{int(rows)} sparse rows (> {EMPTY_SELECTION_WARN:.0%}); those rows attend only to the static keys")
+            log.warning(msg)
+            out["warnings"].append(msg)
         for key in ("cost1", "cost2", "est_error"):
             layers: dict[str, list[float]] = {}
             for r in ok:
@@ -243,7 +270,17 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     methods = exp.method_configs()
     summaries = []
     for m in methods:
-        run_dir = run_dir_for(cfg.paths.runs_dir, exp.identity(m))
+        try:
+            run_dir = run_dir_for(cfg.paths.runs_dir, exp.identity(m))
+        except Exception as exc:  # the model or a method's input cannot be read: recorded under the config's identity
+            identity = exp.identity(m, loaded=False)
+            run_dir = run_dir_for(cfg.paths.runs_dir, identity)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(identity)), encoding="utf-8")
+            if not (run_dir / "meta.json").exists():
+                (run_dir / "meta.json").write_text(json.dumps(provenance(), indent=2) + "\n", encoding="utf-8")
+            write_failure(run_dir, exc)
+            raise
         try:
             with run_lock(run_dir):  # one process per run dir: a duplicate job waits, then finds the samples done
                 clear_failure(run_dir)

@@ -204,7 +204,8 @@ def test_centering_makes_sampling_discriminative_on_a_narrow_cone():
 def test_nothing_sampled_falls_back_to_static_keys_without_nan():
     g = torch.Generator().manual_seed(9)
     q, k, v = torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 120, 16, generator=g), torch.randn(1, 2, 120, 16, generator=g)
-    out, st = attend("magicpig", q, k, v, K=20, L=1, min_collisions=2, sink=4, local=8)  # 1 table < 2 collisions
+    # one table of 20 bits: a key collides with probability p^20 (< 1e-2 here), so nothing is sampled
+    out, st = attend("magicpig", q, k, v, K=20, L=1, min_collisions=1, sink=4, local=8)
     assert torch.isfinite(out).all() and torch.isfinite(st["error"]).all()
     assert st["empty"].all() and st["sampled"].eq(0).all()
     static = torch.zeros(120, dtype=torch.bool)
@@ -213,7 +214,7 @@ def test_nothing_sampled_falls_back_to_static_keys_without_nan():
     ref = torch.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / 4.0 + torch.where(static, 0.0, -math.inf), -1)
     torch.testing.assert_close(out, ref @ v.repeat_interleave(2, 1), rtol=1e-5, atol=1e-6)
     # no static keys either: the core falls back to the newest key, still finite
-    out, st = attend("magicpig", q, k, v, K=20, L=1, sink=0, local=0)
+    out, st = attend("magicpig", q, k, v, K=20, L=1, min_collisions=1, sink=0, local=0)
     assert torch.isfinite(out).all() and st["empty"].all()
 
 
@@ -354,3 +355,72 @@ def test_generate_on_random_qwen2_with_padding():
     assert torch.equal(batched.sequences[1, -6:], alone.sequences[0, -6:])
     for a, b in zip(batched.logits, alone.logits):
         torch.testing.assert_close(a[1], b[0], rtol=1e-4, atol=1e-4)
+
+
+# -- settings that can never select a key, and runs that mostly do not -------------------------------------
+
+@pytest.mark.parametrize("opts, needle", [
+    ({"K": 10, "L": 150, "min_collisions": 151}, r"min_collisions=151 > method.L=150.*valid: 1\.\.150"),
+    ({"K": 8, "L": 1}, r"min_collisions=2 > method.L=1"),
+    ({"K": 40, "L": 150}, r"method.K=40 .*valid: K <= 28 at L=150.*lower method.K"),
+    ({"K": 62, "L": 10}, r"method.K=62 .*lower method.K"),
+])
+def test_impossible_settings_are_refused_at_start(opts, needle):
+    with pytest.raises(ValueError, match=needle):
+        build_method(make_config("magicpig", opts))
+
+
+def test_paper_settings_pass_the_start_check():
+    for k, l in ((10, 150), (10, 220), (8, 90), (9, 120), (8, 75)):
+        build_method(make_config("magicpig", {"K": k, "L": l}))
+
+
+def test_high_empty_selection_rate_warns_once_and_is_recorded(tmp_path, caplog):
+    import logging
+
+    from hydra import compose, initialize_config_dir
+
+    from sparse_eval.config import register_configs
+    from sparse_eval.runner import CONF_DIR, run
+
+    register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        cfg = compose(config_name="config", overrides=[
+            f"paths.runs_dir={tmp_path}", "method=magicpig", "method.K=16", "method.L=20", "method.dense_layers=[0]",
+            "task.window=96", "task.num_samples=1", "print_table=false", "eval.compute_error=false"])
+    with caplog.at_level(logging.WARNING, logger="sparse_eval"):
+        (summary,) = run(cfg)
+    assert summary["empty_selection_rate"] > 0.05
+    warned = [r for r in caplog.records if "selected no key of its own" in r.getMessage()]
+    assert len(warned) == 1 and summary["warnings"] == [warned[0].getMessage()]
+    import json
+    from pathlib import Path
+
+    assert json.loads((Path(summary["run_dir"]) / "summary.json").read_text())["warnings"] == summary["warnings"]
+
+
+def test_sparse_prefill_rows_hash_with_their_own_prefix_mean():
+    """Under a sparse prefill (several rows building the index) row t's keys are centered by the mean of its own
+    non-static keys: the selection equals a brute-force loop that hashes every key with each row's μ_t."""
+    from sparse_eval.methods.core import key_validity, pass_masks
+    from sparse_eval.methods.magicpig import collision_counts
+
+    torch.manual_seed(5)
+    b, hq, hkv, n, d = 1, 4, 2, 40, 8
+    q, k, v = torch.randn(b, hq, n, d), torch.randn(b, hkv, n, d) + 2.0, torch.randn(b, hkv, n, d)
+    opts = dict(K=4, L=20, sink=2, local=4)
+    m = build_method(make_config("magicpig", opts))
+    _, st = attend(m, q, k, v, compute_error=False)
+    masks = pass_masks(key_validity(None, b, n, n, q.device), 2, 4)
+    w = m.projection(0, d)
+    q_codes = m._hash(q, None, None, w)
+    for t in range(n):
+        cand = masks.candidates[0, 0, t]  # [N]
+        if not cand.any():
+            assert not st["keep"][0, :, t].logical_and(cand).any()
+            continue
+        mu = k[0][:, cand].double().mean(1).float()  # [Hkv, D]
+        codes = m._hash(k, mu[None], None, w)  # [1, Hkv, N, L]
+        counts = collision_counts(q_codes[:, :, t:t + 1], codes)[0, :, 0]  # [Hq, N]
+        want = (counts >= 2) & cand
+        assert torch.equal(st["keep"][0, :, t] & cand, want), t

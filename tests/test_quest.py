@@ -138,6 +138,18 @@ def test_budget_below_one_page_uses_one_page_and_says_so():
     assert torch.allclose(st["cost1"], torch.full_like(st["cost1"], 19 / 300))
     with pytest.raises(ValueError, match="page_size"):
         build_method(make_config("quest", {"page_size": 0}))
+
+
+def test_min_pages_reproduces_the_quest_repo_minimum_of_three_pages():
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 300, 8), torch.randn(1, 2, 300, 8)
+    # the Quest repo keeps max(3, budget // page) pages (evaluation/quest_attention.py:56)
+    for budget, pages in ((8, 3), (40, 3), (80, 5)):
+        _, st = attend("quest", q, k, v, budget=budget, page_size=16, sink=0, local=0, min_pages=3)
+        assert torch.all(st["pages"] == pages) and torch.all(st["keep"].sum(-1) == 16 * pages)
+        assert torch.all(st["one_page_floor"] == float(budget // 16 < 3))
+    with pytest.raises(ValueError, match=r"method.min_pages=0"):
+        build_method(make_config("quest", {"min_pages": 0}))
     with pytest.raises(ValueError, match="budget"):
         build_method(make_config("quest", {"budget": 1.5}))
 

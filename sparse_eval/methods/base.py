@@ -151,8 +151,8 @@ class Method:
     # a method that never needs the exact scores of all keys to select (MagicPIG, Quest, DS) can say so;
     # the core then still computes them for the estimation error, but that is measurement, not method cost
     supported_gqa: ClassVar[tuple[str, ...]] = GQA_MODES
-    # a method whose index must know which keys are padding sets this; ``prepare`` then also gets
-    # ``valid``: bool [B, N], the keys the call's last query row may attend (left padding is False)
+    # a method whose index must know which keys each query row may attend sets this; ``prepare`` then also gets
+    # ``valid``: bool [B, 1, Q, N] (causal and not padding; row Q-1 is the call's last query row)
     prepare_with_valid: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig):
@@ -185,6 +185,12 @@ class Method:
         """Called once by the runner before the method is attached to ``model`` (e.g. Double Sparsity loads
         the model's calibrated channels here).  Default: nothing."""
 
+    def external_inputs(self, model_name: str) -> dict[str, Any]:
+        """The content fingerprints (sha256) of everything the method will read from outside its config for
+        ``model_name`` (calibration files, data files), {what: sha256}.  They enter the run's identity, so a
+        changed file gives a new run directory instead of reusing results made with the old one.  Default: none."""
+        return {}
+
     def provenance(self) -> dict[str, Any]:
         """What the method loaded in ``setup`` that decides its results (recorded in the run summary)."""
         return {}
@@ -193,7 +199,7 @@ class Method:
     def prepare(self, state: dict[str, Any], k: torch.Tensor, v: torch.Tensor, layer_idx: int, module: Any = None,
                 **kwargs: Any) -> None:
         """Bring the method's per-layer index up to date with the keys k [B, Hkv, N, D] (called once per
-        attention call before any selection; with ``prepare_with_valid`` also ``valid=`` bool [B, N]).
+        attention call before any selection; with ``prepare_with_valid`` also ``valid=`` bool [B, 1, Q, N]).
         Default: nothing to index."""
 
     # -- selection ------------------------------------------------------------------------------

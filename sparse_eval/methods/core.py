@@ -157,8 +157,8 @@ def sparse_attention(
     local)`` when the caller has it already (the same for every layer of a pass).
     """
     cfg = method.config
-    if method.prepare_with_valid:  # keys valid for the last query row: left padding is the only invalid key
-        method.prepare(state, k, v, layer_idx, valid=valid[:, 0, -1])
+    if method.prepare_with_valid:  # every row's valid keys: an index built in this call must stay causal
+        method.prepare(state, k, v, layer_idx, valid=valid)
     else:
         method.prepare(state, k, v, layer_idx)
     step = state.get("_calls", 0)

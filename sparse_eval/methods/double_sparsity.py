@@ -9,7 +9,7 @@ Algorithm 1 (DS Decode), per query head, with C the head's r = α·d calibrated 
 
 * Channels (§4.1, offline calibration): per layer and query head, channels ranked by the mean |q_c·k_c| of
   each token with itself ("qk" outliers; "q" / "k" variants: mean |q_c| / |k_c|), written by
-  ``python -m sparse_eval.calibrate model=<name>`` to ``sparse_eval/calibration/<model.name>.json``
+  ``python -m sparse_eval.calibrate model=<name>`` to the user calibration folder (``calibration_dirs``)
   (``channels_file`` overrides; ``channels`` passes them directly).  ``channel_type=random`` (DS Table 3's
   random-channel baseline) needs no calibration: for each layer and KV head, r channels drawn uniformly at
   random without replacement (the first r of a permutation of the d channels from a generator seeded by
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,8 @@ from .base import AttentionContext, Method, MethodConfig, Selection, check_budge
 from .registry import register
 from .topk import topk_mask
 
-CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "calibration"
+CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "calibration"  # the shipped files
+CALIBRATION_ENV = "SPARSE_EVAL_CALIBRATION_DIR"
 CALIBRATED_TYPES = ("qk", "q", "k")  # read from the calibration file
 CHANNEL_TYPES = CALIBRATED_TYPES + ("random",)  # random: drawn from method.seed, no file
 OFFLOAD_INPUTS = ("residual", "attn_input")
@@ -84,8 +86,28 @@ def calibration_command(model_name: str) -> str:
     return f"python -m sparse_eval.calibrate model={model_name}"
 
 
+def user_calibration_dir() -> Path:
+    """Where ``python -m sparse_eval.calibrate`` writes by default: ``$SPARSE_EVAL_CALIBRATION_DIR``, else
+    ``$XDG_DATA_HOME/sparse_eval/calibration``, else ``~/.local/share/sparse_eval/calibration``."""
+    env = os.environ.get(CALIBRATION_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share").expanduser() / "sparse_eval" / "calibration"
+
+
+def calibration_dirs() -> list[Path]:
+    """The folders searched for ``<model.name>.json``, in order: the user's (``user_calibration_dir``, what
+    ``calibrate`` wrote), then the files shipped with the package (``sparse_eval/calibration/``)."""
+    return [user_calibration_dir(), CALIBRATION_DIR]
+
+
 def default_channels_file(model_name: str) -> Path:
-    return CALIBRATION_DIR / f"{model_name}.json"
+    """The first ``<model_name>.json`` of ``calibration_dirs()``; when there is none, the user folder's path
+    (where ``calibrate`` would write it)."""
+    for d in calibration_dirs():
+        if (d / f"{model_name}.json").is_file():
+            return d / f"{model_name}.json"
+    return user_calibration_dir() / f"{model_name}.json"
 
 
 @dataclass
@@ -104,7 +126,7 @@ class DoubleSparsityConfig(MethodConfig):
     # which channels: calibrated qk (paper's choice, Table 3), q or k outliers, or random (Table 3's baseline:
     # uniform per layer and KV head, drawn from ``seed``)
     channel_type: str = "qk"
-    # calibration file; null: sparse_eval/calibration/<model.name>.json
+    # calibration file; null: <model.name>.json of calibration_dirs() (the user's folder, then the shipped files)
     channels_file: str | None = None
     # channels given directly (attend() API, tests): [layer][head][channels, best first] or [head][channels]
     channels: Any = None
@@ -184,6 +206,21 @@ class DoubleSparsity(Method):
             )
         return t
 
+    def channels_path(self, model_name: str) -> Path | None:
+        """The calibration file ``setup`` reads for ``model_name`` (None when the channels need no file)."""
+        if self.config.channels is not None or self.config.channel_type == "random":
+            return None
+        return Path(self.config.channels_file).expanduser() if self.config.channels_file else default_channels_file(model_name)
+
+    def external_inputs(self, model_name: str) -> dict[str, Any]:
+        """The calibration file's sha256 (``missing`` when absent: ``setup`` then refuses, naming the command)."""
+        from ..fingerprint import file_sha256
+
+        path = self.channels_path(model_name)
+        if path is None:
+            return {}
+        return {"channels_file_sha256": file_sha256(path) if path.is_file() else "missing"}
+
     def provenance(self) -> dict[str, Any]:
         """The channel file (path and sha256) or ``method.channels`` the run used."""
         import hashlib
@@ -204,7 +241,7 @@ class DoubleSparsity(Method):
         hkv = getattr(cfg, "num_key_value_heads", None) or hq
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
         if self.config.channels is None and self.config.channel_type != "random":
-            path = Path(self.config.channels_file).expanduser() if self.config.channels_file else default_channels_file(model_name)
+            path = self.channels_path(model_name)
             if not path.exists():
                 raise FileNotFoundError(
                     f"Double Sparsity needs offline-calibrated channels for model {model_name!r} and found no file at "

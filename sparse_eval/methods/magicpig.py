@@ -10,8 +10,12 @@ For one query head with query q and keys k_1..k_n (the static sink/local keys ex
   so the output is unchanged; only which keys collide (and u) changes.  ``center=False`` is the ablation of
   §5.3 / Fig. 9a.
   The index is built on a layer's first sparse call (after the dense prefill under protocols A/B; on the prefill
-  call itself under protocol S, where μ is then the mean over the prompt's non-static keys) and extended by one
-  key per decoding step with μ kept fixed.
+  call itself under protocol S) and extended by one key per decoding step with μ kept fixed: the mean of the
+  non-static keys of that call's last row (the authors: of the prompt's keys after the dense prefill).  Within a
+  call of several query rows that builds the index (protocol S's prefill, protocol B's question) row t hashes
+  with its own prefix mean μ_t over the non-static keys at or before its position, so no row depends on later
+  tokens (``select``).  That call then compares Q·N·K·L projections with thresholds instead of hashing N keys
+  once: on the 2-core CPU a 512-token protocol-S window of stories260K takes ~10x the time it took with one μ.
 * Optional MIPS transform (eq. 8): r = max_i |k̄_i|, q̄ = [q, 0], k̄_i = [k̄_i, √(r² − |k̄_i|²)], so that the
   angle tracks the inner product.  Off by default: the paper's experiments do not use it.
 * Sampling (§4.3, eq. 10).  Key i is sampled when its code equals the query's in at least ``min_collisions``
@@ -52,6 +56,11 @@ from .registry import register
 _STATE_KEY = "magicpig"
 _MAX_K = 62  # codes are packed into int64
 _P_MIN = 1e-300  # a sampled key has p > 0; the clamp only keeps log u finite against rounding
+# start-time check of (K, L, min_collisions): a key at cosine REFERENCE_COS with its query (p = 2/3 per bit,
+# more aligned than almost every key of a real head) must be sampled with probability >= MIN_SAMPLING_PROBABILITY
+# (eq. 10); below it practically every selection is empty, whatever the context.  Paper configs give 0.74-0.90.
+REFERENCE_COS = 0.5
+MIN_SAMPLING_PROBABILITY = 1e-6
 
 
 @dataclass
@@ -158,6 +167,23 @@ def hash_table_bytes(num_layers: int, num_kv_heads: int, L: int, n: int) -> int:
     return int(num_layers) * int(num_kv_heads) * int(L) * int(n) * width
 
 
+def check_sampling_reachable(K: int, L: int, min_collisions: int) -> None:
+    """Refuses (K, L, min_collisions) under which eq. 10 gives a key at cosine ``REFERENCE_COS`` with its query
+    a sampling probability below ``MIN_SAMPLING_PROBABILITY``: such a run would report a score with (almost)
+    every selection empty.  The message names the largest K that passes at this L."""
+    p = float(collision_probability(torch.tensor(REFERENCE_COS)))
+    u = float(sampling_probability(p, K, L, min_collisions))
+    if u >= MIN_SAMPLING_PROBABILITY:
+        return
+    ok = [k for k in range(1, _MAX_K + 1) if float(sampling_probability(p, k, L, min_collisions)) >= MIN_SAMPLING_PROBABILITY]
+    valid = f"K <= {max(ok)} at L={L}" if ok else f"no K at L={L}"
+    raise ValueError(
+        f"method.K={K} with method.L={L}, method.min_collisions={min_collisions}: a key at cosine {REFERENCE_COS} "
+        f"with its query is sampled with probability {u:.3g} (eq. 10, below {MIN_SAMPLING_PROBABILITY:g}), so "
+        f"practically every selection would be empty; valid: {valid} (the paper: K 8-10, L 75-220); lower "
+        f"method.K, raise method.L or lower method.min_collisions")
+
+
 def code_dtype(K: int) -> torch.dtype:
     """Smallest signed integer type that holds a K-bit code."""
     return torch.int16 if K <= 15 else torch.int32 if K <= 31 else torch.int64
@@ -228,7 +254,13 @@ class MagicPIG(Method):
             if isinstance(val, bool) or not isinstance(val, int) or val < lo:
                 raise ValueError(f"method.{what}={val!r}: must be an integer >= {lo}")
         if c.K > _MAX_K:
-            raise ValueError(f"method.K={c.K}: codes are packed into 64-bit integers; valid: 1..{_MAX_K}")
+            raise ValueError(f"method.K={c.K}: a table's code must fit a 64-bit integer; valid: 1..{_MAX_K} "
+                             f"(the paper: 8-10); lower method.K")
+        if c.min_collisions > c.L:
+            raise ValueError(
+                f"method.min_collisions={c.min_collisions} > method.L={c.L}: a key can collide in at most L tables, "
+                f"so none would ever be sampled; valid: 1..{c.L} (eq. 10: 2), or raise method.L")
+        check_sampling_reachable(c.K, c.L, c.min_collisions)
         for what in ("center", "mips"):
             if not isinstance(getattr(c, what), bool):
                 raise ValueError(f"method.{what}={getattr(c, what)!r}: must be true or false")
@@ -312,8 +344,11 @@ class MagicPIG(Method):
         dev = k.device
         if n == 0:
             return
+        rows = 1 if valid is None or valid.dim() == 2 else valid.shape[2]  # query rows of this call
         if valid is None:
             valid = torch.ones(b, n, dtype=torch.bool, device=dev)
+        elif valid.dim() == 4:  # [B, 1, Q, N] -> the last row's keys: left padding is the only invalid key
+            valid = valid[:, 0, -1]
         dim = d + 1 if c.mips else d
         w = self.projection(layer_idx, dim, dev)
         sig = (c.K, c.L, c.center, c.mips, c.sink, c.local, c.seed, int(layer_idx) // c.projection_group)
@@ -337,6 +372,7 @@ class MagicPIG(Method):
         # rows whose table is built now: the first call with a non-static valid key fixes μ (and r).  Once every
         # row is built (known on the host), nothing is left to check: no device sync per call after that.
         idx = None
+        st["row_center"] = None
         if not st.get("all_built", False):
             static, _ = static_keys(valid[:, None, None, :], c.sink, c.local)
             cand = (valid & ~static[:, 0, 0]).to(torch.float64)  # [B, N]: the keys being hashed, padding excluded
@@ -346,6 +382,8 @@ class MagicPIG(Method):
                 st["mean"][idx], st["r"][idx] = self._fix_center(k[idx], cand[idx])
                 st["built"][idx] = True
                 st["all_built"] = bool(st["built"].all())
+                if rows > 1 and (c.center or c.mips):  # this call's rows hash with their own prefix μ (select)
+                    st["row_center"] = idx
         r = st["r"] if c.mips else None
         if n > done:  # incremental: hash the keys added since the last call (rows built now are redone below)
             old = None if idx is None else torch.nonzero(~new_rows).flatten()
@@ -369,8 +407,84 @@ class MagicPIG(Method):
         ends = k[:, :, [0, st["n"] - 1]]
         return ends.dtype == st["ends"].dtype and torch.equal(ends, st["ends"])
 
+    # -- causal centering of a call that builds the index ------------------------------------------
+    def _row_centers(self, ctx: AttentionContext, st: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per query row: μ_t [B, Hkv, Q, D] = the mean of the row's own non-static valid keys (its candidates,
+        all at or before its position), as a masked product (no loop over rows), and r_t [B, Hkv, Q] = max over
+        them of |k_i − μ_t| (eq. 8).  Batch rows whose μ was fixed by an earlier call keep it."""
+        c = self.config
+        k = ctx.k
+        b, hkv, n, d = k.shape
+        ql = ctx.q.shape[2]
+        cand = ctx.candidates[:, 0].to(torch.float64)  # [B, Q, N]
+        count = cand.sum(-1).clamp_min(1.0)[:, None, :, None]  # [B, 1, Q, 1]
+        kd = k.double()
+        if c.center:
+            mean = (torch.einsum("bqn,bhnd->bhqd", cand, kd) / count)  # [B, Hkv, Q, D]
+        else:
+            mean = torch.zeros(b, hkv, ql, d, dtype=torch.float64, device=k.device)
+        r = torch.zeros(b, hkv, ql, dtype=torch.float64, device=k.device)
+        if c.mips:  # |k_i − μ_t|² = |k_i|² − 2 k_i·μ_t + |μ_t|²
+            sq = (kd.pow(2).sum(-1)[:, :, None, :] - 2 * torch.einsum("bhnd,bhqd->bhqn", kd, mean)
+                  + mean.pow(2).sum(-1)[..., None]).clamp_min(0.0)
+            r = sq.masked_fill(cand[:, None] == 0, 0.0).amax(-1).sqrt()
+        mean, r = mean.float(), r.float()
+        old = torch.ones(b, dtype=torch.bool, device=k.device)
+        old[st["row_center"]] = False
+        if bool(old.any()):
+            mean[old] = st["mean"][old][:, :, None].expand(-1, -1, ql, -1)
+            r[old] = st["r"][old][:, :, None].expand(-1, -1, ql)
+        return mean, r
+
+    def _row_counts(self, ctx: AttentionContext, q_codes: torch.Tensor, mean: torch.Tensor, r: torch.Tensor,
+                    w: torch.Tensor) -> torch.Tensor:
+        """Collision counts [B, Hq, Q, N] when key i is hashed for row t as k_i − μ_t (with mips: and the extra
+        coordinate of r_t): bit j of table l is k_i·w_j > μ_t·w_j (+ the extra coordinate's term), so the keys'
+        projections are taken once and each row only shifts the thresholds.  Keys that are not a candidate of any
+        row of a block are skipped (they cannot be sampled)."""
+        c = self.config
+        k = ctx.k
+        b, hkv, n, d = k.shape
+        hq, ql = q_codes.shape[1], q_codes.shape[2]
+        g = hq // hkv
+        proj = torch.matmul(k.float(), w[:d])  # [B, Hkv, N, L·K]
+        thresh = torch.matmul(mean, w[:d])  # [B, Hkv, Q, L·K]
+        # codes packed by a product with 2^j in float32 (exact up to 24 bits), else as integers (``pack_signs``)
+        as_float = c.K <= 24
+        pow2 = torch.pow(2.0, torch.arange(c.K, device=k.device, dtype=torch.float32))
+        qg = q_codes.reshape(b, hkv, g, ql, c.L)
+        if as_float:
+            qg = qg.float()
+        cand_any = ctx.candidates[:, 0]  # [B, Q, N]
+        counts = torch.zeros(b, hkv, g, ql, n, dtype=torch.int16, device=k.device)
+        row_step = max(1, (self.element_budget // 4) // max(1, b * hkv * n * c.L * c.K))
+        for r0 in range(0, ql, row_step):
+            r1 = min(ql, r0 + row_step)
+            used = torch.nonzero(cand_any[:, r0:r1].any(1).any(0)).flatten()
+            if used.numel() == 0:
+                continue
+            m = int(used.max()) + 1  # keys beyond the block's last candidate are never sampled for it
+            p = proj[:, :, None, :m]  # [B, Hkv, 1, m, L·K]
+            if c.mips:
+                kk = k[:, :, :m].float()
+                sq = (kk[:, :, None] - mean[:, :, r0:r1, None]).pow(2).sum(-1)  # [B, Hkv, r, m]
+                extra = (r[:, :, r0:r1, None] ** 2 - sq).clamp_min(0.0).sqrt()
+                p = p + extra[..., None] * w[d]
+            above = torch.gt(p, thresh[:, :, r0:r1, None])  # bit j: (k_i − μ_t)·w_j > 0, [B, Hkv, r, m, L·K]
+            if as_float:
+                codes = torch.matmul(above.view(*above.shape[:-1], c.L, c.K).to(torch.float32), pow2)  # [B, Hkv, r, m, L]
+            else:
+                codes = pack_signs(above, c.K, c.L)
+            eq = qg[:, :, :, r0:r1, None, :] == codes[:, :, None]  # [B, Hkv, G, r, m, L]
+            counts[:, :, :, r0:r1, :m] = eq.sum(-1, dtype=torch.int16)
+        return counts.reshape(b, hq, ql, n)
+
     # -- selection --------------------------------------------------------------------------------
     def select(self, ctx: AttentionContext) -> Selection:
+        """Alg. 1 lines 1-3 for a block of query rows.  In the call that builds the index (the sparse prefill of
+        protocol S, the sparse question of protocol B) each row t hashes the keys centered by its own prefix
+        mean μ_t (``_row_centers``), so nothing a row sees depends on later tokens; later calls (decoding) use
+        the μ fixed at the end of that call (the authors: after the dense prefill, from the prompt's keys)."""
         c = self.config
         st = ctx.state[_STATE_KEY]
         q, k = ctx.q, ctx.k
@@ -379,7 +493,12 @@ class MagicPIG(Method):
         w = self.projection(ctx.layer_idx, d + 1 if c.mips else d, q.device)
         # Alg. 1 line 1: the query's codes (q̄ = [q, 0] under eq. 8, so only the first d rows of W matter)
         q_codes = self._hash(q, None, None, w[:d])  # [B, Hq, Q, L]
-        counts = collision_counts(q_codes, st["codes"][:, :, :n], self.element_budget)  # [B, Hq, Q, N]
+        if st.get("row_center") is not None:
+            mean_rows, r_rows = self._row_centers(ctx, st)  # [B, Hkv, Q, D], [B, Hkv, Q]
+            counts = self._row_counts(ctx, q_codes, mean_rows, r_rows, w)
+        else:
+            mean_rows, r_rows = st["mean"][:, :, None].expand(-1, -1, ql, -1), st["r"][:, :, None].expand(-1, -1, ql)
+            counts = collision_counts(q_codes, st["codes"][:, :, :n], self.element_budget)  # [B, Hq, Q, N]
         keep = (counts >= c.min_collisions) & ctx.candidates
         bias = torch.zeros(b, hq, ql, n, dtype=torch.float32, device=q.device)
         bi, hi, qi, ni = torch.nonzero(keep, as_tuple=True)  # the sampled (row, key) pairs only
@@ -388,11 +507,11 @@ class MagicPIG(Method):
         for s in range(0, bi.numel(), step):
             bs, hs, qs, ns = bi[s:s + step], hi[s:s + step] // g, qi[s:s + step], ni[s:s + step]
             # eq. 10 on the hashed vectors: cos(q, k̄_i), k̄_i the centered (with mips: transformed) key, float64
-            kr = k[bs, hs, ns].double() - st["mean"][bs, hs].double()  # [M, D]
+            kr = k[bs, hs, ns].double() - mean_rows[bs, hs, qs].double()  # [M, D]
             qr = q[bs, hi[s:s + step], qs].double()
             knorm = kr.norm(dim=-1)
             if c.mips:
-                knorm = torch.maximum(knorm, st["r"][bs, hs].double())
+                knorm = torch.maximum(knorm, r_rows[bs, hs, qs].double())
             den = knorm * qr.norm(dim=-1)
             cos = torch.where(den > 0, (kr * qr).sum(-1) / den.clamp_min(1e-300), torch.zeros_like(den))  # 0-vector: p=1/2
             p = collision_probability(cos).clamp_min(_P_MIN)

@@ -12,9 +12,11 @@ keys, which the MagicPIG paper's Quest baseline keeps besides the budget (MagicP
 local 64).  Computed as U = q⁺·Mᵀ + q⁻·mᵀ with q⁺ = max(q, 0), q⁻ = min(q, 0) (same value, two matmuls).
 
 Budget (``budget``): a ratio of the row's context (float; MagicPIG's configs (page, ratio) = (16, 0.04),
-(32, 0.06), (64, 0.08)) or a token count (int; the Quest paper's token budgets 256 … 4096).  There is no hidden
-minimum of pages (the Quest repo keeps max(3, budget // page) pages): when the budget is below one page, one
-page is used and the row's ``one_page_floor`` statistic says so.
+(32, 0.06), (64, 0.08)) or a token count (int; the Quest paper's token budgets 256 … 4096).  Pages selected =
+max(floor(budget_tokens / page_size), ``min_pages``); the paper states no minimum, so ``min_pages=1`` (the
+default) only keeps a row from selecting nothing; the Quest repo keeps max(3, budget // page) pages
+(``evaluation/quest_attention.py`` line 56): ``min_pages=3`` reproduces it.  Rows where the floor applied are
+counted by the ``one_page_floor`` statistic (budget below ``min_pages`` pages).
 
 The page metadata lives in the layer's ``state`` and is updated incrementally while decoding: the last,
 partial page's min/max absorbs the new keys and new pages are appended (``update_pages=True``, Quest's own
@@ -52,6 +54,9 @@ class QuestConfig(MethodConfig):
     # True: page min/max follow the generated keys (Quest).  False: MagicPIG-repo parity (pages frozen at the
     # first sparse call, later keys always attended); protocol A only.
     update_pages: bool = True
+    # at least this many pages per row (paper: no minimum stated, 1 keeps a row from selecting nothing; the Quest
+    # repo: 3, evaluation/quest_attention.py:56)
+    min_pages: int = 1
 
 
 def first_valid_key(valid: torch.Tensor) -> torch.Tensor:
@@ -138,7 +143,8 @@ def prefix_page_minmax(k: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
 @register
 class Quest(Method):
     """Quest page selection.  Per-row statistics: ``pages`` (pages selected), ``pages_scored`` (pages with at
-    least one candidate key), ``one_page_floor`` (1 where the budget was below one page and one page was used).
+    least one candidate key), ``one_page_floor`` (1 where the budget was below ``min_pages`` pages and
+    ``min_pages`` were used).
     """
 
     name = "quest"
@@ -150,6 +156,9 @@ class Quest(Method):
         if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1:
             raise ValueError(f"method.page_size={ps!r}: must be an int >= 1 (Quest default 16; MagicPIG 16, 32, 64)")
         check_budget(self.config.budget, "method.budget", context)
+        mp = self.config.min_pages
+        if isinstance(mp, bool) or not isinstance(mp, int) or mp < 1:
+            raise ValueError(f"method.min_pages={mp!r}: must be an int >= 1 (default 1; the Quest repo's evaluation: 3)")
         if not isinstance(self.config.update_pages, bool):
             raise ValueError(f"method.update_pages={self.config.update_pages!r}: must be true or false")
 
@@ -253,8 +262,8 @@ class Quest(Method):
 
         tokens = resolve_budget(cfg.budget, ctx.n_valid, "method.budget")  # [B, 1, Q, 1]
         want = torch.div(tokens, ps, rounding_mode="floor")
-        floor = (want < 1) & (ctx.n_valid > 0)
-        want = want.clamp_min(1)
+        floor = (want < cfg.min_pages) & (ctx.n_valid > 0)
+        want = want.clamp_min(cfg.min_pages)
         chosen = topk_mask(u, want)  # [B, Hq, Q, P]
         # key j is kept if its page is chosen (and it is a candidate)
         chosen_ext = torch.cat([chosen, torch.zeros_like(chosen[..., :1])], -1)

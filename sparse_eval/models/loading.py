@@ -1,7 +1,12 @@
-"""Loading a causal LM and its tokenizer: a hub id, a local directory, a GGUF file, or the shipped model."""
+"""Loading a causal LM and its tokenizer: a hub id, a local directory, a GGUF file, or the shipped model; and
+what identifies the loaded model in a run (``model_identity``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +14,13 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger("sparse_eval")
+
 BUILTIN_DIR = Path(__file__).resolve().parent
+MODEL_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
+# files of a local checkpoint that decide its outputs (weights, architecture, tokenizer)
+MODEL_FILE_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model",
+                       "tokenizer_config.json", "special_tokens_map.json", "*.safetensors", "*.bin")
 BUILTIN_PREFIX = "builtin:"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,3 +101,92 @@ def max_context(cfg: ModelConfig, model: Any) -> int:
     if cfg.max_context:
         return int(cfg.max_context)
     return int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
+
+
+# -- run identity ---------------------------------------------------------------------------------------------
+
+
+def named_config(name: str, paths: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The ``conf/model/<name>.yaml`` a model name refers to (None when the name is a free label), its
+    interpolations (``${paths.models_dir}``) resolved against ``paths``."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = MODEL_CONF_DIR / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    node = OmegaConf.load(path)
+    try:
+        node = OmegaConf.to_container(OmegaConf.create({"paths": dict(paths or {}), "model": node}), resolve=True)["model"]
+    except OmegaConfBaseException:
+        node = OmegaConf.to_container(node, resolve=False)
+    node.pop("defaults", None)
+    return node
+
+
+def model_label(cfg: ModelConfig, paths: dict[str, Any] | None = None) -> str:
+    """The name results are filed under.  ``model.name`` when it is a free label or when ``model.path`` and
+    ``model.gguf_file`` are those of ``conf/model/<name>.yaml``; a ``path`` (or GGUF file) overridden under a
+    shipped config's name is recorded as what was loaded: the label is made from the path's last part and the
+    GGUF file's stem (e.g. ``model.path=/m/SmolLM2 model.gguf_file=q8.gguf`` under ``model=stories260k`` files
+    its results under ``SmolLM2-q8``), with a warning."""
+    conf = named_config(cfg.name, paths)
+    if conf is None or (conf.get("path"), conf.get("gguf_file")) == (cfg.path, cfg.gguf_file):
+        return cfg.name
+    base = cfg.path[len(BUILTIN_PREFIX):] if cfg.path.startswith(BUILTIN_PREFIX) else cfg.path
+    label = Path(base.rstrip("/")).name or base
+    if cfg.gguf_file:
+        label += f"-{Path(cfg.gguf_file).stem}"
+    label = label.replace("/", "_")
+    log.warning("model.path=%s%s is not what conf/model/%s.yaml loads (%s); results are filed under model %r "
+                "(set model.name to choose another label)", cfg.path,
+                f" model.gguf_file={cfg.gguf_file}" if cfg.gguf_file else "", cfg.name, conf.get("path"), label)
+    return label
+
+
+def model_files(cfg: ModelConfig) -> list[Path]:
+    """The local files the model is loaded from (the GGUF file alone, which holds config and tokenizer; else the
+    checkpoint folder's ``MODEL_FILE_PATTERNS``); [] for a hub id."""
+    path = resolve_path(cfg)
+    local = Path(path)
+    if not local.exists():
+        return []
+    if cfg.gguf_file:
+        return [local / cfg.gguf_file]
+    if local.is_file():
+        return [local]
+    return sorted({f for pat in MODEL_FILE_PATTERNS for f in local.glob(pat) if f.is_file()})
+
+
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype", "attn_implementation", "use_cache")
+
+
+def config_fingerprint(model: Any) -> str:
+    """sha256 of the loaded model's architecture config (without paths, dtype, the attention implementation and
+    the transformers version, which do not change the weights' function)."""
+    d = model.config.to_dict()
+    d = {k: v for k, v in d.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def model_identity(cfg: ModelConfig, model: Any, paths: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What identifies the loaded model in a run's identity (its run directory's hash and its records): the
+    path or hub id, revision, GGUF file and the dtype actually used, the fingerprint of its config and, when it
+    is local, of its files (sha256 each, cached by path, size and mtime: ``sparse_eval.fingerprint``); for a
+    hub id the hub's commit of the files when transformers reports it.  ``name`` is the label results are filed
+    under (``model_label``; ``paths``: the run's ``paths`` config, for the model configs' interpolations)."""
+    from ..fingerprint import combined_sha256, files_sha256
+
+    out = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "how_to_get"}
+    out["name"] = model_label(cfg, paths)
+    if out["name"] != cfg.name:
+        out["given_name"] = cfg.name
+    out["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
+    fp: dict[str, Any] = {"config_sha256": config_fingerprint(model)}
+    files = model_files(cfg)
+    if files:
+        fp["files_sha256"] = combined_sha256(files_sha256(files))
+    else:
+        fp["hub_commit"] = getattr(model.config, "_commit_hash", None)
+    out["fingerprint"] = fp
+    return out

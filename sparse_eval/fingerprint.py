@@ -1,0 +1,76 @@
+"""Content fingerprints of the files a run reads (weights, calibration channels, data): sha256, cached.
+
+Hashing a multi-GB checkpoint on every run would cost minutes, so a file's sha256 is kept in
+``<user cache>/sha256.json`` under its absolute path with its size and modification time: a file rewritten in
+place (new size or mtime) is hashed again.  ``SPARSE_EVAL_CACHE_DIR`` sets the cache folder (default
+``$XDG_CACHE_HOME/sparse_eval``, else ``~/.cache/sparse_eval``); an unwritable cache only costs the re-hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+CACHE_ENV = "SPARSE_EVAL_CACHE_DIR"
+
+
+def user_cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "sparse_eval"
+
+
+def _cache_file() -> Path:
+    return user_cache_dir() / "sha256.json"
+
+
+def _read_cache() -> dict[str, list]:
+    try:
+        return json.loads(_cache_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(cache: dict[str, list]) -> None:
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, from the cache when its (path, size, mtime) is unchanged."""
+    p = Path(path).expanduser().resolve()
+    st = p.stat()
+    key, stamp = str(p), [st.st_size, st.st_mtime_ns]
+    cache = _read_cache()
+    hit = cache.get(key)
+    if hit and hit[:2] == stamp:
+        return hit[2]
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    cache = _read_cache()  # re-read: another process may have added entries meanwhile
+    cache[key] = [*stamp, digest]
+    _write_cache(cache)
+    return digest
+
+
+def files_sha256(paths: Iterable[str | Path]) -> dict[str, str]:
+    """{file name: sha256} of several files (sorted by name)."""
+    return {Path(p).name: file_sha256(p) for p in sorted(paths, key=lambda p: Path(p).name)}
+
+
+def combined_sha256(parts: dict[str, str]) -> str:
+    """One sha256 of a {name: sha256} mapping (order-independent)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
