@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 # statistics averaged over the query rows of sparse calls (one row = one query position of one head)
-MEAN_KEYS = ("cost1", "cost2", "static_frac", "error")
+MEAN_KEYS = ("cost1", "cost2", "static_frac", "error", "mass", "topk_recall")
 
 
 class StatsRecorder:
@@ -40,8 +40,9 @@ class StatsRecorder:
         rows = (n_valid > 0).squeeze(-1).expand(-1, num_heads, -1)  # [B, Hq, Q]
         frac = (static.sum(-1).float() / n_valid.squeeze(-1).clamp_min(1).float()).expand(-1, num_heads, -1)
         zeros = torch.zeros_like(frac)
-        self.add(layer, {"rows": rows, "empty": torch.zeros_like(rows), "cost1": zeros, "cost2": torch.ones_like(frac),
-                         "static_frac": frac, "error": zeros})
+        ones = torch.ones_like(frac)
+        self.add(layer, {"rows": rows, "empty": torch.zeros_like(rows), "cost1": zeros, "cost2": ones,
+                         "static_frac": frac, "error": zeros, "mass": ones, "topk_recall": ones})
 
     def _tables(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[str, dict[int, torch.Tensor]]]:
         """(rows, empty, sums) per layer ([Hq] each), from the stacked running sums."""

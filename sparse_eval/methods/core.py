@@ -133,6 +133,24 @@ def masked_softmax(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.masked_fill(dropped, NEG_INF), dim=-1).masked_fill_(dropped, 0.0)
 
 
+def kept_mass_and_recall(scores: torch.Tensor, p_dense: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two measures of how good a kept set is, per row [B, Hq, Q] (fp32):
+
+    * attention mass captured: Σ_{i∈keep} softmax(s)_i, the dense attention's mass on the kept keys;
+    * top-k recall: |keep ∩ T_k| / k with k = |keep| and T_k the k keys of the largest dense score s_i (ties at
+      the k-th score count as in T_k, the ratio capped at 1).  1 means the kept set is the exact TopK set.
+
+    scores [B, Hq, Q, N] fp32 (−inf where not valid), p_dense = masked_softmax(scores, valid), keep bool.
+    Rows with nothing kept give 0 for both."""
+    mass = (p_dense * keep).sum(-1)
+    k = keep.sum(-1)  # [B, Hq, Q]
+    ranked = scores.sort(dim=-1, descending=True).values
+    kth = ranked.gather(-1, (k - 1).clamp_min(0).unsqueeze(-1))  # the k-th largest score
+    hits = (keep & (scores >= kth)).sum(-1)
+    recall = torch.where(k > 0, (hits.float() / k.clamp_min(1).float()).clamp_max(1.0), torch.zeros_like(mass))
+    return mass, recall
+
+
 def sparse_attention(
     method: Method,
     q: torch.Tensor,
@@ -151,7 +169,8 @@ def sparse_attention(
 
     q [B, Hq, Q, D], k/v [B, Hkv, N, D] (the whole cache of this layer, un-repeated), valid bool [B, 1, Q, N].
     Returns the output [B, Hq, Q, D] (q's dtype) and per-row statistics, each [B, Hq, Q]:
-    ``cost1``, ``cost2`` (kept keys / valid keys), ``static_frac``, ``error`` (if computed), ``empty``
+    ``cost1``, ``cost2`` (kept keys / valid keys), ``static_frac``, ``error``, ``mass`` and ``topk_recall``
+    (``kept_mass_and_recall``; these three if ``compute_error``), ``empty``
     (the method kept no key of its own), ``rows`` (row has at least one valid key), plus the method's
     own extras; with ``keep_masks`` also ``keep`` bool [B, Hq, Q, N].  ``masks``: ``pass_masks(valid, sink,
     local)`` when the caller has it already (the same for every layer of a pass).
@@ -201,10 +220,12 @@ def sparse_attention(
         st["cost1"] = torch.full((b, hq, stop - start), float(c1), device=q.device) \
             if not torch.is_tensor(c1) or c1.dim() == 0 else c1.float().expand(b, hq, stop - start)
         if compute_error:
-            dense = weighted_values(masked_softmax(scores, vc), v).float()
+            p_dense = masked_softmax(scores, vc)
+            dense = weighted_values(p_dense, v).float()
             num = (out.float() - dense).norm(dim=-1)
             den = dense.norm(dim=-1)
             st["error"] = torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
+            st["mass"], st["topk_recall"] = kept_mass_and_recall(scores, p_dense, keep)
         for key, val in sel.stats.items():
             st[key] = val
         if keep_masks:

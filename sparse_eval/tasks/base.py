@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import Engine
+    from ..statistics import ScoreTerms
 
 
 @dataclass
@@ -57,6 +58,16 @@ class Task:
         """Task metric(s) over the finished samples, as the benchmark averages them."""
         scores = [r["score"] for r in records if r.get("score") is not None]
         return {self.metric: sum(scores) / len(scores) if scores else None}
+
+    def score_terms(self, records: list[dict[str, Any]]) -> "ScoreTerms | None":
+        """The per-sample terms of the headline score (``sparse_eval.statistics``), from which its confidence
+        interval and paired differences are bootstrapped; ``terms.score()`` equals ``aggregate``'s.  The default:
+        the plain mean of ``score``.  None: the task's samples are not exchangeable units (no interval)."""
+        from ..statistics import ScoreTerms
+
+        scored = [r for r in records if r.get("score") is not None]
+        return ScoreTerms([r["id"] for r in scored], [r["score"] for r in scored], [1.0] * len(scored),
+                          [0] * len(scored))
 
 
 TASKS: dict[str, type[Task]] = {}

@@ -672,3 +672,21 @@ class LmEval(Task):
         out["score"] = sum(scores) / len(scores) if scores else None
         out["tasks"] = len(scores)
         return out
+
+    def score_terms(self, records: list[dict[str, Any]]):
+        """Per document: the headline metric of each document under the headline filter, one bootstrap group per
+        lm-eval task (the score is the mean of the tasks' means).  None when a task's headline is not the mean of
+        its documents' values (then no interval is claimed)."""
+        from ..statistics import ScoreTerms
+
+        ids, vals, groups = [], [], []
+        for g, r in enumerate(r for r in records if r.get("score") is not None):
+            metric, _, filt = str(r.get("primary_metric") or "").partition(",")
+            docs = [(f"{r['id']}/{d['task']}/{d['doc_id']}", d["metrics"].get(metric)) for d in r.get("docs") or []
+                    if d.get("filter") == filt and isinstance(d.get("metrics", {}).get(metric), (int, float))]
+            if not docs or abs(sum(float(v) for _, v in docs) / len(docs) - float(r["score"])) > 1e-9:
+                return None
+            ids += [i for i, _ in docs]
+            vals += [float(v) for _, v in docs]
+            groups += [g] * len(docs)
+        return ScoreTerms(ids, vals, [1.0] * len(ids), groups)

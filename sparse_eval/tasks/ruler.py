@@ -164,3 +164,12 @@ class Ruler(Task):
             "nulls": {s: nulls[s] for s in order},
             "subtasks_missing": [s for s in self.config.subtasks if s not in by],
         }
+
+    def score_terms(self, records: list[dict[str, Any]]):
+        """The mean of the subtasks' means: one bootstrap group per subtask (each keeps its sample count)."""
+        from ..statistics import ScoreTerms
+
+        scored = [r for r in records if r.get("score") is not None]
+        order = {s: k for k, s in enumerate(dict.fromkeys([*self.config.subtasks, *sorted(r["subtask"] for r in scored)]))}
+        return ScoreTerms([r["id"] for r in scored], [r["score"] for r in scored], [1.0] * len(scored),
+                          [order[r["subtask"]] for r in scored])

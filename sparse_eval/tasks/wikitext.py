@@ -96,3 +96,10 @@ class Wikitext(Task):
         if not tokens:
             return {"ppl": None, "tokens": 0}
         return {"ppl": math.exp(sum(r["nll_sum"] for r in records) / tokens), "tokens": tokens}
+
+    def score_terms(self, records: list[dict[str, Any]]):
+        """Perplexity exp(Σ NLL / Σ tokens) over windows: the bootstrap resamples windows."""
+        from ..statistics import ScoreTerms
+
+        return ScoreTerms([r["id"] for r in records], [r["nll_sum"] for r in records],
+                          [r["tokens"] for r in records], [0] * len(records), transform="exp")
