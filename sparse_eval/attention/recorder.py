@@ -21,7 +21,7 @@ class StatsRecorder:
         self.reset()
 
     def reset(self) -> None:
-        # per layer: {stat keys of a call: [1 + S, B, Hq] running sums (entry 0: counted rows with valid keys)}
+        # per layer: {(stat keys of a call, B): [1 + S, B, Hq] running sums (entry 0: counted rows with valid keys)}
         self._stacked: dict[int, dict[tuple[str, ...], torch.Tensor]] = {}
 
     def add(self, layer: int, stats: dict[str, Any], counted: torch.Tensor | None = None) -> None:
@@ -38,10 +38,8 @@ class StatsRecorder:
         mat = torch.stack([w] + [stats[k].to(torch.float32) for k in keys])  # [1 + S, B, Hq, Q]
         sums = (mat * w).sum(3)  # [1 + S, B, Hq]
         table = self._stacked.setdefault(layer, {})
-        if keys in table and table[keys].shape != sums.shape:
-            raise ValueError(f"layer {layer}: a call of batch {sums.shape[1]} after calls of batch "
-                             f"{table[keys].shape[1]} without a reset")
-        table[keys] = table[keys] + sums if keys in table else sums
+        entry = (keys, sums.shape[1])  # calls of another batch size (lm-eval's own batches) are summed apart
+        table[entry] = table[entry] + sums if entry in table else sums
 
     def add_full(self, layer: int, static: torch.Tensor, n_valid: torch.Tensor, num_heads: int,
                  counted: torch.Tensor | None = None) -> None:
@@ -57,8 +55,10 @@ class StatsRecorder:
         rows: dict[int, torch.Tensor] = {}
         empty: dict[int, torch.Tensor] = {}
         sums: dict[str, dict[int, torch.Tensor]] = {}
+        if row is not None and len({b for entries in self._stacked.values() for _, b in entries}) > 1:
+            raise ValueError("per-row statistics of calls with different batch sizes; reset between batches")
         for layer, entries in self._stacked.items():
-            for keys, acc in entries.items():
+            for (keys, _), acc in entries.items():
                 acc = acc.sum(1) if row is None else acc[:, row]  # [1 + S, Hq]
                 rows[layer] = rows[layer] + acc[0] if layer in rows else acc[0]
                 for i, key in enumerate(keys, start=1):
@@ -67,11 +67,9 @@ class StatsRecorder:
         return rows, empty, sums
 
     def batch_rows(self) -> int | None:
-        """The batch size of the recorded calls (None before any)."""
-        for entries in self._stacked.values():
-            for acc in entries.values():
-                return int(acc.shape[1])
-        return None
+        """The batch size of the recorded calls (None before any or when calls of several sizes were recorded)."""
+        sizes = {b for entries in self._stacked.values() for _, b in entries}
+        return sizes.pop() if len(sizes) == 1 else None
 
     def summary(self, row: int | None = None) -> dict[str, Any]:
         """Means over the recorded query rows (sparse layers and heads) of batch row ``row`` (None: of every
