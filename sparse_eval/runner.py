@@ -40,12 +40,18 @@ def method_options(name: str) -> dict[str, Any]:
 
     from .config import register_configs
 
+    from hydra.errors import MissingConfigException
+
     register_configs()
-    if GlobalHydra.instance().is_initialized():  # inside the Hydra app (or a test's initialize context)
-        cfg = compose(config_name="config", overrides=[f"method={name}"])
-    else:
-        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+    try:
+        if GlobalHydra.instance().is_initialized():  # inside the Hydra app (or a test's initialize context)
             cfg = compose(config_name="config", overrides=[f"method={name}"])
+        else:
+            with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+                cfg = compose(config_name="config", overrides=[f"method={name}"])
+    except MissingConfigException:
+        valid = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
+        raise ValueError(f"no method config {name!r} (conf/method/{name}.yaml); valid: {valid}") from None
     return to_plain(cfg.method)
 
 
