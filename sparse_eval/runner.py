@@ -130,8 +130,10 @@ class Experiment:
         return identity, run_dir_for(self.cfg.paths.runs_dir, identity)
 
     def run_method(self, method_cfg: MethodConfig, run_dir: Path | None = None) -> dict[str, Any]:
-        identity, computed = self.run_dir(method_cfg)
-        run_dir = run_dir or computed
+        if run_dir is None:
+            identity, run_dir = self.run_dir(method_cfg)
+        else:
+            identity = self.identity(dataclasses.asdict(method_cfg))
         method = build_method(method_cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(identity)), encoding="utf-8")

@@ -21,6 +21,7 @@ METHODS = {
     "magicpig": {"K": 4, "L": 20, "local": 8, "dense_layers": [0]},
     "quest": {"page_size": 4, "budget": 8, "local": 8},
     "double_sparsity": {"beta": 8},
+    "double_sparsity-offload": {"beta": 8, "offload": True},  # predicts layer l's keys from layer l-1's input
 }
 STATS = ("cost1", "cost2", "static_frac", "est_error", "sparse_rows", "empty_selections")
 
@@ -31,8 +32,8 @@ def _prompts(lengths, seed=0):
 
 
 def _engine(model, tok, name, protocol, chunk=None):
-    method = build_method(make_config(name, METHODS[name]))
-    if name == "double_sparsity":
+    method = build_method(make_config(name.split("-")[0], METHODS[name]))
+    if method.name == "double_sparsity":
         method.setup(model, "stories260k")
     session = attach(model, method, Runtime(protocol))
     return session, Engine(model, tok, session, chunk)
