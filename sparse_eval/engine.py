@@ -13,9 +13,10 @@ scores and statistics are those it gets alone (up to floating-point rounding of 
 
 * protocol B: each row's context ends at its own column; the columns where some rows are still in their
   context and others in their question run with a per-row phase (``session.phase(mask)``);
-* ``prefill_chunk``: chunk boundaries are laid from the shortest row's first token, so rows whose padding
-  differs by a multiple of the chunk see the calls they see alone (the runner groups rows that way under
-  protocol S, where chunk boundaries decide which keys a sparse prefill call indexes);
+* ``prefill_chunk``: chunk boundaries are laid from the longest row's first token (under protocol B, the
+  question's from the first context end), so rows whose padding differs by a multiple of the chunk see the
+  calls they see alone.  Boundaries decide which keys a sparse call indexes, so the runner batches only such
+  rows under protocol S, and under B runs a question longer than a chunk alone;
 * generation stops per row (EOS, a stop string, ``max_new_tokens``); finished rows ride along unrecorded
   until every row has stopped.
 """
@@ -121,7 +122,8 @@ class Engine:
         return ids.to(self.device), mask.to(self.device), pads.to(self.device)
 
     def _bounds(self, start: int, stop: int) -> list[tuple[int, int]]:
-        """Chunk boundaries of the columns [start, stop): ``prefill_chunk`` columns each from ``start``."""
+        """Chunk boundaries of the columns [start, stop): ``prefill_chunk`` columns each from ``start`` (column 0
+        is the longest row's first token)."""
         step = self.prefill_chunk or max(1, stop - start)
         return [(s, min(stop, s + step)) for s in range(start, stop, step)]
 
@@ -145,7 +147,7 @@ class Engine:
     @torch.inference_mode()
     def nll_batch(self, requests: Sequence[LoglikelihoodRequest]) -> list[LoglikelihoodResult]:
         """Teacher-forced NLL of each window (protocol S: sparse; A and B: dense), in prefill chunks."""
-        ids, mask, pads = self._layout([r.input_ids for r in requests])
+        ids, mask, _ = self._layout([r.input_ids for r in requests])
         self._seed_rows(requests)
         b, t = ids.shape
         phase = "sparse" if self.protocol == "S" else "dense"
@@ -153,7 +155,7 @@ class Engine:
         real = mask.bool()
         predicted = real[:, :-1] & real[:, 1:]  # position t predicts t + 1 within the row
         nll = torch.zeros(b, dtype=torch.float64, device=self.device)
-        for start, stop in self._bounds(0, t) if self.prefill_chunk is None else self._bounds_from(pads, t):
+        for start, stop in self._bounds(0, t):
             logits = self._call(ids, mask, stop, start, cache, phase, real[:, start:stop])
             last = min(stop, t - 1)
             if last <= start:
@@ -163,12 +165,6 @@ class Engine:
             nll -= (tok.double() * predicted[:, start:last]).sum(-1)
         counts = predicted.sum(-1)
         return [LoglikelihoodResult(float(nll[i]), int(counts[i])) for i in range(b)]
-
-    def _bounds_from(self, pads: torch.Tensor, stop: int) -> list[tuple[int, int]]:
-        """Chunks laid from the shortest row's first token (the columns before it, all padding, join the first)."""
-        first = int(pads.min())
-        bounds = self._bounds(first, stop)
-        return [(0, bounds[0][1])] + bounds[1:] if first > 0 else bounds
 
     # -- generation --------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -195,8 +191,7 @@ class Engine:
                 logits = self._call(ids, mask, stop, start, cache, phase, q, 1)
         else:
             phase = "sparse" if self.protocol == "S" else "dense"
-            bounds = self._bounds_from(pads, t) if self.protocol == "S" else self._bounds(0, t)
-            for start, stop in bounds:
+            for start, stop in self._bounds(0, t):
                 logits = self._call(ids, mask, stop, start, cache, phase, real[:, start:stop], 1)
         logits = logits[:, -1]
         stop_ids = [set(r.stop_token_ids if r.stop_token_ids is not None else _eos_ids(self.model, self.tokenizer))

@@ -271,14 +271,28 @@ class _Batcher:
             yield recs
 
     def _take(self, i: int) -> list[Any]:
+        """The next batch: up to ``size`` samples, cut where the prefill chunks of a sparse phase would not
+        coincide with the rows' own (``Engine`` lays them from the first row's start, or under protocol B from the
+        first context end)."""
         batch = self.todo[i:i + self.size]
         chunk = self.exp.cfg.eval.prefill_chunk
-        if chunk and self.exp.protocol == "S" and len(batch) > 1:  # never mix chunk alignments in one batch
-            r = len(self.task.request(batch[0]).input_ids) % chunk
+        if not chunk or len(batch) == 1:
+            return batch
+        reqs = [self.task.request(s) for s in batch]
+        if self.exp.protocol == "S":  # never mix chunk alignments in one batch
+            r = len(reqs[0].input_ids) % chunk
             n = 1
-            while n < len(batch) and len(self.task.request(batch[n]).input_ids) % chunk == r:
+            while n < len(batch) and len(reqs[n].input_ids) % chunk == r:
                 n += 1
-            batch = batch[:n]
+            return batch[:n]
+        if self.exp.protocol == "B":  # a question longer than a chunk is split at its own boundaries: alone
+            long = [len(q.input_ids) - (q.context_len or 0) > chunk for q in reqs]
+            if long[0]:
+                return batch[:1]
+            n = 1
+            while n < len(batch) and not long[n]:
+                n += 1
+            return batch[:n]
         return batch
 
     def _free(self) -> None:
