@@ -174,3 +174,24 @@ def test_batch_size_is_checked_at_start(tmp_path):
     for bad in ("0", "many"):
         with pytest.raises(ValueError, match="eval.batch_size"):
             Experiment(cfg_for(tmp_path, "method=full", f"eval.batch_size={bad}"))
+
+
+def test_auto_batch_halves_on_out_of_memory(tmp_path, monkeypatch):
+    from test_runner import cfg_for
+
+    from sparse_eval.runner import Experiment
+
+    exp = Experiment(cfg_for(tmp_path, "method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=auto"))
+    orig = exp.task.run_batch
+    sizes = []
+
+    def small_memory(samples, engine):
+        sizes.append(len(samples))
+        if len(samples) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return orig(samples, engine)
+
+    monkeypatch.setattr(exp.task, "run_batch", small_memory)
+    summary = exp.run_method(exp.method_configs()[0])
+    assert sizes == [5, 2, 2, 1] and summary["batch_size"] == 2
+    assert summary["samples"] == 5 and summary["failed"] == 0
