@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     for (name, err), ts in times.items():
         summ = stats[(name, err)]
         rows.append({"method": name, "est_error_on": err, "ms_per_step": statistics.median(ts), "all_ms": ts,
-                     "cost2": summ.get("cost2"), "est_error": summ.get("error")})
+                     "cost2": summ.get("cost2"), "est_error": summ.get("est_error")})
         print(f"{name:16s} error={'on ' if err else 'off'} {statistics.median(ts):9.3f} ms/step  cost2={summ.get('cost2')}")
     base = {r["est_error_on"]: r["ms_per_step"] for r in rows if r["method"] == "full"}
     for r in rows:

@@ -13,12 +13,14 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
 from .attention.plugin import PROTOCOLS, Runtime, attach, detach
 from .config import to_plain
 from .engine import Engine
-from .methods import build_method, make_config
+from .methods import MethodConfig, build_method, make_config
 from .models.loading import ModelConfig, load_model, max_context, model_identity
+from .statistics import bootstrap_ci
 from .results import SampleLog, provenance, run_dir_for, write_summary
 from .status import clear_failure, run_lock, write_failure, write_progress
 from .tasks import build_task
@@ -26,20 +28,43 @@ from .tasks import build_task
 log = logging.getLogger("sparse_eval")
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-PACKAGE_CONF_DIR = Path(__file__).resolve().parent / "conf"
-RECORD_STATS = ("cost1", "cost2", "static_frac", "error")
+RECORD_STATS = ("cost1", "cost2", "static_frac", "est_error", "mass", "topk_recall")
 EMPTY_SELECTION_WARN = 0.05  # a run whose rows select no key of their own more often than this is flagged
+AUTO_BATCH_START = 128  # eval.batch_size=auto tries min(samples, this) first, then halves on out-of-memory
+SHORT_CONFIG_KEYS = ("budget", "K", "L", "page_size", "alpha", "beta")
 
 
 def method_options(name: str) -> dict[str, Any]:
-    """The options of ``conf/method/<name>.yaml`` (used for the methods listed in ``compare``)."""
-    for base in (CONF_DIR, PACKAGE_CONF_DIR):
-        path = base / "method" / f"{name}.yaml"
-        if path.exists():
-            node = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-            node.pop("defaults", None)
-            return node
-    raise ValueError(f"no config file conf/method/{name}.yaml; valid: {sorted(p.stem for p in (CONF_DIR / 'method').glob('*.yaml'))}")
+    """The options of the method config ``conf/method/<name>.yaml``, composed by Hydra (so its schema checks
+    them; used for the methods listed in ``compare``)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from .config import register_configs
+
+    from hydra.errors import MissingConfigException
+
+    register_configs()
+    try:
+        if GlobalHydra.instance().is_initialized():  # inside the Hydra app (or a test's initialize context)
+            cfg = compose(config_name="config", overrides=[f"method={name}"])
+        else:
+            with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+                cfg = compose(config_name="config", overrides=[f"method={name}"])
+    except MissingConfigException:
+        valid = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
+        raise ValueError(f"no method config {name!r} (conf/method/{name}.yaml); valid: {valid}") from None
+    return to_plain(cfg.method)
+
+
+def short_config(method: dict[str, Any]) -> str:
+    """The method options a reader tells configs apart by, e.g. ``K=10, L=150``."""
+    return ", ".join(f"{k}={v}" for k, v in method.items() if k in SHORT_CONFIG_KEYS)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and ("out of memory" in str(exc) or "can't allocate memory" in str(exc)))
 
 
 class Experiment:
@@ -57,10 +82,13 @@ class Experiment:
             raise ValueError(f"eval.protocol={self.protocol!r}; valid: {list(PROTOCOLS)} (or null for the task's default)")
         if cfg.eval.prefill_chunk is not None and cfg.eval.prefill_chunk < 1:
             raise ValueError(f"eval.prefill_chunk={cfg.eval.prefill_chunk}: must be >= 1 or null")
+        self.batch_size = check_batch_size(cfg.eval.get("batch_size", 1))
         self.model = self.tokenizer = None
         self._samples = None
 
-    def method_configs(self) -> list[dict[str, Any]]:
+    def method_configs(self) -> list[MethodConfig]:
+        """The methods to run, as config dataclasses, each validated before any work (a bad value fails at start,
+        naming it)."""
         if self.cfg.method is not None:
             opts = [to_plain(self.cfg.method)]
         else:
@@ -70,9 +98,11 @@ class Experiment:
                 if isinstance(entry, str):
                     opts.append(method_options(entry))
                 else:
-                    opts.append(method_options(entry["name"]) | entry)
-        # validate every method before any work: a bad value fails at start, naming it
-        return [dataclasses.asdict(build_method(make_config(o["name"], o)).config) for o in opts]
+                    opts.append(method_options(entry["name"]) | {k: v for k, v in entry.items() if k != "name"})
+        configs = [make_config(o["name"], o) for o in opts]
+        for c in configs:
+            build_method(c)
+        return configs
 
     def load(self) -> None:
         if self.model is None:
@@ -109,11 +139,17 @@ class Experiment:
             "seed": self.cfg.seed,
         }
 
-    def run_method(self, method_opts: dict[str, Any]) -> dict[str, Any]:
-        from tqdm.auto import tqdm
+    def run_dir(self, method_cfg: MethodConfig) -> tuple[dict[str, Any], Path]:
+        """(identity, run directory) of one method's run: the one place both are computed."""
+        identity = self.identity(dataclasses.asdict(method_cfg))
+        return identity, run_dir_for(self.cfg.paths.runs_dir, identity)
 
-        identity = self.identity(method_opts)
-        run_dir = run_dir_for(self.cfg.paths.runs_dir, identity)
+    def run_method(self, method_cfg: MethodConfig, run_dir: Path | None = None) -> dict[str, Any]:
+        if run_dir is None:
+            identity, run_dir = self.run_dir(method_cfg)
+        else:
+            identity = self.identity(dataclasses.asdict(method_cfg))
+        method = build_method(method_cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(identity)), encoding="utf-8")
         if not (run_dir / "meta.json").exists():
@@ -124,7 +160,6 @@ class Experiment:
         samples = self.samples()
         todo = [s for s in samples if not samples_log.done(s.id)]
         write_progress(run_dir, len(samples), len(samples) - len(todo))  # for `python -m sparse_eval.status`
-        method = build_method(make_config(method_opts["name"], method_opts))
         method.validate(num_layers=self.num_layers, context=self.context)
         method.setup(self.model, self.model_cfg.name)
         if method.external_inputs(self.model_cfg.name) != identity["inputs"]:
@@ -135,24 +170,20 @@ class Experiment:
         session = attach(self.model, method, Runtime(self.protocol, self.cfg.eval.compute_error, self.cfg.eval.query_chunk))
         engine = Engine(self.model, self.tokenizer, session, self.cfg.eval.prefill_chunk)
         logger = _Logger(self.cfg.logger, run_dir, identity)
+        batcher = _Batcher(self, session, engine, todo)
+        label = f"{method_cfg.name} {short_config(identity['method'])}".strip()
         try:
-            for sample in tqdm(todo, desc=f"{run_dir.name}", disable=not todo, leave=False):
-                session.recorder.reset()
-                t0 = time.perf_counter()
-                try:
-                    rec = self.task.run(sample, engine)
-                    rec = {"id": sample.id, "status": "ok", **rec, **_stats_fields(session.recorder.summary())}
-                except Exception as exc:  # one failing sample is recorded and the run goes on
-                    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                        raise
-                    log.warning("sample %s failed: %r", sample.id, exc)
-                    rec = {"id": sample.id, "status": "error", "error": repr(exc),
-                           "traceback": traceback.format_exc(limit=8)}
-                rec["time_s"] = time.perf_counter() - t0
-                samples_log.append(rec)
-                logger.log_sample(rec)
+            with tqdm(total=len(samples), initial=len(samples) - len(todo), desc=label, unit="sample",
+                      disable=not todo, leave=False, dynamic_ncols=True) as bar:
+                for recs in batcher:
+                    for rec in recs:
+                        samples_log.append(rec)
+                        logger.log_sample(rec)
+                    bar.update(len(recs))
+                    bar.set_postfix(batch=batcher.size, refresh=False)
         finally:
             detach(self.model)
+        self._batch_used = batcher.used
         records = [samples_log.records[s.id] for s in samples if s.id in samples_log.records]
         summary = self.summarize(run_dir, identity, records)
         write_summary(run_dir, summary)
@@ -177,15 +208,17 @@ class Experiment:
             "sink": identity["method"].get("sink"),
             "local": identity["method"].get("local"),
             "prefill_chunk": self.cfg.eval.prefill_chunk,
+            "batch_size": getattr(self, "_batch_used", None),
             "metric": self.task.metric,
             "score": metrics.get(self.task.metric),
+            "score_ci": score_interval(self.task, ok, seed=self.cfg.seed),
             "metrics": metrics,
             "samples": len(ok),
             "failed": len(records) - len(ok),
             "expected_samples": len(self.samples()),
             "time_s": sum(r.get("time_s", 0.0) for r in records),
         }
-        for key in ("cost1", "cost2", "static_frac", "est_error", "empty_selections"):
+        for key in (*RECORD_STATS, "empty_selections"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             out[key] = sum(vals) / len(vals) if vals else None
         empty, rows = (sum(r.get(k) or 0.0 for r in ok) for k in ("empty_selections", "sparse_rows"))
@@ -205,13 +238,134 @@ class Experiment:
         return out
 
 
+def score_interval(task: Any, records: list[dict[str, Any]], seed: int = 0) -> dict[str, Any] | None:
+    """The score's 95 % bootstrap interval over the finished samples (``sparse_eval.statistics``): {lo, hi, n,
+    level, n_boot}; None where the task's samples are not units an interval can be drawn over."""
+    terms = task.score_terms(records)
+    if terms is None:
+        return None
+    ci = bootstrap_ci(terms, seed=seed)
+    return {k: ci[k] for k in ("lo", "hi", "n", "level", "n_boot")}
+
+
+def check_batch_size(value: Any) -> int | str:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"eval.batch_size={value!r}: give an integer >= 1 or 'auto' (the largest batch that fits)")
+    return value
+
+
+class _Batcher:
+    """Yields the records of the samples still to run, batch by batch, in batches of samples of similar prompt
+    length (under protocol S with ``prefill_chunk`` only samples whose lengths agree modulo the chunk share a batch,
+    so each row sees its own chunk boundaries).  ``auto`` halves the batch on out-of-memory; a batch that fails
+    otherwise is rerun one sample at a time, so a failing sample is recorded alone and the rest go on."""
+
+    def __init__(self, exp: Experiment, session: Any, engine: Engine, todo: list[Any]):
+        self.exp, self.session, self.engine = exp, session, engine
+        self.task = exp.task
+        want = exp.batch_size
+        self.auto = want == "auto"
+        batched = self.task.batched and len(todo) > 1
+        self.size = 1 if not batched else min(len(todo), AUTO_BATCH_START) if self.auto else want
+        self.used: int | None = None
+        self.todo = self._order(todo) if self.size > 1 else list(todo)
+
+    def _order(self, todo: list[Any]) -> list[Any]:
+        lengths = {s.id: len(self.task.request(s).input_ids) for s in todo}
+        chunk = self.exp.cfg.eval.prefill_chunk
+        group = (lambda n: n % chunk) if chunk and self.exp.protocol == "S" else (lambda n: 0)
+        return sorted(todo, key=lambda s: (group(lengths[s.id]), -lengths[s.id]))
+
+    def __iter__(self):
+        i = 0
+        while i < len(self.todo):
+            batch = self._take(i)
+            try:
+                recs = self._run(batch)
+            except Exception as exc:  # noqa: BLE001 - recorded per sample below
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                if self.auto and len(batch) > 1 and is_out_of_memory(exc):
+                    self._free()
+                    self.size = max(1, len(batch) // 2)
+                    log.warning("batch of %d out of memory; trying %d", len(batch), self.size)
+                    continue
+                if len(batch) == 1:
+                    recs = [self._failed(batch[0], exc)]
+                else:
+                    log.warning("batch of %d failed (%r); running its samples one at a time", len(batch), exc)
+                    self._free()
+                    recs = []
+                    for s in batch:
+                        try:
+                            recs += self._run([s])
+                        except Exception as exc1:  # noqa: BLE001
+                            if isinstance(exc1, (KeyboardInterrupt, SystemExit)):
+                                raise
+                            recs.append(self._failed(s, exc1))
+            self.used = max(self.used or 0, len(batch))
+            i += len(batch)
+            yield recs
+
+    def _take(self, i: int) -> list[Any]:
+        """The next batch: up to ``size`` samples, cut where the prefill chunks of a sparse phase would not
+        coincide with the rows' own (``Engine`` lays them from the first row's start, or under protocol B from the
+        first context end)."""
+        batch = self.todo[i:i + self.size]
+        chunk = self.exp.cfg.eval.prefill_chunk
+        if not chunk or len(batch) == 1:
+            return batch
+        reqs = [self.task.request(s) for s in batch]
+        if self.exp.protocol == "S":  # never mix chunk alignments in one batch
+            r = len(reqs[0].input_ids) % chunk
+            n = 1
+            while n < len(batch) and len(reqs[n].input_ids) % chunk == r:
+                n += 1
+            return batch[:n]
+        if self.exp.protocol == "B":  # a question longer than a chunk is split at its own boundaries: alone
+            long = [len(q.input_ids) - (q.context_len or 0) > chunk for q in reqs]
+            if long[0]:
+                return batch[:1]
+            n = 1
+            while n < len(batch) and not long[n]:
+                n += 1
+            return batch[:n]
+        return batch
+
+    def _free(self) -> None:
+        self.session.recorder.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _run(self, batch: list[Any]) -> list[dict[str, Any]]:
+        """The records of one batch: the task's fields and each row's own statistics; ``time_s`` is the
+        batch's wall time shared equally by its samples."""
+        self.session.recorder.reset()
+        t0 = time.perf_counter()
+        recs = self.task.run_batch(batch, self.engine)
+        dt = (time.perf_counter() - t0) / len(batch)
+        rows = self.session.recorder.batch_rows()
+        out = []
+        for i, (sample, rec) in enumerate(zip(batch, recs)):
+            stats = self.session.recorder.summary(row=i if rows == len(batch) else None)
+            out.append({"id": sample.id, "status": "ok", **rec, **_stats_fields(stats), "time_s": dt})
+        return out
+
+    @staticmethod
+    def _failed(sample: Any, exc: BaseException) -> dict[str, Any]:
+        log.warning("sample %s failed: %r", sample.id, exc)
+        return {"id": sample.id, "status": "error", "error": repr(exc), "traceback": traceback.format_exc(limit=8),
+                "time_s": 0.0}
+
+
 def _stats_fields(stats: dict[str, Any]) -> dict[str, Any]:
     out = {k: stats.get(k) for k in RECORD_STATS}
-    out["est_error"] = out.pop("error")
     out["empty_selections"] = stats.get("empty_selections", 0.0)
     out["sparse_rows"] = stats.get("sparse_rows", 0.0)
-    for key in ("cost1", "cost2", "error"):
-        out[f"{key if key != 'error' else 'est_error'}_per_layer"] = stats.get(f"{key}_per_layer", {})
+    for key in ("cost1", "cost2", "est_error"):
+        out[f"{key}_per_layer"] = stats.get(f"{key}_per_layer", {})
     for key, val in stats.items():  # method extras (e.g. draws, pages)
         if key not in out and not key.endswith(("_per_layer", "_per_layer_head")) and key not in ("sparse_layers",) \
                 and key not in RECORD_STATS:
@@ -248,10 +402,9 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
 
     rows = []
     for s in summaries:
-        m = s["method_config"]
         rows.append({
             "method": s["method"],
-            "config": ", ".join(f"{k}={v}" for k, v in m.items() if k in ("budget", "K", "L", "page_size", "alpha", "beta")),
+            "config": short_config(s["method_config"]),
             s["metric"]: s["score"],
             "Cost1": s["cost1"],
             "Cost2": s["cost2"],
@@ -270,21 +423,11 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     methods = exp.method_configs()
     summaries = []
     for m in methods:
-        try:
-            run_dir = run_dir_for(cfg.paths.runs_dir, exp.identity(m))
-        except Exception as exc:  # the model or a method's input cannot be read: recorded under the config's identity
-            identity = exp.identity(m, loaded=False)
-            run_dir = run_dir_for(cfg.paths.runs_dir, identity)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(identity)), encoding="utf-8")
-            if not (run_dir / "meta.json").exists():
-                (run_dir / "meta.json").write_text(json.dumps(provenance(), indent=2) + "\n", encoding="utf-8")
-            write_failure(run_dir, exc)
-            raise
+        _, run_dir = exp.run_dir(m)
         try:
             with run_lock(run_dir):  # one process per run dir: a duplicate job waits, then finds the samples done
                 clear_failure(run_dir)
-                summaries.append(exp.run_method(m))
+                summaries.append(exp.run_method(m, run_dir))
         except Exception as exc:  # recorded in the run dir (failed.json) for sweeps and `sparse_eval.status`
             write_failure(run_dir, exc)
             try:

@@ -35,7 +35,7 @@ def test_full_equals_dense_attention():
     out, st = attend("full", q, k, v)
     ref, _ = dense_reference(q, k, v)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    assert torch.all(st["cost2"] == 1) and torch.all(st["error"] < 1e-6)
+    assert torch.all(st["cost2"] == 1) and torch.all(st["est_error"] < 1e-6)
 
 
 @pytest.mark.parametrize("budget", [0.1, 17])

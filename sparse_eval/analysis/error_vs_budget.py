@@ -6,7 +6,7 @@ On real text (a WikiText-2 passage of ``length`` tokens), the attention inputs o
 (post-RoPE q, K, V) and, for the last ``num_queries`` query rows (each a decoding step over the densely
 prefilled prefix), each method is run through ``sparse_eval.methods.attend`` on exactly those tensors:
 
-* relative error ‖ô − o‖/‖o‖ (``stats["error"]``, o = exact attention) per layer, mean over query heads and rows;
+* relative error ‖ô − o‖/‖o‖ (``stats["est_error"]``, o = exact attention) per layer, mean over query heads and rows;
 * TopK (eq. 3) and oracle sampling (Def. 3.1, eq. 4–5) over ``budgets`` (a ratio of the context: keys kept by
   TopK, i.i.d. draws B for oracle sampling; each with ``repeats`` seeds for the sampling methods);
 * MagicPIG (eq. 10–11) over ``magicpig`` (K, L) pairs; its x-value is the measured Cost2 (kept keys / context);
@@ -156,7 +156,7 @@ def _record(layer: int, method: str, st: dict[str, Any], **extra: Any) -> dict[s
     tot = float(w.sum().clamp_min(1))
     mean = lambda x: float((x.float() * w).sum() / tot)  # noqa: E731
     rec = {"layer": layer, "method": method, "budget": None, "K": None, "L": None, "seed": None,
-           "error": mean(st["error"]), "error_max": float(st["error"][rows].max()) if rows.any() else float("nan"),
+           "error": mean(st["est_error"]), "error_max": float(st["est_error"][rows].max()) if rows.any() else float("nan"),
            "cost2": mean(st["cost2"]), "static_frac": mean(st["static_frac"])}
     rec.update(extra)
     return rec

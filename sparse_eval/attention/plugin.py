@@ -111,27 +111,51 @@ class SparseSession:
         self.num_layers = num_layers
         self.dense_layers = {int(i) for i in method.config.dense_layers}
         self.recorder = StatsRecorder(num_layers, num_heads)
-        self._phase: str | None = None
+        self._phase: str | torch.Tensor | None = None
+        self._counted: torch.Tensor | None = None  # bool [B, Q] of the current pass: query rows whose stats count
+        self.row_seeds: torch.Tensor | None = None  # long [B]: each row's seed (its sample id), for sampling methods
         self.layer_inputs: dict[int, tuple] = {}  # per layer: (hidden_states, position_embeddings) of the last call
         self._mask_memo: tuple | None = None  # (attention mask, shapes, PassMasks) of the last call
 
     # -- protocol ----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def phase(self, name: str | None) -> Iterator[None]:
-        """Force the calls inside to be ``"dense"`` or ``"sparse"`` (protocol B's context/question split)."""
-        if name not in (None, "dense", "sparse"):
-            raise ValueError(f"phase={name!r}; valid: None, 'dense', 'sparse'")
+    def phase(self, name: str | torch.Tensor | None) -> Iterator[None]:
+        """Force the calls inside to be ``"dense"`` or ``"sparse"`` (protocol B's context/question split), or,
+        with a bool tensor [B, Q] over the pass's query rows, sparse where True and dense elsewhere (a padded
+        batch whose rows' contexts end at different columns)."""
+        if not torch.is_tensor(name) and name not in (None, "dense", "sparse"):
+            raise ValueError(f"phase={name!r}; valid: None, 'dense', 'sparse' or a bool tensor [B, Q]")
         old, self._phase = self._phase, name
         try:
             yield
         finally:
             self._phase = old
 
-    def is_sparse(self, layer_idx: int, q_len: int) -> bool:
+    @contextlib.contextmanager
+    def counting(self, rows: torch.Tensor | None) -> Iterator[None]:
+        """Record statistics only for the query rows where ``rows`` (bool [B, Q] of the passes inside) is True:
+        a batch's padding, a row's dense context and the rows that stopped generating are not counted."""
+        old, self._counted = self._counted, rows
+        try:
+            yield
+        finally:
+            self._counted = old
+
+    def _count_mask(self, b: int, q_len: int, sparse_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """bool [B, 1, Q] of the rows to record (None: all)."""
+        w = self._counted
+        if w is not None and tuple(w.shape) != (b, q_len):
+            raise ValueError(f"counting mask {tuple(w.shape)} does not match the pass's query rows {(b, q_len)}")
+        if sparse_rows is not None:
+            w = sparse_rows if w is None else w & sparse_rows
+        return None if w is None else w[:, None, :]
+
+    def is_sparse(self, layer_idx: int, q_len: int) -> bool | torch.Tensor:
+        """True, False, or bool [B, Q] (a per-row phase)."""
         if layer_idx in self.dense_layers:
             return False
         if self._phase is not None:
-            return self._phase == "sparse"
+            return self._phase if torch.is_tensor(self._phase) else self._phase == "sparse"
         if self.runtime.protocol == "S":
             return True
         return q_len == 1  # A (and B without an explicit context/question split)
@@ -157,23 +181,32 @@ class SparseSession:
         layer_idx = module.layer_idx
         b, hq, q_len, d = query.shape
         scaling = module.scaling if scaling is None else scaling
-        if not self.is_sparse(layer_idx, q_len):
+        sparse = self.is_sparse(layer_idx, q_len)
+        per_row = sparse if torch.is_tensor(sparse) else None  # bool [B, Q]
+        if per_row is None and not sparse:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        counted = self._count_mask(b, q_len, per_row)
         masks = self._masks(attention_mask, b, q_len, key.shape[2], query.device)
         valid = masks.valid if masks is not None else key_validity(attention_mask, b, q_len, key.shape[2], query.device)
+        if self.method.dense or per_row is not None:
+            dense, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         if self.method.dense:
-            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
             static, n_valid = (masks.static, masks.n_valid) if masks is not None else \
                 static_keys(valid, self.method.config.sink, self.method.config.local)
-            self.recorder.add_full(layer_idx, static, n_valid, hq)
-            return out, None
+            self.recorder.add_full(layer_idx, static, n_valid, hq, counted)
+            return dense, None
         state = _layer_state(getattr(module, _CACHE_ATTR, None), layer_idx)
+        seeds = self.row_seeds if self.row_seeds is not None and self.row_seeds.shape[0] == b else None
         out, stats = sparse_attention(
             self.method, query, key, value, valid, scaling, state, layer_idx,
             compute_error=self.runtime.compute_error, query_chunk=self.runtime.query_chunk, masks=masks,
+            row_seeds=seeds, layer_inputs=self.layer_inputs,
         )
-        self.recorder.add(layer_idx, stats)
-        return out.transpose(1, 2).contiguous(), None
+        self.recorder.add(layer_idx, stats, counted)
+        out = out.transpose(1, 2)  # [B, Q, Hq, D]
+        if per_row is not None:  # rows still in their (dense) context keep the dense output
+            out = torch.where(per_row[:, :, None, None], out, dense)
+        return out.contiguous(), None
 
 
 def sparse_eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -214,7 +247,6 @@ def attach(model: torch.nn.Module, method: Method, runtime: Runtime | None = Non
         setattr(m, _SESSION_ATTR, session)
         m._sparse_eval_hook = m.register_forward_pre_hook(_grab_cache, with_kwargs=True)
     model.set_attn_implementation(ATTENTION_NAME)
-    model._sparse_eval_session = session
     return session
 
 
@@ -228,5 +260,3 @@ def detach(model: torch.nn.Module) -> None:
         for attr in (_SESSION_ATTR, _CACHE_ATTR):
             if hasattr(m, attr):
                 delattr(m, attr)
-    if hasattr(model, "_sparse_eval_session"):
-        del model._sparse_eval_session

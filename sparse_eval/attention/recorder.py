@@ -1,4 +1,7 @@
-"""Accumulates per-row attention statistics per layer and head, on the device, until a sample ends."""
+"""Accumulates per-row attention statistics per layer, head and batch row, on the device, until a batch ends.
+
+Sums are kept per batch row (one sample of a padded batch), so ``summary(row=i)`` is sample i's statistics
+alone: the rows a pass does not count (padding, other rows, a stopped row) carry weight 0."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from typing import Any
 import torch
 
 # statistics averaged over the query rows of sparse calls (one row = one query position of one head)
-MEAN_KEYS = ("cost1", "cost2", "static_frac", "error", "mass", "topk_recall")
+MEAN_KEYS = ("cost1", "cost2", "static_frac", "est_error", "mass", "topk_recall")
 
 
 class StatsRecorder:
@@ -18,48 +21,61 @@ class StatsRecorder:
         self.reset()
 
     def reset(self) -> None:
-        # per layer: {stat keys of a call: [1 + S, Hq] running sums (row 0: rows with valid keys)}
+        # per layer: {(stat keys of a call, B): [1 + S, B, Hq] running sums (entry 0: counted rows with valid keys)}
         self._stacked: dict[int, dict[tuple[str, ...], torch.Tensor]] = {}
 
-    def add(self, layer: int, stats: dict[str, Any]) -> None:
-        """stats: per-row tensors [B, Hq, Q] plus ``rows`` (bool, row has valid keys) and ``empty``.
+    def add(self, layer: int, stats: dict[str, Any], counted: torch.Tensor | None = None) -> None:
+        """stats: per-row tensors [B, Hq, Q] plus ``rows`` (bool, row has valid keys) and ``empty``;
+        ``counted``: bool [B, 1, Q], the query rows to record (None: all).
 
         All statistics of a call are reduced in one stacked multiply-sum and accumulated in one addition (few
         kernel launches per layer); they are split by name only in ``summary``."""
         rows = stats["rows"]
         keys = tuple(k for k, v in stats.items()
                      if k not in ("rows", "keep") and torch.is_tensor(v) and v.shape == rows.shape)
-        w = rows.to(torch.float32)
+        w = rows if counted is None else rows & counted
+        w = w.to(torch.float32)
         mat = torch.stack([w] + [stats[k].to(torch.float32) for k in keys])  # [1 + S, B, Hq, Q]
-        sums = (mat * w).sum((1, 3))  # [1 + S, Hq]
+        sums = (mat * w).sum(3)  # [1 + S, B, Hq]
         table = self._stacked.setdefault(layer, {})
-        table[keys] = table[keys] + sums if keys in table else sums
+        entry = (keys, sums.shape[1])  # calls of another batch size (lm-eval's own batches) are summed apart
+        table[entry] = table[entry] + sums if entry in table else sums
 
-    def add_full(self, layer: int, static: torch.Tensor, n_valid: torch.Tensor, num_heads: int) -> None:
+    def add_full(self, layer: int, static: torch.Tensor, n_valid: torch.Tensor, num_heads: int,
+                 counted: torch.Tensor | None = None) -> None:
         """Full attention in a would-be-sparse call: every valid key is attended, the output is exact."""
         rows = (n_valid > 0).squeeze(-1).expand(-1, num_heads, -1)  # [B, Hq, Q]
         frac = (static.sum(-1).float() / n_valid.squeeze(-1).clamp_min(1).float()).expand(-1, num_heads, -1)
         zeros = torch.zeros_like(frac)
         ones = torch.ones_like(frac)
         self.add(layer, {"rows": rows, "empty": torch.zeros_like(rows), "cost1": zeros, "cost2": ones,
-                         "static_frac": frac, "error": zeros, "mass": ones, "topk_recall": ones})
+                         "static_frac": frac, "est_error": zeros, "mass": ones, "topk_recall": ones}, counted)
 
-    def _tables(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[str, dict[int, torch.Tensor]]]:
-        """(rows, empty, sums) per layer ([Hq] each), from the stacked running sums."""
+    def _tables(self, row: int | None) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[str, dict[int, torch.Tensor]]]:
+        """(rows, empty, sums) per layer ([Hq] each) of batch row ``row`` (None: all rows), from the stacked sums."""
         rows: dict[int, torch.Tensor] = {}
         empty: dict[int, torch.Tensor] = {}
         sums: dict[str, dict[int, torch.Tensor]] = {}
+        if row is not None and len({b for entries in self._stacked.values() for _, b in entries}) > 1:
+            raise ValueError("per-row statistics of calls with different batch sizes; reset between batches")
         for layer, entries in self._stacked.items():
-            for keys, acc in entries.items():
+            for (keys, _), acc in entries.items():
+                acc = acc.sum(1) if row is None else acc[:, row]  # [1 + S, Hq]
                 rows[layer] = rows[layer] + acc[0] if layer in rows else acc[0]
                 for i, key in enumerate(keys, start=1):
                     table = empty if key == "empty" else sums.setdefault(key, {})
                     table[layer] = table[layer] + acc[i] if layer in table else acc[i]
         return rows, empty, sums
 
-    def summary(self) -> dict[str, Any]:
-        """Means over all recorded rows (sparse layers and heads), per-layer means and per-layer-head means."""
-        rows, empty, sums = self._tables()
+    def batch_rows(self) -> int | None:
+        """The batch size of the recorded calls (None before any or when calls of several sizes were recorded)."""
+        sizes = {b for entries in self._stacked.values() for _, b in entries}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def summary(self, row: int | None = None) -> dict[str, Any]:
+        """Means over the recorded query rows (sparse layers and heads) of batch row ``row`` (None: of every
+        row), per-layer means and per-layer-head means."""
+        rows, empty, sums = self._tables(row)
         out: dict[str, Any] = {}
         layers = sorted(rows)
         total_rows = sum(float(rows[l].sum()) for l in layers)

@@ -48,7 +48,7 @@ def attend(
     calls (e.g. growing k by one key per step); a fresh one is built otherwise.
 
     Returns ``(output [B, Hq, Q, D], stats)``; stats has per-row ``cost1``, ``cost2``, ``static_frac``,
-    ``error`` (‖ô − o‖/‖o‖ against dense attention on the same q, K, V), ``keep`` (bool [B, Hq, Q, N], the
+    ``est_error`` (‖ô − o‖/‖o‖ against dense attention on the same q, K, V), ``keep`` (bool [B, Hq, Q, N], the
     keys that entered the output), ``indices`` (for B = Q = 1: a list per head of kept key positions) and the
     method's own extras.
     """

@@ -73,7 +73,11 @@ class AttentionContext:
     scaling: float
     layer_idx: int
     state: dict[str, Any]
-    generator_seed: int
+    generator_seed: int  # from (method seed, layer): the same for every call of a layer
+    # long [B]: each row's own seed (its sample id), so that a row's draws do not depend on its batch; None: 0
+    row_seeds: torch.Tensor | None = None
+    # the session's per-layer (hidden_states, position_embeddings) of the current pass (DS-Offload)
+    layer_inputs: dict[int, tuple] | None = None
     query_offset: int = 0  # index of the first row of this block among the call's query rows
     # bool [B, 1, Q, N]: ``candidates`` and its complement when the caller has them (they are the same for every
     # layer of a forward pass); else computed here, once per context

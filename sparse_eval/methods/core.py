@@ -164,24 +164,27 @@ def sparse_attention(
     query_chunk: int = 512,
     keep_masks: bool = False,
     masks: PassMasks | None = None,
+    row_seeds: torch.Tensor | None = None,
+    layer_inputs: dict[int, tuple] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One attention call of a sparse layer.
 
     q [B, Hq, Q, D], k/v [B, Hkv, N, D] (the whole cache of this layer, un-repeated), valid bool [B, 1, Q, N].
     Returns the output [B, Hq, Q, D] (q's dtype) and per-row statistics, each [B, Hq, Q]:
-    ``cost1``, ``cost2`` (kept keys / valid keys), ``static_frac``, ``error``, ``mass`` and ``topk_recall``
+    ``cost1``, ``cost2`` (kept keys / valid keys), ``static_frac``, ``est_error``, ``mass`` and ``topk_recall``
     (``kept_mass_and_recall``; these three if ``compute_error``), ``empty``
     (the method kept no key of its own), ``rows`` (row has at least one valid key), plus the method's
     own extras; with ``keep_masks`` also ``keep`` bool [B, Hq, Q, N].  ``masks``: ``pass_masks(valid, sink,
-    local)`` when the caller has it already (the same for every layer of a pass).
+    local)`` when the caller has it already (the same for every layer of a pass).  ``row_seeds`` long [B]: each
+    row's seed (its sample id; sampling methods draw from (method seed, layer, row seed), so a row draws the
+    same in any batch).  ``layer_inputs``: the session's per-layer (hidden_states, position_embeddings) of the
+    current pass (DS-Offload's prediction from the previous layer).
     """
     cfg = method.config
     if method.prepare_with_valid:  # every row's valid keys: an index built in this call must stay causal
         method.prepare(state, k, v, layer_idx, valid=valid)
     else:
         method.prepare(state, k, v, layer_idx)
-    step = state.get("_calls", 0)
-    state["_calls"] = step + 1
     b, hq, ql, _ = q.shape
     outs, stats_chunks = [], []
     for start in range(0, ql, query_chunk):
@@ -194,8 +197,8 @@ def sparse_attention(
         scores = scores_gqa(qc, k, scaling).masked_fill(m.invalid, NEG_INF)
         ctx = AttentionContext(
             q=qc, k=k, v=v, scores=scores, valid=vc, static=m.static, n_valid=n_valid, scaling=scaling,
-            layer_idx=layer_idx, state=state, generator_seed=hash((cfg.seed, layer_idx, step)) & 0x7FFFFFFF,
-            query_offset=start, candidate_mask=m.candidates, not_candidate_mask=m.not_candidates,
+            layer_idx=layer_idx, state=state, generator_seed=hash((cfg.seed, layer_idx)) & 0x7FFFFFFF,
+            row_seeds=row_seeds, layer_inputs=layer_inputs, query_offset=start, candidate_mask=m.candidates, not_candidate_mask=m.not_candidates,
         )
         sel: Selection = method.select(ctx)
         own = sel.keep & m.candidates
@@ -224,7 +227,7 @@ def sparse_attention(
             dense = weighted_values(p_dense, v).float()
             num = (out.float() - dense).norm(dim=-1)
             den = dense.norm(dim=-1)
-            st["error"] = torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
+            st["est_error"] = torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
             st["mass"], st["topk_recall"] = kept_mass_and_recall(scores, p_dense, keep)
         for key, val in sel.stats.items():
             st[key] = val

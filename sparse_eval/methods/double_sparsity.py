@@ -354,11 +354,11 @@ class DoubleSparsity(Method):
     def _predicted_query(self, ctx: AttentionContext) -> torch.Tensor | None:
         """Layer l's approximate query from layer l-1's input (DS-Offload §5.1), [B, Hq, Q, D]; None if unknown."""
         layer = ctx.layer_idx
-        session = getattr(self._model, "_sparse_eval_session", None) if self._model is not None else None
-        if layer == 0 or session is None:
+        inputs = ctx.layer_inputs
+        if layer == 0 or inputs is None:
             return None
-        prev = session.layer_inputs.get(layer - 1)
-        cur = session.layer_inputs.get(layer)
+        prev = inputs.get(layer - 1)
+        cur = inputs.get(layer)
         attn = self._attn.get(layer)
         if prev is None or cur is None or attn is None:
             return None

@@ -32,7 +32,8 @@ class OracleConfig(MethodConfig):
 
 @register
 class OracleSampling(Method):
-    """Draws by inverse CDF with counter-based uniforms (so a padded batch draws what each row alone draws).
+    """Draws by inverse CDF with counter-based uniforms of (seed, layer, sample id, head, query position, draw):
+    a sample draws the same in any batch, and different samples draw independently.
 
     Cost1 = 0.5: the exact distribution w needs the full qKᵀ (MagicPIG §5.1).
     """
@@ -60,7 +61,10 @@ class OracleSampling(Method):
         dev = s.device
         head = torch.arange(hq, device=dev).view(1, hq, 1, 1)
         j = torch.arange(bmax, device=dev).view(1, 1, 1, bmax)
-        u = uniforms(ctx.generator_seed, head, ctx.n_valid.view(-1, 1, ql, 1), j)  # [B, Hq, Q, Bmax]
+        rows = ctx.row_seeds.view(-1, 1, 1, 1) if ctx.row_seeds is not None else torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+        # a draw is a pure function of (seed, layer, sample, head, query position, draw index): the row's
+        # context size n_valid identifies its query position
+        u = uniforms(ctx.generator_seed, rows, head, ctx.n_valid.view(-1, 1, ql, 1), j)  # [B, Hq, Q, Bmax]
         x = u * cdf[..., -1:]
         idx = torch.searchsorted(cdf.contiguous(), x.contiguous(), right=True).clamp_max(n - 1)
         take = (j < draws).to(torch.float32).expand(b, hq, ql, bmax) * has.to(torch.float32)

@@ -1,6 +1,9 @@
-"""The task interface: a task makes samples and scores one sample with an ``Engine``.
+"""The task interface: a task makes samples, says what model work one sample needs (``request``: a generation
+or a log-likelihood) and scores the result (``score``), so the runner can run many samples as one batch.
 
-A task is one class with ``@register_task`` and one config file in ``conf/task/``; the runner never changes.
+A task whose samples are not one request each (lm-eval: one sample is a whole lm-eval task) implements ``run``
+instead and is run one sample at a time.  A task is one class with ``@register_task`` and one config file in
+``conf/task/``; the runner never changes.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine
+    from ..engine import Engine, GenerationRequest, LoglikelihoodRequest
     from ..statistics import ScoreTerms
 
 
@@ -50,9 +53,29 @@ class Task:
     def samples(self, tokenizer: Any, max_context: int) -> list[Sample]:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def run(self, sample: Sample, engine: "Engine") -> dict[str, Any]:  # pragma: no cover - abstract
-        """Score one sample; returns at least the fields the task's ``aggregate`` reads."""
+    def request(self, sample: Sample) -> "GenerationRequest | LoglikelihoodRequest":
+        """The model work of one sample (its ``key`` is the sample id)."""
+        raise NotImplementedError(f"task {self.name!r} has no per-sample request; it implements run()")
+
+    def score(self, sample: Sample, result: Any) -> dict[str, Any]:
+        """The record of one sample from its request's result: at least the fields ``aggregate`` reads."""
         raise NotImplementedError
+
+    @property
+    def batched(self) -> bool:
+        """Whether samples run as batches (the task implements ``request``/``score``)."""
+        return type(self).request is not Task.request
+
+    def run(self, sample: Sample, engine: "Engine") -> dict[str, Any]:
+        """Score one sample alone."""
+        return self.score(sample, engine.run_batch([self.request(sample)])[0])
+
+    def run_batch(self, samples: list[Sample], engine: "Engine") -> list[dict[str, Any]]:
+        """Score samples as one padded batch (a batch of one is ``run``)."""
+        if len(samples) == 1:
+            return [self.run(samples[0], engine)]
+        results = engine.run_batch([self.request(s) for s in samples])
+        return [self.score(s, r) for s, r in zip(samples, results)]
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Task metric(s) over the finished samples, as the benchmark averages them."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..engine import GenerationRequest, GenerationResult
 from .base import Sample, Task, TaskConfig, register_task
 from .prompting import CHAT_MODES, context_split, encode, render_chat, use_chat
 
@@ -258,9 +259,13 @@ class KVRetrieval(Task):
         return out
 
     # ---- scoring ----------------------------------------------------------------------------------------
-    def run(self, sample: Sample, engine) -> dict[str, Any]:
+    def request(self, sample: Sample) -> GenerationRequest:
         d = sample.data
-        gen = engine.generate(d["input_ids"], max_new_tokens=self.config.max_new_tokens, context_len=d["context_len"])
+        return GenerationRequest(d["input_ids"], max_new_tokens=self.config.max_new_tokens,
+                                 context_len=d["context_len"], key=sample.id)
+
+    def score(self, sample: Sample, gen: GenerationResult) -> dict[str, Any]:
+        d = sample.data
         correct = is_correct(gen.text, d["value"])
         return {
             "score": 100.0 if correct else 0.0,

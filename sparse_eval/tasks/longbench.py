@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ..metrics.longbench import DATASET_METRIC, score_sample
+from ..engine import GenerationRequest, GenerationResult
 from .base import Sample, Task, TaskConfig, register_task
 from .prompting import CHAT_MODES, context_split, encode, middle_truncate, render_chat, use_chat
 
@@ -283,9 +284,13 @@ class LongBench(Task):
                 out.append(Sample(id=f"{name}/{i:04d}-{row.get('_id') or ''}".rstrip("-"), data=data))
         return out
 
-    def run(self, sample: Sample, engine) -> dict[str, Any]:
+    def request(self, sample: Sample) -> GenerationRequest:
         d = sample.data
-        gen = engine.generate(d["input_ids"], max_new_tokens=d["max_new_tokens"], context_len=d["context_len"])
+        return GenerationRequest(d["input_ids"], max_new_tokens=d["max_new_tokens"], context_len=d["context_len"],
+                                 key=sample.id)
+
+    def score(self, sample: Sample, gen: GenerationResult) -> dict[str, Any]:
+        d = sample.data
         score = 100.0 * score_sample(d["subtask"], gen.text, d["answers"], d["all_classes"])
         return {
             "subtask": d["subtask"],

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..metrics.ruler import metric_fn, postprocess_pred
+from ..engine import GenerationRequest, GenerationResult
 from .base import Sample, Task, TaskConfig, register_task
 from . import ruler_data as rd
 
@@ -126,11 +127,15 @@ class Ruler(Task):
             for g in self.generate(tokenizer)
         ]
 
-    def run(self, sample: Sample, engine) -> dict[str, Any]:
+    def request(self, sample: Sample) -> GenerationRequest:
+        d = sample.data
+        return GenerationRequest(d["input_ids"], max_new_tokens=rd.tokens_to_generate(d["subtask"]),
+                                 context_len=d["context_len"], key=sample.id)
+
+    def score(self, sample: Sample, res: GenerationResult) -> dict[str, Any]:
         d = sample.data
         sub = d["subtask"]
         ids = d["input_ids"]
-        res = engine.generate(ids, max_new_tokens=rd.tokens_to_generate(sub), context_len=d["context_len"])
         pred = postprocess_pred(res.text)
         return {
             "subtask": sub,

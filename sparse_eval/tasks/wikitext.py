@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..engine import LoglikelihoodRequest, LoglikelihoodResult
 from .base import Sample, Task, TaskConfig, register_task
 
 BUNDLED = Path(__file__).resolve().parents[1] / "data" / "wikitext2_test_head.txt"
@@ -87,8 +88,11 @@ class Wikitext(Task):
             for i in range(count)
         ]
 
-    def run(self, sample: Sample, engine) -> dict[str, Any]:
-        nll, count = engine.nll(sample.data["input_ids"])
+    def request(self, sample: Sample) -> LoglikelihoodRequest:
+        return LoglikelihoodRequest(sample.data["input_ids"], key=sample.id)
+
+    def score(self, sample: Sample, result: LoglikelihoodResult) -> dict[str, Any]:
+        nll, count = result.nll_sum, result.tokens
         return {"nll_sum": nll, "tokens": count, "score": math.exp(nll / count), "prompt_tokens": len(sample.data["input_ids"])}
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:

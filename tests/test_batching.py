@@ -1,0 +1,197 @@
+"""Batched evaluation: a sample's tokens, scores and statistics do not depend on its batch (fp32 on CPU), under
+every protocol and prefill chunking, for every method; resume after a kill in the middle of a batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparse_eval.attention.plugin import Runtime, attach, detach
+from sparse_eval.engine import Engine, GenerationRequest, LoglikelihoodRequest
+from sparse_eval.methods import build_method, make_config
+
+# small budgets and static windows so that every method selects within these short prompts
+METHODS = {
+    "full": {},
+    "topk": {"budget": 8, "local": 8},
+    "oracle": {"budget": 8, "local": 8},
+    "magicpig": {"K": 4, "L": 20, "local": 8, "dense_layers": [0]},
+    "quest": {"page_size": 4, "budget": 8, "local": 8},
+    "double_sparsity": {"beta": 8},
+    "double_sparsity-offload": {"beta": 8, "offload": True},  # predicts layer l's keys from layer l-1's input
+}
+STATS = ("cost1", "cost2", "static_frac", "est_error", "sparse_rows", "empty_selections")
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[1] + torch.randint(3, 512, (n - 1,), generator=g).tolist() for n in lengths]
+
+
+def _engine(model, tok, name, protocol, chunk=None):
+    method = build_method(make_config(name.split("-")[0], METHODS[name]))
+    if method.name == "double_sparsity":
+        method.setup(model, "stories260k")
+    session = attach(model, method, Runtime(protocol))
+    return session, Engine(model, tok, session, chunk)
+
+
+def _rows(session, engine, requests):
+    """(results, per-row recorder summaries) of one batch."""
+    session.recorder.reset()
+    res = engine.run_batch(requests)
+    return res, [session.recorder.summary(row=i) for i in range(len(requests))]
+
+
+def _assert_same_stats(a, b):
+    for key in STATS:
+        if a.get(key) is None or b.get(key) is None:
+            assert a.get(key) == b.get(key), key
+        else:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-5), key
+    assert a["cost2_per_layer"].keys() == b["cost2_per_layer"].keys()
+    for extra in set(a) - set(STATS):
+        if isinstance(a[extra], float):
+            assert a[extra] == pytest.approx(b[extra], rel=1e-5, abs=1e-5), extra
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("protocol,chunk,lengths", [
+    pytest.param("B", 16, [37, 52, 29], marks=pytest.mark.slow),  # chunked dense contexts, one question call
+    ("A", None, [37, 52, 29]),
+    ("B", None, [37, 52, 29]),
+    ("S", 16, [45, 61, 29]),  # lengths agree modulo the chunk: each row sees its own chunk boundaries
+])
+@torch.inference_mode()
+def test_generation_record_does_not_depend_on_batch(stories, name, protocol, chunk, lengths):
+    model, tok = stories
+    prompts = _prompts(lengths)
+    reqs = [GenerationRequest(p, max_new_tokens=6 + 2 * i, context_len=len(p) - 5 - i, key=f"s{i}")
+            for i, p in enumerate(prompts)]
+    session, engine = _engine(model, tok, name, protocol, chunk)
+    try:
+        batch, batch_stats = _rows(session, engine, reqs)
+        for i, r in enumerate(reqs):
+            (alone,), (alone_stats,) = _rows(session, engine, [r])
+            assert batch[i].tokens == alone.tokens and batch[i].stopped_by == alone.stopped_by
+            assert batch_stats[i]["sparse_rows"] > 0 or name == "full" and protocol == "A"
+            _assert_same_stats(batch_stats[i], alone_stats)
+    finally:
+        detach(model)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@torch.inference_mode()
+def test_loglikelihood_record_does_not_depend_on_batch(stories, name):
+    model, tok = stories
+    reqs = [LoglikelihoodRequest(p, key=f"w{i}") for i, p in enumerate(_prompts([48, 33, 48], seed=1))]
+    session, engine = _engine(model, tok, name, "S")
+    try:
+        batch, batch_stats = _rows(session, engine, reqs)
+        for i, r in enumerate(reqs):
+            (alone,), (alone_stats,) = _rows(session, engine, [r])
+            assert batch[i].tokens == alone.tokens
+            assert batch[i].nll_sum == pytest.approx(alone.nll_sum, rel=1e-5)
+            _assert_same_stats(batch_stats[i], alone_stats)
+    finally:
+        detach(model)
+
+
+@torch.inference_mode()
+def test_stopped_rows_and_padding_are_not_counted(stories):
+    """A row's sparse rows are exactly its own decode steps (padding, other rows and steps after it stopped excluded)."""
+    model, tok = stories
+    reqs = [GenerationRequest(p, max_new_tokens=n, key=str(n), stop_token_ids=[]) for p, n in zip(_prompts([30, 50]), (2, 9))]
+    session, engine = _engine(model, tok, "topk", "A")
+    try:
+        _, stats = _rows(session, engine, reqs)
+    finally:
+        detach(model)
+    heads, sparse_layers = 8, 3  # dense_layers [0, 1] of 5
+    # max_new_tokens n: n - 1 decode passes after the prefill (the last token is not fed back)
+    assert [s["sparse_rows"] for s in stats] == [1 * heads * sparse_layers, 8 * heads * sparse_layers]
+
+
+@torch.inference_mode()
+def test_oracle_draws_follow_the_sample_id(stories):
+    """The same prompt under two sample ids draws differently; under one id it draws the same in any batch."""
+    model, tok = stories
+    (p,) = _prompts([60], seed=3)
+    session, engine = _engine(model, tok, "oracle", "S")
+    try:
+        _, stats = _rows(session, engine, [LoglikelihoodRequest(p, key="a"), LoglikelihoodRequest(p, key="b"),
+                                           LoglikelihoodRequest(p, key="a")])
+    finally:
+        detach(model)
+    assert stats[0]["est_error"] == stats[2]["est_error"]
+    assert stats[0]["est_error"] != stats[1]["est_error"]
+
+
+def test_resume_after_kill_in_the_middle_of_a_batch(tmp_path, monkeypatch):
+    from test_runner import cfg_for
+
+    from sparse_eval.runner import Experiment
+
+    over = ("method=oracle", "task.num_samples=6", "task.window=64", "eval.batch_size=4")
+    exp = Experiment(cfg_for(tmp_path, *over))
+    orig = exp.task.score
+    scored = []
+
+    def dying(sample, result):
+        if len(scored) == 5:  # the second sample of the second batch
+            raise KeyboardInterrupt
+        scored.append(sample.id)
+        return orig(sample, result)
+
+    monkeypatch.setattr(exp.task, "score", dying)
+    with pytest.raises(KeyboardInterrupt):
+        exp.run_method(exp.method_configs()[0])
+    _, run_dir = exp.run_dir(exp.method_configs()[0])
+    first = [json.loads(line)["id"] for line in Path(run_dir, "samples.jsonl").read_text().splitlines()]
+    assert len(first) == 4  # the first batch is stored; nothing of the killed batch is
+
+    exp2 = Experiment(cfg_for(tmp_path, *over))
+    summary = exp2.run_method(exp2.method_configs()[0])
+    ids = [json.loads(line)["id"] for line in Path(run_dir, "samples.jsonl").read_text().splitlines()]
+    assert sorted(ids) == [f"w{i:05d}" for i in range(6)]  # no sample lost or duplicated
+    assert summary["samples"] == 6 and summary["batch_size"] == 2
+
+    # the same run at batch 1 gives the same records
+    one = Experiment(cfg_for(tmp_path / "one", *over[:-1]))
+    s1 = one.run_method(one.method_configs()[0])
+    assert s1["score"] == pytest.approx(summary["score"], rel=1e-5)
+    assert s1["est_error"] == pytest.approx(summary["est_error"], rel=1e-5)
+
+
+def test_batch_size_is_checked_at_start(tmp_path):
+    from test_runner import cfg_for
+
+    from sparse_eval.runner import Experiment
+
+    for bad in ("0", "many"):
+        with pytest.raises(ValueError, match="eval.batch_size"):
+            Experiment(cfg_for(tmp_path, "method=full", f"eval.batch_size={bad}"))
+
+
+def test_auto_batch_halves_on_out_of_memory(tmp_path, monkeypatch):
+    from test_runner import cfg_for
+
+    from sparse_eval.runner import Experiment
+
+    exp = Experiment(cfg_for(tmp_path, "method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=auto"))
+    orig = exp.task.run_batch
+    sizes = []
+
+    def small_memory(samples, engine):
+        sizes.append(len(samples))
+        if len(samples) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return orig(samples, engine)
+
+    monkeypatch.setattr(exp.task, "run_batch", small_memory)
+    summary = exp.run_method(exp.method_configs()[0])
+    assert sizes == [5, 2, 2, 1] and summary["batch_size"] == 2
+    assert summary["samples"] == 5 and summary["failed"] == 0
