@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._kernel_bench_util import hardware  # noqa: E402
+from _kernel_bench_util import hardware  # noqa: E402
 from sparse_eval.methods.registry import build_method  # noqa: E402
 from sparse_eval.system import decode  # noqa: E402
 from sparse_eval.system.models import SHAPES, random_model  # noqa: E402
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
         return 0
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if a.threads:
-        import kernels.magicpig_cpu as kmc
+        import sparse_eval.kernels.magicpig_cpu as kmc
 
         kmc.set_num_threads(a.threads)
     t_start = time.time()

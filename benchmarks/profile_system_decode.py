@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_system_decode import method_config  # noqa: E402
+from bench_system_decode import method_config  # noqa: E402
 from sparse_eval.methods.registry import build_method  # noqa: E402
 from sparse_eval.system import decode  # noqa: E402
 from sparse_eval.system.models import SHAPES, random_model  # noqa: E402

@@ -434,7 +434,7 @@ def test_offload_gather_matches_indexing():
     """kernels.offload.gather_rows (Triton, in the interpreter without CUDA) == torch indexing, with −1 padding,
     GQA (selection per query head) and bf16 rows moved bit for bit."""
     pytest.importorskip("triton")
-    from kernels import offload
+    from sparse_eval.kernels import offload
 
     gen = torch.Generator().manual_seed(0)
     src = torch.randn(2, 2, 40, 16, generator=gen).to(torch.bfloat16)
@@ -454,7 +454,7 @@ def test_offload_put_rows_matches_indexing():
     the device, into a token-major host cache as the offloaded layers hold it, exactly as torch indexing does;
     rows past the cache are dropped (the reference refuses them)."""
     pytest.importorskip("triton")
-    from kernels import offload
+    from sparse_eval.kernels import offload
 
     gen = torch.Generator().manual_seed(1)
     dev = "cuda" if CUDA else "cpu"
@@ -576,8 +576,8 @@ def test_magicpig_layer_sample_equals_brute_force(backend_cpu):
     import contextlib
     import types
 
-    import kernels.magicpig as kmp
-    import kernels.magicpig_cpu as kmc
+    import sparse_eval.kernels.magicpig as kmp
+    import sparse_eval.kernels.magicpig_cpu as kmc
     from sparse_eval.system.layers import MagicPIGLayer
 
     k_bits, n_tables, m, sink = 3, 6, 2, 2  # few bits: many collisions, so the overflow keys get sampled too

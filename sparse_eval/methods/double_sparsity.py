@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from kernels.ds import pseudo_quantize  # the query-label quantization, shared with the system path's kernels
+from sparse_eval.kernels.ds import pseudo_quantize  # the query-label quantization, shared with the system path's kernels
 
 from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
 from .registry import register

@@ -40,8 +40,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-import kernels.offload as koff
-from kernels.ds import TOPK_IMPLS
+import sparse_eval.kernels.offload as koff
+from sparse_eval.kernels.ds import TOPK_IMPLS
 
 from ..attention.plugin import attention_modules, cache_kwargs
 from ..methods.base import Method

@@ -39,15 +39,15 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
-import kernels._common as kcommon
-import kernels.ds as kds
-import kernels.magicpig as kmp
-import kernels.magicpig_cpu as kmc
-import kernels.merge as kmerge
-import kernels.offload as koff
-import kernels.quest as kqu
-import kernels.sparse_decode as ksd
-import kernels.topk as ktopk
+import sparse_eval.kernels._common as kcommon
+import sparse_eval.kernels.ds as kds
+import sparse_eval.kernels.magicpig as kmp
+import sparse_eval.kernels.magicpig_cpu as kmc
+import sparse_eval.kernels.merge as kmerge
+import sparse_eval.kernels.offload as koff
+import sparse_eval.kernels.quest as kqu
+import sparse_eval.kernels.sparse_decode as ksd
+import sparse_eval.kernels.topk as ktopk
 
 from ..methods.base import budget_bound
 
