@@ -624,3 +624,22 @@ def test_magicpig_layer_sample_equals_brute_force(backend_cpu):
             assert idx[b, h, :c].tolist() == (ref_idx[b, h, :c] + sink).tolist()
             assert (idx[b, h, c:] == -1).all()
     assert (idx >= layer.table_end).any() and ((idx >= 0) & (idx < layer.table_end)).any()
+
+
+def test_system_layers_are_registered_by_method_name():
+    """Each method with a system path has one layer class registered under its name (``methods.METHODS``' names);
+    a second class for a name, or one without ``from_method``, is refused; an unknown name lists the valid ones."""
+    from sparse_eval.methods import METHODS
+    from sparse_eval.system.layers import (SYSTEM_LAYERS, DSLayer, FullLayer, MagicPIGLayer, QuestLayer, layer_class,
+                                           register_layer)
+
+    assert SYSTEM_LAYERS == {"full": FullLayer, "double_sparsity": DSLayer, "magicpig": MagicPIGLayer,
+                             "quest": QuestLayer}
+    assert set(SYSTEM_LAYERS) <= set(METHODS)
+    with pytest.raises(ValueError, match="registered twice"):
+        register_layer("quest")(DSLayer)
+    with pytest.raises(TypeError, match="from_method"):
+        register_layer("no_such_method")(object)
+    with pytest.raises(ValueError, match=r"method 'topk' has no system path; valid: \['full', 'double_sparsity'"):
+        layer_class("topk")
+    assert "no_such_method" not in SYSTEM_LAYERS
