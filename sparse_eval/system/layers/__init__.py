@@ -24,12 +24,12 @@ N tokens, D head dim, T tokens of the call.
 """
 
 from . import ds, full, magicpig, quest  # noqa: F401  (registration)
-from .base import StaticStep, rope_function
+from .base import StaticStep
 from .ds import DSLayer, DSOffloadLayer
 from .full import FullLayer
 from .magicpig import MagicPIGLayer
 from .quest import QuestLayer
 from .registry import SYSTEM_LAYERS, LayerOptions, build_layer, layer_class, register_layer
 
-__all__ = ["FullLayer", "DSLayer", "DSOffloadLayer", "MagicPIGLayer", "QuestLayer", "StaticStep", "rope_function",
+__all__ = ["FullLayer", "DSLayer", "DSOffloadLayer", "MagicPIGLayer", "QuestLayer", "StaticStep",
            "SYSTEM_LAYERS", "LayerOptions", "build_layer", "layer_class", "register_layer"]

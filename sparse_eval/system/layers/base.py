@@ -6,7 +6,6 @@ Shapes: B batch, Hq / Hkv query / KV heads, N tokens, D head dim, T tokens of th
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -138,9 +137,3 @@ def wait_host(started: tuple) -> tuple[torch.Tensor, ...]:
 def to_host(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """CPU copies of ``xs``, waited for (see ``to_host_async``)."""
     return wait_host(to_host_async(*xs))
-
-
-def rope_function(attn_module: Any):
-    """The modeling module's ``apply_rotary_pos_emb`` for an attention module (None if it has none)."""
-    return getattr(sys.modules[type(attn_module).__module__], "apply_rotary_pos_emb", None)
-

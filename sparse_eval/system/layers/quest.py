@@ -74,6 +74,12 @@ class QuestLayer(SelectsTopK, FullLayer):
             return torch.div(tokens, self.ps, rounding_mode="floor").clamp_min(1)
         return max(1, tokens // self.ps)
 
+    def _candidate_tokens(self, chosen: torch.Tensor, limit: int, c_lo: Any, c_hi: Any) -> torch.Tensor:
+        """The tokens of the chosen pages [B, Hs, P'] (−1 padded) below ``limit`` that are candidates, in
+        [c_lo, c_hi) (ints, or device tensors): [B, Hs, P'·page_size], −1 elsewhere."""
+        tok = kqu.pages_to_tokens(chosen, self.ps, limit)
+        return torch.where((tok >= c_lo) & (tok < c_hi), tok, torch.full_like(tok, -1))
+
     def decode(self, session, module, q, k_new, v_new, scaling):
         if self.static is not None:
             return self._decode_static(q, scaling)
@@ -89,8 +95,7 @@ class QuestLayer(SelectsTopK, FullLayer):
         u = u.masked_fill((pid < p_lo) | (pid >= p_hi), float("-inf"))
         want = self._want(n)
         chosen = kqu.top_pages(u, want, backend=self.backend, topk=self.topk)  # [B, Hs, want]
-        tok = kqu.pages_to_tokens(chosen, ps, n)  # [B, Hs, want·ps]
-        tok = torch.where((tok >= c_lo) & (tok < c_hi), tok, torch.full_like(tok, -1))
+        tok = self._candidate_tokens(chosen, n, c_lo, c_hi)  # [B, Hs, want·ps]
         static = torch.cat([torch.arange(min(self.sink, n), device=q.device, dtype=tok.dtype),
                             torch.arange(max(self.sink, n - self.local), n, device=q.device, dtype=tok.dtype)])
         static = static.expand(b, tok.shape[1], -1)
@@ -115,8 +120,7 @@ class QuestLayer(SelectsTopK, FullLayer):
         k_cap = min(self._want(self.capacity), u.shape[-1])
         count = self._want(n).to(torch.int32).expand(u.shape[0], u.shape[1]).contiguous()  # [B, Hs]
         chosen = ktopk.select(u, k_cap, count, backend=self._topk_backend())  # [B, Hs, k_cap], −1 padded
-        tok = kqu.pages_to_tokens(chosen, ps, self.capacity)  # [B, Hs, k_cap·ps]
-        tok = torch.where((tok >= c_lo) & (tok < c_hi), tok, torch.full_like(tok, -1))
+        tok = self._candidate_tokens(chosen, self.capacity, c_lo, c_hi)  # [B, Hs, k_cap·ps]
         sink = torch.arange(self.sink, device=dev, dtype=tok.dtype)
         local = (n - self.local + torch.arange(self.local, device=dev)).to(tok.dtype)
         static = torch.cat([torch.where(sink < n, sink, -1), torch.where(local >= max(self.sink, 0), local, -1)])
