@@ -135,6 +135,14 @@ def prefix_page_minmax(k: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
     return rmin, rmax
 
 
+def page_budget(tokens: Any, page_size: int) -> Any:
+    """Pages a row selects for a budget of ``tokens`` (``base.token_budget``): max(1, ⌊tokens / page_size⌋), the
+    rule of both paths.  Host form: an int; device form: a long tensor."""
+    if torch.is_tensor(tokens):
+        return torch.div(tokens, page_size, rounding_mode="floor").clamp_min(1)
+    return max(1, tokens // page_size)
+
+
 @register
 class Quest(Method):
     """Quest page selection.  Per-row statistics: ``pages`` (pages selected), ``pages_scored`` (pages with at
@@ -252,9 +260,8 @@ class Quest(Method):
         u = u.masked_fill(~cand_pages, float("-inf"))
 
         tokens = resolve_budget(cfg.budget, ctx.n_valid, "method.budget")  # [B, 1, Q, 1]
-        want = torch.div(tokens, ps, rounding_mode="floor")
-        floor = (want < 1) & (ctx.n_valid > 0)
-        want = want.clamp_min(1)
+        floor = (tokens < ps) & (ctx.n_valid > 0)
+        want = page_budget(tokens, ps)
         chosen = topk_mask(u, want)  # [B, Hq, Q, P]
         # key j is kept if its page is chosen (and it is a candidate)
         chosen_ext = torch.cat([chosen, torch.zeros_like(chosen[..., :1])], -1)

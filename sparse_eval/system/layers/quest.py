@@ -12,6 +12,7 @@ import sparse_eval.kernels.sparse_decode as ksd
 import sparse_eval.kernels.topk as ktopk
 
 from ...methods.base import token_budget
+from ...methods.quest import page_budget
 from .base import SelectsTopK, check_topk
 from .full import FullLayer
 from .registry import LayerOptions, register_layer
@@ -67,12 +68,9 @@ class QuestLayer(SelectsTopK, FullLayer):
         self.kmax = self.kmax.repeat(times, 1, 1, 1)
 
     def _want(self, n):
-        """Pages to select for n keys: max(1, ⌊token_budget(budget, n) / page_size⌋), the accuracy path's page count
-        (an int budget is not capped at n).  n: an int, or a device tensor (then a long tensor on the device)."""
-        tokens = token_budget(self.budget_cfg, n)
-        if torch.is_tensor(tokens):
-            return torch.div(tokens, self.ps, rounding_mode="floor").clamp_min(1)
-        return max(1, tokens // self.ps)
+        """Pages to select for n keys: ``page_budget(token_budget(budget, n), page_size)``, the accuracy path's
+        page count (an int budget is not capped at n).  n: an int, or a device tensor (then a long tensor)."""
+        return page_budget(token_budget(self.budget_cfg, n), self.ps)
 
     def _candidate_tokens(self, chosen: torch.Tensor, limit: int, c_lo: Any, c_hi: Any) -> torch.Tensor:
         """The tokens of the chosen pages [B, Hs, P'] (−1 padded) below ``limit`` that are candidates, in
