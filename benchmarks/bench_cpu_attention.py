@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _kernel_bench_util import hardware, print_table, time_cpu, write_json  # noqa: E402
 
-from kernels import magicpig_cpu, sparse_decode  # noqa: E402
+from sparse_eval.kernels import magicpig_cpu, sparse_decode  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -163,7 +163,7 @@ def _queries(b: int, n: int, dens: float, gen: torch.Generator):
 def huge_pages_ab(args, b, n, dens, flush, stream_gbps, gen, rows, rounds: int = 3) -> None:
     """Attention over a K/V cache allocated plainly (torch.empty) and over one advised onto transparent huge pages
     before its first touch (``kernels._common.advise_huge_pages``), alternating, ``rounds`` times each."""
-    from kernels._common import advise_huge_pages
+    from sparse_eval.kernels._common import advise_huge_pages
 
     s, q, sets, cnt, nbytes = _queries(b, n, dens, gen)
     src = torch.randn(b, HKV, n, D, generator=gen).to(torch.bfloat16)
@@ -202,8 +202,8 @@ def prefetch_ab(args, b, n, dens, flush, stream_gbps, gen, rows, rounds: int = 3
     Bytes as in ``bench_attention``; the caches on transparent huge pages."""
     import numba
 
-    from kernels import _nb_magicpig as nbm
-    from kernels._common import advise_huge_pages
+    from sparse_eval.kernels import _nb_magicpig as nbm
+    from sparse_eval.kernels._common import advise_huge_pages
 
     s, q, sets, cnt, nbytes = _queries(b, n, dens, gen)
     k = torch.empty(b, HKV, n, D, dtype=torch.bfloat16)
@@ -332,7 +332,7 @@ def plot(rows, stream_gbps, out: Path) -> Path | None:
 
 def main(argv=None):
     args = parse_args(argv)
-    from kernels import _nb_magicpig as nb  # numba is required for this benchmark
+    from sparse_eval.kernels import _nb_magicpig as nb  # numba is required for this benchmark
 
     threads = args.threads or magicpig_cpu.get_num_threads()
     magicpig_cpu.set_num_threads(threads)

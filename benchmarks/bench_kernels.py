@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _kernel_bench_util import hardware, print_table, time_cpu, time_cuda, write_json  # noqa: E402
 
-from kernels import ds, quest, sparse_decode  # noqa: E402
+from sparse_eval.kernels import ds, quest, sparse_decode  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 G = HQ // HKV
@@ -359,7 +359,7 @@ TOPK_SHAPES = ((32, 16384), (45, 16384), (16, 16384), (22, 32768), (7, 98304), (
 def tune_topk(b, n, args, device, gen, rows):
     """Time ``kernels.topk.select`` on label-score-like rows [B, Hkv, N] (k = β·N) for several radix widths and
     launch shapes, against ``torch.topk`` on the same rows (CUDA-graph replays)."""
-    from kernels import topk
+    from sparse_eval.kernels import topk
 
     scores = torch.randn(b, HKV, n, generator=gen, device=device)
     k = max(1, round(args.beta * n))

@@ -35,9 +35,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._kernel_bench_util import hardware  # noqa: E402
+from _kernel_bench_util import hardware  # noqa: E402
 from sparse_eval.methods.registry import build_method  # noqa: E402
-from sparse_eval.system import decode  # noqa: E402
+from sparse_eval.system import DecodeOptions, decode  # noqa: E402
 from sparse_eval.system.models import SHAPES, random_model  # noqa: E402
 
 GiB = 1 << 30
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
         return 0
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if a.threads:
-        import kernels.magicpig_cpu as kmc
+        import sparse_eval.kernels.magicpig_cpu as kmc
 
         kmc.set_num_threads(a.threads)
     t_start = time.time()
@@ -282,8 +282,8 @@ def main(argv=None) -> int:
                 method = build_method(cfg)
                 method.setup(model, a.shape)
                 t0 = time.time()
-                res = decode(model, method, ids, a.steps, repeat_batch=batch, cuda_graph=graph, topk=topk,
-                             interleave=interleave)
+                res = decode(model, method, ids, a.steps, DecodeOptions(repeat_batch=batch, cuda_graph=graph,
+                                                                        topk=topk, interleave=interleave))
                 steps = res.step_ms[a.warmup:] or res.step_ms  # step_ms has steps - 1 entries
                 med = statistics.median(steps)
                 rec.update(ms_per_step=med, ms_min=min(steps), ms_max=max(steps), timed_steps=len(steps),

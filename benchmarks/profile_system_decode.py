@@ -23,9 +23,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_system_decode import method_config  # noqa: E402
+from bench_system_decode import method_config  # noqa: E402
 from sparse_eval.methods.registry import build_method  # noqa: E402
-from sparse_eval.system import decode  # noqa: E402
+from sparse_eval.system import DecodeOptions, decode  # noqa: E402
 from sparse_eval.system.models import SHAPES, random_model  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def _sync_debug(model, method, ids, batch) -> None:
     warnings.simplefilter("always")
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        decode(model, method, ids, 4, repeat_batch=batch)
+        decode(model, method, ids, 4, DecodeOptions(repeat_batch=batch))
     finally:
         torch.cuda.set_sync_debug_mode(0)
         warnings.showwarning = old
@@ -55,8 +55,8 @@ def _sync_debug(model, method, ids, batch) -> None:
 
 def _phases(model, method, ids, batch, steps, label) -> None:
     """Untimed-phase run (for the step time) and a phase-timed run of the same decode; prints ms per step."""
-    plain = decode(model, method, ids, steps, repeat_batch=batch)
-    timed = decode(model, method, ids, steps, repeat_batch=batch, phase_times=True)
+    plain = decode(model, method, ids, steps, DecodeOptions(repeat_batch=batch))
+    timed = decode(model, method, ids, steps, DecodeOptions(repeat_batch=batch, phase_times=True))
     n = timed.stats["phase_steps"]
     ms = {k: v / n for k, v in timed.stats["phase_ms"].items()}
     step_plain = statistics.median(plain.step_ms[1:])
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
             cfg = method_config(name, model.config.num_hidden_layers, shape["num_key_value_heads"], shape["head_dim"])
             m = build_method(cfg)
             m.setup(model, a.shape)
-            decode(model, m, ids, 3, repeat_batch=b, cuda_graph=a.cuda_graph)  # warm-up (compilation)
+            decode(model, m, ids, 3, DecodeOptions(repeat_batch=b, cuda_graph=a.cuda_graph))  # warm-up (compilation)
             if a.sync_debug:
                 _sync_debug(model, m, ids, b)
                 continue
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
                 _phases(model, m, ids, b, a.steps, f"{name} context {a.context} batch {b}")
                 continue
             with torch.profiler.profile(activities=acts) as prof:
-                res = decode(model, m, ids, a.steps, repeat_batch=b, cuda_graph=a.cuda_graph)
+                res = decode(model, m, ids, a.steps, DecodeOptions(repeat_batch=b, cuda_graph=a.cuda_graph))
             print(f"== {name} context {a.context} batch {b}: step ms {[round(x, 2) for x in res.step_ms]}")
             key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=a.rows, max_name_column_width=60))

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import topk  # noqa: E402
+from sparse_eval.kernels import topk  # noqa: E402
 
 
 def kernel_times(fn, calls: int) -> list[tuple[str, float, int]]:

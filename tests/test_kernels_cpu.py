@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import magicpig, magicpig_cpu, merge_by_lse, sparse_decode
-from kernels._common import numba_available
+from sparse_eval.kernels import magicpig, magicpig_cpu, merge_by_lse, sparse_decode
+from sparse_eval.kernels._common import numba_available
 
 needs_numba = pytest.mark.skipif(not numba_available(), reason="numba not installed")
 BACKENDS = ["torch", pytest.param("numba", marks=needs_numba)]
@@ -256,7 +256,7 @@ def test_attention_other_storage_dtypes(dtype):
 def test_half_and_bfloat16_widening_is_exact():
     import numpy as np
 
-    from kernels import _nb_magicpig as nb
+    from sparse_eval.kernels import _nb_magicpig as nb
 
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     out = np.empty(bits.shape, np.float32)
@@ -332,7 +332,7 @@ def test_attention_blocked_rows_with_remainders(dtype):
 def test_vectorisable_acos_and_exp_match_libm():
     import numpy as np
 
-    from kernels import _nb_magicpig as nb
+    from sparse_eval.kernels import _nb_magicpig as nb
 
     for c in np.concatenate([np.linspace(-1.0, 1.0, 20001), [0.5, -0.5, np.nextafter(0.5, 1), 1e-300, -0.0]]):
         assert abs(nb._acos(float(c)) - math.acos(c)) <= 1e-15, c
@@ -409,22 +409,35 @@ def test_magicpig_cpu_part_merges_with_static_gpu_part(backend):
 
 
 # ----------------------------------------------------------------------------------------- packaging
-def test_import_is_light_and_not_mistaken_for_hf_kernels():
-    """``import kernels`` pulls in neither triton nor numba, and transformers' probe for the unrelated Hugging
-    Face ``kernels`` package stays False with this package on the path."""
+def test_import_is_light():
+    """``import sparse_eval.kernels`` and its public modules pull in neither triton nor numba."""
     code = (
-        "import sys, kernels, kernels.ds, kernels.quest, kernels.magicpig, kernels.magicpig_cpu, kernels.merge\n"
+        "import sys, sparse_eval.kernels, sparse_eval.kernels.ds, sparse_eval.kernels.quest, "
+        "sparse_eval.kernels.magicpig, sparse_eval.kernels.magicpig_cpu, sparse_eval.kernels.merge\n"
         "assert 'triton' not in sys.modules and 'numba' not in sys.modules, sorted(m for m in sys.modules if m in ('triton','numba'))\n"
-        "from transformers.utils import import_utils\n"
-        "assert not import_utils.is_kernels_available()\n"
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
 
 
+def test_installed_top_level_names():
+    """The distribution installs the top-level import names ``sparse_eval`` and ``hydra_plugins`` only: no
+    ``kernels`` (the name of Hugging Face's kernel-hub package, which transformers imports when present) and no
+    ``benchmarks`` (found by setuptools with pyproject's own package selection)."""
+    tomllib = pytest.importorskip("tomllib")
+
+    from setuptools import find_namespace_packages, find_packages
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    finder = find_namespace_packages if find.get("namespaces", True) else find_packages  # setuptools' default
+    top = {p.split(".")[0] for p in finder(str(ROOT), include=find["include"], exclude=find.get("exclude", ()))}
+    assert top == {"sparse_eval", "hydra_plugins"}, top
+    assert not (ROOT / "kernels").exists() and not (ROOT / "benchmarks" / "__init__.py").exists()
+
+
 def test_torch_fallback_without_numba(monkeypatch):
     """backend='auto' without numba: the torch path, same results, one RuntimeWarning."""
-    import kernels._common as common
+    import sparse_eval.kernels._common as common
 
     _, _, _, _, kcodes, qcodes = _problem(10, n=300)
     ref = magicpig_cpu.sample_reference(kcodes, qcodes, 2)
@@ -443,7 +456,7 @@ def test_torch_fallback_without_numba(monkeypatch):
 def test_advise_huge_pages_on_an_untouched_host_tensor():
     """madvise(MADV_HUGEPAGE) is accepted for a fresh host tensor, leaves its contents usable, and is refused for
     tensors spanning no whole page (and for CUDA tensors, without a call)."""
-    from kernels._common import advise_huge_pages
+    from sparse_eval.kernels._common import advise_huge_pages
 
     t = torch.empty(1 << 22, dtype=torch.bfloat16)  # 8 MiB, not touched yet
     assert advise_huge_pages(t)
@@ -457,7 +470,7 @@ def test_advise_huge_pages_on_an_untouched_host_tensor():
 def test_gather_read_kernel_sums_exactly_the_gathered_rows():
     """The benchmark's access-pattern ceiling reads the same rows as the attention: its total equals the sum of the
     16-bit words of the first count[b, h] indexed K and V rows of each query head's KV head, for any prefetch."""
-    from kernels import _nb_magicpig as nbm
+    from sparse_eval.kernels import _nb_magicpig as nbm
 
     gen = _gen(5)
     b, hq, hkv, n, d = 2, 4, 2, 50, 24

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from kernels import ds, magicpig, quest, sparse_decode, topk  # noqa: E402
+from sparse_eval.kernels import ds, magicpig, quest, sparse_decode, topk  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # tl.dot runs in tf32 on the GPU (bf16 inputs are exact in tf32, probabilities are not): looser there
@@ -406,13 +406,13 @@ def test_gpu_llama_shape_ds_and_quest():
 
 def test_kernels_compile_for_hopper_without_spills():
     """Ahead-of-time compile of the default launch configurations for sm_90 (no GPU needed): catches errors the
-    interpreter cannot see, and register spills (python -m kernels._aot_check)."""
+    interpreter cannot see, and register spills (python -m sparse_eval.kernels._aot_check)."""
     import subprocess
     import sys
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "kernels._aot_check"], cwd=Path(__file__).resolve().parents[1],
+    res = subprocess.run([sys.executable, "-m", "sparse_eval.kernels._aot_check"], cwd=Path(__file__).resolve().parents[1],
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
@@ -421,7 +421,7 @@ def test_attend_and_merge_matches_reference():
     """The fused static-keys attention + LSE merge (MagicPIG's GPU part) equals attention over the concatenated
     parts merged by ``merge_by_lse``: GQA, a window that is a strided view of a larger buffer, parts longer than a
     block, an empty first part, and an empty other part whose o is NaN (it must not leak)."""
-    from kernels import merge
+    from sparse_eval.kernels import merge
 
     gen = _gen(21)
     b, hq, hkv, d = 2, 8, 2, 64

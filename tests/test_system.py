@@ -13,7 +13,7 @@ import torch
 from sparse_eval.attention.plugin import Runtime, attach, detach
 from sparse_eval.engine import Engine
 from sparse_eval.methods.registry import build_method
-from sparse_eval.system import decode
+from sparse_eval.system import DecodeOptions, decode
 
 NEW = 16
 CUDA = torch.cuda.is_available()
@@ -41,7 +41,7 @@ def _accuracy_tokens(model, tok, cfg, ids):
 def _system(model, cfg, ids, **kw):
     m = build_method(cfg)
     m.setup(model, "stories260k")
-    return decode(model, m, torch.tensor(ids), NEW, **kw)
+    return decode(model, m, torch.tensor(ids), NEW, DecodeOptions(**kw))
 
 
 # configs whose tokens differ from full attention on these prompts, so that equality is not trivial
@@ -223,11 +223,12 @@ def test_static_step_with_the_triton_kernels(stories, prompts):
     m.setup(model, "stories260k")
     ids = torch.tensor(prompts)
     assert [max(1, budget_bound(0.0266, n)) for n in (261, 264)] == [6, 7] and ids.shape[1] == 260
-    eager = decode(model, m, ids, 4, backend_gpu="torch")
-    radix = decode(model, m, ids, 4, backend_gpu="triton", cuda_graph=True, label_scale_dtype=torch.float32)
+    eager = decode(model, m, ids, 4, DecodeOptions(backend_gpu="torch"))
+    radix = decode(model, m, ids, 4, DecodeOptions(backend_gpu="triton", cuda_graph=True,
+                                                   label_scale_dtype=torch.float32))
     assert radix.tokens.tolist() == eager.tokens.tolist()
     with pytest.raises(ValueError, match="topk='heap': valid values are \\['radix', 'torch'\\]"):
-        decode(model, m, ids, 4, topk="heap")
+        DecodeOptions(topk="heap")
 
 
 @pytest.mark.parametrize("gqa, budget, ps, sink, local, backend", [
@@ -269,25 +270,43 @@ def test_static_quest_layer_equals_the_eager_layer(gqa, budget, ps, sink, local,
     assert torch.equal(static.kmin, eager.kmin) and torch.equal(static.kmax, eager.kmax)
 
 
-def test_static_budget_matches_budget_bound():
-    from sparse_eval.methods.base import budget_bound
+def test_token_budget_rule_host_and_device_forms():
+    """``methods.base.token_budget``, the one budget rule: ⌊β·n⌋ for a ratio (exactly, checked with fractions of the
+    float's exact value, except where β·n rounds to an integer in float64), β for a count; its host form (ints) and
+    device form (tensors) agree, and the static step's budgets are max(1, min(n, rule)) per row."""
+    from fractions import Fraction
+
+    from sparse_eval.methods.base import budget_bound, token_budget
     from sparse_eval.system.layers import StaticStep
 
+    betas = (0.0625, 0.1, 0.0266, 0.3, 1.0, 3, 50)
+    ns = torch.arange(0, 3000)
+    for beta in betas:
+        dev = token_budget(beta, ns)
+        assert dev.dtype == torch.long and dev.tolist() == [token_budget(beta, int(n)) for n in ns]
+        for n in (0, 1, 7, 261, 264, 2999):
+            if isinstance(beta, int):
+                assert token_budget(beta, n) == beta
+            elif float(n * beta) != Fraction(n) * Fraction(beta):  # β·n not exact in float64: the product rounds
+                assert token_budget(beta, n) in (int(Fraction(n) * Fraction(beta)), int(n * beta))
+            else:
+                assert token_budget(beta, n) == int(Fraction(n) * Fraction(beta))
+            assert budget_bound(beta, n) == min(n, token_budget(beta, n))
+    assert [token_budget(0.1, n) for n in (9, 10, 19, 20)] == [0, 1, 1, 2]
     st = StaticStep(5, 3, "cpu")
     for _ in range(200):
         n = int(st.lengths[0])
-        for beta in (0.0625, 0.1, 0.3, 1.0, 3, 50):
-            want = max(1, budget_bound(beta, n))
-            assert st.budget(beta).tolist() == [want] * 3, (beta, n)
+        for beta in betas:
+            assert st.budget(beta).tolist() == [max(1, min(n, token_budget(beta, n)))] * 3, (beta, n)
         st.advance()
     assert int(st.pos) == 205
 
 
 def test_pieces_run_each_host_part_after_its_piece_has_finished(monkeypatch):
-    """``_Pieces`` with the CUDA graph API recorded instead of run: capturing a step with two host parts gives three
+    """``capture.Pieces`` with the CUDA graph API recorded instead of run: capturing a step with two host parts gives three
     pieces in one pool, each run once right after its capture; a replay runs them in capture order with each host
     part after a wait for its piece (its copies to the host); ``abort`` ends an open capture."""
-    from sparse_eval.system import decoder
+    from sparse_eval.system import capture
 
     events = []
 
@@ -314,7 +333,7 @@ def test_pieces_run_each_host_part_after_its_piece_has_finished(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
-    pieces = decoder._Pieces()
+    pieces = capture.Pieces()
     pieces.begin()
     pieces.cut(lambda: events.append(("host", "a")))
     pieces.cut(lambda: events.append(("host", "b")))
@@ -326,7 +345,7 @@ def test_pieces_run_each_host_part_after_its_piece_has_finished(monkeypatch):
     pieces.replay()
     assert events == [("replay", 1), ("wait",), ("host", "a"), ("replay", 2), ("wait",), ("host", "b"), ("replay", 3)]
     events.clear()
-    other = decoder._Pieces()
+    other = capture.Pieces()
     other.begin()
     other.abort()
     other.abort()  # nothing open any more: no second capture_end
@@ -334,10 +353,10 @@ def test_pieces_run_each_host_part_after_its_piece_has_finished(monkeypatch):
 
 
 def test_interleaved_replay_runs_one_halfs_host_part_while_the_other_halfs_piece_runs(monkeypatch):
-    """``_replay_interleaved`` with the graph API recorded: the GPU queue is A0 B0 A1 B1 A2 B2; each host part waits
+    """``capture.replay_interleaved`` with the graph API recorded: the GPU queue is A0 B0 A1 B1 A2 B2; each host part waits
     for its own piece only (the event recorded right after it) and is followed at once by its chain's next piece,
     so A's host part i runs while B's piece i is queued and B's while A's piece i + 1 is."""
-    from sparse_eval.system import decoder
+    from sparse_eval.system import capture
 
     log = []
 
@@ -362,19 +381,19 @@ def test_interleaved_replay_runs_one_halfs_host_part_while_the_other_halfs_piece
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
     chains = []
     for c in "AB":
-        p = decoder._Pieces.__new__(decoder._Pieces)
+        p = capture.Pieces.__new__(capture.Pieces)
         p.graphs = [Graph(f"{c}{i}") for i in range(3)]
         p.hosts = [lambda c=c, i=i: (time.sleep(0.01), log.append(("host", f"{c}{i}"))) for i in range(2)] + [None]
         p.wait_s = p.host_s = 0.0
         chains.append(p)
-    decoder._replay_interleaved(chains)
+    capture.replay_interleaved(chains)
     assert all(p.host_s >= 0.02 and p.wait_s < p.host_s for p in chains)  # each chain's host parts timed as its own
     assert log == [("replay", "A0"), ("replay", "B0"),
                    ("wait", "A0"), ("host", "A0"), ("replay", "A1"), ("wait", "B0"), ("host", "B0"), ("replay", "B1"),
                    ("wait", "A1"), ("host", "A1"), ("replay", "A2"), ("wait", "B1"), ("host", "B1"), ("replay", "B2")]
     chains[1].graphs.pop()
     with pytest.raises(ValueError, match=r"interleaved chains have \[3, 2\] pieces"):
-        decoder._replay_interleaved(chains)
+        capture.replay_interleaved(chains)
 
 
 @pytest.mark.parametrize("which", ["magicpig", "ds_offload"])
@@ -405,17 +424,17 @@ def test_prefill_inputs_are_not_kept(stories, prompts, which, monkeypatch):
     """Only DS-Offload keeps layer inputs (for its prediction), and only decode steps' [B, 1, H] ones: when a captured
     decode tiles its caches right after the prefill, no layer's [B, T, H] prefill input is still referenced (at
     96K on Llama-3.1-8B those were 26 GB on the GPU)."""
-    from sparse_eval.system import decoder
+    from sparse_eval.system import decoding
 
     seen = []
-    prefill = decoder._prefill_for_static
+    prefill = decoding._prefill_for_static
 
     def spy(model, session, *args, **kwargs):
         got = prefill(model, session, *args, **kwargs)
         seen.append({i: h.shape[1] for i, (h, _) in session.inputs.items()})
         return got
 
-    monkeypatch.setattr(decoder, "_prefill_for_static", spy)
+    monkeypatch.setattr(decoding, "_prefill_for_static", spy)
     model, _ = stories
     got = _system(model, GRAPH_CONFIGS[which], [prompts[0]], backend_gpu="torch", cuda_graph=True, repeat_batch=2)
     assert seen == [{}]  # (MagicPIG's first, eager step ran before its tiling: it keeps nothing either)
@@ -434,7 +453,7 @@ def test_offload_gather_matches_indexing():
     """kernels.offload.gather_rows (Triton, in the interpreter without CUDA) == torch indexing, with −1 padding,
     GQA (selection per query head) and bf16 rows moved bit for bit."""
     pytest.importorskip("triton")
-    from kernels import offload
+    from sparse_eval.kernels import offload
 
     gen = torch.Generator().manual_seed(0)
     src = torch.randn(2, 2, 40, 16, generator=gen).to(torch.bfloat16)
@@ -454,7 +473,7 @@ def test_offload_put_rows_matches_indexing():
     the device, into a token-major host cache as the offloaded layers hold it, exactly as torch indexing does;
     rows past the cache are dropped (the reference refuses them)."""
     pytest.importorskip("triton")
-    from kernels import offload
+    from sparse_eval.kernels import offload
 
     gen = torch.Generator().manual_seed(1)
     dev = "cuda" if CUDA else "cpu"
@@ -576,8 +595,8 @@ def test_magicpig_layer_sample_equals_brute_force(backend_cpu):
     import contextlib
     import types
 
-    import kernels.magicpig as kmp
-    import kernels.magicpig_cpu as kmc
+    import sparse_eval.kernels.magicpig as kmp
+    import sparse_eval.kernels.magicpig_cpu as kmc
     from sparse_eval.system.layers import MagicPIGLayer
 
     k_bits, n_tables, m, sink = 3, 6, 2, 2  # few bits: many collisions, so the overflow keys get sampled too
@@ -605,3 +624,22 @@ def test_magicpig_layer_sample_equals_brute_force(backend_cpu):
             assert idx[b, h, :c].tolist() == (ref_idx[b, h, :c] + sink).tolist()
             assert (idx[b, h, c:] == -1).all()
     assert (idx >= layer.table_end).any() and ((idx >= 0) & (idx < layer.table_end)).any()
+
+
+def test_system_layers_are_registered_by_method_name():
+    """Each method with a system path has one layer class registered under its name (``methods.METHODS``' names);
+    a second class for a name, or one without ``from_method``, is refused; an unknown name lists the valid ones."""
+    from sparse_eval.methods import METHODS
+    from sparse_eval.system.layers import (SYSTEM_LAYERS, DSLayer, FullLayer, MagicPIGLayer, QuestLayer, layer_class,
+                                           register_layer)
+
+    assert SYSTEM_LAYERS == {"full": FullLayer, "double_sparsity": DSLayer, "magicpig": MagicPIGLayer,
+                             "quest": QuestLayer}
+    assert set(SYSTEM_LAYERS) <= set(METHODS)
+    with pytest.raises(ValueError, match="registered twice"):
+        register_layer("quest")(DSLayer)
+    with pytest.raises(TypeError, match="from_method"):
+        register_layer("no_such_method")(object)
+    with pytest.raises(ValueError, match=r"method 'topk' has no system path; valid: \['full', 'double_sparsity'"):
+        layer_class("topk")
+    assert "no_such_method" not in SYSTEM_LAYERS

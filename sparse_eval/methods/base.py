@@ -114,23 +114,31 @@ class AttentionContext:
         return summed.expand(b, hq // g, g, *x.shape[2:]).reshape(x.shape)
 
 
-def resolve_budget(budget: float | int, n: torch.Tensor, what: str = "budget") -> torch.Tensor:
-    """Budget semantics shared by TopK, oracle sampling, Quest and DS.
+def token_budget(budget: float | int, n: Any) -> Any:
+    """The token-budget rule of TopK, oracle sampling, Quest and DS, in one place for every path.
 
-    A float is a ratio of the row's context size n (the number of valid keys), in (0, 1]; the count is
-    floor(ratio·n), as the MagicPIG reference code takes int(ratio·n).  An int is a number of tokens, >= 1.
-    Returns a long tensor shaped like ``n``.
+    A float is a ratio of the row's context size n (the number of valid keys): the count is ⌊ratio·n⌋ (float64
+    product, then truncation, as the MagicPIG reference code takes int(ratio·n)).  An int is a number of tokens.
+    ``n`` is a Python int (host form, an int back) or a tensor (device form, a long tensor shaped like ``n``).
     """
+    if torch.is_tensor(n):
+        if isinstance(budget, float):
+            return torch.floor(n.to(torch.float64) * budget).to(torch.long)
+        return torch.full_like(n, int(budget), dtype=torch.long)
+    return int(n * budget) if isinstance(budget, float) else int(budget)
+
+
+def resolve_budget(budget: float | int, n: torch.Tensor, what: str = "budget") -> torch.Tensor:
+    """``token_budget`` per row, for a checked budget (float: a ratio in (0, 1]; int: a token count >= 1).
+    Returns a long tensor shaped like ``n``."""
     check_budget(budget, what)
-    if isinstance(budget, float):
-        return torch.floor(n.to(torch.float64) * budget).to(torch.long)
-    return torch.full_like(n, int(budget))
+    return token_budget(budget, n)
 
 
 def budget_bound(budget: float | int, n: int) -> int:
-    """The largest count ``resolve_budget`` can give for rows of at most ``n`` keys, from Python numbers only
-    (so selecting needs no device-to-host synchronisation)."""
-    return min(n, int(n * budget) if isinstance(budget, float) else int(budget))
+    """The largest count ``resolve_budget`` can give for rows of at most ``n`` keys, capped at ``n``, from Python
+    numbers only (so selecting needs no device-to-host synchronisation)."""
+    return min(n, token_budget(budget, n))
 
 
 def check_budget(budget: object, what: str = "budget", context: int | None = None) -> None:

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from kernels.ds import pseudo_quantize  # the query-label quantization, shared with the system path's kernels
+from sparse_eval.kernels.ds import pseudo_quantize  # the query-label quantization, shared with the system path's kernels
 
 from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
 from .registry import register
@@ -315,6 +315,18 @@ class DoubleSparsity(Method):
             raise ValueError(f"method.channels: channel indices must lie in 0..{d - 1}")
         return ch.to(device), raw < 1
 
+    def label_channels(self, layer_idx: int, hq: int, hkv: int, d: int) -> torch.Tensor:
+        """long [Hl, r] on the host: the channels of one layer per label head.  Per KV head (Hl = Hkv, one label row
+        per KV head, as a GQA system stores them) when the channels were given per KV head, else per query head
+        (Hl = Hq, the layout of ``select``)."""
+        per_query, _ = self._layer_channels(layer_idx, hq, hkv, d, "cpu")
+        given = self._channels
+        if given is not None and hkv != hq:
+            ch = given[layer_idx] if given.dim() == 3 else given
+            if ch.shape[0] == hkv:
+                return ch[:, :per_query.shape[1]].long()
+        return per_query.long()
+
     def _labels(self, x: torch.Tensor, ch: torch.Tensor, groups: int) -> torch.Tensor:
         """x [B, H, N, D] (H = Hkv for keys, Hq for queries), ch [Hq, r] -> fp32 [B, Hq, N, r]."""
         if x.shape[1] != ch.shape[0]:
@@ -368,20 +380,38 @@ class DoubleSparsity(Method):
         start = ctx.query_offset
         if pos is None or h.shape[0] != b or h.shape[1] < start + ql:
             return None
-        h = h[:, start:start + ql]
-        if self.config.offload_input == "residual":
-            w = self._norm_w[layer - 1]
-            h = h / torch.where(w == 0, torch.ones_like(w), w).to(h.dtype)
-        q = attn.q_proj(h).view(b, ql, -1, d)
-        if hasattr(attn, "q_norm"):  # Qwen3-style per-head query norm before RoPE
-            q = attn.q_norm(q)
-        q = q.transpose(1, 2)
         cos, sin = pos[0][:, start:start + ql], pos[1][:, start:start + ql]
+        return self.predict_query(attn, layer, h[:, start:start + ql], cos, sin, d)
+
+    def predict_query(self, attn: Any, layer_idx: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      head_dim: int) -> torch.Tensor | None:
+        """DS-Offload's query prediction (§5.1), the one rule both paths use: layer ``layer_idx``'s approximate query
+        q̂ = RoPE(q_proj(h)) from h [B, Q, H], layer ``layer_idx − 1``'s attention input (``offload_input`` =
+        "attn_input"), or that layer's residual stream divided by its input norm's weight ("residual"); with a
+        per-head query norm (Qwen3) before RoPE.  ``attn`` is layer ``layer_idx``'s attention module, cos/sin
+        [B, Q, D] the positions' rotary embedding.  Returns [B, Hq, Q, D], or None if the model's module has no
+        ``apply_rotary_pos_emb``."""
         rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
         if rope is None:
             return None
+        if self.config.offload_input == "residual":
+            if layer_idx - 1 not in self._norm_w:
+                raise ValueError("DS-Offload with offload_input='residual' needs method.setup(model, ...) first (it "
+                                 "finds each layer's input norm)")
+            w = self._norm_w[layer_idx - 1]
+            h = h / torch.where(w == 0, torch.ones_like(w), w).to(h.dtype)
+        b, ql = h.shape[:2]
+        q = attn.q_proj(h).view(b, ql, -1, head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3-style per-head query norm before RoPE
+            q = attn.q_norm(q)
+        q = q.transpose(1, 2)
         q, _ = rope(q, q, cos, sin)
         return q
+
+    @property
+    def has_input_norms(self) -> bool:
+        """Whether ``setup`` found the layers' input norms (what ``offload_input='residual'`` divides by)."""
+        return bool(self._norm_w)
 
     # -- selection -----------------------------------------------------------------------------
     def _select_with(self, ctx, q, ch, labels, want):

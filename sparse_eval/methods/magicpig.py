@@ -328,6 +328,12 @@ class MagicPIG(Method):
                 r = torch.maximum(r, norms.amax(-1))
         return mean, r
 
+    def key_mean(self, k: torch.Tensor) -> torch.Tensor:
+        """μ [B, H, D] float32 of the candidate keys k [B, H, N, D] (§4.3 centering, as ``prepare`` fixes it: float64
+        sum, then float32; zeros without ``center``): the one centering rule, also the system path's."""
+        ones = torch.ones(k.shape[0], k.shape[2], dtype=torch.float64, device=k.device)
+        return self._fix_center(k, ones)[0]
+
     # -- index ------------------------------------------------------------------------------------
     def prepare(self, state: dict[str, Any], k: torch.Tensor, v: torch.Tensor, layer_idx: int, module: Any = None,
                 valid: torch.Tensor | None = None, **kwargs: Any) -> None:

@@ -140,6 +140,14 @@ def prefix_page_minmax(k: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
     return rmin, rmax
 
 
+def page_budget(tokens: Any, page_size: int, min_pages: int = 1) -> Any:
+    """Pages a row selects for a budget of ``tokens`` (``base.token_budget``): max(min_pages, ⌊tokens / page_size⌋),
+    the rule of both paths.  Host form: an int; device form: a long tensor."""
+    if torch.is_tensor(tokens):
+        return torch.div(tokens, page_size, rounding_mode="floor").clamp_min(min_pages)
+    return max(min_pages, tokens // page_size)
+
+
 @register
 class Quest(Method):
     """Quest page selection.  Per-row statistics: ``pages`` (pages selected), ``pages_scored`` (pages with at
@@ -261,9 +269,8 @@ class Quest(Method):
         u = u.masked_fill(~cand_pages, float("-inf"))
 
         tokens = resolve_budget(cfg.budget, ctx.n_valid, "method.budget")  # [B, 1, Q, 1]
-        want = torch.div(tokens, ps, rounding_mode="floor")
-        floor = (want < cfg.min_pages) & (ctx.n_valid > 0)
-        want = want.clamp_min(cfg.min_pages)
+        floor = (tokens < cfg.min_pages * ps) & (ctx.n_valid > 0)
+        want = page_budget(tokens, ps, cfg.min_pages)
         chosen = topk_mask(u, want)  # [B, Hq, Q, P]
         # key j is kept if its page is chosen (and it is a candidate)
         chosen_ext = torch.cat([chosen, torch.zeros_like(chosen[..., :1])], -1)

@@ -61,15 +61,15 @@ def _prompts(tok: Any, context: int, batch: int) -> torch.Tensor:
 
 def run(cfg: Any) -> dict[str, Any]:
     from ..models.loading import load_model, max_context, resolve_device
-    from . import SYSTEM_METHODS, decode
+    from . import SYSTEM_LAYERS, DecodeOptions, decode
     from .models import SHAPES, random_model
 
     for what in ("context", "batch", "repeat_batch", "new_tokens"):
         if int(cfg[what]) < 1:
             raise ValueError(f"{what}={cfg[what]}: must be >= 1")
     opts = to_plain(cfg.method)
-    if opts["name"] not in SYSTEM_METHODS:
-        raise ValueError(f"method={opts['name']!r} has no system path; valid: {list(SYSTEM_METHODS)}")
+    if opts["name"] not in SYSTEM_LAYERS:
+        raise ValueError(f"method={opts['name']!r} has no system path; valid: {list(SYSTEM_LAYERS)}")
     method = build_method(make_config(opts["name"], opts))
     tok = None
     if cfg.random_shape:
@@ -88,8 +88,9 @@ def run(cfg: Any) -> dict[str, Any]:
         ids = _prompts(tok, cfg.context, cfg.batch)
         name = cfg.model.name
     method.setup(model, name)
-    res = decode(model, method, ids, cfg.new_tokens, repeat_batch=cfg.repeat_batch, cuda_graph=cfg.cuda_graph,
-                 topk=cfg.topk, phase_times=cfg.phase_times, interleave=cfg.interleave)
+    res = decode(model, method, ids, cfg.new_tokens, DecodeOptions(
+        repeat_batch=cfg.repeat_batch, cuda_graph=cfg.cuda_graph, topk=cfg.topk, phase_times=cfg.phase_times,
+        interleave=cfg.interleave))
     steady = res.step_ms[2:] or res.step_ms  # the first steps include compilation and index builds
     med = statistics.median(steady)
     record: dict[str, Any] = {

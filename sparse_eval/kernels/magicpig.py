@@ -15,13 +15,13 @@ Sampling probability (eq. 10), with p_i = 1 − arccos(cos(q, k̄_i))/π (eq. 11
     u_i = P[key i collides with q in ≥ m of the L tables] = 1 − Σ_{j<m} C(L, j) a^j (1 − a)^{L−j}
 
 m = ``min_collisions`` = 2 in the paper (u = 1 − (1−a)^L − L a (1−a)^{L−1}).  The attention logit of a sampled
-key is q·k_i/√d − log u_i (eq. 11).  ``collision_probability`` evaluates u in float64 without cancellation: for
-small L·a it sums the binomial tail directly (10 terms) instead of subtracting from 1.
+key is q·k_i/√d − log u_i (eq. 11).  u has one home, ``sparse_eval.methods.magicpig.log_sampling_probability``
+(float64, in log space, without cancellation); ``collision_probability`` and ``collision_probability_from_cos``
+are its forms in a and in cos, and the CPU kernel tabulates it (``magicpig_cpu.logu_table``).
 """
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -29,11 +29,8 @@ from ._common import resolve_gpu_backend
 
 __all__ = [
     "hash_codes", "hash_codes_reference", "random_projections", "center_keys", "collision_probability",
-    "collision_probability_from_cos", "TAIL_TERMS", "TAIL_SWITCH",
+    "collision_probability_from_cos",
 ]
-
-TAIL_TERMS = 10  # terms of the direct tail sum (truncation < 1e-12 relative below the switch)
-TAIL_SWITCH = 0.1  # use the tail sum when L·a < this (each term < 1/18 of the one before)
 
 
 def _check_kl(k_bits: int, n_tables: int) -> None:
@@ -82,37 +79,19 @@ def hash_codes(x: torch.Tensor, w: torch.Tensor, k_bits: int, n_tables: int, *, 
 
 
 def collision_probability(a: torch.Tensor, n_tables: int, min_collisions: int = 2) -> torch.Tensor:
-    """u = P[Binomial(L, a) ≥ m] in float64, a = p^K (eq. 10 for m = 2)."""
+    """u = P[Binomial(L, a) ≥ m] in float64, a = p^K (eq. 10 for m = 2): ``log_sampling_probability`` with K = 1."""
+    from ..methods.magicpig import log_sampling_probability
+
     m = int(min_collisions)
     n = int(n_tables)
     if not 1 <= m <= n:
         raise ValueError(f"min_collisions={min_collisions}: must lie in [1, L={n_tables}]")
-    a = a.double().clamp(0.0, 1.0)
-    one = a >= 1.0
-    a_s = torch.where(one, torch.full_like(a, 0.5), a)  # keep logs finite; fixed below
-    log_a = torch.log(a_s.clamp_min(1e-300))
-    log_1ma = torch.log1p(-a_s)
-    ratio = a_s / (1.0 - a_s)
-    # direct tail: t_m = C(L,m) a^m (1-a)^(L-m), t_{j+1} = t_j (L-j)/(j+1) · a/(1-a)
-    log_c = math.lgamma(n + 1) - math.lgamma(m + 1) - math.lgamma(n - m + 1)
-    t = torch.exp(log_c + m * log_a + (n - m) * log_1ma)
-    tail = torch.zeros_like(a_s)
-    for j in range(m, min(n, m + TAIL_TERMS - 1) + 1):
-        tail = tail + t
-        t = t * ((n - j) / (j + 1)) * ratio
-    # complement: 1 - Σ_{j<m} t_j, t_0 = (1-a)^L
-    t = torch.exp(n * log_1ma)
-    head = torch.zeros_like(a_s)
-    for j in range(m):
-        head = head + t
-        t = t * ((n - j) / (j + 1)) * ratio
-    comp = 1.0 - head
-    u = torch.where(n * a_s < TAIL_SWITCH, tail, comp)
-    u = torch.where(a_s <= 0, torch.zeros_like(u), u)
-    return torch.where(one, torch.ones_like(u), u).clamp(0.0, 1.0)
+    return torch.exp(log_sampling_probability(a.double(), 1, n, m))
 
 
 def collision_probability_from_cos(cos: torch.Tensor, k_bits: int, n_tables: int, min_collisions: int = 2) -> torch.Tensor:
-    """u_i from cos(q, k̄_i): p = 1 − arccos(cos)/π (eq. 11), a = p^K, u by ``collision_probability``."""
-    p = 1.0 - torch.arccos(cos.double().clamp(-1.0, 1.0)) / math.pi
-    return collision_probability(p ** int(k_bits), n_tables, min_collisions)
+    """u_i from cos(q, k̄_i): p = 1 − arccos(cos)/π (eq. 11), u = P[Binomial(L, p^K) ≥ m] by
+    ``log_sampling_probability``."""
+    from ..methods.magicpig import collision_probability as bit_agreement, log_sampling_probability
+
+    return torch.exp(log_sampling_probability(bit_agreement(cos), int(k_bits), int(n_tables), int(min_collisions)))

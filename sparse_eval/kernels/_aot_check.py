@@ -1,6 +1,6 @@
 """Compile the Triton kernels for sm_90 (H100/H200) without a GPU and report registers and spills.
 
-    python -m kernels._aot_check            # exit code 1 if a kernel fails to compile or spills
+    python -m sparse_eval.kernels._aot_check            # exit code 1 if a kernel fails to compile or spills
 
 Uses Triton's ahead-of-time path (``ASTSource`` + ``triton.compile`` for a ``GPUTarget``) and the ``ptxas``
 shipped in Triton's NVIDIA backend, so compile errors that the CPU interpreter cannot see (types, layouts,

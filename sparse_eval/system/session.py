@@ -1,0 +1,234 @@
+"""The system path's session: the cache layers of one generation attached to a transformers model.
+
+``build_layers`` makes one cache layer per decoder layer (the method's dense layers get a ``FullLayer``, the others
+the layer registered under the method's name, ``layers.registry``); ``SystemSession`` holds them with DS-Offload's
+side stream and buffers and the run's counters; ``attach`` routes the model's attention through a session.  The
+model code is transformers' own (linear layers, norms, RoPE, on the GPU); only the attention and the KV cache
+differ between methods.
+
+Which method runs where:
+
+| method | KV cache | per decode step |
+|---|---|---|
+| ``full`` | GPU | dense sdpa |
+| ``double_sparsity`` | GPU (+ label cache) | label scores → top-k → sparse attention (Triton) |
+| ``double_sparsity`` with ``offload: true`` | pinned CPU (+ label cache on GPU) | layer l's tokens predicted during layer l−1 and gathered over PCIe on a side stream |
+| ``magicpig`` | CPU (+ hash tables) | codes on GPU; sampling + sampled attention on CPU (numba); sink/local on GPU; LSE merge |
+| ``quest`` | GPU (+ page min/max) | page bounds → top pages → attention over their tokens + sink/local (Triton) |
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ..attention.plugin import attention_modules
+from ..methods.base import Method
+from .layers import DSOffloadLayer, FullLayer, LayerOptions, build_layer, layer_class
+
+ATTENTION_NAME = "sparse_eval_system"
+_ATTR = "_sparse_eval_system"
+
+
+class SystemCache(Cache):
+    """transformers ``Cache`` over the system layers (one per decoder layer)."""
+
+    def __init__(self, layers: list[FullLayer]):
+        super().__init__(layers=layers)
+
+
+def _system_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    session: SystemSession | None = getattr(module, _ATTR, None)
+    if session is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return session.attention(module, query, key, value, module.scaling if scaling is None else scaling)
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The system layers need no mask: prefill is causal over the prompt alone, decode attends to every key.
+    (Padding is not supported: ``decode`` takes equal-length prompts.)"""
+    return None
+
+
+AttentionInterface.register(ATTENTION_NAME, _system_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+
+
+
+def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype: torch.dtype | None = None,
+                 backend_gpu: str = "auto", backend_cpu: str = "auto", topk: str = "radix") -> list[FullLayer]:
+    """One cache layer per decoder layer for ``method`` (set up already: DS has its channels); ``topk`` the
+    top-k of DS and Quest ("radix": ``kernels.topk`` on CUDA; "torch": ``torch.topk``).  ``label_scale_dtype``
+    (DS's label scales): float16 on CUDA, float32 on the CPU by default."""
+    layer_class(method.name)  # refuses a method without a system path, naming the valid ones
+    cfg = model.config.get_text_config()
+    n_layers, hq = cfg.num_hidden_layers, cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    method.validate(num_layers=n_layers)
+    dense = {int(i) for i in method.config.dense_layers} if method.name != "full" else set(range(n_layers))
+    if label_scale_dtype is None:
+        label_scale_dtype = torch.float16 if next(model.parameters()).is_cuda else torch.float32
+    opts = LayerOptions(capacity=capacity, hq=hq, hkv=hkv, d=d, label_scale_dtype=label_scale_dtype,
+                        backend_gpu=backend_gpu, backend_cpu=backend_cpu, topk=topk)
+    return [FullLayer(i, capacity, backend=backend_gpu) if i in dense else build_layer(i, method, opts)
+            for i in range(n_layers)]
+
+
+class PhaseTimes:
+    """Host wall time of named phases of the decode steps (``session.phase(name)`` brackets one), for breaking a
+    step down.  Each bracket synchronises the GPU at both ends, so the phases are the work they enclose, and the
+    steps run slower than untimed ones: timings for throughput come from runs without it."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.ms: collections.Counter = collections.Counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.ms[name] += 1e3 * (time.perf_counter() - t)
+
+
+def _no_phase(name: str) -> contextlib.nullcontext:
+    return contextlib.nullcontext()
+
+
+class SystemSession:
+    """The layers of one generation, the side stream and buffers of DS-Offload, and per-run counters."""
+
+    def __init__(self, model: Any, method: Method, layers: list[FullLayer], phase_times: PhaseTimes | None = None):
+        self.phase = phase_times if phase_times is not None else _no_phase  # phase(name): a context manager
+        self.model = model
+        self.method = method
+        self.cache = SystemCache(layers)
+        self.layers = layers
+        self.modules = {m.layer_idx: m for m in attention_modules(model)}
+        # each layer's input of the current decode step (hidden states [B, 1, H], position embeddings), kept for
+        # DS-Offload's prediction of the next layer's keys (``_predict``); other methods keep none
+        self.inputs: dict[int, tuple] = {}
+        self.pending: dict[int, dict] = {}
+        self.stats: collections.Counter = collections.Counter()
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        offload = any(isinstance(x, DSOffloadLayer) for x in layers)
+        self.keeps_inputs = offload
+        cuda = next(model.parameters()).is_cuda
+        self.side_stream = torch.cuda.Stream() if offload and cuda else None
+        self.cuda = cuda
+        self.pieces = None  # a ``capture.Pieces`` while a static step is captured in pieces
+        if offload and method.config.offload_input == "residual" and not method.has_input_norms:
+            raise ValueError("DS-Offload with offload_input='residual' needs method.setup(model, ...) first (it finds "
+                             "each layer's input norm)")
+
+    # -- attention --------------------------------------------------------------------------------------
+    def attention(self, module, q, k, v, scaling):
+        i = module.layer_idx
+        layer = self.layers[i]
+        if q.shape[2] == 1 and i + 1 < len(self.layers) and isinstance(self.layers[i + 1], DSOffloadLayer):
+            self._predict(i)  # issue layer i+1's gather first, so it overlaps this layer's work
+        out = layer.attend(self, module, q, k, v, scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    def _predict(self, i: int) -> None:
+        """Layer i+1's approximate query from layer i's input (``DoubleSparsity.predict_query``, the accuracy path's
+        rule), then its top keys' gather."""
+        got = self.inputs.get(i)
+        if got is None or got[1] is None:
+            return  # the layer falls back to its own query
+        h, (cos, sin) = got
+        nxt = self.layers[i + 1]
+        qp = self.method.predict_query(self.modules[i + 1], i + 1, h[:, -1:], cos[:, -1:], sin[:, -1:],
+                                       nxt.keys.shape[-1])
+        if qp is None:
+            return  # no rotary function in the model's module: the layer uses its own query
+        self.pending[i + 1] = nxt.predict(self, qp[:, :, 0])
+
+    def cut(self, host_part) -> None:
+        """Where a static step waits on the host (MagicPIG's CPU part): the GPU work enqueued so far must have
+        finished (its copies to the host landed), then ``host_part()`` runs, then the step goes on.  While the step
+        is being captured in pieces, this ends the current piece there (``capture.Pieces.cut``)."""
+        if self.pieces is not None:
+            self.pieces.cut(host_part)
+            return
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+        host_part()
+
+    def buffer(self, layer_idx: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> tuple:
+        """Views [B, Hs, S, D] into one of two GPU buffers (layer parity picks it): layer l+1's gather fills
+        one while layer l reads the other."""
+        slot = layer_idx % 2
+        buf = self._buffers.get(slot)
+        layer = self.layers[layer_idx]
+        if buf is None or buf[0].shape[0] < shape[0] or buf[0].shape[1] < shape[1] or buf[0].shape[2] < shape[2] \
+                or buf[0].dtype != dtype:
+            full = (shape[0], shape[1], max(shape[2], layer.budget(layer.capacity) + 1), shape[3])
+            if buf is not None and self.side_stream is not None:
+                torch.cuda.current_stream(device).wait_stream(self.side_stream)
+            buf = (torch.empty(full, dtype=dtype, device=device), torch.empty(full, dtype=dtype, device=device))
+            self._buffers[slot] = buf
+        return buf[0][: shape[0], : shape[1], : shape[2]], buf[1][: shape[0], : shape[1], : shape[2]]
+
+    def nbytes(self) -> dict[str, int]:
+        tot = {"gpu": 0, "cpu": 0}
+        for layer in self.layers:
+            for key, val in layer.nbytes().items():
+                tot[key] += val
+        for a, b in self._buffers.values():
+            tot["gpu"] += 2 * a.numel() * a.element_size()
+        return tot
+
+
+def _grab_inputs(module, args, kwargs):
+    """Keep a layer's input for DS-Offload's prediction: decode steps only.  The prefill's would pin [B, T, H]
+    hidden states of every layer (26 GB at 96K for Llama-3.1-8B) until the first decode step replaced them, and a
+    captured decode tiles its caches before that step."""
+    session = getattr(module, _ATTR, None)
+    if session is None or not session.keeps_inputs:
+        return
+    h = kwargs.get("hidden_states")
+    if h is not None and h.shape[1] == 1:
+        session.inputs[module.layer_idx] = (h, kwargs.get("position_embeddings"))
+
+
+def use(model: Any, session: SystemSession) -> None:
+    """Point the attached model's attention modules at ``session`` (one of several decoding the same model)."""
+    for m in session.modules.values():
+        setattr(m, _ATTR, session)
+
+
+def attach(model: Any, session: SystemSession) -> None:
+    detach(model)
+    for m in session.modules.values():
+        setattr(m, _ATTR, session)
+        m._sparse_eval_system_hook = m.register_forward_pre_hook(_grab_inputs, with_kwargs=True)
+    model._sparse_eval_system_prev = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+
+
+def detach(model: Any) -> None:
+    for m in model.modules():
+        hook = getattr(m, "_sparse_eval_system_hook", None)
+        if hook is not None:
+            hook.remove()
+            del m._sparse_eval_system_hook
+        if hasattr(m, _ATTR):
+            delattr(m, _ATTR)
+    prev = getattr(model, "_sparse_eval_system_prev", None)
+    if prev is not None:
+        model.set_attn_implementation(prev)
+        del model._sparse_eval_system_prev
