@@ -18,9 +18,10 @@ from .attention.plugin import PROTOCOLS, Runtime, attach, detach
 from .config import to_plain
 from .engine import Engine
 from .methods import build_method, make_config
+from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context
 from .results import SampleLog, provenance, run_dir_for, write_summary
-from .status import clear_failure, run_lock, write_failure, write_progress
+from .status import RunsDirError, check_writable, clear_failure, run_lock, run_state, write_failure, write_progress
 from .tasks import build_task
 
 log = logging.getLogger("sparse_eval")
@@ -84,6 +85,19 @@ class Experiment:
             self.load()
             self._samples = self.task.samples(self.tokenizer, self.context)
         return self._samples
+
+    def preflight(self, method_opts: dict[str, Any]) -> dict[str, Any]:
+        """Everything that can fail before a run has started, checked before anything is written to its run dir:
+        the model (path, weights, dtype, device), the method against the model (dense layers vs depth, budgets vs
+        context, DS's calibration file), the task's data and lengths vs the context.  Returns the method's
+        options with ``dense_layers`` resolved for this model (as recorded in the run's config and summary)."""
+        self.load()
+        opts = dict(method_opts, dense_layers=resolve_dense_layers(method_opts["dense_layers"], self.num_layers))
+        method = build_method(make_config(opts["name"], opts))
+        method.validate(num_layers=self.num_layers, context=self.context)
+        method.setup(self.model, self.model_cfg.name)
+        self.samples()
+        return opts
 
     def identity(self, method: dict[str, Any]) -> dict[str, Any]:
         ev = self.cfg.eval
@@ -240,14 +254,24 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
 
 def run(cfg: Any) -> list[dict[str, Any]]:
     exp = Experiment(cfg)
-    methods = exp.method_configs()
+    methods = [exp.preflight(m) for m in exp.method_configs()]  # a run that cannot start writes nothing
     summaries = []
     for m in methods:
         run_dir = run_dir_for(cfg.paths.runs_dir, exp.identity(m))
+        unwritable = check_writable(run_dir)
+        if unwritable:  # a read-only store: a finished run is read back, anything else is refused
+            if run_state(run_dir)["state"] == "done" and not cfg.eval.rerun_failed:
+                summaries.append(json.loads((run_dir / "summary.json").read_text(encoding="utf-8")))
+                continue
+            raise RunsDirError(f"paths.runs_dir={cfg.paths.runs_dir}: cannot write {unwritable}; give a writable "
+                               f"folder, e.g. paths.runs_dir=runs")
         try:
             with run_lock(run_dir):  # one process per run dir: a duplicate job waits, then finds the samples done
                 clear_failure(run_dir)
                 summaries.append(exp.run_method(m))
+        except KeyboardInterrupt as exc:  # nothing to record: the run resumes at its next sample
+            exc.run_dir = str(run_dir)  # type: ignore[attr-defined]
+            raise
         except Exception as exc:  # recorded in the run dir (failed.json) for sweeps and `sparse_eval.status`
             write_failure(run_dir, exc)
             try:

@@ -49,6 +49,23 @@ DEFAULT_RECENT_S = 300.0
 
 # -- writers (used by the runner) ------------------------------------------------------------------------------
 
+class RunsDirError(ValueError):
+    """``paths.runs_dir`` (or a run dir below it) cannot be written."""
+
+
+def check_writable(run_dir: Path) -> str | None:
+    """None when ``run_dir`` exists and is writable or could be created (it then exists); else the reason, naming
+    the path, e.g. ``/proc/runs (No such file or directory)``."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir():
+        return None if os.access(run_dir, os.W_OK) else f"{run_dir} (read-only)"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"{exc.filename or run_dir} ({exc.strerror or exc})"
+    return None
+
+
 def slurm_job_id() -> str | None:
     """This process's Slurm job as squeue names it: ``<array job>_<task>`` for an array task, else the job id."""
     env = os.environ
