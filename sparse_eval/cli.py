@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 SCHEMA_SUFFIX = "_schema"
+_APP_STARTED = False  # set by ``check_choices`` when Hydra has called the app: an OSError before it is Hydra's
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:
@@ -59,6 +60,8 @@ def check_choices() -> None:
     yaml files of a group are checked against, not choices."""
     from hydra.core.hydra_config import HydraConfig
 
+    global _APP_STARTED
+    _APP_STARTED = True
     if not HydraConfig.initialized():
         return
     for group, choice in HydraConfig.get().runtime.choices.items():
@@ -116,7 +119,9 @@ def hydra_entry(main: Callable[[], Any]) -> None:
         if user_full:
             raise
         fail(hydra_message(exc))
-    except OSError as exc:  # Hydra could not create its output folder
-        if user_full:
+    except OSError as exc:
+        if user_full or _APP_STARTED:
             raise
-        fail(f"{exc.filename or ''}: {exc.strerror or exc}; give a writable folder, e.g. paths.runs_dir=runs")
+        # Hydra could not create its output folder (hydra.run.dir / hydra.sweep.dir, under paths.runs_dir)
+        fail(f"cannot write {exc.filename or 'Hydra output folder'} ({exc.strerror or exc}); give a writable folder, "
+             f"e.g. paths.runs_dir=runs")
