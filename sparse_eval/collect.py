@@ -16,6 +16,7 @@ Columns (see also docs/sweeps.md):
 
   model, model_path                  model config name and path
   method, method_config              method name; "name-key=value-..." of its own parameters (results.method_label)
+  run_name                           method_config + dense layers + the task's length + hash (status.run_name)
   method.<field>                     every method field (budget, K, L, page_size, alpha, beta, ...; NaN if absent)
   sink, local, dense_layers, gqa     the shared method fields (dense_layers as "0,16")
   task, task_config                  task name; its config as JSON (all fields)
@@ -49,7 +50,7 @@ from .status import _read_json, find_run_dirs, read_samples, run_state
 
 SUBTASK_FIELDS = ("subtask", "lm_eval_task")
 MEAN_FIELDS = ("cost1", "cost2", "est_error", "static_frac", "empty_selections")
-LEAD_COLUMNS = ["model", "method", "method_config", "task", "subtask", "length", "protocol", "metric", "score",
+LEAD_COLUMNS = ["model", "method", "method_config", "run_name", "task", "subtask", "length", "protocol", "metric", "score",
                 "cost1", "cost2", "est_error", "samples", "failed_samples", "expected_samples", "complete", "state"]
 
 
@@ -115,7 +116,7 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
     metric = metric or summary.get("metric") or "score"
     base: dict[str, Any] = {
         "model": model.get("name"), "model_path": model.get("path"),
-        "method": method.get("name"), "method_config": method_label(method),
+        "method": method.get("name"), "method_config": method_label(method), "run_name": state["config"],
         **{f"method.{k}": v for k, v in method.items() if k not in ("name", "sink", "local", "dense_layers", "gqa")
            and not isinstance(v, (dict, list))},
         "sink": method.get("sink"), "local": method.get("local"),

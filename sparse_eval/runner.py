@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from .attention.plugin import PROTOCOLS, Runtime, attach, detach
 from .config import to_plain
 from .engine import Engine
+from .estimate import warn_if_long
 from .methods import build_method, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context
@@ -133,7 +134,7 @@ class Experiment:
         engine = Engine(self.model, self.tokenizer, session, self.cfg.eval.prefill_chunk)
         logger = _Logger(self.cfg.logger, run_dir, identity)
         try:
-            for sample in tqdm(todo, desc=f"{run_dir.name}", disable=not todo, leave=False):
+            for sample in tqdm(todo, desc=short_label(method_opts), disable=not todo, leave=False):
                 session.recorder.reset()
                 t0 = time.perf_counter()
                 try:
@@ -230,6 +231,16 @@ class _Logger:
             self.run.finish()
 
 
+def short_config(method: dict[str, Any]) -> str:
+    """The method's headline options, e.g. ``K=10, L=150`` (the summary table's config column)."""
+    return ", ".join(f"{k}={v}" for k, v in method.items() if k in ("budget", "K", "L", "page_size", "alpha", "beta"))
+
+
+def short_label(method: dict[str, Any]) -> str:
+    """The progress bar's label: the method and its headline options, e.g. ``magicpig K=10, L=150``."""
+    return f"{method['name']} {short_config(method)}".strip()
+
+
 def format_table(summaries: list[dict[str, Any]]) -> str:
     import pandas as pd
 
@@ -238,7 +249,7 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
         m = s["method_config"]
         rows.append({
             "method": s["method"],
-            "config": ", ".join(f"{k}={v}" for k, v in m.items() if k in ("budget", "K", "L", "page_size", "alpha", "beta")),
+            "config": short_config(m),
             s["metric"]: s["score"],
             "Cost1": s["cost1"],
             "Cost2": s["cost2"],
@@ -255,6 +266,7 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
 def run(cfg: Any) -> list[dict[str, Any]]:
     exp = Experiment(cfg)
     methods = [exp.preflight(m) for m in exp.method_configs()]  # a run that cannot start writes nothing
+    warn_if_long(exp.model, exp.samples(), len(methods), log)
     summaries = []
     for m in methods:
         run_dir = run_dir_for(cfg.paths.runs_dir, exp.identity(m))
