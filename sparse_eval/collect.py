@@ -222,14 +222,20 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty:
         print(f"no runs under {root}", file=sys.stderr)
         return 1
-    paths = write_table(df, Path(args.out) if args.out else root / "results")
     if not args.quiet:
         import pandas as pd
 
-        show = [c for c in ("model", "method_config", "task", "subtask", "length", "protocol", "score", "cost1",
+        show = [c for c in ("model", "run_name", "task", "subtask", "length", "protocol", "score", "cost1",
                             "cost2", "est_error", "samples", "failed_samples", "state") if c in df.columns]
         with pd.option_context("display.max_rows", 200, "display.width", 200, "display.max_colwidth", 40):
             print(df[show].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    out = Path(args.out) if args.out else root / "results"
+    try:
+        paths = write_table(df, out)
+    except OSError as exc:  # a read-only store: the table above was read; write it elsewhere
+        print(f"error: cannot write {exc.filename or out} ({exc.strerror or exc}); give --out <writable path>",
+              file=sys.stderr)
+        return 2
     print(f"{len(df)} rows from {df['run_dir'].nunique()} runs -> " + ", ".join(str(p) for p in paths))
     return 0
 

@@ -177,6 +177,10 @@ def _annotate_spread(ax, points: list[tuple[float, float, str]], fontsize: float
                     arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5", shrinkA=0, shrinkB=2) if moved else None)
 
 
+def _value_text(v: Any) -> str:
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else f"{v:g}" if isinstance(v, float) else str(v)
+
+
 def _distinct_labels(rows: list[Any], labels: list[str]) -> list[str]:
     """Labels shared by several points get the method options that tell those points apart (e.g. ``seed=1``)."""
     out = list(labels)
@@ -185,7 +189,7 @@ def _distinct_labels(rows: list[Any], labels: list[str]) -> list[str]:
         keys = sorted({k for i in idx for k in rows[i].index if str(k).startswith("method.")})
         differ = [k for k in keys if len({str(rows[i].get(k)) for i in idx}) > 1]
         for i in idx:
-            extra = ", ".join(f"{k.split('.', 1)[1]}={rows[i].get(k)}" for k in differ)
+            extra = ", ".join(f"{k.split('.', 1)[1]}={_value_text(rows[i].get(k))}" for k in differ)
             out[i] = f"{lab} {extra}".strip()
     return out
 
