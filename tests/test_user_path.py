@@ -171,6 +171,33 @@ def test_interrupt_says_where_the_run_stopped(tmp_path, monkeypatch, capsys):
     assert err.value.run_dir in msg and "samples written" in msg and "resume" in msg
 
 
+def test_ctrl_c_on_the_command_line(tmp_path):
+    """SIGINT during a run: exit status 130, where it stopped, no traceback; the same command resumes it."""
+    import signal
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("HYDRA_FULL_ERROR", None)
+    cmd = [sys.executable, "-m", "sparse_eval", "method=oracle", "task.num_samples=8", "task.window=256",
+           f"paths.runs_dir={tmp_path / 'runs'}", "print_table=false"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        logs = list((tmp_path / "runs").glob("wikitext/*/*/samples.jsonl"))
+        if logs and logs[0].read_text().count("\n") >= 1:
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before it could be interrupted")
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted:" in err and "samples written" in err and "resume" in err, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert not list((tmp_path / "runs").glob("wikitext/*/*/failed.json"))
+
+
 def _fake_run(root: Path, name: str, identity: dict, host: str | None, age: float = 5.0) -> Path:
     d = root / "ruler" / "m" / name
     d.mkdir(parents=True)
