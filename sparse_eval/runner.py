@@ -285,7 +285,10 @@ def run(cfg: Any) -> list[dict[str, Any]]:
             exc.run_dir = str(run_dir)  # type: ignore[attr-defined]
             raise
         except Exception as exc:  # recorded in the run dir (failed.json) for sweeps and `sparse_eval.status`
-            write_failure(run_dir, exc)
+            try:
+                write_failure(run_dir, exc)
+            except OSError as werr:  # the store went away or read-only: the run's own error is what matters
+                log.warning("could not record the failure in %s: %s", run_dir, werr)
             try:
                 exc.run_dir = str(run_dir)  # type: ignore[attr-defined]
             except AttributeError:
