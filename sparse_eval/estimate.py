@@ -34,17 +34,18 @@ def sample_tokens(sample: Any) -> int:
     return len(ids) if ids is not None else int(d.get("context_len") or d.get("prompt_tokens") or 0)
 
 
-def forward_flops(model: Any, tokens: int) -> float:
+def forward_flops(model: Any, tokens: Sequence[int]) -> float:
+    """Matmul FLOPs of one forward pass over each of ``tokens`` (sequence lengths), summed."""
     cfg = model.config.get_text_config()
     params = sum(p.numel() for p in model.parameters())
-    return 2.0 * params * tokens + 2.0 * cfg.num_hidden_layers * cfg.hidden_size * tokens ** 2
+    return sum(2.0 * params * t + 2.0 * cfg.num_hidden_layers * cfg.hidden_size * t ** 2 for t in tokens)
 
 
 def cpu_estimate(model: Any, samples: Sequence[Any], runs: int) -> tuple[float, str] | None:
     """(seconds, what it is based on) for ``runs`` method runs over ``samples`` when the model is on the CPU."""
     if next(model.parameters()).device.type != "cpu" or not samples:
         return None
-    flops = sum(forward_flops(model, sample_tokens(s)) for s in samples)
+    flops = forward_flops(model, [sample_tokens(s) for s in samples])
     if flops <= 0:
         return None
     rate = cpu_matmul_rate()
