@@ -32,7 +32,7 @@ def main(cfg):
         return sweep.run_job(cfg)
     try:
         run(cfg)
-    except (ValueError, FileNotFoundError) as exc:  # bad input, found before the run started: one clear line
+    except (ValueError, FileNotFoundError, ImportError) as exc:  # bad input or a missing optional package: one line
         fail(str(exc), EXIT_USAGE)
 
 
