@@ -15,7 +15,7 @@ import sys
 import hydra
 
 from . import sweep
-from .cli import EXIT_USAGE, check_choices, fail, hydra_entry
+from .cli import EXIT_FAILED, EXIT_USAGE, check_choices, fail, hydra_entry
 from .config import register_configs
 from .runner import CONF_DIR, run
 
@@ -33,6 +33,9 @@ def main(cfg):
     try:
         run(cfg)
     except (ValueError, FileNotFoundError, ImportError) as exc:  # bad input or a missing optional package: one line
+        run_dir = getattr(exc, "run_dir", None)  # set when the run had started: a failure while running
+        if run_dir:
+            fail(f"{exc} (recorded in {run_dir}/failed.json)", EXIT_FAILED)
         fail(str(exc), EXIT_USAGE)
 
 
