@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     methods = []
     for name in [m for m in args.methods.split(",") if m]:
         opts = method_options(name)
-        opts["dense_layers"] = [i for i in opts.get("dense_layers", []) if i < n_layers] or [0]
+        opts["dense_layers"] = [i for i in opts.get("dense_layers", []) if isinstance(i, str) or i < n_layers] or [0]
         if name == "magicpig" and n_layers < 16:
             opts["dense_layers"] = [0, n_layers // 2]
         if name == "double_sparsity" and args.model != "stories260k":

@@ -8,7 +8,7 @@ once before (timed apart).  The baseline runs ``model.generate`` (sdpa, greedy, 
 prompts in batches of the size full attention used, each batch to its longest ``tokens_to_generate``.
 
     python benchmarks/bench_eval_throughput.py --gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf --data-dir ../shared/data \
-        --out experiments/eval_throughput/h200
+        --out experiments/eval_throughput
     python benchmarks/bench_eval_throughput.py --model stories260k --samples 2 --length 256 --haystack noise \
         --out /tmp/bench            # CPU smoke size
 
@@ -77,18 +77,6 @@ def compose_config(args: argparse.Namespace, runs_dir: Path) -> Any:
         return compose(config_name="config", overrides=over + list(args.override))
 
 
-def method_config(name: str, num_layers: int) -> tuple[Any, str | None]:
-    """The method at its conf/method defaults; dense layers beyond a small model's depth are mapped to
-    (first, middle) as conf/config.yaml does for stories260K, and the change is returned as a note."""
-    opts = method_options(name)
-    note = None
-    dense = [int(i) for i in opts.get("dense_layers", [])]
-    if any(i >= num_layers for i in dense):
-        opts["dense_layers"] = [0, num_layers // 2]
-        note = f"{name}: dense_layers {dense} -> {opts['dense_layers']} ({num_layers} layers)"
-    return make_config(opts["name"], opts), note
-
-
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -133,12 +121,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     samples = exp.samples()
     gen_s = time.perf_counter() - t0
-    num_layers = exp.num_layers
-    rows, notes = [], []
+    rows = []
     for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
-        mcfg, note = method_config(name, num_layers)
-        if note:
-            notes.append(note)
+        opts = method_options(name)
+        mcfg = exp.preflight(make_config(opts["name"], opts))  # dense layers resolved for this model, as a run does
         _, run_dir = exp.run_dir(mcfg)
         _sync()
         t1 = time.perf_counter()
@@ -163,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "task": {"name": "ruler", "length": args.length, "samples_per_task": args.samples,
                  "subtasks": list(exp.task.config.subtasks), "haystack": args.haystack, "total_samples": len(samples)},
-        "batch_size_arg": args.batch_size, "sample_generation_s": gen_s, "notes": notes,
+        "batch_size_arg": args.batch_size, "sample_generation_s": gen_s,
         "methods": rows, "baseline": baseline, "total_wall_s": sum(r["wall_s"] for r in rows),
         "provenance": provenance(),
     }
@@ -189,7 +175,6 @@ def markdown(r: dict[str, Any]) -> str:
                      f"{row['wall_s']:.1f} | {row['samples_per_s']:.3g} | {fmt(row.get('score'), '.1f')} | "
                      f"{fmt(row.get('est_error'), '.3g')} |")
     lines += ["", f"six-method total: {r['total_wall_s']:.1f} s"]
-    lines += [f"note: {n}" for n in r["notes"]]
     return "\n".join(lines) + "\n"
 
 

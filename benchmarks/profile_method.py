@@ -42,7 +42,7 @@ def main() -> None:
 def profile_one(name, model, cache, first, args, device) -> None:
     opts = method_options(name)
     n_layers = model.config.num_hidden_layers
-    opts["dense_layers"] = [i for i in opts.get("dense_layers", []) if i < n_layers] or [0]
+    opts["dense_layers"] = [i for i in opts.get("dense_layers", []) if isinstance(i, str) or i < n_layers] or [0]
     if name == "double_sparsity":
         hd = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
         opts["channels"] = [list(range(hd))] * model.config.num_attention_heads

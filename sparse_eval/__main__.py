@@ -1,6 +1,8 @@
 """``python -m sparse_eval [overrides]``: the Hydra app.  No arguments: the default experiment (offline).
 
-Single run: bad input (a ValueError / FileNotFoundError naming the bad value) prints one line and exits with 2.
+Exit status (``sparse_eval.cli``): 0 success; 1 a failure while running (or a multirun with failed jobs); 2 bad
+configuration or input (Hydra errors, bad values, missing data or weights, an unwritable runs dir), reported as one
+``error:`` line before anything is written; 130 interrupted (the run resumes when the same command runs again).
 Multirun (``-m``): every job runs through ``sweep.run_job``, which records a job's error (``failed.json`` in its
 run dir, ``job_status.json`` in its Hydra output folder) instead of stopping the sweep; at the end the
 ``SweepReport`` callback prints how many jobs failed and the process exits with 1 if any did.
@@ -13,6 +15,7 @@ import sys
 import hydra
 
 from . import sweep
+from .cli import EXIT_FAILED, EXIT_USAGE, check_choices, fail, hydra_entry
 from .config import register_configs
 from .runner import CONF_DIR, run
 
@@ -21,15 +24,21 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg):
+    try:
+        check_choices()
+    except ValueError as exc:
+        fail(str(exc), EXIT_USAGE)
     if sweep.is_multirun():
         return sweep.run_job(cfg)
     try:
         run(cfg)
-    except (ValueError, FileNotFoundError) as exc:  # bad input: one clear line, exit status 2
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    except (ValueError, FileNotFoundError, ImportError) as exc:  # bad input or a missing optional package: one line
+        run_dir = getattr(exc, "run_dir", None)  # set when the run had started: a failure while running
+        if run_dir:
+            fail(f"{exc} (recorded in {run_dir}/failed.json)", EXIT_FAILED)
+        fail(str(exc), EXIT_USAGE)
 
 
 if __name__ == "__main__":
-    main()
+    hydra_entry(main)
     sys.exit(sweep.exit_status())

@@ -18,6 +18,7 @@ Columns (see also docs/sweeps.md):
                                      model.path was overridden under it), model_gguf_file, model_revision,
                                      model_dtype, model_fingerprint (sha256 of its files, else of its config)
   method, method_config              method name; "name-key=value-..." of its own parameters (results.method_label)
+  run_name                           method_config + dense layers + the task's length + hash (status.run_name)
   method.<field>                     every method field (budget, K, L, page_size, alpha, beta, ...; NaN if absent)
   sink, local, dense_layers, gqa     the shared method fields (dense_layers as "0,16")
   task, task_config                  task name; its config as JSON (all fields)
@@ -51,7 +52,7 @@ from .status import _read_json, find_run_dirs, read_samples, run_state
 
 SUBTASK_FIELDS = ("subtask", "lm_eval_task")
 MEAN_FIELDS = ("cost1", "cost2", "est_error", "static_frac", "empty_selections")
-LEAD_COLUMNS = ["model", "method", "method_config", "task", "subtask", "length", "protocol", "metric", "score",
+LEAD_COLUMNS = ["model", "method", "method_config", "run_name", "task", "subtask", "length", "protocol", "metric", "score",
                 "cost1", "cost2", "est_error", "samples", "failed_samples", "expected_samples", "complete", "state"]
 
 
@@ -121,7 +122,7 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
         "model_revision": model.get("revision"), "model_dtype": model.get("dtype"),
         "model_fingerprint": (model.get("fingerprint") or {}).get("files_sha256")
         or (model.get("fingerprint") or {}).get("config_sha256"),
-        "method": method.get("name"), "method_config": method_label(method),
+        "method": method.get("name"), "method_config": method_label(method), "run_name": state["config"],
         **{f"method.{k}": v for k, v in method.items() if k not in ("name", "sink", "local", "dense_layers", "gqa")
            and not isinstance(v, (dict, list))},
         "sink": method.get("sink"), "local": method.get("local"),
@@ -227,14 +228,20 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty:
         print(f"no runs under {root}", file=sys.stderr)
         return 1
-    paths = write_table(df, Path(args.out) if args.out else root / "results")
     if not args.quiet:
         import pandas as pd
 
-        show = [c for c in ("model", "method_config", "task", "subtask", "length", "protocol", "score", "cost1",
+        show = [c for c in ("model", "run_name", "task", "subtask", "length", "protocol", "score", "cost1",
                             "cost2", "est_error", "samples", "failed_samples", "state") if c in df.columns]
         with pd.option_context("display.max_rows", 200, "display.width", 200, "display.max_colwidth", 40):
             print(df[show].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    out = Path(args.out) if args.out else root / "results"
+    try:
+        paths = write_table(df, out)
+    except OSError as exc:  # a read-only store: the table above was read; write it elsewhere
+        print(f"error: cannot write {exc.filename or out} ({exc.strerror or exc}); give --out <writable path>",
+              file=sys.stderr)
+        return 2
     print(f"{len(df)} rows from {df['run_dir'].nunique()} runs -> " + ", ".join(str(p) for p in paths))
     return 0
 

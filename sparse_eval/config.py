@@ -60,6 +60,9 @@ class Config:
 
 
 def register_configs() -> None:
+    from .cli import register_resolvers
+
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(group="model", name="model_schema", node=ModelConfig)

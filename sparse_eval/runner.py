@@ -18,11 +18,13 @@ from tqdm.auto import tqdm
 from .attention.plugin import PROTOCOLS, Runtime, attach, detach
 from .config import to_plain
 from .engine import Engine
+from .estimate import warn_if_long
 from .methods import MethodConfig, build_method, make_config
+from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
 from .statistics import bootstrap_ci
 from .results import SampleLog, provenance, run_dir_for, write_summary
-from .status import clear_failure, run_lock, write_failure, write_progress
+from .status import RunsDirError, check_writable, clear_failure, run_lock, run_state, write_failure, write_progress
 from .tasks import build_task
 
 log = logging.getLogger("sparse_eval")
@@ -117,19 +119,30 @@ class Experiment:
             self._samples = self.task.samples(self.tokenizer, self.context)
         return self._samples
 
-    def identity(self, method: dict[str, Any], loaded: bool = True) -> dict[str, Any]:
+    def preflight(self, method_cfg: MethodConfig) -> MethodConfig:
+        """Everything that can fail before a run has started, checked before anything is written to its run dir:
+        the model (path, weights, dtype, device), the method against the model (dense layers vs depth, budgets vs
+        context, DS's calibration file), the task's data and lengths vs the context.  Returns the method's
+        config with ``dense_layers`` resolved for this model (as recorded in the run's config and summary)."""
+        self.load()
+        resolved = dataclasses.replace(method_cfg, dense_layers=resolve_dense_layers(method_cfg.dense_layers,
+                                                                                     self.num_layers))
+        method = build_method(resolved)
+        method.validate(num_layers=self.num_layers, context=self.context)
+        method.setup(self.model, self.model_cfg.name)
+        self.samples()
+        return resolved
+
+    def identity(self, method: dict[str, Any]) -> dict[str, Any]:
         """Everything that decides a run's results (its directory's hash): the model as loaded
         (``model_identity``: source, revision, GGUF file, dtype, config and file fingerprints; ``name`` is only
         the label), the method's config and the sha256 of what it reads from outside it (``inputs``:
         ``Method.external_inputs``, e.g. Double Sparsity's calibration file), the task, the evaluation settings
-        and the seed.  ``loaded=False``: from the config alone (where a run that cannot load records its failure)."""
+        and the seed."""
         ev = self.cfg.eval
-        if loaded:
-            self.load()
-            model = self.model_identity
-            inputs = build_method(make_config(method["name"], method)).external_inputs(self.model_cfg.name)
-        else:
-            model, inputs = {k: v for k, v in dataclasses.asdict(self.model_cfg).items() if k != "how_to_get"}, {}
+        self.load()
+        model = self.model_identity
+        inputs = build_method(make_config(method["name"], method)).external_inputs(self.model_cfg.name)
         return {
             "model": model,
             "method": method,
@@ -171,7 +184,7 @@ class Experiment:
         engine = Engine(self.model, self.tokenizer, session, self.cfg.eval.prefill_chunk)
         logger = _Logger(self.cfg.logger, run_dir, identity)
         batcher = _Batcher(self, session, engine, todo)
-        label = f"{method_cfg.name} {short_config(identity['method'])}".strip()
+        label = short_label(identity['method'])
         try:
             with tqdm(total=len(samples), initial=len(samples) - len(todo), desc=label, unit="sample",
                       disable=not todo, leave=False, dynamic_ncols=True) as bar:
@@ -397,6 +410,11 @@ class _Logger:
             self.run.finish()
 
 
+def short_label(method: dict[str, Any]) -> str:
+    """The progress bar's label: the method and its headline options, e.g. ``magicpig K=10, L=150``."""
+    return f"{method['name']} {short_config(method)}".strip()
+
+
 def format_table(summaries: list[dict[str, Any]]) -> str:
     import pandas as pd
 
@@ -420,16 +438,30 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
 
 def run(cfg: Any) -> list[dict[str, Any]]:
     exp = Experiment(cfg)
-    methods = exp.method_configs()
+    methods = [exp.preflight(m) for m in exp.method_configs()]  # a run that cannot start writes nothing
+    warn_if_long(exp.model, exp.samples(), len(methods), log)
     summaries = []
     for m in methods:
         _, run_dir = exp.run_dir(m)
+        unwritable = check_writable(run_dir)
+        if unwritable:  # a read-only store: a finished run is read back, anything else is refused
+            if run_state(run_dir)["state"] == "done" and not cfg.eval.rerun_failed:
+                summaries.append(json.loads((run_dir / "summary.json").read_text(encoding="utf-8")))
+                continue
+            raise RunsDirError(f"paths.runs_dir={cfg.paths.runs_dir}: cannot write {unwritable}; give a writable "
+                               f"folder, e.g. paths.runs_dir=runs")
         try:
             with run_lock(run_dir):  # one process per run dir: a duplicate job waits, then finds the samples done
                 clear_failure(run_dir)
                 summaries.append(exp.run_method(m, run_dir))
+        except KeyboardInterrupt as exc:  # nothing to record: the run resumes at its next sample
+            exc.run_dir = str(run_dir)  # type: ignore[attr-defined]
+            raise
         except Exception as exc:  # recorded in the run dir (failed.json) for sweeps and `sparse_eval.status`
-            write_failure(run_dir, exc)
+            try:
+                write_failure(run_dir, exc)
+            except OSError as werr:  # the store went away or read-only: the run's own error is what matters
+                log.warning("could not record the failure in %s: %s", run_dir, werr)
             try:
                 exc.run_dir = str(run_dir)  # type: ignore[attr-defined]
             except AttributeError:

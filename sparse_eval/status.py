@@ -16,8 +16,9 @@ States (the first that applies):
     failed    failed.json exists: the run stopped with an error (a sample's own error does not fail the run; it
               is a record with status "error" in samples.jsonl, counted in ``errors``)
     done      summary.json is newer than the last sample and every expected sample is written
-    running   the lock is held by a live process, or samples.jsonl / progress.json changed in the last
-              ``--recent`` seconds (default 300: another host, e.g. a Slurm node, holding it)
+    running   the lock is held by a live process, or, when the run was started on another host (e.g. a Slurm
+              node, whose lock this host may not see), samples.jsonl / progress.json changed in the last
+              ``--recent`` seconds (default 300); a run started on this host whose lock nobody holds is not running
     pending   expected samples not yet written and nobody working on it: interrupted, queued, or not started
 
 A relaunch of the same config resumes a pending (or failed) run at its first unfinished sample.
@@ -48,6 +49,23 @@ DEFAULT_RECENT_S = 300.0
 
 
 # -- writers (used by the runner) ------------------------------------------------------------------------------
+
+class RunsDirError(ValueError):
+    """``paths.runs_dir`` (or a run dir below it) cannot be written."""
+
+
+def check_writable(run_dir: Path) -> str | None:
+    """None when ``run_dir`` exists and is writable or could be created (it then exists); else the reason, naming
+    the path, e.g. ``/proc/runs (No such file or directory)``."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir():
+        return None if os.access(run_dir, os.W_OK) else f"{run_dir} (read-only)"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"{exc.filename or run_dir} ({exc.strerror or exc})"
+    return None
+
 
 def slurm_job_id() -> str | None:
     """This process's Slurm job as squeue names it: ``<array job>_<task>`` for an array task, else the job id."""
@@ -208,6 +226,38 @@ def _mtime(path: Path) -> float | None:
         return None
 
 
+def run_name(identity: dict[str, Any] | None, run_dir: Path) -> str:
+    """A run's readable name: the method with its own parameters (``results.method_label``), its dense layers and
+    the task's length when it has one (RULER, kv_retrieval), then the config hash, e.g.
+    ``magicpig-K=10-L=150-dense=0,2-length=4096-1a2b3c4d5e``: runs that differ in those show different names."""
+    from .results import method_label
+
+    if not identity or not isinstance(identity.get("method"), dict):
+        return run_dir.name
+    method, task = identity["method"], identity.get("task") or {}
+    parts = [method_label(method)]
+    if method.get("name") != "full" and method.get("dense_layers") is not None:
+        parts.append("dense=" + ",".join(str(x) for x in method["dense_layers"]))
+    if task.get("length") is not None:
+        parts.append(f"length={task['length']}")
+    return "-".join(parts + [run_dir.name.rsplit("-", 1)[-1]])
+
+
+def _read_identity(run_dir: Path) -> dict[str, Any] | None:
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False)  # type: ignore[return-value]
+    except Exception:  # noqa: BLE001 - a torn or foreign file: the directory's name stands in
+        return None
+
+
+def _holder_gone(progress: dict[str, Any]) -> bool:
+    """The run was last started on this host and nobody here holds its lock: the process that ran it ended (or was
+    killed), so recent writes do not mean it still runs.  (A holder on another host is only known by its writes.)"""
+    return bool(progress) and progress.get("host") == socket.gethostname()
+
+
 def run_state(run_dir: Path, now: float | None = None, recent_s: float = DEFAULT_RECENT_S) -> dict[str, Any]:
     """The state of one run directory and its counts (see the module docstring)."""
     run_dir = Path(run_dir)
@@ -228,13 +278,13 @@ def run_state(run_dir: Path, now: float | None = None, recent_s: float = DEFAULT
         state = "failed"
     elif complete and t_summary is not None and t_summary >= (t_samples or 0) and not held:
         state = "done"
-    elif held or now - max(t_samples or 0, t_progress or 0) < recent_s:
+    elif held or (now - max(t_samples or 0, t_progress or 0) < recent_s and not _holder_gone(progress)):
         state = "running"
     else:
         state = "pending"
     return {
         "state": state, "run_dir": str(run_dir), "task": run_dir.parent.parent.name, "model": run_dir.parent.name,
-        "config": run_dir.name, "written": written, "expected": expected, "errors": errors,
+        "config": run_name(_read_identity(run_dir), run_dir), "written": written, "expected": expected, "errors": errors,
         "age_s": now - last if last else None, "error": (failed or {}).get("error") if state == "failed" else None,
         "host": progress.get("host"), "slurm_job_id": progress.get("slurm_job_id"),
     }

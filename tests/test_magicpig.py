@@ -284,14 +284,15 @@ def test_left_padded_gqa_batch_equals_each_row_alone():
 
 
 def test_config_validation_names_bad_values():
-    assert mp().config.dense_layers == [0, 16] and (mp().config.K, mp().config.L) == (10, 150)
+    assert mp().config.dense_layers == [0, "mid"] and (mp().config.K, mp().config.L) == (10, 150)
     for bad, word in (({"gqa": "kv_head"}, "gqa"), ({"K": 0}, "K"), ({"K": 63}, "K"), ({"L": 0}, "L"),
                       ({"min_collisions": 0}, "min_collisions"), ({"projection_group": 0}, "projection_group"),
                       ({"u_offset": -1.0}, "u_offset")):
         with pytest.raises(ValueError, match=word):
             mp(**bad)
+    assert mp().dense_layer_set(32) == {0, 16} and mp().dense_layer_set(5) == {0, 2}
     with pytest.raises(ValueError, match="dense_layers"):
-        mp().validate(num_layers=5)
+        mp(dense_layers=[0, 16]).validate(num_layers=5)
 
 
 def test_projection_is_seeded_per_layer_group():

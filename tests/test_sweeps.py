@@ -90,6 +90,7 @@ def test_every_paper_experiment_has_a_smoke_variant_and_a_reference():
 def test_experiment_jobs_compose_and_validate(compose, name):
     from sparse_eval.config import to_plain
     from sparse_eval.methods import build_method, make_config
+    from sparse_eval.methods.base import resolve_dense_layers
     from sparse_eval.tasks import build_task
 
     jobs = _jobs(compose, name)
@@ -109,11 +110,11 @@ def test_experiment_jobs_compose_and_validate(compose, name):
                 raise  # with the data folder present every task must build
         if name.startswith("smoke/"):
             assert cfg.model.name == "stories260k"
-            assert all(layer < 5 for layer in method["dense_layers"]), job
+            assert resolve_dense_layers(method["dense_layers"], 5), job
             continue
         assert cfg.eval.protocol == ("S" if name == "ds_ppl" else "A")
         if method["name"] == "magicpig":  # the paper's static keys and dense layers (§5.1)
-            assert (method["sink"], method["dense_layers"]) == (4, [0, 16])
+            assert (method["sink"], resolve_dense_layers(method["dense_layers"], 32)) == (4, [0, 16])
             assert method["local"] == (24 if name == "lmeval_magicpig" else 64)
     # any model= override replaces the experiment's model
     cfg = compose(config_name="config", overrides=[*jobs[0], "model=smollm2_135m"])
@@ -238,10 +239,12 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
 
     states = {d.name.split("-")[0] + ("-bad" if (d / "failed.json").exists() else ""): run_state(d, recent_s=0)["state"]
               for d in find_run_dirs(runs)}
-    assert states == {"topk": "done", "topk-bad": "failed", "oracle": "pending", "oracle-bad": "failed"}
-    err = subprocess.run([sys.executable, "-m", "sparse_eval.status", str(runs), "--recent", "0"], cwd=REPO,
+    # the jobs with a missing model never started: they left no run dir (their error is in job_status.json)
+    assert states == {"topk": "done", "oracle": "pending"}
+    err = subprocess.run([sys.executable, "-m", "sparse_eval.status", str(runs)], cwd=REPO,
                          env=_env(), capture_output=True, text=True, timeout=120)
-    assert err.returncode == 0 and "1 done, 0 running, 2 failed, 1 pending" in err.stdout, err.stdout
+    # killed a moment ago on this host: pending at once, not "running" for --recent seconds
+    assert err.returncode == 0 and "1 done, 0 running, 0 failed, 1 pending" in err.stdout, err.stdout
 
     # 2nd launch, same command: finishes the oracle run from its first missing sample; the failures stay failures
     done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
@@ -259,10 +262,7 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
     for job in sweep.glob("*/job_status.json"):
         rec = json.loads(job.read_text())
         assert rec["status"] == ("failed" if any("no_such_model" in o for o in rec["overrides"]) else "ok")
-    for run_dir in find_run_dirs(runs):
-        failed = run_dir / "failed.json"
-        if failed.exists():
-            assert "FileNotFoundError" in json.loads(failed.read_text())["error"]
+    assert not [d for d in find_run_dirs(runs) if (d / "failed.json").exists()]
 
     # one table: one row per run, the task's own score
     out = subprocess.run([sys.executable, "-m", "sparse_eval.collect", str(runs), "--quiet"], cwd=REPO, env=_env(),
@@ -271,7 +271,7 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
     import pandas as pd
 
     df = pd.read_csv(runs / "results.csv")
-    assert sorted(df.state) == ["done", "done", "failed", "failed"]
+    assert sorted(df.state) == ["done", "done"]
     for _, row in df[df.state == "done"].iterrows():
         summary = json.loads((Path(row.run_dir) / "summary.json").read_text())
         assert row.score == pytest.approx(summary["score"], rel=1e-9)

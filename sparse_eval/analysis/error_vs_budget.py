@@ -185,6 +185,8 @@ def _default_plot_layers(layers: list[int], num_layers: int) -> list[int]:
 def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers: int) -> list[Path]:
     import matplotlib.pyplot as plt
 
+    from ..report.figures import _annotate_spread as annotate_spread, _plain_log_x as plain_log_x
+
     paths: list[Path] = []
     layers = sorted(x for x in summary["layer"].unique() if x != "mean")
     length = opts.length
@@ -208,10 +210,10 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
         dm = d[d["method"] == "magicpig"]
         if len(dm):
             ax.scatter(dm["cost2"], dm["error"], color="C2", marker="^", zorder=3, label="MagicPIG (x = measured Cost2)")
-            for _, r in dm.iterrows():
-                ax.annotate(f"({int(r.K)},{int(r.L)})", (r.cost2, r.error), fontsize=6, xytext=(3, 2),
-                            textcoords="offset points")
         ax.set_xscale("log")
+        plain_log_x(ax)
+        if len(dm):
+            annotate_spread(ax, [(r.cost2, r.error, f"({int(r.K)},{int(r.L)})") for _, r in dm.iterrows()])
         ax.set_xlabel("budget (fraction of the context)")
         ax.set_ylabel("relative error ‖ô − o‖ / ‖o‖")
         ax.set_title("mean over layers" if layer == "mean" else f"layer {layer}", fontsize=10)

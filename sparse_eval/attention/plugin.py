@@ -109,7 +109,7 @@ class SparseSession:
         self.method = method
         self.runtime = runtime
         self.num_layers = num_layers
-        self.dense_layers = {int(i) for i in method.config.dense_layers}
+        self.dense_layers = method.dense_layer_set(num_layers)
         self.recorder = StatsRecorder(num_layers, num_heads)
         self._phase: str | torch.Tensor | None = None
         self._counted: torch.Tensor | None = None  # bool [B, Q] of the current pass: query rows whose stats count

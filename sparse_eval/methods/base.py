@@ -34,8 +34,10 @@ class MethodConfig:
     # keys kept exactly, never searched or sampled: the first `sink` and the last `local` keys of each row
     sink: int = 4
     local: int = 64
-    # layers that always run dense attention (MagicPIG: [0, 16]; Quest/TopK/oracle in the MagicPIG repo: [0, 1])
-    dense_layers: list[int] = field(default_factory=lambda: [0, 1])
+    # layers that always run dense attention (MagicPIG: [0, mid], the first and the middle layer, i.e. {0, 16} of a
+    # 32-layer Llama; Quest/TopK/oracle in the MagicPIG repo: [0, 1]).  Entries: a layer index (negative: from
+    # the end) or a word resolved per model by ``resolve_dense_layers``: first, mid (num_layers // 2), last
+    dense_layers: list[Any] = field(default_factory=lambda: [0, 1])
     # selection per query head (paper setting for all methods) or shared per KV group
     gqa: str = "query_head"
     # seed of the method's own randomness (sampling, random projections)
@@ -153,6 +155,43 @@ def check_budget(budget: object, what: str = "budget", context: int | None = Non
         raise ValueError(f"{what}={budget!r} is larger than the context ({context} tokens)")
 
 
+DENSE_LAYER_WORDS = ("first", "mid", "last")
+
+
+def _dense_layer_error(spec: Any, detail: str) -> ValueError:
+    return ValueError(f"method.dense_layers={list(spec)}: {detail}; give layer indices (negative: from the end) or "
+                      f"the words {list(DENSE_LAYER_WORDS)} (mid = num_layers // 2), e.g. method.dense_layers=[0,mid]")
+
+
+def check_dense_layers(spec: Any) -> None:
+    """Start-time check of ``dense_layers`` before the model's depth is known."""
+    if isinstance(spec, (str, int)) or spec is None:
+        raise _dense_layer_error([spec], "not a list")
+    bad = [x for x in spec if isinstance(x, bool) or not (isinstance(x, int) or x in DENSE_LAYER_WORDS)]
+    if bad:
+        raise _dense_layer_error(spec, f"{bad} not a layer index or word")
+
+
+def resolve_dense_layers(spec: Any, num_layers: int) -> list[int]:
+    """The dense layers of a model with ``num_layers`` layers, sorted, as non-negative indices.
+
+    ``first`` = 0, ``mid`` = num_layers // 2 (16 of 32: MagicPIG §5.1's "first and middle layer"), ``last`` =
+    num_layers − 1; a negative index counts from the end.  Raises ValueError naming an index out of range.
+    """
+    check_dense_layers(spec)
+    words = {"first": 0, "mid": num_layers // 2, "last": num_layers - 1}
+    out = []
+    for x in spec:
+        i = words[x] if isinstance(x, str) else int(x)
+        if i < 0:
+            i += num_layers
+        if not 0 <= i < num_layers:
+            raise _dense_layer_error(spec, f"{x} out of range for a model with {num_layers} layers "
+                                           f"(valid {-num_layers}..{num_layers - 1})")
+        out.append(i)
+    return sorted(set(out))
+
+
 class Method:
     """Base class.  Subclasses set ``name`` and ``config_class`` and implement ``select``."""
 
@@ -182,13 +221,13 @@ class Method:
             raise ValueError(
                 f"method.gqa={c.gqa!r} is not supported by method {self.name!r}; valid: {list(self.supported_gqa)}"
             )
+        check_dense_layers(c.dense_layers)
         if num_layers is not None:
-            bad = [i for i in c.dense_layers if not 0 <= int(i) < num_layers]
-            if bad:
-                raise ValueError(
-                    f"method.dense_layers={list(c.dense_layers)}: {bad} out of range for a model with "
-                    f"{num_layers} layers (valid 0..{num_layers - 1})"
-                )
+            resolve_dense_layers(c.dense_layers, num_layers)
+
+    def dense_layer_set(self, num_layers: int) -> set[int]:
+        """The layers this method leaves dense in a model of ``num_layers`` layers (``dense_layers`` resolved)."""
+        return set(resolve_dense_layers(self.config.dense_layers, num_layers))
 
     def describe(self) -> str:
         return self.name

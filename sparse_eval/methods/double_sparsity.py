@@ -135,9 +135,16 @@ class DoubleSparsityConfig(MethodConfig):
     offload_input: str = "residual"
 
 
-def load_channels(path: Path, channel_type: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Reads a calibration file; returns (channel order long [L, H, d], the file's metadata)."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+def load_channels(path: Path, channel_type: str, rewrite: str = "") -> tuple[torch.Tensor, dict[str, Any]]:
+    """Reads a calibration file; returns (channel order long [L, H, d], the file's metadata).  ``rewrite``: the
+    command that writes the file again, named when the file is corrupt."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or not isinstance(data.get("channels", {}), dict):
+            raise ValueError("not a calibration file (no 'channels' mapping)")
+    except (ValueError, UnicodeDecodeError) as exc:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"calibration file {path} is corrupt ({exc}); write it again with:  "
+                         f"{rewrite or 'python -m sparse_eval.calibrate model=<name>'}") from None
     chans = data.get("channels", {})
     if channel_type not in chans:
         if channel_type == "random":
@@ -247,7 +254,8 @@ class DoubleSparsity(Method):
                     f"Double Sparsity needs offline-calibrated channels for model {model_name!r} and found no file at "
                     f"{path}. Make one with:  {calibration_command(model_name)}  (or point method.channels_file at one)"
                 )
-            chans, meta = load_channels(path, self.config.channel_type)
+            rewrite = calibration_command(model_name) + ("" if path == default_channels_file(model_name) else f" output={path}")
+            chans, meta = load_channels(path, self.config.channel_type, rewrite)
             m = meta.get("model", {})
             got = (m.get("num_layers"), m.get("head_dim"))
             if got != (num_layers, head_dim) or chans.shape[0] != num_layers or chans.shape[1] not in (hq, hkv):

@@ -83,8 +83,8 @@ class MagicPIGConfig(MethodConfig):
     u_offset: float = 0.0
     sink: int = 4
     local: int = 64
-    # MagicPIG keeps layers 0 and 16 of a 32-layer Llama dense (§5.1)
-    dense_layers: list[int] = field(default_factory=lambda: [0, 16])
+    # MagicPIG keeps the first and the middle layer dense (§5.1: 0 and 16 of a 32-layer Llama)
+    dense_layers: list[Any] = field(default_factory=lambda: [0, "mid"])
     gqa: str = "query_head"
 
 

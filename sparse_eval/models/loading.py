@@ -88,8 +88,14 @@ def load_model(cfg: ModelConfig, attn_implementation: str = "sdpa") -> tuple[Any
     kw: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if cfg.gguf_file:
         kw["gguf_file"] = cfg.gguf_file
-    tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kw)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kw)
+    except OSError as exc:  # not on disk and not reachable on the hub: say how to get it instead of a traceback
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        hint = cfg.how_to_get or (f"Download it once (huggingface-cli download {cfg.path} --local-dir DIR) and set "
+                                  f"model.path=DIR, or check the hub id")
+        raise FileNotFoundError(f"model.path={cfg.path!r}: cannot load the model ({reason}). {hint}") from None
     model.to(device).eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -32,6 +32,12 @@ def _save(fig, out: Path, stem: str) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
+    title = fig._suptitle  # a title wider than the panels would widen the figure: wrapped to their width
+    if title is not None:
+        import textwrap
+
+        width = max(60, int(fig.get_figwidth() * 72 / (title.get_fontsize() * 0.55)))
+        title.set_text("\n".join(textwrap.wrap(title.get_text(), width)))
     fig.savefig(paths[0], dpi=150, bbox_inches="tight")
     fig.savefig(paths[1], bbox_inches="tight")
     plt.close(fig)
@@ -121,16 +127,22 @@ def _plain_log_axis(axis) -> None:
 
 
 def _plain_log_x(ax) -> None:
-    """Plain numbers on a log x axis (0.1, 0.2, 0.3, 0.5, 1 — not 10⁻¹, 2×10⁻¹)."""
+    """Plain numbers on a log x axis (0.1, 0.2, 0.3, 0.5, 1 — not 10⁻¹, 2×10⁻¹).  Minor ticks are labelled only
+    where they fit: 2, 3, 5 within 1.5 decades, 2 and 5 within 2.5, none beyond (their labels would collide).
+    Call after the data are plotted (it reads the limits)."""
     import math as _m
 
     from matplotlib.ticker import FuncFormatter
+
+    lo, hi = sorted(ax.get_xlim())
+    span = _m.log10(hi / lo) if lo > 0 and hi > 0 else 99.0
+    shown = (2.0, 3.0, 5.0) if span <= 1.5 else (2.0, 5.0) if span <= 2.5 else ()
 
     def minor(v, _):
         if v <= 0:
             return ""
         mant = round(v / 10 ** _m.floor(_m.log10(v) + 1e-9), 6)
-        return f"{v:g}" if mant in (2.0, 3.0, 5.0) else ""
+        return f"{v:g}" if mant in shown else ""
 
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(FuncFormatter(minor))
@@ -138,23 +150,48 @@ def _plain_log_x(ax) -> None:
 
 
 def _annotate_spread(ax, points: list[tuple[float, float, str]], fontsize: float = 6) -> None:
-    """Labels right of their points, each moved up or down (3, -9, 11, -17, ... points) until its box overlaps no
-    earlier label.  Call after the axes' scales and limits are set."""
+    """Labels beside their points (right, or left where the right would leave the axes), each moved up or down
+    (3, -9, 11, -17, ... points) until its box overlaps no earlier label and stays inside the axes.  Call after
+    the axes' scales and limits are set."""
     fig = ax.figure
     px = fig.dpi / 72.0
+    frame = ax.get_window_extent()
     placed: list[tuple[float, float, float, float]] = []
+    step = fontsize * 1.25
     for x, y, text in sorted(points, key=lambda t: (t[0], -t[1])):
         X, Y = ax.transData.transform((x, y))
-        w, h = len(text) * fontsize * 0.55 * px, fontsize * 1.1 * px
-        for k in range(12):
-            dy = 3 + (k + 1) // 2 * 10 * (1 if k % 2 == 0 else -1) if k else 3
-            box = (X + 4 * px, Y + dy * px, X + 4 * px + w, Y + dy * px + h)
-            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+        w, h = len(text) * fontsize * 0.62 * px, fontsize * 1.15 * px
+        left = X + 4 * px + w > frame.x1
+        x0 = X - 4 * px - w if left else X + 4 * px
+        dy = 3.0
+        for k in range(16):
+            dy = 3 + (k + 1) // 2 * step * (1 if k % 2 == 1 else -1) if k else 3
+            box = (x0, Y + dy * px, x0 + w, Y + dy * px + h)
+            inside = frame.y0 <= box[1] and box[3] <= frame.y1
+            if inside and not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
                 break
         placed.append(box)
         moved = dy != 3  # a moved label gets a thin leader line to its point
-        ax.annotate(text, (x, y), fontsize=fontsize, xytext=(4, dy), textcoords="offset points",
+        ax.annotate(text, (x, y), fontsize=fontsize, xytext=(-4 if left else 4, dy), textcoords="offset points",
+                    ha="right" if left else "left",
                     arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5", shrinkA=0, shrinkB=2) if moved else None)
+
+
+def _value_text(v: Any) -> str:
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _distinct_labels(rows: list[Any], labels: list[str]) -> list[str]:
+    """Labels shared by several points get the method options that tell those points apart (e.g. ``seed=1``)."""
+    out = list(labels)
+    for lab in {l for l in labels if labels.count(l) > 1}:
+        idx = [i for i, l in enumerate(labels) if l == lab]
+        keys = sorted({k for i in idx for k in rows[i].index if str(k).startswith("method.")})
+        differ = [k for k in keys if len({str(rows[i].get(k)) for i in idx}) > 1]
+        for i in idx:
+            extra = ", ".join(f"{k.split('.', 1)[1]}={_value_text(rows[i].get(k))}" for k in differ)
+            out[i] = f"{lab} {extra}".strip()
+    return out
 
 
 def _group_score(d, group: Callable[[str], str | None]):
@@ -212,14 +249,14 @@ def fig6c_oracle_vs_topk(df, out: Path) -> list[Path]:
     fig, axes = _panels(len(both))
     for ax, (model, task, length) in zip(axes, both):
         g = d[(d["model"] == model) & (d["task"] == task) & ((d["length"] == length) if length == length else d["length"].isna())]
+        notes: list[tuple[float, float, str]] = []
         for method, name in (("topk", "TopK"), ("oracle", "Oracle sampling")):
             dm = g[g["method"] == method]
             dm = dm.assign(budget=[param(r, "budget") for _, r in dm.iterrows()])
             m = dm.groupby("budget").agg(score=("score", "mean"), cost2=("cost2", "mean")).sort_index()
             ax.plot(m.index, m["score"], marker=MARKERS[name], color=COLORS[name], label=name)
             if method == "oracle":
-                for b, r in m.iterrows():
-                    ax.annotate(f"Cost2 {r.cost2:.3g}", (b, r.score), fontsize=6, xytext=(3, -9), textcoords="offset points")
+                notes = [(b, r.score, f"Cost2 {r.cost2:.3g}") for b, r in m.iterrows()]
         f = runs[(runs["model"] == model) & (runs["task"] == task) & (runs["method"] == "full")]
         if length == length:
             f = f[f["length"] == length]
@@ -231,9 +268,10 @@ def fig6c_oracle_vs_topk(df, out: Path) -> list[Path]:
         ax.set_xlabel("budget (fraction of the context: keys kept / draws, log scale)")
         ax.set_ylabel(_score_label(task, metric))
         _score_limits(ax, task)
+        _annotate_spread(ax, notes, fontsize=6)
         ax.set_title(f"{model}, {task} {_len_label(length)}; {_n_text(g)}".strip(), fontsize=9)
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"Oracle sampling vs TopK downstream (MagicPIG Fig. 6c) — {_setting_text(d)}", fontsize=10)
     return _save(fig, out, "fig6c_oracle_vs_topk")
 
@@ -524,7 +562,9 @@ def pareto(df, out: Path) -> list[Path]:
                 ax.scatter(dd["cost2"], dd["score"], marker=MARKERS.get(name, "o"), color=COLORS.get(name), label=name,
                            s=30, zorder=3)
                 if len(dd) <= 12:
-                    labels += [(r["cost2"], r["score"], _short_config(r)) for _, r in dd.iterrows() if r["config"] != "–"]
+                    rows = [r for _, r in dd.iterrows() if r["config"] != "–"]
+                    texts = _distinct_labels(rows, [_short_config(r) for r in rows])
+                    labels += [(r["cost2"], r["score"], t) for r, t in zip(rows, texts)]
             pts = sorted(zip(g["cost2"], g["score"]))
             front, best = [], None
             for c, s_ in pts:  # cheapest first: keep points better than every cheaper one
@@ -545,7 +585,7 @@ def pareto(df, out: Path) -> list[Path]:
                 ax.set_yscale("log")
                 _plain_log_axis(ax.yaxis)
                 ax.set_ylabel(ylab.replace("(lower", "(log scale, lower"))
-            _annotate_spread(ax, labels, fontsize=5.5)
+            _annotate_spread(ax, labels, fontsize=6)
             head = " ".join(x for x in (task, str(sub) if sub else "", _len_label(length)) if x)
             extra = _wikitext_text(g) if task == "wikitext" else _n_text(g)
             ax.set_title(f"{head}; {extra}" if extra else head, fontsize=9)

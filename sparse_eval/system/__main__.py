@@ -167,4 +167,6 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from ..cli import hydra_entry
+
+    hydra_entry(main)  # Hydra's errors as one line, exit status 2 (sparse_eval.cli)

@@ -73,7 +73,7 @@ def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype
     hkv = getattr(cfg, "num_key_value_heads", None) or hq
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     method.validate(num_layers=n_layers)
-    dense = {int(i) for i in method.config.dense_layers} if method.name != "full" else set(range(n_layers))
+    dense = method.dense_layer_set(n_layers) if method.name != "full" else set(range(n_layers))
     if label_scale_dtype is None:
         label_scale_dtype = torch.float16 if next(model.parameters()).is_cuda else torch.float32
     opts = LayerOptions(capacity=capacity, hq=hq, hkv=hkv, d=d, label_scale_dtype=label_scale_dtype,

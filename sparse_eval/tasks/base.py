@@ -8,14 +8,40 @@ instead and is run one sample at a time.  A task is one class with ``@register_t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import Engine, GenerationRequest, LoglikelihoodRequest
     from ..statistics import ScoreTerms
+
+
+class DataNotFoundError(FileNotFoundError):
+    """A task's data is neither where ``paths.data_dir`` points nor reachable on the hub; says where to put it."""
+
+
+_HUB_MODULES = ("datasets", "huggingface_hub", "requests", "urllib3", "fsspec", "aiohttp", "httpx")
+
+
+@contextlib.contextmanager
+def from_hub(what: str, hub: str, expected: Path | str | None, fix: str = "") -> Iterator[None]:
+    """Wraps a hub download of ``what``: a failure (no network, no ``datasets``, an unknown id) becomes one
+    ``DataNotFoundError`` naming the local file expected under ``paths.data_dir`` and the alternatives ``fix``."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - only the hub's own errors are translated, others re-raised
+        hub_error = isinstance(exc, (ImportError, OSError)) or type(exc).__module__.split(".")[0] in _HUB_MODULES
+        if not hub_error:
+            raise
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        where = (f"expected {expected}" if expected is not None
+                 else "paths.data_dir is unset (env SPARSE_EVAL_DATA_DIR)")
+        raise DataNotFoundError(
+            f"{what}: no local copy ({where}) and the hub ({hub}) failed: {reason}. Put the file there or set "
+            f"paths.data_dir=<folder holding it>" + (f"; {fix}" if fix else "")) from None
 
 
 @dataclass

@@ -172,20 +172,25 @@ def load_hub(name: str, hub_id: str) -> tuple[list[dict[str, Any]], str]:
     """The official jsonl files from the hub repo's data.zip; a parquet mirror through ``datasets``."""
     from huggingface_hub import errors, hf_hub_download
 
+    from .base import from_hub
+
     # only "the repo has no data.zip" falls through to datasets (not "offline and not cached")
     no_such_file = getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError)
-    try:
-        zpath = hf_hub_download(repo_id=hub_id, filename="data.zip", repo_type="dataset")
-    except no_such_file:
-        zpath = None
+    expected, fix = f"<paths.data_dir>/longbench/{name}.jsonl", "or task.data_path=<a folder of <name>.jsonl files>"
+    with from_hub(f"longbench/{name}", hub_id, expected, fix):
+        try:
+            zpath = hf_hub_download(repo_id=hub_id, filename="data.zip", repo_type="dataset")
+        except no_such_file:
+            zpath = None
     if zpath is not None:
         rows = _from_zip(Path(zpath), name)
         if rows is None:
             raise ValueError(f"{hub_id}/data.zip has no data/{name}.jsonl")
         return rows, f"hub:{hub_id}/data.zip:{name}"
-    import datasets
+    with from_hub(f"longbench/{name}", hub_id, expected, fix):
+        import datasets
 
-    ds = datasets.load_dataset(hub_id, name, split="test")
+        ds = datasets.load_dataset(hub_id, name, split="test")
     return [dict(r) for r in ds], f"hub:{hub_id}:{name}"
 
 

@@ -366,14 +366,17 @@ def load_qa(dataset: str, path: str | None, data_dir: Path | None, source: str) 
             f"RULER {dataset} data not found at {local if local else '(paths.data_dir unset)'}; set task.{opt} "
             f"or paths.data_dir (with {SQUAD_FILE if dataset == 'squad' else HOTPOTQA_FILE}), or task.qa_source=hub")
     else:
-        try:
-            import datasets
-        except ModuleNotFoundError:
-            raise ModuleNotFoundError(
-                f"RULER {dataset}: no local file ({local}) and the `datasets` package is missing for the hub; "
-                "pip install datasets, or set paths.data_dir / task.squad_path / task.hotpotqa_path") from None
+        from .base import from_hub
+
         hub_id, cfg, split = HUB[dataset]
-        rows = datasets.load_dataset(hub_id, cfg, split=split)
+        name = SQUAD_FILE if dataset == "squad" else HOTPOTQA_FILE
+        with from_hub(f"RULER {'qa_1' if dataset == 'squad' else 'qa_2'} ({dataset})", hub_id,
+                      local if local is not None else f"<paths.data_dir>/{name}",
+                      f"or task.{'squad_path' if dataset == 'squad' else 'hotpotqa_path'}=<that JSON file>, or leave "
+                      f"{'qa_1' if dataset == 'squad' else 'qa_2'} out of task.subtasks"):
+            import datasets
+
+            rows = datasets.load_dataset(hub_id, cfg, split=split)
         data = _squad_from_hub(rows) if dataset == "squad" else _hotpot_from_hub(rows)
         origin = f"hub:{hub_id}" + (f"/{cfg}" if cfg else "") + f":{split}"
     qas, docs = read_squad(data) if dataset == "squad" else read_hotpotqa(data)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import LoglikelihoodRequest, LoglikelihoodResult
-from .base import Sample, Task, TaskConfig, register_task
+from .base import Sample, Task, TaskConfig, from_hub, register_task
 
 BUNDLED = Path(__file__).resolve().parents[1] / "data" / "wikitext2_test_head.txt"
 LOCAL_NAME = "wikitext-2-raw/wikitext-test.txt"  # under paths.data_dir: "\n\n".join(rows), CRLF line ends
@@ -52,9 +52,12 @@ def load_text(cfg: WikitextConfig, data_dir: Path | None) -> tuple[str, str]:
             f"task.source=local but {local if local else 'paths.data_dir (unset)'} has no {LOCAL_NAME}; "
             "set paths.data_dir to a folder holding it, or use task.source=hub / bundled"
         )
-    import datasets
+    with from_hub("task=wikitext", f"{HUB_ID}/{HUB_CONFIG}",
+                  (data_dir / LOCAL_NAME) if data_dir else f"<paths.data_dir>/{LOCAL_NAME}",
+                  "or task=wikitext_head for the 47 KB head shipped in the package"):
+        import datasets
 
-    ds = datasets.load_dataset(HUB_ID, HUB_CONFIG, split="test")
+        ds = datasets.load_dataset(HUB_ID, HUB_CONFIG, split="test")
     return "\n\n".join(ds["text"]), f"hub:{HUB_ID}/{HUB_CONFIG}"
 
 

@@ -1,0 +1,127 @@
+"""What every command line of the package does with errors: one line saying what to fix, and one meaning per exit code.
+
+    0    success
+    1    a failure while running (a crash after the run started; a multirun with failed jobs)
+    2    bad configuration or input, found before anything was written: a Hydra error (unknown key, group or
+         option), a bad value, missing data or model weights, a corrupt calibration file, an unwritable runs dir
+    130  interrupted (Ctrl-C): the run keeps what it wrote and resumes when the same command runs again
+
+``hydra_entry(main)`` runs a ``@hydra.main`` function under these rules.  ``HYDRA_FULL_ERROR=1`` set by the user
+still shows Hydra's full traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+SCHEMA_SUFFIX = "_schema"
+_APP_STARTED = False  # set by ``check_choices`` when Hydra has called the app: an OSError before it is Hydra's
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def writable_or_tmp(runs_dir: str) -> str:
+    """Hydra's output folder for a single run: under ``runs_dir`` when it can be written, else under the temp dir
+    (so a finished run can be printed from a read-only store, and an impossible ``runs_dir`` reaches the runner's
+    one-line error instead of a Hydra traceback)."""
+    path = Path(str(runs_dir)).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return str(path)
+    except OSError:
+        pass
+    return str(Path(tempfile.gettempdir()) / "sparse_eval_hydra")
+
+
+def register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("writable_or_tmp"):
+        OmegaConf.register_new_resolver("writable_or_tmp", writable_or_tmp)
+
+
+def _yaml_choices(group: str) -> list[str]:
+    from .runner import CONF_DIR
+
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_choices() -> None:
+    """Refuse a structured-config schema picked as a config (``method=topk_schema``): schemas are the types the
+    yaml files of a group are checked against, not choices."""
+    from hydra.core.hydra_config import HydraConfig
+
+    global _APP_STARTED
+    _APP_STARTED = True
+    if not HydraConfig.initialized():
+        return
+    for group, choice in HydraConfig.get().runtime.choices.items():
+        if choice and str(choice).endswith(SCHEMA_SUFFIX) and "/" not in group and group != "hydra":
+            raise ValueError(f"{group}={choice} is a config schema, not a {group}; valid: {_yaml_choices(group)}")
+
+
+def _argv_overrides() -> list[str]:
+    return [a for a in sys.argv[1:] if not a.startswith("-")]
+
+
+def hydra_message(exc: BaseException) -> str:
+    """One or two lines for a Hydra / OmegaConf error, with the fix where we know it."""
+    msg = str(exc).strip()
+    cause = exc.__cause__
+    cause_line = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+    if "not in struct" in (msg + cause_line) and "Could not override 'method." in msg:
+        key = msg.split("'")[1]
+        if not any(a.split("=")[0].lstrip("+~") == "method" for a in _argv_overrides()):
+            return (f"{key}: no method chosen (without method=, every method in `compare` runs); add method=NAME, "
+                    f"valid: {_yaml_choices('method')}")
+    lines = [l for l in msg.splitlines() if l.strip() and not l.strip().endswith(SCHEMA_SUFFIX)]
+    if cause_line and cause_line not in msg:
+        lines.append(cause_line)
+    return "\n".join(lines)
+
+
+def interrupted(exc: KeyboardInterrupt) -> None:
+    run_dir = getattr(exc, "run_dir", None)
+    if run_dir is None:
+        print("\ninterrupted before a run started; nothing was written", file=sys.stderr)
+    else:
+        from .status import run_state
+
+        s = run_state(Path(run_dir))
+        exp = "?" if s["expected"] is None else s["expected"]
+        print(f"\ninterrupted: {run_dir} stopped with {s['written']}/{exp} samples written; run the same command "
+              f"again to resume at the next sample", file=sys.stderr)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def hydra_entry(main: Callable[[], Any]) -> None:
+    """Run a ``@hydra.main`` function: Hydra's own errors (composition, overrides, its output folder) as one
+    ``error:`` line and exit status 2; Ctrl-C as where the run stopped and exit status 130."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    user_full = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing a stripped traceback and exit(1)
+    try:
+        main()
+    except KeyboardInterrupt as exc:
+        interrupted(exc)
+    except (HydraException, OmegaConfBaseException) as exc:
+        if user_full:
+            raise
+        fail(hydra_message(exc))
+    except OSError as exc:
+        if user_full or _APP_STARTED:
+            raise
+        # Hydra could not create its output folder (hydra.run.dir / hydra.sweep.dir, under paths.runs_dir)
+        fail(f"cannot write {exc.filename or 'Hydra output folder'} ({exc.strerror or exc}); give a writable folder, "
+             f"e.g. paths.runs_dir=runs")

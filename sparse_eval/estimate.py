@@ -1,0 +1,64 @@
+"""A rough time estimate of a run on the CPU, told at start when it exceeds an hour.
+
+Per sample: the forward pass's matmul FLOPs, 2·P·T (P parameters, T tokens of the sample) + 2·layers·hidden·T²
+(causal qKᵀ and softmax·V), divided by the float32 matmul rate measured on this CPU at start.  The sparse methods'
+own work (selection, the estimation error's dense reference) is not counted and the machine's load changes the
+measured rate: a rough figure, meant to tell minutes from hours.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+
+WARN_S = 3600.0
+
+
+def cpu_matmul_rate(seconds: float = 0.2, n: int = 512) -> float:
+    """FLOP/s of an n×n float32 matmul on this CPU (best of repeated timings over ``seconds``)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def sample_tokens(sample: Any) -> int:
+    d = sample.data
+    ids = d.get("input_ids")
+    return len(ids) if ids is not None else int(d.get("context_len") or d.get("prompt_tokens") or 0)
+
+
+def forward_flops(model: Any, tokens: Sequence[int]) -> float:
+    """Matmul FLOPs of one forward pass over each of ``tokens`` (sequence lengths), summed."""
+    cfg = model.config.get_text_config()
+    params = sum(p.numel() for p in model.parameters())
+    return sum(2.0 * params * t + 2.0 * cfg.num_hidden_layers * cfg.hidden_size * t ** 2 for t in tokens)
+
+
+def cpu_estimate(model: Any, samples: Sequence[Any], runs: int) -> tuple[float, str] | None:
+    """(seconds, what it is based on) for ``runs`` method runs over ``samples`` when the model is on the CPU."""
+    if next(model.parameters()).device.type != "cpu" or not samples:
+        return None
+    flops = forward_flops(model, [sample_tokens(s) for s in samples])
+    if flops <= 0:
+        return None
+    rate = cpu_matmul_rate()
+    per = flops / len(samples) / rate
+    return per * len(samples) * runs, (f"{len(samples)} samples x {runs} run(s) x ~{per:.1f} s: forward FLOPs over "
+                                       f"this CPU's matmul rate measured now ({rate / 1e9:.0f} GFLOP/s); a rough figure: "
+                                       f"the machine's load and the methods' own work change it")
+
+
+def warn_if_long(model: Any, samples: Sequence[Any], runs: int, log: Any) -> float | None:
+    est = cpu_estimate(model, samples, runs)
+    if est is None or est[0] < WARN_S:
+        return None if est is None else est[0]
+    log.warning("this will take roughly %.1f h on this CPU (%s). It is meant for a GPU; on a CPU lower "
+                "task.num_samples / task.length.", est[0] / 3600, est[1])
+    return est[0]

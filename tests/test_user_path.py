@@ -1,0 +1,376 @@
+"""A new user's path: the README's commands run, bad input gets one line saying what to fix (and exit status 2)
+before anything is written, a read-only store can still be read, status tells a killed run from a running one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from sparse_eval.config import register_configs
+from sparse_eval.methods.base import resolve_dense_layers
+from sparse_eval.runner import CONF_DIR, run
+
+REPO = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+def cfg_for(tmp_path, *overrides):
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        return compose(config_name="config", overrides=[f"paths.runs_dir={tmp_path / 'runs'}", *overrides])
+
+
+def cli(*args, module="sparse_eval", cwd=None, env=None, timeout=300):
+    e = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+             PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {}))
+    e.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=e, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def written(tmp_path) -> list[Path]:
+    """Everything under the runs dir except Hydra's own output folder."""
+    root = tmp_path / "runs"
+    return [p for p in root.rglob("*") if ".hydra" not in p.parts] if root.exists() else []
+
+
+# -- 1. dense_layers: the paper's rule, resolved per model ------------------------------------------------------
+
+def test_dense_layers_words_resolve_per_model():
+    assert resolve_dense_layers([0, "mid"], 32) == [0, 16]  # MagicPIG §5.1
+    assert resolve_dense_layers([0, "mid"], 5) == [0, 2]
+    assert resolve_dense_layers(["first", "last", -2], 5) == [0, 3, 4]
+    with pytest.raises(ValueError, match=r"method.dense_layers=\[0, 16\]: 16 out of range .* 5 layers"):
+        resolve_dense_layers([0, 16], 5)
+    with pytest.raises(ValueError, match=r"'middle'.*first', 'mid', 'last'"):
+        resolve_dense_layers([0, "middle"], 5)
+
+
+def test_magicpig_default_runs_on_the_default_model_and_records_resolved_layers(tmp_path):
+    (s,) = run(cfg_for(tmp_path, "method=magicpig", "method.K=9", "method.L=120", "task.num_samples=1",
+                       "task.window=64", "print_table=false"))
+    assert s["dense_layers"] == [0, 2] and s["method_config"]["dense_layers"] == [0, 2]
+    assert "- 2" in (Path(s["run_dir"]) / "config.yaml").read_text()
+    # the relative and the resolved form are one config: the same run dir
+    (t,) = run(cfg_for(tmp_path, "method=magicpig", "method.K=9", "method.L=120", "task.num_samples=1",
+                       "task.window=64", "print_table=false", "method.dense_layers=[0,2]"))
+    assert t["run_dir"] == s["run_dir"]
+
+
+# -- 2, 3, 5: bad input fails before anything is written --------------------------------------------------------
+
+@pytest.mark.parametrize("args,needles", [
+    (["method=topk", "method.dense_layers=[0,9]"], ["dense_layers", "5 layers"]),
+    (["method=full", "task.window=4096"], ["task.window=4096", "context"]),
+    (["method=full", "model.dtype=float8"], ["model.dtype='float8'", "float32"]),
+    (["method=full", "model.path=/nonexistent/model"], ["/nonexistent/model does not exist"]),
+    (["method=full", "model.path=org/none"], ["model.path='org/none'", "model.path=DIR"]),
+    (["method=full", "task=wikitext", "paths.data_dir=EMPTY"], ["wikitext-2-raw/wikitext-test.txt", "paths.data_dir",
+                                                                "task=wikitext_head"]),
+    (["method=full", "task=ruler", "task.subtasks=[qa_1]", "task.length=256", "task.num_samples=1",
+      "paths.data_dir=EMPTY"], ["RULER qa_1", "dev-v2.0.json", "paths.data_dir", "task.squad_path"]),
+    (["method=full", "task=ruler", "task.length=4096", "task.haystack=noise"], ["task.length=4096", "context"]),
+    (["method=double_sparsity", "method.channels_file=/nonexistent.json"], ["/nonexistent.json",
+                                                                           "python -m sparse_eval.calibrate"]),
+    (["method=double_sparsity", "method.channels_file=CORRUPT"], ["corrupt.json is corrupt",
+                                                                 "python -m sparse_eval.calibrate model=stories260k "
+                                                                 "output="]),
+])
+def test_bad_input_names_the_fix_and_writes_nothing(tmp_path, args, needles):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "corrupt.json").write_text('{"channels": {"qk": [1,')
+    args = [a.replace("EMPTY", str(tmp_path / "empty")).replace("CORRUPT", str(tmp_path / "corrupt.json")) for a in args]
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        run(cfg_for(tmp_path, *args))
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+    assert written(tmp_path) == []  # no config.yaml, meta.json or failed.json: nothing for status or collect
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bad_device_fails_before_writing(tmp_path):
+    with pytest.raises(ValueError, match="model.device='cuda:0'"):
+        run(cfg_for(tmp_path, "method=full", "model.device=cuda:0"))
+    assert written(tmp_path) == []
+
+
+# -- 2, 4, 6: the command line: one line, exit status 2, no traceback -------------------------------------------
+
+@pytest.mark.parametrize("args,needle", [
+    (["method=topk_schema"], "method=topk_schema is a config schema, not a method; valid: ["),
+    (["method.budget=0.1"], "method.budget: no method chosen"),
+    (["method=nope"], "Could not find 'method/nope'"),
+    (["method=full", "paths.runs_dir=/proc/runs"], "paths.runs_dir=/proc/runs: cannot write /proc/runs"),
+    (["method=full", "task=wikitext", "paths.data_dir=EMPTY"], "expected EMPTY/wikitext-2-raw/wikitext-test.txt"),
+    (["method=full", "model.path=org/none"], "model.path='org/none': cannot load the model"),
+])
+def test_cli_errors_are_one_line_with_exit_status_2(tmp_path, args, needle):
+    (tmp_path / "empty").mkdir()
+    args = [a.replace("EMPTY", str(tmp_path / "empty")) for a in args]
+    runs = [] if any("runs_dir" in a for a in args) else [f"paths.runs_dir={tmp_path / 'runs'}"]
+    res = cli(*args, *runs, cwd=tmp_path)
+    needle = needle.replace("EMPTY", str(tmp_path / "empty"))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert needle in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and "HYDRA_FULL_ERROR" not in res.stderr, res.stderr[-2000:]
+    assert [l for l in res.stderr.splitlines() if l.startswith("error:")], res.stderr
+    assert written(tmp_path) == []
+
+
+def test_schemas_are_not_offered_as_choices(tmp_path):
+    res = cli("method=nope", f"paths.runs_dir={tmp_path}", cwd=tmp_path)
+    assert "magicpig" in res.stderr and "_schema" not in res.stderr, res.stderr
+
+
+# -- 4: a read-only store ---------------------------------------------------------------------------------------
+
+def test_read_only_store_prints_finished_runs_and_refuses_new_ones(tmp_path, monkeypatch, capsys):
+    import sparse_eval.runner as runner
+    from sparse_eval import collect
+
+    args = ("method=full", "task.num_samples=1", "task.window=64")
+    (first,) = run(cfg_for(tmp_path, *args))
+    monkeypatch.setattr(runner, "check_writable", lambda d: f"{d} (read-only)")
+    (again,) = run(cfg_for(tmp_path, *args))  # read back, nothing written
+    assert again["score"] == first["score"] and again["run_dir"] == first["run_dir"]
+    with pytest.raises(ValueError, match=r"paths.runs_dir=.*: cannot write .* \(read-only\); give a writable"):
+        run(cfg_for(tmp_path, "method=topk", "task.num_samples=1", "task.window=64"))
+    # collect reads it and says where it could not write
+    assert collect.main([str(tmp_path / "runs"), "--out", "/proc/nope/results", "--quiet"]) == 2
+    assert "cannot write /proc/nope" in capsys.readouterr().err
+    assert collect.main([str(tmp_path / "runs"), "--out", str(tmp_path / "table"), "--quiet"]) == 0
+
+
+# -- 6: Ctrl-C, status, names, progress labels, the CPU estimate ------------------------------------------------
+
+def test_interrupt_says_where_the_run_stopped(tmp_path, monkeypatch, capsys):
+    import sparse_eval.runner as runner
+    from sparse_eval.cli import EXIT_INTERRUPTED, interrupted
+
+    def stop(self, m):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner.Experiment, "run_method", stop)
+    with pytest.raises(KeyboardInterrupt) as err:
+        run(cfg_for(tmp_path, "method=full", "task.num_samples=1", "task.window=64"))
+    assert err.value.run_dir and not (Path(err.value.run_dir) / "failed.json").exists()
+    with pytest.raises(SystemExit) as ex:
+        interrupted(err.value)
+    assert ex.value.code == EXIT_INTERRUPTED
+    msg = capsys.readouterr().err
+    assert err.value.run_dir in msg and "samples written" in msg and "resume" in msg
+
+
+def test_ctrl_c_on_the_command_line(tmp_path):
+    """SIGINT during a run: exit status 130, where it stopped, no traceback; the same command resumes it."""
+    import signal
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("HYDRA_FULL_ERROR", None)
+    cmd = [sys.executable, "-m", "sparse_eval", "method=oracle", "task.num_samples=8", "task.window=256",
+           f"paths.runs_dir={tmp_path / 'runs'}", "print_table=false"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        logs = list((tmp_path / "runs").glob("wikitext/*/*/samples.jsonl"))
+        if logs and logs[0].read_text().count("\n") >= 1:
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before it could be interrupted")
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted:" in err and "samples written" in err and "resume" in err, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert not list((tmp_path / "runs").glob("wikitext/*/*/failed.json"))
+
+
+def _fake_run(root: Path, name: str, identity: dict, host: str | None, age: float = 5.0) -> Path:
+    d = root / "ruler" / "m" / name
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(json.dumps(identity))
+    (d / "meta.json").write_text("{}")
+    (d / "progress.json").write_text(json.dumps({"expected_samples": 3, **({"host": host} if host else {})}))
+    (d / "samples.jsonl").write_text(json.dumps({"id": "s0", "status": "ok"}) + "\n")
+    t = time.time() - age
+    for f in d.iterdir():
+        os.utime(f, (t, t))
+    return d
+
+
+def test_status_tells_killed_from_running_and_names_differ(tmp_path):
+    from sparse_eval.status import run_state
+
+    ident = {"method": {"name": "magicpig", "K": 10, "L": 150, "dense_layers": [0, 2]},
+             "task": {"name": "ruler", "length": 512}}
+    here = _fake_run(tmp_path, "magicpig-K=10-L=150-aaaaaaaaaa", ident, socket.gethostname())
+    other = _fake_run(tmp_path, "magicpig-K=10-L=150-bbbbbbbbbb",
+                      {**ident, "method": {**ident["method"], "dense_layers": [0, 1]}}, "another-node")
+    longer = _fake_run(tmp_path, "magicpig-K=10-L=150-cccccccccc",
+                       {**ident, "task": {"name": "ruler", "length": 1024}}, "another-node", age=1000)
+    s_here, s_other, s_long = (run_state(d) for d in (here, other, longer))
+    assert s_here["state"] == "pending"  # killed a moment ago on this host: nobody holds its lock
+    assert s_other["state"] == "running"  # another host: only its recent writes tell
+    assert s_here["config"] == "magicpig-K=10-L=150-dense=0,2-length=512-aaaaaaaaaa"
+    assert len({s_here["config"], s_other["config"], s_long["config"]}) == 3
+    assert "dense=0,1" in s_other["config"] and "length=1024" in s_long["config"]
+
+
+def test_progress_label_is_short():
+    from sparse_eval.runner import short_label
+
+    assert short_label({"name": "magicpig", "K": 10, "L": 150, "sink": 4, "local": 64, "dense_layers": [0, 2],
+                        "center": True, "u_offset": 0.0}) == "magicpig K=10, L=150"
+
+
+def test_cpu_estimate_over_an_hour_is_told(stories, caplog, monkeypatch):
+    import logging
+
+    from sparse_eval import estimate
+    from sparse_eval.tasks.base import Sample
+
+    model, _ = stories
+    monkeypatch.setattr(estimate, "cpu_matmul_rate", lambda: 1e9)
+    samples = [Sample(id=str(i), data={"input_ids": [1] * 512}) for i in range(4)]
+    with caplog.at_level(logging.WARNING):
+        assert estimate.warn_if_long(model, samples, 1, logging.getLogger("t")) < 3600
+        assert not caplog.records
+        big = samples * 20000
+        assert estimate.warn_if_long(model, big, 1, logging.getLogger("t")) > 3600
+    assert "h on this CPU" in caplog.text and "matmul rate" in caplog.text
+
+
+# -- figures -----------------------------------------------------------------------------------------------------
+
+def test_point_labels_stay_inside_the_axes_and_apart(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sparse_eval.report.figures import _annotate_spread, _plain_log_x
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    xs = [0.002, 0.01, 0.1, 0.1, 0.1, 1.0]
+    ys = [1.0, 0.5, 0.30, 0.31, 0.32, 0.0]
+    ax.scatter(xs, ys)
+    ax.set_xscale("log")
+    _plain_log_x(ax)
+    _annotate_spread(ax, [(x, y, f"Cost2 label {i}") for i, (x, y) in enumerate(zip(xs, ys))])
+    fig.canvas.draw()
+    frame = ax.get_window_extent()
+    from matplotlib.text import Text
+
+    boxes = [Text.get_window_extent(t) for t in ax.texts]  # the text alone, without its leader line
+    assert all(frame.x0 - 1 <= b.x0 and b.x1 <= frame.x1 + 1 for b in boxes)  # none cut at the axis
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    ticks = [t for t in ax.xaxis.get_ticklabels(which="both") if t.get_text() and t.get_visible()]
+    tb = sorted((t.get_window_extent() for t in ticks), key=lambda b: b.x0)
+    assert not any(a.x1 > b.x0 for a, b in zip(tb, tb[1:]))  # x tick labels do not collide
+    plt.close(fig)
+
+
+def test_shared_labels_get_what_tells_them_apart():
+    import pandas as pd
+
+    from sparse_eval.report.figures import _distinct_labels
+
+    rows = [pd.Series({"method.seed": s, "method.alpha": 0.25}) for s in (0, 1)] + [pd.Series({"method.seed": 0})]
+    assert _distinct_labels(rows, ["1/16 random", "1/16 random", "1/16"]) == [
+        "1/16 random seed=0", "1/16 random seed=1", "1/16"]
+
+
+# -- the README's commands ---------------------------------------------------------------------------------------
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+SMOLLM2 = Path("~/.cache/sparse_eval/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
+
+
+def readme_commands() -> list[str]:
+    """Every command line in the README's code blocks that runs this package (continuations joined)."""
+    cmds: list[str] = []
+    for block in re.findall(r"```\n(.*?)```|\n((?:    .*\n)+)", README, flags=re.S):
+        text = (block[0] or block[1]).replace("\\\n", " ")
+        for line in text.splitlines():
+            line = line.strip().split("  #")[0].split(" # ")[0].strip()
+            if re.match(r"(python (-m sparse_eval|benchmarks/)|scripts/)", line):
+                cmds.append(re.sub(r"\s+", " ", line))
+    cmds += re.findall(r"`(python -m [^`]+)`", README)  # commands quoted in the text
+    return list(dict.fromkeys(cmds))
+
+
+# how each README command runs in the test: (tiny overrides appended, or a skip reason)
+TINY = {
+    "python -m sparse_eval": [],
+    "python -m sparse_eval method=magicpig method.K=9 method.L=120": [],
+    "python -m sparse_eval -m method=topk method.budget=0.02,0.06,0.1": ["task.num_samples=1"],
+    "scripts/get_smollm2.sh": "downloads from PyPI",
+    "python -m sparse_eval model=smollm2_135m task=ruler task.length=4096 task.subtasks=[niah_single_1] "
+    "task.num_samples=1 method=quest": [],
+    "python -m sparse_eval.calibrate model=smollm2_135m": ["output=CALIB", "num_blocks=1"],
+    "python -m sparse_eval -m +experiment=smoke/ruler_magicpig": [],
+    "python -m sparse_eval -m +experiment=ruler_magicpig model=smollm2_135m task.length=4096 task.num_samples=5":
+        "the paper sweep (GPU); its smoke variant is the line above",
+    "python -m sparse_eval.status runs/": [],
+    "python -m sparse_eval.collect runs/": [],
+    "python -m sparse_eval -m hydra/launcher=slurm +experiment=ruler_magicpig hydra.launcher.partition=gpu "
+    "hydra.launcher.gpus_per_node=1 hydra.launcher.cpus_per_task=8 hydra.launcher.mem_gb=64 "
+    "hydra.launcher.timeout_min=720 hydra.launcher.array_parallelism=16 "
+    "'hydra.launcher.additional_parameters={account: myproj}' paths.runs_dir=/shared/runs paths.data_dir=/shared/data":
+        "needs a Slurm cluster (tests/test_slurm.py runs a local one)",
+    "python -m sparse_eval.analysis geometry model=smollm2_135m": [],
+    "python -m sparse_eval.analysis error_vs_budget model=smollm2_135m": [],
+    "python -m sparse_eval.analysis ds_checks model=smollm2_135m": [],
+    "python -m sparse_eval.report runs/": [],
+    "python -m sparse_eval.system": [],
+    "python -m sparse_eval.system method=magicpig": [],
+    "python -m sparse_eval.system method=double_sparsity cuda_graph=true": [],
+    "python -m sparse_eval.system method=magicpig phase_times=true": [],
+    "python -m sparse_eval.system random_shape=llama3_1_8b context=16384 batch=8 method=full cuda_graph=true":
+        "GPU" if not torch.cuda.is_available() else [],
+    "python benchmarks/bench_system_decode.py --out experiments/system_decode": "a GPU benchmark (hours)",
+    "python -m kernels._aot_check": [],
+}
+
+
+def test_every_readme_command_is_covered():
+    assert set(readme_commands()) <= set(TINY), sorted(set(readme_commands()) - set(TINY))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", [c for c in TINY if c != "python -m pytest -q"])
+def test_readme_command_runs(tmp_path, cmd):
+    how = TINY[cmd]
+    if cmd not in readme_commands():
+        pytest.skip("no longer in the README")
+    if isinstance(how, str):
+        pytest.skip(how)
+    if "smollm2_135m" in cmd and not SMOLLM2.exists():
+        pytest.skip(f"{SMOLLM2} not present (scripts/get_smollm2.sh)")
+    argv = shlex.split(cmd) + [a.replace("CALIB", str(tmp_path / "calib.json")) for a in how]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+               SPARSE_EVAL_RUNS_DIR=str(tmp_path / "runs"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    if "status" in cmd or "collect" in cmd or "report" in cmd:  # they read what a run wrote
+        subprocess.run([sys.executable, "-m", "sparse_eval", "method=full", "task.num_samples=1", "task.window=64"],
+                       cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
+        argv = [a.replace("runs/", str(tmp_path / "runs")) for a in argv]
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    env.pop("TRITON_INTERPRET", None)  # set by conftest for the kernel tests; a user's shell does not have it
+    res = subprocess.run(argv, cwd=REPO if argv[1] == "-m" and argv[2].startswith("kernels") else tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, (cmd, res.stdout[-2000:], res.stderr[-3000:])
