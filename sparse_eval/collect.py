@@ -26,6 +26,12 @@ Columns (see also docs/sweeps.md):
                                      length setting, or the records' when they vary)
   protocol, prefill_chunk, seed      evaluation settings
   metric, score                      the task's headline metric name and value for this row
+  score_lo, score_hi                 its 95 % bootstrap interval over the row's samples (sparse_eval.statistics;
+                                     None for a task whose samples are not units, e.g. lm_eval without documents)
+  diff_vs_full, diff_lo, diff_hi,    the paired difference score − full attention's score over the samples both
+  n_paired, significant              ran (same model, task config, protocol, subtask, length), its 95 % paired
+                                     bootstrap interval, the shared samples, and whether the interval excludes 0
+  seeds, seed_std                    runs differing only in seed, and the standard deviation of their scores
   cost1, cost2, est_error, static_frac, empty_selections
                                      means over the row's samples (each sample's value is a mean over sparse
                                      layers, heads and query rows): Cost1 search/sampling FLOPs ratio, Cost2
@@ -48,12 +54,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .statistics import bootstrap_ci, paired_difference
 from .status import _read_json, find_run_dirs, read_samples, run_state
 
 SUBTASK_FIELDS = ("subtask", "lm_eval_task")
 MEAN_FIELDS = ("cost1", "cost2", "est_error", "static_frac", "empty_selections")
 LEAD_COLUMNS = ["model", "method", "method_config", "run_name", "task", "subtask", "length", "protocol", "metric", "score",
-                "cost1", "cost2", "est_error", "samples", "failed_samples", "expected_samples", "complete", "state"]
+                "score_lo", "score_hi", "samples", "diff_vs_full", "diff_lo", "diff_hi", "significant", "cost1", "cost2",
+                "est_error", "failed_samples", "expected_samples", "complete", "state"]
 
 
 def _load_yaml(path: Path) -> dict[str, Any] | None:
@@ -65,15 +73,28 @@ def _load_yaml(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _task_aggregator(task_cfg: dict[str, Any]):
-    """The task's own ``aggregate`` (None when the task is unknown here); builds the task without loading data."""
+def _task(task_cfg: dict[str, Any]):
+    """The task, for its ``aggregate`` and ``score_terms`` (None when it is unknown here); built from its config
+    alone, without looking for its data."""
     try:
-        from .tasks import build_task
+        from .tasks.base import task_class
 
-        task = build_task(task_cfg)
-        return task.aggregate, task.metric
+        cls = task_class(task_cfg["name"])
+        task = cls.__new__(cls)  # no ``validate``: it looks for the task's data, which scoring needs not
+        task.config, task.data_dir = cls.config_class(**task_cfg), None
+        return task
     except Exception:  # noqa: BLE001 - an unknown/renamed task or option: fall back to the mean of `score`
-        return None, None
+        return None
+
+
+def _terms(task: Any, ok: list[dict[str, Any]]):
+    """The row's per-sample score terms (``Task.score_terms``), or None (unknown task, records it cannot read)."""
+    if task is None or not ok:
+        return None
+    try:
+        return task.score_terms(ok)
+    except Exception:  # noqa: BLE001 - records of an older task version: no interval
+        return None
 
 
 def _mean(values: list[Any]) -> float | None:
@@ -114,7 +135,8 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
     meta = _read_json(run_dir / "meta.json") or {}
     state = run_state(run_dir, recent_s=recent_s)
     records = list(read_samples(run_dir / "samples.jsonl").values())
-    aggregate, metric = _task_aggregator(task_cfg)
+    task = _task(task_cfg)
+    aggregate, metric = (task.aggregate, task.metric) if task is not None else (None, None)
     metric = metric or summary.get("metric") or "score"
     base: dict[str, Any] = {
         # the model as loaded (run identity; model.name of an overridden path is recorded in given_name)
@@ -150,6 +172,10 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
                    time_s=sum(float(r.get("time_s") or 0.0) for r in recs))
         for key in MEAN_FIELDS:
             out[key] = _mean([r.get(key) for r in ok])
+        terms = _terms(task, ok)
+        ci = bootstrap_ci(terms) if terms is not None else {}
+        out["score_lo"], out["score_hi"] = ci.get("lo"), ci.get("hi")
+        out["_terms"] = terms  # for the paired differences (``collect``); not a column
         return out
 
     if not records:
@@ -178,7 +204,10 @@ def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0):
     rows = []
     for run_dir in find_run_dirs(root):
         rows.extend(run_rows(run_dir, by_subtask=by_subtask, recent_s=recent_s))
+    add_paired_differences(rows)
     df = pd.DataFrame(rows)
+    if not df.empty:
+        add_seed_spread(df)
     if df.empty:
         return df
     lead = [c for c in LEAD_COLUMNS if c in df.columns]
@@ -187,6 +216,38 @@ def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0):
     df = df[lead + method_cols + rest]
     return df.sort_values(["task", "model", "method", "method_config", "subtask", "length"], na_position="first",
                           key=lambda s: s.astype(str)).reset_index(drop=True)
+
+
+# the rows a method is compared with full attention on: same model as loaded, task config, evaluation, subtask, length
+PAIR_KEYS = ("model", "model_path", "model_gguf_file", "model_fingerprint", "task_config", "protocol", "prefill_chunk",
+             "subtask", "length")
+REFERENCE = "full"
+
+
+def add_paired_differences(rows: list[dict[str, Any]]) -> None:
+    """Per row, its paired difference against full attention's row on the same samples (``PAIR_KEYS``; seed
+    ignored, full attention has no randomness): ``diff_vs_full`` = score − full's score over the samples both ran,
+    its 95 % paired-bootstrap interval ``diff_lo``/``diff_hi``, ``n_paired``, and ``significant`` (the interval
+    excludes 0; None without a reference).  Consumes each row's private ``_terms``."""
+    refs: dict[tuple, Any] = {}
+    for r in rows:
+        if r.get("method") == REFERENCE and r.get("_terms") is not None:
+            refs.setdefault(tuple(str(r.get(k)) for k in PAIR_KEYS), r["_terms"])
+    for r in rows:
+        terms = r.pop("_terms", None)
+        ref = refs.get(tuple(str(r.get(k)) for k in PAIR_KEYS))
+        d = paired_difference(terms, ref) if terms is not None and ref is not None else {}
+        r["diff_vs_full"], r["diff_lo"], r["diff_hi"] = d.get("diff"), d.get("lo"), d.get("hi")
+        r["n_paired"], r["significant"] = d.get("n"), d.get("significant")
+
+
+def add_seed_spread(df) -> None:
+    """``seeds`` and ``seed_std``: how many runs differ from this row's only in their seed, and the standard
+    deviation of their scores (a stochastic method's spread over seeds; std is NaN with one seed)."""
+    keys = [c for c in (*PAIR_KEYS, "method_config", "dense_layers", "gqa", "sink", "local") if c in df.columns]
+    groups = df[keys].apply(lambda row: "|".join(map(str, row)), axis=1)
+    df["seeds"] = df.groupby(groups)["seed"].transform("nunique")
+    df["seed_std"] = df.groupby(groups)["score"].transform("std")
 
 
 def write_table(df, out: Path) -> list[Path]:

@@ -133,13 +133,15 @@ class Experiment:
         self.samples()
         return resolved
 
-    def identity(self, method: dict[str, Any]) -> dict[str, Any]:
+    def identity(self, method: MethodConfig | dict[str, Any]) -> dict[str, Any]:
         """Everything that decides a run's results (its directory's hash): the model as loaded
         (``model_identity``: source, revision, GGUF file, dtype, config and file fingerprints; ``name`` is only
         the label), the method's config and the sha256 of what it reads from outside it (``inputs``:
         ``Method.external_inputs``, e.g. Double Sparsity's calibration file), the task, the evaluation settings
         and the seed."""
         ev = self.cfg.eval
+        if dataclasses.is_dataclass(method):
+            method = dataclasses.asdict(method)
         self.load()
         model = self.model_identity
         inputs = build_method(make_config(method["name"], method)).external_inputs(self.model_cfg.name)
@@ -154,14 +156,14 @@ class Experiment:
 
     def run_dir(self, method_cfg: MethodConfig) -> tuple[dict[str, Any], Path]:
         """(identity, run directory) of one method's run: the one place both are computed."""
-        identity = self.identity(dataclasses.asdict(method_cfg))
+        identity = self.identity(method_cfg)
         return identity, run_dir_for(self.cfg.paths.runs_dir, identity)
 
     def run_method(self, method_cfg: MethodConfig, run_dir: Path | None = None) -> dict[str, Any]:
         if run_dir is None:
             identity, run_dir = self.run_dir(method_cfg)
         else:
-            identity = self.identity(dataclasses.asdict(method_cfg))
+            identity = self.identity(method_cfg)
         method = build_method(method_cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(identity)), encoding="utf-8")

@@ -157,7 +157,7 @@ def test_interrupt_says_where_the_run_stopped(tmp_path, monkeypatch, capsys):
     import sparse_eval.runner as runner
     from sparse_eval.cli import EXIT_INTERRUPTED, interrupted
 
-    def stop(self, m):
+    def stop(self, m, run_dir=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner.Experiment, "run_method", stop)
@@ -331,9 +331,11 @@ TINY = {
     "hydra.launcher.timeout_min=720 hydra.launcher.array_parallelism=16 "
     "'hydra.launcher.additional_parameters={account: myproj}' paths.runs_dir=/shared/runs paths.data_dir=/shared/data":
         "needs a Slurm cluster (tests/test_slurm.py runs a local one)",
-    "python -m sparse_eval.analysis geometry model=smollm2_135m": [],
-    "python -m sparse_eval.analysis error_vs_budget model=smollm2_135m": [],
-    "python -m sparse_eval.analysis ds_checks model=smollm2_135m": [],
+    "python -m sparse_eval model=smollm2_135m task=ruler task.length=8192 eval.batch_size=auto":
+        "GPU (13 x 50 RULER samples at 8K)",
+    "python -m sparse_eval.analysis analysis=geometry model=smollm2_135m": [],
+    "python -m sparse_eval.analysis analysis=error_vs_budget model=smollm2_135m": [],
+    "python -m sparse_eval.analysis analysis=ds_checks model=smollm2_135m": [],
     "python -m sparse_eval.report runs/": [],
     "python -m sparse_eval.system": [],
     "python -m sparse_eval.system method=magicpig": [],
@@ -341,8 +343,8 @@ TINY = {
     "python -m sparse_eval.system method=magicpig phase_times=true": [],
     "python -m sparse_eval.system random_shape=llama3_1_8b context=16384 batch=8 method=full cuda_graph=true":
         "GPU" if not torch.cuda.is_available() else [],
-    "python benchmarks/bench_system_decode.py --out experiments/system_decode": "a GPU benchmark (hours)",
-    "python -m kernels._aot_check": [],
+    "python benchmarks/bench_system_decode.py --out experiments/system_decode_throughput": "a GPU benchmark (hours)",
+    "python -m sparse_eval.kernels._aot_check": [],
 }
 
 

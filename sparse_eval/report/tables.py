@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import paper as P
-from .load import run_rows, subtask_rows
+from .load import config_label, method_display, run_rows, subtask_rows
 
 KEY_COLS = ["Model", "Method", "Config"]
 PARAM_NAMES = ("K", "L", "page_size", "budget", "offload", "channel_type", "center", "min_collisions", "mips",
@@ -446,7 +446,43 @@ def ds_table3(df) -> Table:
                  caption, ["Model"], cols, rows, papers, sources, {c: 2 for c in cols})
 
 
+def _interval(lo: Any, hi: Any, digits: int = 1) -> str | None:
+    if lo is None or hi is None or (isinstance(lo, float) and math.isnan(lo)) or (isinstance(hi, float) and math.isnan(hi)):
+        return None
+    return f"[{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def score_intervals(df) -> Table:
+    """Every run's score with its sample count and 95 % bootstrap interval, and its paired difference against full
+    attention on the same samples (``collect``'s ``score_lo``/``score_hi``, ``diff_*``); ``*`` marks a difference
+    whose interval excludes 0."""
+    runs = run_rows(df)
+    if "score_lo" not in runs.columns or runs["score_lo"].isna().all():
+        raise Skip("no run has a score interval (results collected before intervals were recorded)")
+    rows = []
+    for _, r in runs.iterrows():
+        sig, diff = r.get("significant"), r.get("diff_vs_full")
+        has_diff = r.get("method") != "full" and diff is not None and not (isinstance(diff, float) and math.isnan(diff))
+        rows.append({
+            "Model": r.get("model"), "Task": r.get("task"), "Length": _length_label(r.get("length")) or r.get("length"),
+            "Method": method_display(r), "Config": config_label(r),
+            "n": r.get("samples"), "Score": r.get("score"), "95% CI": _interval(r.get("score_lo"), r.get("score_hi")),
+            "Δ vs full": f"{diff:+.1f}{' *' if sig is True else ''}" if has_diff else None,
+            "Δ 95% CI": _interval(r.get("diff_lo"), r.get("diff_hi")) if has_diff else None,
+            "Cost2": r.get("cost2"),
+        })
+    rows.sort(key=lambda x: (str(x["Model"]), str(x["Task"]), _natural(x["Length"]), x["Δ vs full"] is not None,
+                             _natural(x["Method"]), _natural(x["Config"])))
+    return Table("score_intervals", "Scores with 95 % intervals and paired differences against full attention",
+                 "Score: the task's metric over n samples with its 95 % percentile-bootstrap interval (samples resampled "
+                 "within each subtask). Δ vs full: the score minus full attention's on the same samples, with its 95 % "
+                 "paired bootstrap interval; * marks a difference whose interval excludes 0 (significant at the 5 % level).",
+                 ["Model", "Task", "Length", "Method", "Config"], ["n", "Score", "95% CI", "Δ vs full", "Δ 95% CI", "Cost2"],
+                 rows, digits={"n": 0, "Score": 1, "Cost2": 3})
+
+
 TABLES: dict[str, Callable[[Any], Table]] = {
+    "score_intervals": score_intervals,
     "magicpig_table1": magicpig_table1, "magicpig_table2": magicpig_table2, "magicpig_table3": magicpig_table3,
     "magicpig_table5": magicpig_table5, "magicpig_table9": magicpig_table9, "magicpig_table12": magicpig_table12,
     "magicpig_table13": magicpig_table13, "ds_table2": ds_table2, "ds_table3": ds_table3,
