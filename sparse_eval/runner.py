@@ -417,6 +417,13 @@ def short_label(method: dict[str, Any]) -> str:
     return f"{method['name']} {short_config(method)}".strip()
 
 
+def _interval_text(ci: dict[str, Any] | None) -> str | None:
+    """``[lo, hi]`` of a summary's ``score_ci`` (4 significant digits), None without one."""
+    if not ci or ci.get("lo") is None or ci.get("hi") is None:
+        return None
+    return f"[{ci['lo']:.4g}, {ci['hi']:.4g}]"
+
+
 def format_table(summaries: list[dict[str, Any]]) -> str:
     import pandas as pd
 
@@ -426,6 +433,7 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             "method": s["method"],
             "config": short_config(s["method_config"]),
             s["metric"]: s["score"],
+            "95% CI": _interval_text(s.get("score_ci")),
             "Cost1": s["cost1"],
             "Cost2": s["cost2"],
             "static": s["static_frac"],
@@ -472,7 +480,8 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     if cfg.print_table:
         first = summaries[0]
         print(f"\nmodel={first['model']} task={first['task']} protocol={first['protocol']} "
-              f"({first['samples']} samples; Cost1/Cost2/static/est_error: means over sparse layers, heads and query rows)")
+              f"({first['samples']} samples; 95% CI: percentile bootstrap over samples; Cost1/Cost2/static/est_error: means "
+              f"over sparse layers, heads and query rows)")
         print(format_table(summaries))
         print(f"results: {Path(first['run_dir']).parent}")
     return summaries
