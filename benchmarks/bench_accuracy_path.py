@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, make_cache  # noqa: E402
 from sparse_eval.methods import build_method, make_config  # noqa: E402
-from sparse_eval.results import hardware, versions  # noqa: E402
+from sparse_eval.provenance import hardware, versions  # noqa: E402
 from sparse_eval.runner import method_options  # noqa: E402
 
 LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sparse_eval.config import register_configs  # noqa: E402
-from sparse_eval.results import provenance  # noqa: E402
+from sparse_eval.provenance import provenance  # noqa: E402
 from sparse_eval.runner import CONF_DIR, Experiment, method_options, short_config  # noqa: E402
 from sparse_eval.methods import make_config  # noqa: E402
 from sparse_eval.tasks import ruler_data as rd  # noqa: E402

@@ -17,7 +17,7 @@ Columns (see also docs/sweeps.md):
   model, model_path                  the loaded model's label and path (run identity; not the config's name when
                                      model.path was overridden under it), model_gguf_file, model_revision,
                                      model_dtype, model_fingerprint (sha256 of its files, else of its config)
-  method, method_config              method name; "name-key=value-..." of its own parameters (results.method_label)
+  method, method_config              method name; "name-key=value-..." of its own parameters (store.method_label)
   run_name                           method_config + dense layers + the task's length + hash (status.run_name)
   method.<field>                     every method field (budget, K, L, page_size, alpha, beta, ...; NaN if absent)
   sink, local, dense_layers, gqa     the shared method fields (dense_layers as "0,16")
@@ -55,22 +55,15 @@ from pathlib import Path
 from typing import Any
 
 from .statistics import bootstrap_ci, paired_difference
-from .status import _read_json, find_run_dirs, read_samples, run_state
+from .status import run_state
+from .store import (META_FILE, SAMPLES_FILE, SUMMARY_FILE, find_run_dirs, method_label, read_identity, read_json,
+                    read_samples)
 
 SUBTASK_FIELDS = ("subtask", "lm_eval_task")
 MEAN_FIELDS = ("cost1", "cost2", "est_error", "static_frac", "empty_selections")
 LEAD_COLUMNS = ["model", "method", "method_config", "run_name", "task", "subtask", "length", "protocol", "metric", "score",
                 "score_lo", "score_hi", "samples", "diff_vs_full", "diff_lo", "diff_hi", "significant", "cost1", "cost2",
                 "est_error", "failed_samples", "expected_samples", "complete", "state"]
-
-
-def _load_yaml(path: Path) -> dict[str, Any] | None:
-    from omegaconf import OmegaConf
-
-    try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=False)  # type: ignore[return-value]
-    except Exception:  # noqa: BLE001 - a torn or foreign file: the run is skipped with a warning
-        return None
 
 
 def _task(task_cfg: dict[str, Any]):
@@ -123,18 +116,16 @@ def _provenance(meta: dict[str, Any]) -> dict[str, Any]:
 
 def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) -> list[dict[str, Any]]:
     """The table rows of one run directory."""
-    from .results import method_label
-
-    identity = _load_yaml(run_dir / "config.yaml")
+    identity = read_identity(run_dir)
     if not identity or "method" not in identity or "task" not in identity:
         print(f"warning: {run_dir}: no readable config.yaml; skipped", file=sys.stderr)
         return []
     method, task_cfg = identity["method"], identity["task"]
     model, ev = identity.get("model") or {}, identity.get("eval") or {}
-    summary = _read_json(run_dir / "summary.json") or {}
-    meta = _read_json(run_dir / "meta.json") or {}
+    summary = read_json(run_dir / SUMMARY_FILE) or {}
+    meta = read_json(run_dir / META_FILE) or {}
     state = run_state(run_dir, recent_s=recent_s)
-    records = list(read_samples(run_dir / "samples.jsonl").values())
+    records = list(read_samples(run_dir / SAMPLES_FILE).values())
     task = _task(task_cfg)
     aggregate, metric = (task.aggregate, task.metric) if task is not None else (None, None)
     metric = metric or summary.get("metric") or "score"

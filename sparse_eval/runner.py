@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from .attention.plugin import PROTOCOLS, Runtime, attach, detach
@@ -23,8 +22,9 @@ from .methods import MethodConfig, build_method, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
 from .statistics import bootstrap_ci
-from .results import SampleLog, provenance, run_dir_for, write_summary
-from .status import RunsDirError, check_writable, clear_failure, run_lock, run_state, write_failure, write_progress
+from .status import run_state
+from .store import (SAMPLES_FILE, SUMMARY_FILE, RunsDirError, SampleLog, check_writable, clear_failure, record_start,
+                    run_dir_for, run_lock, write_failure, write_progress, write_summary)
 from .tasks import build_task
 
 log = logging.getLogger("sparse_eval")
@@ -165,11 +165,8 @@ class Experiment:
         else:
             identity = self.identity(method_cfg)
         method = build_method(method_cfg)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(identity)), encoding="utf-8")
-        if not (run_dir / "meta.json").exists():
-            (run_dir / "meta.json").write_text(json.dumps(provenance(), indent=2) + "\n", encoding="utf-8")
-        samples_log = SampleLog(run_dir / "samples.jsonl")
+        record_start(run_dir, identity)
+        samples_log = SampleLog(run_dir / SAMPLES_FILE)
         if self.cfg.eval.rerun_failed:
             samples_log.drop_failed()
         samples = self.samples()
@@ -456,7 +453,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         unwritable = check_writable(run_dir)
         if unwritable:  # a read-only store: a finished run is read back, anything else is refused
             if run_state(run_dir)["state"] == "done" and not cfg.eval.rerun_failed:
-                summaries.append(json.loads((run_dir / "summary.json").read_text(encoding="utf-8")))
+                summaries.append(json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8")))
                 continue
             raise RunsDirError(f"paths.runs_dir={cfg.paths.runs_dir}: cannot write {unwritable}; give a writable "
                                f"folder, e.g. paths.runs_dir=runs")

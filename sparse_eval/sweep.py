@@ -19,7 +19,6 @@ launchers that survive a job dying.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -32,7 +31,7 @@ from typing import Any, Sequence
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from .status import slurm_job_id
+from .store import read_json, slurm_job_id, write_json
 
 log = logging.getLogger("sparse_eval")
 
@@ -51,13 +50,6 @@ def is_multirun() -> bool:
     from hydra.types import RunMode
 
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any]:
@@ -89,7 +81,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
                       traceback="".join(traceback.format_exception(exc)[-12:]))
         log.error("job %s failed: %s: %s", hc.job.num, type(exc).__name__, exc)
     record["time_s"] = time.perf_counter() - t0
-    _write_json(out_dir / JOB_STATUS, record)
+    write_json(out_dir / JOB_STATUS, record)
     return record
 
 
@@ -191,22 +183,15 @@ def collect_job_records(sweep_dir: Path) -> list[dict[str, Any]]:
     for path in sorted(sweep_dir.rglob(JOB_STATUS)):
         if ".submitit" in path.parts:
             continue
-        rec = _read(path)
+        rec = read_json(path)
         if rec is not None:
             records.append(rec)
     seen = {r.get("job_num") for r in records}
     for path in sorted((sweep_dir / LAUNCHER_FAILURES).glob("*.json")):
-        rec = _read(path)
+        rec = read_json(path)
         if rec is not None and rec.get("job_num") not in seen:
             records.append(rec)
     return sorted(records, key=lambda r: (r.get("job_num") is None, r.get("job_num")))
-
-
-def _read(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 class SweepReport(Callback):
@@ -225,7 +210,7 @@ class SweepReport(Callback):
                   "failures": [{k: r.get(k) for k in ("job_num", "overrides", "error", "run_dirs", "output_dir")}
                                for r in failed],
                   "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        _write_json(sweep_dir / SWEEP_STATUS, report)
+        write_json(sweep_dir / SWEEP_STATUS, report)
         for r in failed:
             log.error("failed job #%s (%s): %s", r.get("job_num"), " ".join(r.get("overrides") or []), r.get("error"))
         line = (f"sweep: {report['jobs']} jobs, {len(ok)} ok, {len(failed)} failed"
@@ -364,7 +349,7 @@ if _sl is not None:
                     rec = {"job_num": num, "overrides": list(ov), "status": "failed", "slurm_job_id": job.job_id,
                            "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}",
                            "log": str(job.paths.stderr)}
-                    _write_json(sweep_dir / LAUNCHER_FAILURES / f"{num}.json", rec)
+                    write_json(sweep_dir / LAUNCHER_FAILURES / f"{num}.json", rec)
                     log.error("job #%d (%s) died: %s", num, job.job_id, rec["error"])
                     ret = JobReturn(overrides=list(ov), status=JobStatus.COMPLETED)  # recorded: the sweep goes on
                     ret.return_value = rec

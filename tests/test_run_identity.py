@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 
 from sparse_eval.config import register_configs
 from sparse_eval.runner import CONF_DIR, Experiment
-from sparse_eval.results import run_dir_for
+from sparse_eval.store import run_dir_for
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "sparse_eval" / "models" / "stories260K"

@@ -235,7 +235,8 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
     assert len(topk_runs) == 1
     topk_before = topk_runs[0].read_bytes()
 
-    from sparse_eval.status import find_run_dirs, run_state
+    from sparse_eval.status import run_state
+    from sparse_eval.store import find_run_dirs
 
     states = {d.name.split("-")[0] + ("-bad" if (d / "failed.json").exists() else ""): run_state(d, recent_s=0)["state"]
               for d in find_run_dirs(runs)}
@@ -284,7 +285,7 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
 # -- pieces ------------------------------------------------------------------------------------------------------
 
 def test_run_lock_serializes_two_writers(tmp_path):
-    from sparse_eval.status import lock_held, run_lock
+    from sparse_eval.store import lock_held, run_lock
 
     order = []
     with run_lock(tmp_path):
@@ -304,7 +305,8 @@ def test_run_lock_serializes_two_writers(tmp_path):
 
 
 def test_status_states(tmp_path):
-    from sparse_eval.status import find_run_dirs, run_state
+    from sparse_eval.status import run_state
+    from sparse_eval.store import find_run_dirs
 
     def make(name, records, expected, summary=False, failed=False, age=1000.0):
         d = tmp_path / "ruler" / "m" / name

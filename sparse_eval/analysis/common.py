@@ -135,7 +135,7 @@ def write_json(path: Path, obj: Any) -> Path:
 
 
 def provenance(model: ModelConfig, options: Any, text_origin: str | None = None) -> dict[str, Any]:
-    from ..results import git_commit, versions
+    from ..provenance import git_commit, versions
 
     return {"model": dataclasses.asdict(model), "options": dataclasses.asdict(options), "text": text_origin,
             "git": git_commit(), "versions": versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -45,7 +45,7 @@ def load_results(path: str | Path | list | tuple):
         df = pd.read_csv(p) if p.suffix == ".csv" else pd.read_parquet(p)
     else:
         from ..collect import collect
-        from ..status import find_run_dirs
+        from ..store import find_run_dirs
 
         if find_run_dirs(p):
             df = collect(p)

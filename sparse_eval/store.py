@@ -1,0 +1,362 @@
+"""The run store: one directory per run, derived from its identity (so a re-launch finds its own results), and
+every file in it -- its layout, writing and reading, the lock, progress and failure records.
+
+A run's identity (``runner.Experiment.identity``) is everything that can change its result: the model as loaded
+(``models.loading.model_identity``: source, revision, GGUF file, dtype, config and file sha256s), the method's
+config, the sha256 of the files the method reads (``inputs``), the task, the evaluation settings and the seed.
+``<model>`` below is the loaded model's label (``models.loading.model_label``), not a key of the identity.
+
+    <runs_dir>/<task>/<model>/<method>-<key=value...>-<hash>/
+        config.yaml      the run's identity (what the hash is of)
+        meta.json        git commit, library versions, hardware, command line, start time (``provenance``)
+        samples.jsonl    one JSON line per finished sample, appended and flushed as it finishes
+        summary.json     the run's metrics, costs and settings (+ per-layer / per-head aggregates)
+        summary.csv      the same as one flat row
+        progress.json    written when a run (re)starts: expected sample count, start time, host, pid, Slurm job id
+        failed.json      written when the run raised (error, traceback, host, Slurm job id); removed when it restarts
+        .lock            held (flock) while a process runs it, so two jobs never append to one samples.jsonl
+
+``python -m sparse_eval.status`` reads these files into a run's state; ``python -m sparse_eval.collect`` into a
+table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+log = logging.getLogger("sparse_eval")
+
+CONFIG_FILE = "config.yaml"
+META_FILE = "meta.json"
+SAMPLES_FILE = "samples.jsonl"
+SUMMARY_FILE = "summary.json"
+SUMMARY_CSV = "summary.csv"
+PROGRESS_FILE = "progress.json"
+FAILED_FILE = "failed.json"
+LOCK_FILE = ".lock"
+
+
+# -- layout ----------------------------------------------------------------------------------------------------
+
+def config_hash(obj: Any) -> str:
+    blob = json.dumps(obj, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:10]
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return "_".join(_short(x) for x in v)
+    return str(v).replace("/", "_")
+
+
+def method_label(method: dict[str, Any]) -> str:
+    """name plus the method's own parameters (not the shared sink/local/dense/gqa/seed), e.g. ``magicpig-K=10-L=150``."""
+    from .methods.base import MethodConfig
+
+    base = {f.name for f in dataclasses.fields(MethodConfig)}
+    parts = [f"{k}={_short(v)}" for k, v in method.items() if k not in base and v is not None and not isinstance(v, dict)]
+    return "-".join([method["name"], *parts])
+
+
+def run_dir_for(runs_dir: str | Path, identity: dict[str, Any]) -> Path:
+    """identity: everything that decides the results (model as loaded, method, its inputs, task, eval, seed)."""
+    label = method_label(identity["method"])
+    name = f"{label}-{config_hash(identity)}"
+    return Path(runs_dir).expanduser() / _short(identity["task"]["name"]) / _short(identity["model"]["name"]) / name
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file() and ((path / META_FILE).is_file() or (path / PROGRESS_FILE).is_file())
+
+
+def find_run_dirs(root: Path) -> list[Path]:
+    """Every run directory under ``root`` (or ``root`` itself), skipping Hydra's own output folders."""
+    root = Path(root)
+    if is_run_dir(root):
+        return [root]
+    out = []
+    for dirpath, dirnames, _ in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in (".hydra", ".submitit", "wandb"))
+        p = Path(dirpath)
+        if is_run_dir(p):
+            out.append(p)
+            dirnames[:] = []
+    return out
+
+
+class RunsDirError(ValueError):
+    """``paths.runs_dir`` (or a run dir below it) cannot be written."""
+
+
+def check_writable(run_dir: Path) -> str | None:
+    """None when ``run_dir`` exists and is writable or could be created (it then exists); else the reason, naming
+    the path, e.g. ``/proc/runs (No such file or directory)``."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir():
+        return None if os.access(run_dir, os.W_OK) else f"{run_dir} (read-only)"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"{exc.filename or run_dir} ({exc.strerror or exc})"
+    return None
+
+
+# -- JSON files ------------------------------------------------------------------------------------------------
+
+def finite(obj: Any) -> Any:
+    """NaN/inf never reach a result file: they become null (the caller flags where)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """``obj`` as indented JSON, written whole or not at all (a temporary file renamed over ``path``); the folder
+    is created when missing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    """The JSON in ``path``; None when it is missing, unreadable or torn."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+# -- writing a run ---------------------------------------------------------------------------------------------
+
+def record_start(run_dir: Path, identity: dict[str, Any]) -> None:
+    """``config.yaml`` (the identity) and, at a run's first start, ``meta.json`` (its provenance)."""
+    from omegaconf import OmegaConf
+
+    from .provenance import provenance
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(OmegaConf.create(identity)), encoding="utf-8")
+    if not (run_dir / META_FILE).exists():
+        write_json(run_dir / META_FILE, provenance())
+
+
+def slurm_job_id() -> str | None:
+    """This process's Slurm job as squeue names it: ``<array job>_<task>`` for an array task, else the job id."""
+    env = os.environ
+    if env.get("SLURM_ARRAY_JOB_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID')}"
+    return env.get("SLURM_JOB_ID")
+
+
+def _where() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": slurm_job_id(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def write_progress(run_dir: Path, expected_samples: int, already_done: int) -> None:
+    """At the start (or restart) of a run: how many samples it will have in all and how many were already there."""
+    write_json(Path(run_dir) / PROGRESS_FILE, {"expected_samples": expected_samples,
+                                               "done_at_start": already_done, **_where()})
+
+
+def write_failure(run_dir: Path, exc: BaseException, extra: dict[str, Any] | None = None) -> Path:
+    path = Path(run_dir) / FAILED_FILE
+    write_json(path, {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
+                      "traceback": "".join(traceback.format_exception(exc)[-12:]), **_where(), **(extra or {})})
+    return path
+
+
+def clear_failure(run_dir: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (Path(run_dir) / FAILED_FILE).unlink()
+
+
+class SampleLog:
+    """Append-only JSONL of finished samples; tolerant of a last line cut short by a kill."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: dict[str, dict[str, Any]] = {}
+        if path.exists():
+            good, bad = [], 0
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                    good.append(line)
+                    self.records[rec["id"]] = rec
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    bad += 1
+            if bad:  # rewrite without the torn line(s) so appends stay valid JSONL
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("".join(line + "\n" for line in good), encoding="utf-8")
+                os.replace(tmp, path)
+
+    def done(self, sample_id: str, rerun_failed: bool = False) -> bool:
+        rec = self.records.get(sample_id)
+        return rec is not None and not (rerun_failed and rec.get("status") != "ok")
+
+    def drop_failed(self) -> None:
+        failed = [k for k, r in self.records.items() if r.get("status") != "ok"]
+        if not failed:
+            return
+        for k in failed:
+            del self.records[k]
+        self.rewrite(self.records.values())
+
+    def rewrite(self, records: Iterable[dict[str, Any]]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def append(self, record: dict[str, Any]) -> None:
+        record = finite(record)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.records[record["id"]] = record
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """``summary.json`` and ``summary.csv`` (one flat row, without the per-layer aggregates)."""
+    import pandas as pd
+
+    summary = finite(summary)
+    write_json(Path(run_dir) / SUMMARY_FILE, summary)
+    flat = {k: v for k, v in _flatten(summary).items() if "per_layer" not in k}
+    pd.DataFrame([flat]).to_csv(Path(run_dir) / SUMMARY_CSV, index=False)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        elif isinstance(v, (list, tuple)):
+            out[key] = json.dumps(v)
+        else:
+            out[key] = v
+    return out
+
+
+# -- the lock --------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, wait_log_s: float = 60.0) -> Iterator[None]:
+    """Exclusive lock on a run directory for the time a process runs it (waits while another one holds it).
+
+    Two jobs of the same config (a duplicated sweep point, a sweep relaunched while its first launch still runs)
+    then never write the same samples twice: the second waits and finds the samples done.  Where the file
+    system refuses locks (some network mounts) it runs without one.
+    """
+    import fcntl
+
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    locked = False
+    try:
+        t0 = last = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+                break
+            except BlockingIOError:
+                if time.monotonic() - last >= wait_log_s:
+                    last = time.monotonic()
+                    log.warning("run dir %s is locked by another process (%s); waiting (%.0f s so far)",
+                                run_dir, _lock_owner(fd), last - t0)
+                time.sleep(1.0)
+            except OSError as exc:
+                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    log.warning("no file locks on %s (%s); running without", run_dir, exc)
+                    break
+                raise
+        if locked:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(_where()).encode(), 0)
+        yield
+    finally:
+        if locked:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _lock_owner(fd: int) -> str:
+    try:
+        return os.pread(fd, 512, 0).decode(errors="replace") or "?"
+    except OSError:
+        return "?"
+
+
+def lock_held(run_dir: Path) -> bool:
+    """True when some process holds the run's lock right now (checked without taking it for long)."""
+    import fcntl
+
+    path = Path(run_dir) / LOCK_FILE
+    if not path.exists():
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+# -- reading a run ---------------------------------------------------------------------------------------------
+
+def read_identity(run_dir: Path) -> dict[str, Any] | None:
+    """``config.yaml`` as a dict; None when it is missing, torn or not a run's config."""
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(OmegaConf.load(Path(run_dir) / CONFIG_FILE), resolve=False)  # type: ignore[return-value]
+    except Exception:  # noqa: BLE001 - a torn or foreign file: the caller falls back (directory name, skip)
+        return None
+
+
+def read_samples(path: Path) -> dict[str, dict[str, Any]]:
+    """samples.jsonl as {id: record}; the last record of an id wins (as ``SampleLog``); torn lines skipped."""
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+            out[rec["id"]] = rec
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    return out

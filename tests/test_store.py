@@ -1,0 +1,49 @@
+"""The run store's files (``sparse_eval.store``): JSON written whole or not at all and read back tolerantly, a
+run's start record, its summary, failure records, and finding run directories."""
+
+from __future__ import annotations
+
+import json
+
+from sparse_eval import store
+
+
+def test_json_written_whole_and_read_tolerantly(tmp_path):
+    path = tmp_path / "sub" / "x.json"
+    store.write_json(path, {"b": 1.5, "a": [1, 2]})
+    assert store.read_json(path) == {"a": [1, 2], "b": 1.5}
+    assert [p.name for p in path.parent.iterdir()] == ["x.json"]  # no temporary file left behind
+    path.write_text('{"a": ', encoding="utf-8")  # torn by a kill
+    assert store.read_json(path) is None
+    assert store.read_json(tmp_path / "missing.json") is None
+
+
+def test_record_start_keeps_the_first_provenance(tmp_path):
+    run_dir = tmp_path / "task" / "model" / "full-abc"
+    identity = {"method": {"name": "full"}, "task": {"name": "wikitext"}, "model": {"name": "m"}}
+    store.record_start(run_dir, identity)
+    meta = store.read_json(run_dir / store.META_FILE)
+    assert {"git", "versions", "hardware", "argv", "started"} <= set(meta)
+    (run_dir / store.META_FILE).write_text(json.dumps({"started": "first"}), encoding="utf-8")
+    store.record_start(run_dir, identity)
+    assert store.read_json(run_dir / store.META_FILE) == {"started": "first"}
+    assert store.read_identity(run_dir) == identity
+    assert store.find_run_dirs(tmp_path) == [run_dir]
+
+
+def test_summary_failure_and_progress_files(tmp_path):
+    store.write_summary(tmp_path, {"score": float("nan"), "metrics": {"ppl": 2.0}, "per_layer": {"cost1": [0.1]}})
+    assert store.read_json(tmp_path / store.SUMMARY_FILE)["score"] is None  # NaN never reaches a result file
+    csv = (tmp_path / store.SUMMARY_CSV).read_text(encoding="utf-8").splitlines()[0].split(",")
+    assert "metrics.ppl" in csv and not any("per_layer" in c for c in csv)
+    store.write_progress(tmp_path, expected_samples=5, already_done=2)
+    progress = store.read_json(tmp_path / store.PROGRESS_FILE)
+    assert (progress["expected_samples"], progress["done_at_start"]) == (5, 2) and progress["host"]
+    try:
+        raise ValueError("bad value")
+    except ValueError as exc:
+        store.write_failure(tmp_path, exc)
+    assert store.read_json(tmp_path / store.FAILED_FILE)["error"] == "ValueError: bad value"
+    store.clear_failure(tmp_path)
+    store.clear_failure(tmp_path)  # nothing to clear: no error
+    assert not (tmp_path / store.FAILED_FILE).exists()
