@@ -21,10 +21,10 @@ from .estimate import warn_if_long
 from .methods import MethodConfig, build_method, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
-from .statistics import bootstrap_ci
+from .statistics import bootstrap_ci, paired_difference
 from .status import run_state
 from .store import (SAMPLES_FILE, SUMMARY_FILE, RunsDirError, SampleLog, check_writable, clear_failure, record_start,
-                    run_dir_for, run_lock, write_failure, write_progress, write_summary)
+                    read_samples, run_dir_for, run_lock, write_failure, write_progress, write_summary)
 from .tasks import build_task
 
 log = logging.getLogger("sparse_eval")
@@ -421,6 +421,31 @@ def _interval_text(ci: dict[str, Any] | None) -> str | None:
     return f"[{ci['lo']:.4g}, {ci['hi']:.4g}]"
 
 
+def compare_with_full(task: Any, summaries: list[dict[str, Any]]) -> None:
+    """Adds ``vs_full`` to each summary of this call when full attention is among them: the paired difference of
+    its score against full attention's over the samples both ran (``statistics.paired_difference``; for the printed
+    table -- ``collect`` records the same for any set of runs)."""
+    full = next((s for s in summaries if s["method"] == "full"), None)
+    if full is None:
+        return
+
+    def terms(summary: dict[str, Any]):
+        recs = read_samples(Path(summary["run_dir"]) / SAMPLES_FILE).values()
+        return task.score_terms([r for r in recs if r.get("status") == "ok"])
+
+    ref = terms(full)
+    for s in summaries:
+        t = terms(s) if s is not full else None
+        s["vs_full"] = paired_difference(t, ref) if t is not None and ref is not None else None
+
+
+def _difference_text(d: dict[str, Any] | None) -> str | None:
+    """``+d [lo, hi]`` with `` *`` when the interval excludes 0."""
+    if not d or d.get("diff") is None or d.get("lo") is None:
+        return None
+    return f"{d['diff']:+.3g} [{d['lo']:.3g}, {d['hi']:.3g}]{' *' if d.get('significant') else ''}"
+
+
 def format_table(summaries: list[dict[str, Any]]) -> str:
     import pandas as pd
 
@@ -431,6 +456,7 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             "config": short_config(s["method_config"]),
             s["metric"]: s["score"],
             "95% CI": _interval_text(s.get("score_ci")),
+            **({"vs full [95% CI]": _difference_text(s.get("vs_full"))} if "vs_full" in s else {}),
             "Cost1": s["cost1"],
             "Cost2": s["cost2"],
             "static": s["static_frac"],
@@ -477,8 +503,10 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     if cfg.print_table:
         first = summaries[0]
         print(f"\nmodel={first['model']} task={first['task']} protocol={first['protocol']} "
-              f"({first['samples']} samples; 95% CI: percentile bootstrap over samples; Cost1/Cost2/static/est_error: means "
-              f"over sparse layers, heads and query rows)")
+              f"({first['samples']} samples; 95% CI: percentile bootstrap over samples; vs full: paired difference "
+              f"with full attention on the same samples, * where its interval excludes 0 (claimed from 8 samples); Cost1/Cost2/static/est_error: "
+              f"means over sparse layers, heads and query rows)")
+        compare_with_full(exp.task, summaries)
         print(format_table(summaries))
         print(f"results: {Path(first['run_dir']).parent}")
     return summaries

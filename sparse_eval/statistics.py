@@ -15,7 +15,8 @@ The resamples come from a seeded generator, so an interval is a pure function of
 
 The paired difference of method A against a reference (full attention) uses the samples both ran: the same
 resample indices are applied to both, so the per-sample correlation (a hard sample is hard for both) narrows
-the interval, as a paired test should.  A difference is *significant* when its interval excludes 0.
+the interval, as a paired test should.  A difference is *significant* when its interval excludes 0 (claimed from
+``MIN_SIGNIFICANCE_N`` shared samples on).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import numpy as np
 
 N_BOOT = 2000
 LEVEL = 0.95
+# below this many (paired) samples a percentile bootstrap has too few distinct resamples to claim a difference:
+# ``significant`` is then None (unknown), not False
+MIN_SIGNIFICANCE_N = 8
 
 
 @dataclass
@@ -114,7 +118,7 @@ def paired_difference(terms: ScoreTerms, reference: ScoreTerms, n_boot: int = N_
         raise ValueError("paired_difference: the two runs put a shared sample in different groups")
     w = _resample_weights(a.group, n_boot, seed)
     lo, hi = _interval(a._stat(w) - b._stat(w), level)
-    significant = None if math.isnan(lo) or len(shared) < 2 else bool(lo > 0 or hi < 0)
+    significant = None if math.isnan(lo) or len(shared) < MIN_SIGNIFICANCE_N else bool(lo > 0 or hi < 0)
     return {"diff": a.score() - b.score(), "lo": lo, "hi": hi, "n": len(shared), "level": level,
             "significant": significant}
 

@@ -76,6 +76,7 @@ def test_paired_difference_uses_only_shared_samples():
     b = ScoreTerms(["y", "z", "w"], [1.0, 1.0, 0.0], [1, 1, 1], [0, 0, 0])
     d = paired_difference(a, b)
     assert d["n"] == 2 and d["diff"] == pytest.approx(-0.5)
+    assert d["significant"] is None  # 2 shared samples: too few to claim a difference either way
     assert paired_difference(a, ScoreTerms(["q"], [1.0], [1], [0]))["n"] == 0
 
 
