@@ -285,7 +285,7 @@ def test_figures_draw_score_intervals_as_error_bars_when_collected(df, tmp_path,
     pareto_bars = [c for stem, cs in bars.items() if stem.startswith("pareto_") for c in cs]
     segs = [seg for c in pareto_bars for seg in c.lines[2][0].get_segments()]
     assert segs and all((round(seg[0][1], 6), round(seg[1][1], 6)) in ends for seg in segs)
-    assert any(INTERVAL in t.get_text() for _, f in seen for t in f.texts for INTERVAL in [figures.INTERVAL_NOTE])
+    assert any(t.get_text().replace("\n", " ") == figures.INTERVAL_NOTE for _, f in seen for t in f.texts)
     for _, f in seen:
         plt.close(f)
     seen.clear()
@@ -293,7 +293,7 @@ def test_figures_draw_score_intervals_as_error_bars_when_collected(df, tmp_path,
     for name in ("pareto", "fig6c_oracle_vs_topk", "fig9bc_magicpig_vs_topk"):
         figures.FIGURES[name](bare, tmp_path)
     assert seen and not any(isinstance(c, ErrorbarContainer) for _, f in seen for ax in f.axes for c in ax.containers)
-    assert not any(t.get_text() == figures.INTERVAL_NOTE for _, f in seen for t in f.texts)
+    assert not any(t.get_text().replace("\n", " ") == figures.INTERVAL_NOTE for _, f in seen for t in f.texts)
     for _, f in seen:
         plt.close(f)
 

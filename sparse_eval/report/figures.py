@@ -159,8 +159,11 @@ def _full_line(ax, f, label: str = "Full", color: Any = "black") -> bool:
 
 def _interval_note(fig, drawn: bool, y: float = -0.02) -> None:
     """The figure's footnote on its error bars, when it has any."""
-    if drawn:
-        fig.text(0.5, y, INTERVAL_NOTE, ha="center", fontsize=7)
+    if drawn:  # wrapped to the figure's width (a wider line would widen the saved figure)
+        import textwrap
+
+        width = max(60, int(fig.get_figwidth() * 72 / (7 * 0.55)))
+        fig.text(0.5, y, "\n".join(textwrap.wrap(INTERVAL_NOTE, width)), ha="center", va="top", fontsize=7)
 
 
 def _plain_log_axis(axis) -> None:
@@ -498,7 +501,7 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
     ax.grid(alpha=0.3, which="both")
     fig.text(0.5, -0.02, "Points of different lines are shifted slightly sideways so that equal values stay visible.",
              ha="center", fontsize=7)
-    _interval_note(fig, drawn, y=-0.05)
+    _interval_note(fig, drawn, y=-0.04)
     models = ", ".join(sorted(runs["model"].unique()))
     fig.suptitle(f"Key-value retrieval (DS Fig. 4) — {models}; {_setting_text(runs)}", fontsize=10)
     return _save(fig, out, "ds_fig4_retrieval")
