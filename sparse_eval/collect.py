@@ -60,7 +60,7 @@ from .store import (META_FILE, SAMPLES_FILE, SUMMARY_FILE, find_run_dirs, method
                     read_samples)
 
 SUBTASK_FIELDS = ("subtask", "lm_eval_task")
-MEAN_FIELDS = ("cost1", "cost2", "est_error", "static_frac", "empty_selections")
+MEAN_FIELDS = ("cost1", "cost2", "kv_bytes", "est_error", "static_frac", "empty_selections")
 LEAD_COLUMNS = ["model", "method", "method_config", "run_name", "task", "subtask", "length", "protocol", "metric", "score",
                 "score_lo", "score_hi", "samples", "diff_vs_full", "diff_lo", "diff_hi", "significant", "cost1", "cost2",
                 "est_error", "failed_samples", "expected_samples", "complete", "state"]

@@ -30,7 +30,7 @@ from .tasks import build_task
 log = logging.getLogger("sparse_eval")
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-RECORD_STATS = ("cost1", "cost2", "static_frac", "est_error", "mass", "topk_recall")
+RECORD_STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass", "topk_recall")
 EMPTY_SELECTION_WARN = 0.05  # a run whose rows select no key of their own more often than this is flagged
 AUTO_BATCH_START = 128  # eval.batch_size=auto tries min(samples, this) first, then halves on out-of-memory
 SHORT_CONFIG_KEYS = ("budget", "K", "L", "page_size", "alpha", "beta")

@@ -23,7 +23,7 @@ METHODS = {
     "double_sparsity": {"beta": 8},
     "double_sparsity-offload": {"beta": 8, "offload": True},  # predicts layer l's keys from layer l-1's input
 }
-STATS = ("cost1", "cost2", "static_frac", "est_error", "sparse_rows", "empty_selections")
+STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "sparse_rows", "empty_selections")
 
 
 def _prompts(lengths, seed=0):

@@ -255,3 +255,53 @@ def test_writers_escape_and_align():
     assert r"\begin{tabular}{llrr}" in tex and r"\label{tab:t}" in tex
     assert r"a|b & x\_y & 12.3 (10.0, +2.3) & -- \\" in tex
     assert tex.index(r"\toprule") < tex.index(r"\midrule") < tex.index(r"\bottomrule")
+
+
+def _drawn_figures(monkeypatch, figures):
+    """Spy on ``figures._save``: the figures a call would write, kept open for inspection."""
+    seen = []
+    monkeypatch.setattr(figures, "_save", lambda fig, out, stem: seen.append((stem, fig)) or [])
+    return seen
+
+
+def test_figures_draw_score_intervals_as_error_bars_when_collected(df, tmp_path, monkeypatch):
+    """With collect's score_lo / score_hi each single-run point gets a bar from lo to hi; without them, none."""
+    import matplotlib.pyplot as plt
+    from matplotlib.container import ErrorbarContainer
+
+    from sparse_eval.report import figures
+    from sparse_eval.report.load import run_rows
+
+    assert df["score_lo"].notna().any()
+    seen = _drawn_figures(monkeypatch, figures)
+    for name in ("pareto", "fig6c_oracle_vs_topk", "fig9bc_magicpig_vs_topk"):
+        figures.FIGURES[name](df, tmp_path)
+    bars = {stem: [c for fig in [f] for ax in fig.axes for c in ax.containers if isinstance(c, ErrorbarContainer)]
+            for stem, f in seen}
+    # the fixture's lm-eval runs have no interval (collect has no per-document terms for them): no bar there
+    assert all(bool(v) != stem.startswith("pareto_lm_eval") for stem, v in bars.items()), {k: len(v) for k, v in bars.items()}
+    runs = run_rows(df)
+    ends = {(round(lo, 6), round(hi, 6)) for lo, hi in zip(runs["score_lo"], runs["score_hi"]) if lo == lo}
+    pareto_bars = [c for stem, cs in bars.items() if stem.startswith("pareto_") for c in cs]
+    segs = [seg for c in pareto_bars for seg in c.lines[2][0].get_segments()]
+    assert segs and all((round(seg[0][1], 6), round(seg[1][1], 6)) in ends for seg in segs)
+    assert any(t.get_text().replace("\n", " ") == figures.INTERVAL_NOTE for _, f in seen for t in f.texts)
+    for _, f in seen:
+        plt.close(f)
+    seen.clear()
+    bare = df.drop(columns=["score_lo", "score_hi"])
+    for name in ("pareto", "fig6c_oracle_vs_topk", "fig9bc_magicpig_vs_topk"):
+        figures.FIGURES[name](bare, tmp_path)
+    assert seen and not any(isinstance(c, ErrorbarContainer) for _, f in seen for ax in f.axes for c in ax.containers)
+    assert not any(t.get_text().replace("\n", " ") == figures.INTERVAL_NOTE for _, f in seen for t in f.texts)
+    for _, f in seen:
+        plt.close(f)
+
+
+def test_score_intervals_table_shows_kv_bytes_in_kib(df):
+    from sparse_eval.report.tables import score_intervals
+
+    t = score_intervals(df.assign(kv_bytes=[2048.0 * (i + 1) for i in range(len(df))]))
+    assert "KV KiB/row" in t.value_cols
+    assert {r["KV KiB/row"] for r in t.rows} <= {2.0 * (i + 1) for i in range(len(df))}
+    assert all(r["KV KiB/row"] is None for r in score_intervals(df).rows)  # not recorded: an empty cell

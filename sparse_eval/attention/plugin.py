@@ -193,7 +193,7 @@ class SparseSession:
         if self.method.dense:
             static, n_valid = (masks.static, masks.n_valid) if masks is not None else \
                 static_keys(valid, self.method.config.sink, self.method.config.local)
-            self.recorder.add_full(layer_idx, static, n_valid, hq, counted)
+            self.recorder.add_full(layer_idx, static, n_valid, hq, counted, key_bytes=2 * d * key.element_size())
             return dense, None
         state = _layer_state(getattr(module, _CACHE_ATTR, None), layer_idx)
         seeds = self.row_seeds if self.row_seeds is not None and self.row_seeds.shape[0] == b else None

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 # statistics averaged over the query rows of sparse calls (one row = one query position of one head)
-MEAN_KEYS = ("cost1", "cost2", "static_frac", "est_error", "mass", "topk_recall")
+MEAN_KEYS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass", "topk_recall")
 
 
 class StatsRecorder:
@@ -42,14 +42,19 @@ class StatsRecorder:
         table[entry] = table[entry] + sums if entry in table else sums
 
     def add_full(self, layer: int, static: torch.Tensor, n_valid: torch.Tensor, num_heads: int,
-                 counted: torch.Tensor | None = None) -> None:
-        """Full attention in a would-be-sparse call: every valid key is attended, the output is exact."""
+                 counted: torch.Tensor | None = None, key_bytes: float | None = None) -> None:
+        """Full attention in a would-be-sparse call: every valid key is attended, the output is exact.
+        ``key_bytes``: one key's K and V rows, 2·D·e bytes (e = the cache dtype's element size); each row then
+        records ``kv_bytes`` = n_valid · 2 · D · e (``core.kv_bytes_read`` of full attention)."""
         rows = (n_valid > 0).squeeze(-1).expand(-1, num_heads, -1)  # [B, Hq, Q]
         frac = (static.sum(-1).float() / n_valid.squeeze(-1).clamp_min(1).float()).expand(-1, num_heads, -1)
         zeros = torch.zeros_like(frac)
         ones = torch.ones_like(frac)
-        self.add(layer, {"rows": rows, "empty": torch.zeros_like(rows), "cost1": zeros, "cost2": ones,
-                         "static_frac": frac, "est_error": zeros, "mass": ones, "topk_recall": ones}, counted)
+        stats = {"rows": rows, "empty": torch.zeros_like(rows), "cost1": zeros, "cost2": ones,
+                 "static_frac": frac, "est_error": zeros, "mass": ones, "topk_recall": ones}
+        if key_bytes is not None:
+            stats["kv_bytes"] = (n_valid.squeeze(-1).to(torch.float32) * float(key_bytes)).expand(-1, num_heads, -1)
+        self.add(layer, stats, counted)
 
     def _tables(self, row: int | None) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[str, dict[int, torch.Tensor]]]:
         """(rows, empty, sums) per layer ([Hq] each) of batch row ``row`` (None: all rows), from the stacked sums."""

@@ -205,6 +205,9 @@ class Method:
     # a method whose index must know which keys each query row may attend sets this; ``prepare`` then also gets
     # ``valid``: bool [B, 1, Q, N] (causal and not padding; row Q-1 is the call's last query row)
     prepare_with_valid: ClassVar[bool] = False
+    # whether ``index_bytes`` already reads every valid key's K (exact scoring): the kept keys' K rows are then
+    # not read a second time, only their V rows (``core.kv_bytes_read``)
+    index_reads_keys: ClassVar[bool] = True
 
     def __init__(self, config: MethodConfig):
         self.config = config
@@ -261,6 +264,15 @@ class Method:
         """Search/sampling FLOPs to find the keys, as a fraction of full attention's qKᵀ + softmax·V
         (4·n·d FLOPs per query row and head).  Override per method."""
         return 0.0
+
+    def index_bytes(self, ctx: AttentionContext, sel: Selection) -> torch.Tensor | float:
+        """Bytes the method's system reads to *find* the keys of each query-head row (the kept keys' K/V rows are
+        added by ``core.kv_bytes_read``): [B, Hq, Q] or [B, 1, Q] tensor, or a float for every row.
+
+        Default, exact scoring (full attention, TopK, oracle sampling): every valid key's K row, n_valid·D·e bytes
+        (e = the cache dtype's element size); ``index_reads_keys`` is then True.  Counted per query-head row, as if
+        each head read its own selection (the G heads of a KV group sharing reads is not deducted)."""
+        return ctx.n_valid.squeeze(-1).to(torch.float32) * (ctx.k.shape[-1] * ctx.k.element_size())
 
 
 def log_or_neg_inf(x: torch.Tensor) -> torch.Tensor:

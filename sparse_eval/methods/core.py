@@ -151,6 +151,26 @@ def kept_mass_and_recall(scores: torch.Tensor, p_dense: torch.Tensor, keep: torc
     return mass, recall
 
 
+def kv_bytes_read(method: Method, ctx: AttentionContext, sel: Selection, keep: torch.Tensor) -> torch.Tensor:
+    """KV-cache bytes the method's system reads for each query-head row, fp32 [B, Hq, Q]:
+
+        kv_bytes = index_bytes + |keep| · (2 if not index_reads_keys else 1) · D · e
+
+    ``method.index_bytes`` is what the method reads to find its keys (exact scoring: n_valid·D·e; Quest: page
+    min/max; DS: label cache; MagicPIG: hash-bucket ids); the kept keys (static ones included) add their V row,
+    and their K row unless scoring already read it.  D = head dim, e = element size of the cache dtype.  Full
+    attention: n_valid · 2 · D · e.  Per query-head row, as if each head read its own selection (GQA sharing is
+    not deducted)."""
+    b, hq, ql, _ = keep.shape
+    d, e = ctx.k.shape[-1], ctx.k.element_size()
+    rows_per_key = 1 if method.index_reads_keys else 2
+    kept = keep.sum(-1).to(torch.float32) * float(rows_per_key * d * e)  # [B, Hq, Q]
+    idx = method.index_bytes(ctx, sel)
+    if not torch.is_tensor(idx):
+        return kept + float(idx)
+    return kept + idx.to(torch.float32).expand(b, hq, ql)
+
+
 def sparse_attention(
     method: Method,
     q: torch.Tensor,
@@ -171,7 +191,7 @@ def sparse_attention(
 
     q [B, Hq, Q, D], k/v [B, Hkv, N, D] (the whole cache of this layer, un-repeated), valid bool [B, 1, Q, N].
     Returns the output [B, Hq, Q, D] (q's dtype) and per-row statistics, each [B, Hq, Q]:
-    ``cost1``, ``cost2`` (kept keys / valid keys), ``static_frac``, ``est_error``, ``mass`` and ``topk_recall``
+    ``cost1``, ``cost2`` (kept keys / valid keys), ``kv_bytes`` (``kv_bytes_read``), ``static_frac``, ``est_error``, ``mass`` and ``topk_recall``
     (``kept_mass_and_recall``; these three if ``compute_error``), ``empty``
     (the method kept no key of its own), ``rows`` (row has at least one valid key), plus the method's
     own extras; with ``keep_masks`` also ``keep`` bool [B, Hq, Q, N].  ``masks``: ``pass_masks(valid, sink,
@@ -222,6 +242,7 @@ def sparse_attention(
         c1 = method.cost1(ctx, sel)
         st["cost1"] = torch.full((b, hq, stop - start), float(c1), device=q.device) \
             if not torch.is_tensor(c1) or c1.dim() == 0 else c1.float().expand(b, hq, stop - start)
+        st["kv_bytes"] = kv_bytes_read(method, ctx, sel, keep)
         if compute_error:
             p_dense = masked_softmax(scores, vc)
             dense = weighted_values(p_dense, v).float()

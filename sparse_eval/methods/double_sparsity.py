@@ -166,6 +166,7 @@ class DoubleSparsity(Method):
 
     name = "double_sparsity"
     config_class = DoubleSparsityConfig
+    index_reads_keys = False
 
     def __init__(self, config: DoubleSparsityConfig):
         super().__init__(config)
@@ -462,3 +463,10 @@ class DoubleSparsity(Method):
     def cost1(self, ctx: AttentionContext, sel: Selection) -> torch.Tensor:
         """α/2 measured: r label channels out of d, on the qKᵀ half of full attention."""
         return sel.stats["channels"] / (2.0 * ctx.q.shape[-1])
+
+    def index_bytes(self, ctx: AttentionContext, sel: Selection) -> torch.Tensor:
+        """The label cache of every valid key: n_valid · r · label_bits / 8 bytes per query-head row (the label
+        values only; a quantizer's per-token min/scale is not counted).  With ``offload`` the labels are read
+        once, for the predicted query (the own query's selection is only measured for ``offload_recall``).  The
+        chosen tokens' K and V are added by the core."""
+        return ctx.n_valid.squeeze(-1).to(torch.float32) * sel.stats["channels"] * (self.config.label_bits / 8.0)

@@ -54,6 +54,7 @@ from .core import static_keys
 from .registry import register
 
 _STATE_KEY = "magicpig"
+ID_BYTES = 4  # one key id in a hash bucket (``index_bytes``)
 _MAX_K = 62  # codes are packed into int64
 _P_MIN = 1e-300  # a sampled key has p > 0; the clamp only keeps log u finite against rounding
 # start-time check of (K, L, min_collisions): a key at cosine REFERENCE_COS with its query (p = 2/3 per bit,
@@ -237,6 +238,7 @@ class MagicPIG(Method):
 
     name = "magicpig"
     config_class = MagicPIGConfig
+    index_reads_keys = False
     supported_gqa = ("query_head",)  # the query's hash codes are per query head
     prepare_with_valid = True
     # comparisons materialised at once (memory only; does not change results)
@@ -529,6 +531,9 @@ class MagicPIG(Method):
         dim = d + 1 if c.mips else d
         stats = {
             "sampled": keep.sum(-1).to(torch.float32),
+            # Σ_i c_i over the indexed (candidate) keys, c_i = tables in which key i shares the query's code: the
+            # bucket entries the CPU look-up reads in the query's L buckets
+            "collisions": counts.masked_fill(ctx.not_candidates, 0).sum(-1, dtype=torch.float32),
             # the query's K·L projections, 2·dim·K·L FLOPs, as a fraction of full attention (4·n·d)
             "proj_cost": (2.0 * dim * c.K * c.L / (4.0 * d * n_rows)).expand(b, hq, ql),
         }
@@ -537,3 +542,9 @@ class MagicPIG(Method):
     def cost1(self, ctx, sel):
         """0, as the paper counts it (Table 1): hashing is not attention work; see ``proj_cost`` in the stats."""
         return 0.0
+
+    def index_bytes(self, ctx: AttentionContext, sel: Selection) -> torch.Tensor:
+        """The CPU look-up's reads: the key ids in the query's bucket of each of the L tables, one 4-byte id per
+        (table, colliding key), i.e. ``collisions`` · 4 bytes per query-head row (keys are indexed once they
+        leave the static set, so only candidate keys count).  The sampled keys' K and V are added by the core."""
+        return sel.stats["collisions"] * float(ID_BYTES)

@@ -157,6 +157,7 @@ class Quest(Method):
 
     name = "quest"
     config_class = QuestConfig
+    index_reads_keys = False
 
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
@@ -290,3 +291,8 @@ class Quest(Method):
         """Pages scored / context keys, per row (≈ 1 / page_size)."""
         nv = ctx.n_valid.squeeze(-1).clamp_min(1).float()  # [B, 1, Q]
         return sel.stats["pages_scored"] / nv
+
+    def index_bytes(self, ctx: AttentionContext, sel: Selection) -> torch.Tensor:
+        """Each scored page's min and max vectors: pages_scored · 2 · D · e bytes per query-head row (the metadata is
+        kept in the cache dtype, element size e); the chosen pages' K and V are added by the core."""
+        return sel.stats["pages_scored"] * (2.0 * ctx.k.shape[-1] * ctx.k.element_size())

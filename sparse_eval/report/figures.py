@@ -105,6 +105,67 @@ def _n_text(d) -> str:
     return f"n = {lo} sample{'s' if hi > 1 else ''} per point" if lo == hi else f"n = {lo}-{hi} samples per point"
 
 
+INTERVAL_NOTE = ("Error bars (and the shaded band of a Full line): 95 % bootstrap interval of a single run's score (collect's score_lo / "
+                 "score_hi); a point that averages several runs has none.")
+
+
+def _score_points(d, by, **extra):
+    """Points of ``d`` grouped by ``by``: mean ``score`` (and ``extra`` aggregations, pandas named-aggregation
+    form) with ``lo``/``hi``, the 95 % interval of the score (``score_lo``/``score_hi``) where exactly one row
+    stands behind the point, NaN otherwise (several runs' mean has no interval of its own) or when the columns
+    are absent.  Sorted by ``by``."""
+    import numpy as np
+
+    aggs = dict(score=("score", "mean"), n_rows=("score", "size"), **extra)
+    has = "score_lo" in d.columns and "score_hi" in d.columns
+    if has:
+        aggs.update(lo=("score_lo", "first"), hi=("score_hi", "first"))
+    m = d.groupby(by).agg(**aggs).sort_index()
+    if not has:
+        m["lo"], m["hi"] = np.nan, np.nan
+    single = m["n_rows"] == 1
+    m["lo"], m["hi"] = m["lo"].where(single), m["hi"].where(single)
+    return m
+
+
+def _error_bars(ax, x, y, lo, hi, color: Any = None, zorder: float = 2.5) -> bool:
+    """Vertical 95 % interval bars [lo, hi] at the points (x, y); points without both ends get none.  Returns
+    whether any bar was drawn."""
+    import numpy as np
+
+    x, y, lo, hi = (np.asarray(list(a), dtype=float) for a in (x, y, lo, hi))
+    ok = np.isfinite(x) & np.isfinite(y) & np.isfinite(lo) & np.isfinite(hi)
+    if not ok.any():
+        return False
+    yerr = np.vstack([np.clip(y[ok] - lo[ok], 0, None), np.clip(hi[ok] - y[ok], 0, None)])
+    ax.errorbar(x[ok], y[ok], yerr=yerr, fmt="none", ecolor=color, elinewidth=0.8, capsize=2.5, alpha=0.85,
+                zorder=zorder)
+    return True
+
+
+def _full_line(ax, f, label: str = "Full", color: Any = "black") -> bool:
+    """Full attention's score as a dashed line over its runs ``f`` (mean), with its 95 % interval as a band when
+    one run stands behind it.  Returns whether a band was drawn."""
+    if f.empty:
+        return False
+    ax.axhline(f["score"].mean(), color=color, ls="--", lw=0.9, label=label)
+    if len(f) == 1 and "score_lo" in f.columns and "score_hi" in f.columns:
+        lo, hi = f["score_lo"].iloc[0], f["score_hi"].iloc[0]
+        if lo == lo and hi == hi and lo is not None and hi is not None:
+            ax.axhspan(float(lo), float(hi), color=color, alpha=0.08, lw=0)
+            return True
+    return False
+
+
+def _interval_note(fig, drawn: bool, y: float = -0.02) -> None:
+    """The figure's footnote on its error bars, when it has any."""
+    if drawn:  # wrapped to the figure's width (a wider line would widen the saved figure)
+        import textwrap
+
+        width = max(60, int(fig.get_figwidth() * 72 / (7 * 0.55)))
+        fig.text(0.5, y, "\n".join(textwrap.wrap(INTERVAL_NOTE, width)), ha="center", va="top", fontsize=7)
+
+
 def _plain_log_axis(axis) -> None:
     """Plain numbers (120, not 1.2×10²) on a log axis; minor ticks labelled too when it spans under a decade
     (else such an axis would have no label at all)."""
@@ -218,15 +279,16 @@ def fig1_topk(df, out: Path) -> list[Path]:
     full = _group_score(sub[sub["method"] == "full"], _ruler_group)
     keys = sorted(g.groupby(["model", "length"]).groups.keys(), key=str)
     fig, axes = _panels(len(keys))
+    drawn = False
     for ax, (model, length) in zip(axes, keys):
         d = g[(g["model"] == model) & (g["length"] == length)]
         for i, (grp, dd) in enumerate(sorted(d.groupby("group"), key=lambda x: x[0])):
             dd = dd.assign(budget=[param(r, "budget") for _, r in dd.iterrows()])
-            m = dd.groupby("budget")["score"].mean().sort_index()
-            ax.plot(m.index, m.values, marker="o", color=f"C{i}", label=f"TopK: {grp}")
+            m = _score_points(dd, "budget")
+            ax.plot(m.index, m["score"], marker="o", color=f"C{i}", label=f"TopK: {grp}")
+            drawn |= _error_bars(ax, m.index, m["score"], m["lo"], m["hi"], color=f"C{i}")
             f = full[(full["model"] == model) & (full["length"] == length) & (full["group"] == grp)]
-            if not f.empty:
-                ax.axhline(f["score"].mean(), color=f"C{i}", ls="--", lw=0.9, label=f"Full: {grp}")
+            drawn |= _full_line(ax, f, f"Full: {grp}", f"C{i}")
         ax.set_xscale("log")
         _plain_log_x(ax)
         ax.set_xlabel("TopK budget (fraction of the context's keys, log scale)")
@@ -237,6 +299,7 @@ def fig1_topk(df, out: Path) -> list[Path]:
         ax.legend(fontsize=7)
     fig.suptitle(f"TopK on retrieval (niah) vs aggregation (cwe, fwe) (MagicPIG Fig. 1) — {_setting_text(topk)}",
                  fontsize=10)
+    _interval_note(fig, drawn)
     return _save(fig, out, "fig1_topk_retrieval_vs_aggregation")
 
 
@@ -247,21 +310,22 @@ def fig6c_oracle_vs_topk(df, out: Path) -> list[Path]:
     if not both:
         raise Skip("needs topk and oracle runs of the same model, task and length")
     fig, axes = _panels(len(both))
+    drawn = False
     for ax, (model, task, length) in zip(axes, both):
         g = d[(d["model"] == model) & (d["task"] == task) & ((d["length"] == length) if length == length else d["length"].isna())]
         notes: list[tuple[float, float, str]] = []
         for method, name in (("topk", "TopK"), ("oracle", "Oracle sampling")):
             dm = g[g["method"] == method]
             dm = dm.assign(budget=[param(r, "budget") for _, r in dm.iterrows()])
-            m = dm.groupby("budget").agg(score=("score", "mean"), cost2=("cost2", "mean")).sort_index()
+            m = _score_points(dm, "budget", cost2=("cost2", "mean"))
             ax.plot(m.index, m["score"], marker=MARKERS[name], color=COLORS[name], label=name)
+            drawn |= _error_bars(ax, m.index, m["score"], m["lo"], m["hi"], color=COLORS[name])
             if method == "oracle":
                 notes = [(b, r.score, f"Cost2 {r.cost2:.3g}") for b, r in m.iterrows()]
         f = runs[(runs["model"] == model) & (runs["task"] == task) & (runs["method"] == "full")]
         if length == length:
             f = f[f["length"] == length]
-        if not f.empty:
-            ax.axhline(f["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
+        drawn |= _full_line(ax, f)
         metric = g["metric"].iloc[0]
         ax.set_xscale("log")
         _plain_log_x(ax)
@@ -273,6 +337,7 @@ def fig6c_oracle_vs_topk(df, out: Path) -> list[Path]:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"Oracle sampling vs TopK downstream (MagicPIG Fig. 6c) — {_setting_text(d)}", fontsize=10)
+    _interval_note(fig, drawn)
     return _save(fig, out, "fig6c_oracle_vs_topk")
 
 
@@ -289,6 +354,7 @@ def fig9a_centering(df, out: Path) -> list[Path]:
         raise Skip("needs magicpig runs with center=true and center=false at the same K (model, task, length)")
     sub = subtask_rows(df)
     fig, axes = _panels(len(keys))
+    drawn = False
     for ax, (model, task, length, K) in zip(axes, keys):
         rows = mp[(mp["model"] == model) & (mp["task"] == task) & (mp["K"] == K)]
         if length == length:
@@ -303,9 +369,10 @@ def fig9a_centering(df, out: Path) -> list[Path]:
             series = [(f"{task} score", rows)]
         for i, (grp, dd) in enumerate(series):
             for center, ls in ((True, "-"), (False, ":")):
-                m = dd[dd["center"] == center].groupby("L")["score"].mean().sort_index()
+                m = _score_points(dd[dd["center"] == center], "L")
                 # later series drawn smaller on top, so that equal scores stay visible
-                ax.plot(m.index, m.values, ls=ls, marker="o" if center else "X", color=f"C{i}",
+                drawn |= _error_bars(ax, m.index, m["score"], m["lo"], m["hi"], color=f"C{i}", zorder=1.5 + i)
+                ax.plot(m.index, m["score"], ls=ls, marker="o" if center else "X", color=f"C{i}",
                         markersize=max(3.0, 10.0 - 3.0 * i), zorder=2 + i, mfc="none" if center else f"C{i}",
                         label=f"{grp}, {'centered' if center else 'no centering'}")
         ax.set_xlabel(f"L (hash tables), K = {int(K)}")
@@ -317,6 +384,7 @@ def fig9a_centering(df, out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"Importance of key centering (MagicPIG Fig. 9a) — {_setting_text(mp)}", fontsize=10)
+    _interval_note(fig, drawn)
     return _save(fig, out, "fig9a_centering")
 
 
@@ -327,15 +395,17 @@ def fig9bc_magicpig_vs_topk(df, out: Path) -> list[Path]:
         raise Skip("needs RULER runs of both topk and magicpig with the cwe / fwe subtasks")
     keys = sorted({(m, l, s) for m, l, s in zip(d["model"], d["length"], d["subtask"])}, key=str)
     fig, axes = _panels(len(keys))
+    drawn = False
     for ax, (model, length, st) in zip(axes, keys):
         g = d[(d["model"] == model) & (d["length"] == length) & (d["subtask"] == st)]
-        t = g[g["method"] == "topk"].groupby("config").agg(cost2=("cost2", "mean"), score=("score", "mean")).sort_values("cost2")
+        t = _score_points(g[g["method"] == "topk"], "config", cost2=("cost2", "mean")).sort_values("cost2")
         ax.plot(t["cost2"], t["score"], marker="o", color=COLORS["TopK"], label="TopK (exact)")
-        mp = g[g["method"] == "magicpig"].groupby("config").agg(cost2=("cost2", "mean"), score=("score", "mean"))
+        drawn |= _error_bars(ax, t["cost2"], t["score"], t["lo"], t["hi"], color=COLORS["TopK"])
+        mp = _score_points(g[g["method"] == "magicpig"], "config", cost2=("cost2", "mean"))
         ax.scatter(mp["cost2"], mp["score"], marker="^", color=COLORS["MagicPIG"], zorder=3, label="MagicPIG (K, L)")
+        drawn |= _error_bars(ax, mp["cost2"], mp["score"], mp["lo"], mp["hi"], color=COLORS["MagicPIG"])
         f = sub[(sub["method"] == "full") & (sub["model"] == model) & (sub["length"] == length) & (sub["subtask"] == st)]
-        if not f.empty:
-            ax.axhline(f["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
+        drawn |= _full_line(ax, f)
         ax.set_xscale("log")
         _plain_log_x(ax)
         ax.set_xlabel("measured Cost2 (fraction of keys attended, log scale)")
@@ -346,6 +416,7 @@ def fig9bc_magicpig_vs_topk(df, out: Path) -> list[Path]:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle(f"MagicPIG vs TopK on aggregation tasks (MagicPIG Fig. 9b/c) — {_setting_text(d)}", fontsize=10)
+    _interval_note(fig, drawn)
     return _save(fig, out, "fig9bc_magicpig_vs_topk")
 
 
@@ -370,24 +441,29 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
     fig, axes = _panels(2, 5.6, 4.4)
     # (a) vs sparsity level, one line per method and context length; level 1 = full attention (as DS Table 2)
     ax = axes[0]
+    drawn = False
     keys = lengths or [None]
     for j, L in enumerate(keys):
         a = runs if L is None else runs[runs["length"] == L]
         f = a[a["method"] == "full"]
         fs = f["score"].mean() if not f.empty else None
+        fp = _score_points(f.assign(level=1.0), "level") if not f.empty else None  # full's point, with its interval
         dodge = 2 ** (0.08 * (j - (len(keys) - 1) / 2))
         sparse = a[a["level"].notna()]
         for name, dd in sparse.groupby("method_name"):
-            m = dd.groupby("level")["score"].mean().sort_index(ascending=False)
-            xs, ys = [1 / x for x in m.index], list(m.values)
+            m = _score_points(dd, "level").sort_index(ascending=False)
+            xs, ys, los, his = [1 / x for x in m.index], list(m["score"]), list(m["lo"]), list(m["hi"])
             if fs is not None:
                 xs, ys = [1.0] + xs, [fs] + ys
+                los, his = [fp["lo"].iloc[0]] + los, [fp["hi"].iloc[0]] + his
             ax.plot([x * dodge for x in xs], ys, marker=MARKERS.get(name, "o"), color=f"C{j}",
                     ls=("-", "--", "-.")[j % 3] if name == "DS" else ":", markersize=max(4.0, 8.0 - 1.5 * j), zorder=2 + j,
                     label=f"{name}, {int(L)} tokens" if L is not None else name)
+            drawn |= _error_bars(ax, [x * dodge for x in xs], ys, los, his, color=f"C{j}", zorder=1.5 + j)
         if sparse.empty and fs is not None:
             ax.plot([dodge], [fs], marker=MARKERS["Full"], color=f"C{j}", ls="none",
                     label=f"Full, {int(L)} tokens" if L is not None else "Full")
+            drawn |= _error_bars(ax, [dodge], [fs], fp["lo"], fp["hi"], color=f"C{j}")
     ax.set_xscale("log", base=2)
     _frac_ticks(ax)
     ax.set_xlabel("sparsity level (share of the keys attended; 1 = full attention)")
@@ -402,14 +478,16 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
         order = sorted(runs.groupby("label"), key=lambda kv: (kv[1]["method"].iloc[0] != "full",
                                                                 -(kv[1]["level"].dropna().mean() if kv[1]["level"].notna().any() else 2)))
         for i, (lab, dd) in enumerate(order):
-            m = dd.groupby("length")["score"].mean().sort_index()
+            m = _score_points(dd, "length")
             if len(m) >= 2:
                 name = dd["method_name"].iloc[0]
                 full = dd["method"].iloc[0] == "full"
                 dodge = 2 ** (0.03 * (i - (len(order) - 1) / 2))
-                ax.plot([x * dodge for x in m.index], m.values, marker=MARKERS.get(name, "o"),
+                ax.plot([x * dodge for x in m.index], m["score"], marker=MARKERS.get(name, "o"),
                         color="black" if full else f"C{i}", ls="--" if full else "-",
                         markersize=max(3.0, 9.0 - 1.0 * i), zorder=2 + i, label=lab)
+                drawn |= _error_bars(ax, [x * dodge for x in m.index], m["score"], m["lo"], m["hi"],
+                                     color="black" if full else f"C{i}", zorder=1.5 + i)
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [str(int(x)) for x in lengths])
         ax.minorticks_off()
@@ -423,6 +501,7 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
     ax.grid(alpha=0.3, which="both")
     fig.text(0.5, -0.02, "Points of different lines are shifted slightly sideways so that equal values stay visible.",
              ha="center", fontsize=7)
+    _interval_note(fig, drawn, y=-0.04)
     models = ", ".join(sorted(runs["model"].unique()))
     fig.suptitle(f"Key-value retrieval (DS Fig. 4) — {models}; {_setting_text(runs)}", fontsize=10)
     return _save(fig, out, "ds_fig4_retrieval")
@@ -442,21 +521,23 @@ def ds_fig1_ppl(df, out: Path) -> list[Path]:
     models = sorted(ds["model"].unique())
     fig, axes = _panels(len(models), 5.4, 4.0)
     shapes = {"qk": "o", "q": "s", "k": "^", "random": "D"}
+    drawn = False
     for ax, model in zip(axes, models):
         d = ds[ds["model"] == model]
         diag = d[[t is not None and c is not None and math.isclose(t, min(c, 1.0), rel_tol=1e-6) for t, c in zip(d["tok"], d["chan"])]]
         groups = sorted(diag.groupby(["ctype", "offload"]), key=lambda kv: (kv[0][0] != "qk", kv[0]))
         for i, ((ct, off), dd) in enumerate(groups):
-            m = dd.groupby("tok")["score"].mean().sort_index(ascending=False)
+            m = _score_points(dd, "tok").sort_index(ascending=False)
             seeds = dd["seed"].nunique()
             lab = f"{'DS-Offload' if off else 'DS'}, {ct} channels" + (f" (mean of {seeds} seeds)" if ct == "random" and seeds > 1 else "")
             if len(m) == 1:
                 lab += f" (1/{1 / m.index[0]:g} only)"
-            ax.plot([1 / x for x in m.index], m.values, marker=shapes.get(ct, "o"), ls="-" if len(m) > 1 else "none",
-                    markersize=max(4.0, 9.0 - 1.5 * i), mfc="none" if i else None, zorder=3 + i, label=lab)
+            line = ax.plot([1 / x for x in m.index], m["score"], marker=shapes.get(ct, "o"), ls="-" if len(m) > 1 else "none",
+                           markersize=max(4.0, 9.0 - 1.5 * i), mfc="none" if i else None, zorder=3 + i, label=lab)
+            drawn |= _error_bars(ax, [1 / x for x in m.index], m["score"], m["lo"], m["hi"],
+                                 color=line[0].get_color(), zorder=2.5 + i)
         full = runs[(runs["model"] == model) & (runs["method"] == "full")]
-        if not full.empty:
-            ax.axhline(full["score"].mean(), color="black", ls="--", lw=0.9, label="Full")
+        drawn |= _full_line(ax, full)
         ax.set_xscale("log", base=2)
         _frac_ticks(ax)
         ax.set_yscale("log")
@@ -467,6 +548,7 @@ def ds_fig1_ppl(df, out: Path) -> list[Path]:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(f"Perplexity vs sparsity level (DS Table 2 / Fig. 1) — {_setting_text(ds)}", fontsize=10)
+    _interval_note(fig, drawn)
     paths += _save(fig, out, "ds_fig1_ppl_sparsity")
     # Fig. 9: token x channel grid of the qk channels (the paper's), when present
     qk = ds[(ds["ctype"] == "qk") & ~ds["offload"]]
@@ -550,6 +632,7 @@ def pareto(df, out: Path) -> list[Path]:
         keys = sorted({(None if ln != ln else ln, st) for ln, st in zip(d["length"], d["panel_sub"])},
                       key=lambda k: (k[0] or 0, str(k[1])))
         fig, axes = _panels(len(keys), 5.6, 4.4)
+        drawn = False
         metric = str(d["metric"].iloc[0])
         lower = metric in ("ppl", "perplexity")
         for ax, (length, sub) in zip(axes, keys):
@@ -561,6 +644,8 @@ def pareto(df, out: Path) -> list[Path]:
             for name, dd in g.groupby("method_name"):
                 ax.scatter(dd["cost2"], dd["score"], marker=MARKERS.get(name, "o"), color=COLORS.get(name), label=name,
                            s=30, zorder=3)
+                if "score_lo" in dd.columns and "score_hi" in dd.columns:  # one run per point
+                    drawn |= _error_bars(ax, dd["cost2"], dd["score"], dd["score_lo"], dd["score_hi"], color=COLORS.get(name))
                 if len(dd) <= 12:
                     rows = [r for _, r in dd.iterrows() if r["config"] != "–"]
                     texts = _distinct_labels(rows, [_short_config(r) for r in rows])
@@ -592,6 +677,7 @@ def pareto(df, out: Path) -> list[Path]:
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
         fig.suptitle(f"Accuracy vs attention cost, every method — {model}, {task}; {_setting_text(d)}", fontsize=10)
+        _interval_note(fig, drawn)
         paths += _save(fig, out, f"pareto_{task}_{model}")
     return paths
 

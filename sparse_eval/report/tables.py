@@ -452,6 +452,13 @@ def _interval(lo: Any, hi: Any, digits: int = 1) -> str | None:
     return f"[{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
+def _kib(v: Any) -> float | None:
+    """Bytes -> KiB; None for a missing value (results collected before ``kv_bytes`` was recorded)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return float(v) / 1024.0
+
+
 def score_intervals(df) -> Table:
     """Every run's score with its sample count and 95 % bootstrap interval, and its paired difference against full
     attention on the same samples (``collect``'s ``score_lo``/``score_hi``, ``diff_*``); ``*`` marks a difference
@@ -470,15 +477,20 @@ def score_intervals(df) -> Table:
             "Δ vs full": f"{diff:+.1f}{' *' if sig is True else ''}" if has_diff else None,
             "Δ 95% CI": _interval(r.get("diff_lo"), r.get("diff_hi")) if has_diff else None,
             "Cost2": r.get("cost2"),
+            "KV KiB/row": _kib(r.get("kv_bytes")),
         })
     rows.sort(key=lambda x: (str(x["Model"]), str(x["Task"]), _natural(x["Length"]), x["Δ vs full"] is not None,
                              _natural(x["Method"]), _natural(x["Config"])))
     return Table("score_intervals", "Scores with 95 % intervals and paired differences against full attention",
                  "Score: the task's metric over n samples with its 95 % percentile-bootstrap interval (samples resampled "
                  "within each subtask). Δ vs full: the score minus full attention's on the same samples, with its 95 % "
-                 "paired bootstrap interval; * marks a difference whose interval excludes 0 (significant at the 5 % level).",
-                 ["Model", "Task", "Length", "Method", "Config"], ["n", "Score", "95% CI", "Δ vs full", "Δ 95% CI", "Cost2"],
-                 rows, digits={"n": 0, "Score": 1, "Cost2": 3})
+                 "paired bootstrap interval; * marks a difference whose interval excludes 0 (significant at the 5 % level). "
+                 "KV KiB/row: the KV-cache bytes the method's system reads per sparse layer, query head and step (kept "
+                 "keys' K and V plus the method's index: all keys' K to score for full/TopK/oracle, page min/max for "
+                 "Quest, labels for DS, bucket ids for MagicPIG; GQA sharing not deducted), in KiB.",
+                 ["Model", "Task", "Length", "Method", "Config"],
+                 ["n", "Score", "95% CI", "Δ vs full", "Δ 95% CI", "Cost2", "KV KiB/row"],
+                 rows, digits={"n": 0, "Score": 1, "Cost2": 3, "KV KiB/row": 1})
 
 
 TABLES: dict[str, Callable[[Any], Table]] = {
