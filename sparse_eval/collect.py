@@ -21,6 +21,7 @@ Columns (see also docs/sweeps.md):
   run_name                           method_config + dense layers + the task's length + hash (status.run_name)
   method.<field>                     every method field (budget, K, L, page_size, alpha, beta, ...; NaN if absent)
   sink, local, dense_layers, gqa     the shared method fields (dense_layers as "0,16")
+  sliding_layers                     dense | sparse: how layers with a sliding window ran (None: the model has none)
   task, task_config                  task name; its config as JSON (all fields)
   subtask, length                    from the per-sample records ("all": the whole run; length: the task's
                                      length setting, or the records' when they vary)
@@ -136,10 +137,12 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
         "model_fingerprint": (model.get("fingerprint") or {}).get("files_sha256")
         or (model.get("fingerprint") or {}).get("config_sha256"),
         "method": method.get("name"), "method_config": method_label(method), "run_name": state["config"],
-        **{f"method.{k}": v for k, v in method.items() if k not in ("name", "sink", "local", "dense_layers", "gqa")
+        **{f"method.{k}": v for k, v in method.items() if k not in ("name", "sink", "local", "dense_layers", "gqa",
+                                                                     "sliding_layers")
            and not isinstance(v, (dict, list))},
         "sink": method.get("sink"), "local": method.get("local"),
         "dense_layers": ",".join(str(x) for x in method.get("dense_layers") or []) or None, "gqa": method.get("gqa"),
+        "sliding_layers": method.get("sliding_layers"),
         "task": task_cfg.get("name"), "task_config": json.dumps(task_cfg, sort_keys=True, default=str),
         "protocol": ev.get("protocol"), "prefill_chunk": ev.get("prefill_chunk"), "seed": identity.get("seed"),
         "metric": metric, "expected_samples": state["expected"], "complete": state["expected"] is not None
@@ -235,7 +238,7 @@ def add_paired_differences(rows: list[dict[str, Any]]) -> None:
 def add_seed_spread(df) -> None:
     """``seeds`` and ``seed_std``: how many runs differ from this row's only in their seed, and the standard
     deviation of their scores (a stochastic method's spread over seeds; std is NaN with one seed)."""
-    keys = [c for c in (*PAIR_KEYS, "method_config", "dense_layers", "gqa", "sink", "local") if c in df.columns]
+    keys = [c for c in (*PAIR_KEYS, "method_config", "dense_layers", "sliding_layers", "gqa", "sink", "local") if c in df.columns]
     groups = df[keys].apply(lambda row: "|".join(map(str, row)), axis=1)
     df["seeds"] = df.groupby(groups)["seed"].transform("nunique")
     df["seed_std"] = df.groupby(groups)["score"].transform("std")

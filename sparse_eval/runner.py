@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .attention.plugin import PROTOCOLS, Runtime, attach, detach
+from .attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan, sliding_layers
 from .config import to_plain
 from .engine import Engine
 from .estimate import warn_if_long
@@ -112,6 +112,7 @@ class Experiment:
             self.context = max_context(self.model_cfg, self.model)
             self.num_layers = self.model.config.get_text_config().num_hidden_layers
             self.model_identity = model_identity(self.model_cfg, self.model, to_plain(self.cfg.paths))
+            self.sliding = sliding_layers(self.model)  # {layer: window} of the layers that attend within a window
 
     def samples(self):
         if self._samples is None:
@@ -129,6 +130,7 @@ class Experiment:
                                                                                      self.num_layers))
         method = build_method(resolved)
         method.validate(num_layers=self.num_layers, context=self.context)
+        layer_plan(method, self.num_layers, self.sliding)  # refuses a method left with no sparse layer
         method.setup(self.model, self.model_cfg.name)
         self.samples()
         return resolved
@@ -138,11 +140,14 @@ class Experiment:
         (``model_identity``: source, revision, GGUF file, dtype, config and file fingerprints; ``name`` is only
         the label), the method's config and the sha256 of what it reads from outside it (``inputs``:
         ``Method.external_inputs``, e.g. Double Sparsity's calibration file), the task, the evaluation settings
-        and the seed."""
+        and the seed.  ``sliding_layers`` enters only for a model that has sliding layers: elsewhere it cannot change
+        a result (and the runs made before it existed keep their directories)."""
         ev = self.cfg.eval
         if dataclasses.is_dataclass(method):
             method = dataclasses.asdict(method)
         self.load()
+        if not self.sliding:
+            method = {k: v for k, v in method.items() if k != "sliding_layers"}
         model = self.model_identity
         inputs = build_method(make_config(method["name"], method)).external_inputs(self.model_cfg.name)
         return {
@@ -202,6 +207,13 @@ class Experiment:
         logger.finish(summary)
         return summary
 
+    def sliding_dense_layers(self, method: dict[str, Any]) -> list[int]:
+        """The layers a run of ``method`` (its recorded config) left dense because they attend within a sliding
+        window (``attention.plugin.layer_plan``; [] for a model without sliding layers)."""
+        if not self.sliding:
+            return []
+        return layer_plan(build_method(make_config(method["name"], method)), self.num_layers, self.sliding)[1]
+
     def summarize(self, run_dir: Path, identity: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
         ok = [r for r in records if r.get("status") == "ok"]
         metrics = self.task.aggregate(ok)
@@ -217,6 +229,8 @@ class Experiment:
             "task_config": identity["task"],
             "protocol": self.protocol,
             "dense_layers": identity["method"].get("dense_layers"),
+            "sliding_layers": identity["method"].get("sliding_layers"),
+            "sliding_dense_layers": self.sliding_dense_layers(identity["method"]),
             "sink": identity["method"].get("sink"),
             "local": identity["method"].get("local"),
             "prefill_chunk": self.cfg.eval.prefill_chunk,

@@ -50,8 +50,9 @@ def _mtime(path: Path) -> float | None:
 
 
 def run_name(identity: dict[str, Any] | None, run_dir: Path) -> str:
-    """A run's readable name: the method with its own parameters (``store.method_label``), its dense layers and
-    the task's length when it has one (RULER, kv_retrieval), then the config hash, e.g.
+    """A run's readable name: the method with its own parameters (``store.method_label``), its dense layers (and
+    ``sliding=sparse`` where sliding layers ran sparse), the task's length when it has one (RULER, kv_retrieval),
+    then the config hash, e.g.
     ``magicpig-K=10-L=150-dense=0,2-length=4096-1a2b3c4d5e``: runs that differ in those show different names."""
     if not identity or not isinstance(identity.get("method"), dict):
         return run_dir.name
@@ -59,6 +60,8 @@ def run_name(identity: dict[str, Any] | None, run_dir: Path) -> str:
     parts = [method_label(method)]
     if method.get("name") != "full" and method.get("dense_layers") is not None:
         parts.append("dense=" + ",".join(str(x) for x in method["dense_layers"]))
+    if method.get("name") != "full" and method.get("sliding_layers") == "sparse":
+        parts.append("sliding=sparse")
     if task.get("length") is not None:
         parts.append(f"length={task['length']}")
     return "-".join(parts + [run_dir.name.rsplit("-", 1)[-1]])

@@ -13,7 +13,9 @@ Which calls are sparse (the evaluation protocol, recorded with every result):
   B: the context is prefilled densely and the question and the generation are sparse (the engine marks the
      context phase with ``session.phase("dense")`` and the rest with ``session.phase("sparse")``);
   S: every query position attends sparsely, prefill included.
-Layers in ``method.dense_layers`` are always dense.
+Layers in ``method.dense_layers`` are always dense, and so are the layers that attend within a sliding window of
+their own (``sliding_layers``) unless ``method.sliding_layers="sparse"`` (``layer_plan``).  A sliding layer keeps its
+window either way: transformers' mask brings it, and the sparse path selects only among the keys it allows.
 """
 
 from __future__ import annotations
@@ -99,17 +101,68 @@ def _layer_state(cache: Any, layer_idx: int) -> dict[str, Any]:
     return state
 
 
+def sliding_layers(model: torch.nn.Module) -> dict[int, int]:
+    """{layer index: window} of the layers that attend within a sliding window of their own (window: the keys a
+    query row may see, itself included).
+
+    A layer slides where the model declares it per layer: ``config.layer_types[i] == "sliding_attention"``
+    (Gemma 3: 5 of every 6 layers, 512 keys; Qwen2 with ``use_sliding_window``) or an attention module carrying a
+    ``sliding_window``.  A config with one ``sliding_window`` for all layers and no layer types (Mistral-7B-v0.1,
+    4096) declares no sliding layers: its layers are all alike and run as the method says (the window still
+    applies through the mask; ``attention_window`` covers it)."""
+    cfg = model.config.get_text_config()
+    types = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None)
+    out: dict[int, int] = {}
+    for m in attention_modules(model):
+        i = m.layer_idx
+        w = getattr(m, "sliding_window", None)
+        if w is None and types is not None and i < len(types) and types[i] == "sliding_attention":
+            w = window
+        if w is not None:
+            out[i] = int(w)
+    return dict(sorted(out.items()))
+
+
+def attention_window(model: torch.nn.Module) -> int | None:
+    """The smallest window any layer of ``model`` attends within (None: every layer sees every earlier key): a
+    sliding layer's (``sliding_layers``) or the one ``sliding_window`` a config without layer types sets for all."""
+    cfg = model.config.get_text_config()
+    windows = list(sliding_layers(model).values())
+    if getattr(cfg, "layer_types", None) is None and getattr(cfg, "sliding_window", None) is not None:
+        windows.append(int(cfg.sliding_window))
+    return min(windows) if windows else None
+
+
+def layer_plan(method: Method, num_layers: int, sliding: dict[int, int] | list[int]) -> tuple[set[int], list[int]]:
+    """(the layers ``method`` leaves dense, those of them dense only because they slide) in a model of
+    ``num_layers`` layers whose sliding layers are ``sliding`` (``sliding_layers``).  The dense layers are
+    ``method.dense_layers`` resolved, plus, with ``method.sliding_layers="dense"``, every sliding layer.  Raises
+    ValueError for a sparse method that would be left with no sparse layer because of its sliding layers."""
+    dense = method.dense_layer_set(num_layers)
+    slide_dense = sorted(set(sliding) - dense) if method.config.sliding_layers == "dense" else []
+    both = dense | set(slide_dense)
+    if not method.dense and slide_dense and len(both) >= num_layers:
+        raise ValueError(
+            f"method {method.name!r} would run in no layer: layers {sorted(dense)} are method.dense_layers and "
+            f"{slide_dense} attend within a sliding window (method.sliding_layers='dense'); set "
+            f"method.sliding_layers=sparse to run the method in the sliding layers too, within their window")
+    return both, slide_dense
+
+
 class SparseSession:
     """A method attached to one model, with its protocol and the statistics of the calls it served."""
 
-    def __init__(self, method: Method, runtime: Runtime, num_layers: int, num_heads: int):
+    def __init__(self, method: Method, runtime: Runtime, num_layers: int, num_heads: int,
+                 sliding: dict[int, int] | None = None):
         if runtime.protocol not in PROTOCOLS:
             raise ValueError(f"protocol={runtime.protocol!r}; valid: {list(PROTOCOLS)}")
         method.validate(num_layers=num_layers)
         self.method = method
         self.runtime = runtime
         self.num_layers = num_layers
-        self.dense_layers = method.dense_layer_set(num_layers)
+        # the layers always dense: method.dense_layers and, with sliding_layers="dense", the sliding layers
+        self.dense_layers, self.sliding_dense_layers = layer_plan(method, num_layers, sliding or {})
         self.recorder = StatsRecorder(num_layers, num_heads)
         self._phase: str | torch.Tensor | None = None
         self._counted: torch.Tensor | None = None  # bool [B, Q] of the current pass: query rows whose stats count
@@ -241,7 +294,8 @@ def attach(model: torch.nn.Module, method: Method, runtime: Runtime | None = Non
     """Route ``model``'s attention through ``method``.  Returns the session (statistics, phases)."""
     detach(model)
     cfg = model.config.get_text_config()
-    session = SparseSession(method, runtime or Runtime(), cfg.num_hidden_layers, cfg.num_attention_heads)
+    session = SparseSession(method, runtime or Runtime(), cfg.num_hidden_layers, cfg.num_attention_heads,
+                            sliding_layers(model))
     session.modules = attention_modules(model)
     for m in session.modules:
         setattr(m, _SESSION_ATTR, session)

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 GQA_MODES = ("query_head", "kv_head")
+SLIDING_LAYERS = ("dense", "sparse")
 
 
 @dataclass
@@ -38,6 +39,11 @@ class MethodConfig:
     # 32-layer Llama; Quest/TopK/oracle in the MagicPIG repo: [0, 1]).  Entries: a layer index (negative: from
     # the end) or a word resolved per model by ``resolve_dense_layers``: first, mid (num_layers // 2), last
     dense_layers: list[Any] = field(default_factory=lambda: [0, 1])
+    # layers that attend within a sliding window of their own (Gemma 3: 5 of every 6, 512 keys) keep it either way;
+    # "dense": they run dense attention over their window, "sparse": the method runs in them, within the window.
+    # A method field beside dense_layers (not an eval setting): it says in which layers the method runs
+    # (``attention.plugin.sliding_layers`` finds them, ``layer_plan`` applies it on both paths)
+    sliding_layers: str = "dense"
     # selection per query head (paper setting for all methods) or shared per KV group
     gqa: str = "query_head"
     # seed of the method's own randomness (sampling, random projections)
@@ -225,6 +231,9 @@ class Method:
                 f"method.gqa={c.gqa!r} is not supported by method {self.name!r}; valid: {list(self.supported_gqa)}"
             )
         check_dense_layers(c.dense_layers)
+        if c.sliding_layers not in SLIDING_LAYERS:
+            raise ValueError(f"method.sliding_layers={c.sliding_layers!r}; valid: {list(SLIDING_LAYERS)} (dense: layers "
+                             "with a sliding window attend densely within it; sparse: the method runs there too)")
         if num_layers is not None:
             resolve_dense_layers(c.dense_layers, num_layers)
 

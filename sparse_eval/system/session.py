@@ -29,7 +29,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..attention.plugin import attention_modules
+from ..attention.plugin import attention_modules, attention_window, layer_plan, sliding_layers
 from ..methods.base import Method
 from .layers import DSOffloadLayer, FullLayer, LayerOptions, build_layer, layer_class
 
@@ -66,14 +66,24 @@ def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype
                  backend_gpu: str = "auto", backend_cpu: str = "auto", topk: str = "radix") -> list[FullLayer]:
     """One cache layer per decoder layer for ``method`` (set up already: DS has its channels); ``topk`` the
     top-k of DS and Quest ("radix": ``kernels.topk`` on CUDA; "torch": ``torch.topk``).  ``label_scale_dtype``
-    (DS's label scales): float16 on CUDA, float32 on the CPU by default."""
+    (DS's label scales): float16 on CUDA, float32 on the CPU by default.
+
+    The layers attend to every key they hold (no mask), so a model whose layers attend within a sliding window
+    (``attention_window``) is refused when ``capacity`` exceeds the window; within it the window changes nothing,
+    and the sliding layers are dense or the method's as ``method.sliding_layers`` says (``layer_plan``, as on the
+    accuracy path)."""
     layer_class(method.name)  # refuses a method without a system path, naming the valid ones
     cfg = model.config.get_text_config()
     n_layers, hq = cfg.num_hidden_layers, cfg.num_attention_heads
     hkv = getattr(cfg, "num_key_value_heads", None) or hq
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     method.validate(num_layers=n_layers)
-    dense = method.dense_layer_set(n_layers) if method.name != "full" else set(range(n_layers))
+    window = attention_window(model)
+    if window is not None and capacity > window:
+        raise ValueError(f"{type(model).__name__} attends within a {window}-token sliding window, which the system "
+                         f"path's cache layers do not apply: {capacity} tokens (prompt + new tokens) exceed it; "
+                         f"run at most {window} tokens here, or use the accuracy path (python -m sparse_eval)")
+    dense = layer_plan(method, n_layers, sliding_layers(model))[0] if method.name != "full" else set(range(n_layers))
     if label_scale_dtype is None:
         label_scale_dtype = torch.float16 if next(model.parameters()).is_cuda else torch.float32
     opts = LayerOptions(capacity=capacity, hq=hq, hkv=hkv, d=d, label_scale_dtype=label_scale_dtype,
