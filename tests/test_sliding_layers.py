@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from sparse_eval.attention.plugin import Runtime, attach, attention_window, detach, layer_plan, make_cache, sliding_layers
 from sparse_eval.config import register_configs
 from sparse_eval.methods import build_method, make_config
-from sparse_eval.results import run_dir_for
+from sparse_eval.store import run_dir_for
 from sparse_eval.runner import CONF_DIR, Experiment, run
 
 REPO = Path(__file__).resolve().parents[1]
