@@ -33,10 +33,11 @@ Columns (see also docs/sweeps.md):
   n_paired, significant              ran (same model, task config, protocol, subtask, length), its 95 % paired
                                      bootstrap interval, the shared samples, and whether the interval excludes 0
   seeds, seed_std                    runs differing only in seed, and the standard deviation of their scores
-  cost1, cost2, est_error, static_frac, empty_selections
+  cost1, cost2, kv_bytes, est_error, mass, topk_recall, static_frac, empty_selections
                                      means over the row's samples (each sample's value is a mean over sparse
                                      layers, heads and query rows): Cost1 search/sampling FLOPs ratio, Cost2
-                                     attended-key fraction, relative L2 error of the attention output
+                                     attended-key fraction, KV bytes read per row, relative L2 error of the
+                                     attention output, dense attention mass on the kept keys, top-k recall of them
   samples, failed_samples            finished / errored sample records in the row
   expected_samples, complete         the run's expected sample count; all of them written (run-level)
   state                              done / running / failed / pending (sparse_eval.status)
@@ -61,7 +62,7 @@ from .store import (META_FILE, SAMPLES_FILE, SUMMARY_FILE, find_run_dirs, method
                     read_samples)
 
 SUBTASK_FIELDS = ("subtask", "lm_eval_task")
-MEAN_FIELDS = ("cost1", "cost2", "kv_bytes", "est_error", "static_frac", "empty_selections")
+MEAN_FIELDS = ("cost1", "cost2", "kv_bytes", "est_error", "mass", "topk_recall", "static_frac", "empty_selections")
 LEAD_COLUMNS = ["model", "method", "method_config", "run_name", "task", "subtask", "length", "protocol", "metric", "score",
                 "score_lo", "score_hi", "samples", "diff_vs_full", "diff_lo", "diff_hi", "significant", "cost1", "cost2",
                 "est_error", "failed_samples", "expected_samples", "complete", "state"]
