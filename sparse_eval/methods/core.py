@@ -193,7 +193,7 @@ def sparse_attention(
     Returns the output [B, Hq, Q, D] (q's dtype) and per-row statistics, each [B, Hq, Q]:
     ``cost1``, ``cost2`` (kept keys / valid keys), ``kv_bytes`` (``kv_bytes_read``), ``static_frac``, ``est_error``, ``mass`` and ``topk_recall``
     (``kept_mass_and_recall``; these three if ``compute_error``), ``empty``
-    (the method kept no key of its own), ``rows`` (row has at least one valid key), plus the method's
+    (the row had candidates and the method kept none of them), ``rows`` (row has at least one valid key), plus the method's
     own extras; with ``keep_masks`` also ``keep`` bool [B, Hq, Q, N].  ``masks``: ``pass_masks(valid, sink,
     local)`` when the caller has it already (the same for every layer of a pass).  ``row_seeds`` long [B]: each
     row's seed (its sample id; sampling methods draw from (method seed, layer, row seed), so a row draws the
@@ -222,7 +222,9 @@ def sparse_attention(
         )
         sel: Selection = method.select(ctx)
         own = sel.keep & m.candidates
-        empty = ~own.any(-1)  # [B, Hq, Q]
+        # [B, Hq, Q]: the method kept none of the row's candidates (a row with no candidate, e.g. one whose keys
+        # are all sink/local, cannot select any and is not counted)
+        empty = ~own.any(-1) & m.candidates.any(-1)
         keep = own | m.static
         if cfg.sink == 0 and cfg.local == 0:
             # nothing at all (no static keys configured and nothing picked): fall back to the newest valid key.
