@@ -4,7 +4,10 @@ The accuracy path is what `python -m sparse_eval` runs (the shared masked attent
 each method's selection).  For every method this prefills one context densely (protocol A), then times
 ``--steps`` greedy decode steps with the method attached, with the estimation error on (the default of a run)
 and off.  The same prefilled cache is reused for every method (cropped back after each), and full attention
-is timed in the same process as the baseline.  Medians over ``--repeats``.
+is timed in the same process as the baseline, as is stock transformers (sdpa, no plug-in: method ``stock``).
+Medians over ``--repeats``.  The dense prefill of the batch is timed too (``prefill_ms``, stock sdpa, median over
+``--repeats``): with the per-step times it is what ``benchmarks/project_ruler_hours.py`` projects a RULER
+evaluation's GPU-hours from.
 
     python benchmarks/bench_accuracy_path.py --model stories260k --context 448 --out experiments/accuracy_path_speed
     python benchmarks/bench_accuracy_path.py --model llama3_8b_random --context 16384 --out $OUT   # GPU machine
@@ -80,7 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=None, help="override the number of layers (random models)")
-    ap.add_argument("--methods", default="full,topk,oracle,magicpig,quest,double_sparsity")
+    ap.add_argument("--methods", default="stock,full,topk,oracle,magicpig,quest,double_sparsity",
+                    help="conf/method names; 'stock' = transformers' own attention, no plug-in")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -93,23 +97,33 @@ def main(argv=None) -> int:
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (args.batch, args.context), generator=g).to(device)
-    cache = make_cache(model)
-    with torch.inference_mode():
-        logits = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+    prefill_ms = []
+    for _ in range(max(1, args.repeats)):
+        cache = make_cache(model)
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            logits = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+        sync(device)
+        prefill_ms.append((time.perf_counter() - t0) * 1000.0)
     first = logits.argmax(-1, keepdim=True)
+    print(f"prefill {args.batch} x {args.context}: {statistics.median(prefill_ms):.1f} ms (median of {len(prefill_ms)})")
 
     methods = []
     for name in [m for m in args.methods.split(",") if m]:
+        if name == "stock":
+            methods.append((name, None))
+            continue
         opts = method_options(name)
         opts["dense_layers"] = [i for i in opts.get("dense_layers", []) if isinstance(i, str) or i < n_layers] or [0]
-        if name == "magicpig" and n_layers < 16:
+        if opts["name"] == "magicpig" and n_layers < 16:
             opts["dense_layers"] = [0, n_layers // 2]
-        if name == "double_sparsity" and args.model != "stories260k":
+        if opts["name"] == "double_sparsity" and args.model != "stories260k":
             # a random-weight model has no calibration file: give every head channels 0..d-1 in order
             head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
             opts["channels"] = [list(range(head_dim))] * model.config.num_attention_heads
         try:
-            method = build_method(make_config(name, opts))
+            method = build_method(make_config(opts["name"], opts))
             method.setup(model, args.model)
         except (ValueError, TypeError, FileNotFoundError) as exc:
             print(f"skip {name}: {exc}")
@@ -121,14 +135,16 @@ def main(argv=None) -> int:
     stats: dict[tuple[str, bool], dict] = {}
     for rep in range(args.repeats):
         for name, method in methods:
-            for err in (True, False):
-                session = attach(model, method, Runtime(protocol="A", compute_error=err))
+            for err in ((False,) if method is None else (True, False)):
+                session = None if method is None else attach(model, method, Runtime(protocol="A", compute_error=err))
                 if rep == 0:
                     time_decode(model, cache, args.context, first, 2, device)  # warm-up
-                session.recorder.reset()
+                if session is not None:
+                    session.recorder.reset()
                 times.setdefault((name, err), []).append(time_decode(model, cache, args.context, first, args.steps, device))
-                stats[(name, err)] = session.recorder.summary()
-                detach(model)
+                stats[(name, err)] = session.recorder.summary() if session is not None else {}
+                if session is not None:
+                    detach(model)
     rows = []
     for (name, err), ts in times.items():
         summ = stats[(name, err)]
@@ -142,13 +158,15 @@ def main(argv=None) -> int:
     for name in dict.fromkeys(r["method"] for r in rows):
         on = next((r for r in rows if r["method"] == name and r["est_error_on"]), None)
         off = next((r for r in rows if r["method"] == name and not r["est_error_on"]), None)
-        print(f"{name:16s}  {on['ratio_vs_full']:.2f}x / {off['ratio_vs_full']:.2f}x")
+        print(f"{name:16s}  {on['ratio_vs_full']:.2f}x / {off['ratio_vs_full']:.2f}x" if on else
+              f"{name:16s}  - / {off['ratio_vs_full']:.2f}x")
     record = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "args": vars(args),
-              "device": str(device), "dtype": str(dtype), "hardware": hardware(), "versions": versions(), "rows": rows}
+              "device": str(device), "dtype": str(dtype), "hardware": hardware(), "versions": versions(),
+              "prefill_ms": statistics.median(prefill_ms), "prefill_all_ms": prefill_ms, "rows": rows}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"accuracy_path_{args.model}_{args.context}.json").write_text(json.dumps(record, indent=2) + "\n")
+        (out / f"accuracy_path_{args.model}_{args.context}_b{args.batch}.json").write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 

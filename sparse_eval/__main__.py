@@ -15,7 +15,7 @@ import sys
 import hydra
 
 from . import sweep
-from .cli import EXIT_FAILED, EXIT_USAGE, check_choices, fail, hydra_entry
+from .cli import EXIT_FAILED, EXIT_USAGE, check_choices, check_compare, fail, hydra_entry
 from .config import register_configs
 from .runner import CONF_DIR, run
 
@@ -26,6 +26,7 @@ register_configs()
 def main(cfg):
     try:
         check_choices()
+        check_compare(cfg)
     except ValueError as exc:
         fail(str(exc), EXIT_USAGE)
     if sweep.is_multirun():

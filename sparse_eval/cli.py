@@ -69,6 +69,20 @@ def check_choices() -> None:
             raise ValueError(f"{group}={choice} is a config schema, not a {group}; valid: {_yaml_choices(group)}")
 
 
+def check_compare(cfg: Any) -> None:
+    """Refuse ``compare=[...]`` given on the command line while a method is chosen (``method=``, or pinned by an
+    ``+experiment``): only the chosen method would run and the list would be ignored without a word."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or cfg.get("method") is None:
+        return
+    given = [o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+") == "compare"]
+    if given:
+        choice = HydraConfig.get().runtime.choices.get("method")
+        raise ValueError(f"{given[0]} is ignored while method={choice} is chosen (an +experiment may pin it); "
+                         "add ~method to run the compare list, or drop compare=")
+
+
 def _argv_overrides() -> list[str]:
     return [a for a in sys.argv[1:] if not a.startswith("-")]
 

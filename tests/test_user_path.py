@@ -110,6 +110,7 @@ def test_bad_device_fails_before_writing(tmp_path):
     (["method=topk_schema"], "method=topk_schema is a config schema, not a method; valid: ["),
     (["method.budget=0.1"], "method.budget: no method chosen"),
     (["method=nope"], "Could not find 'method/nope'"),
+    (["+experiment=smoke/ds_ppl", "compare=[full,topk]"], "compare=[full,topk] is ignored while method=full"),
     (["method=full", "paths.runs_dir=/proc/runs"], "paths.runs_dir=/proc/runs: cannot write /proc/runs"),
     (["method=full", "task=wikitext", "paths.data_dir=EMPTY"], "expected EMPTY/wikitext-2-raw/wikitext-test.txt"),
     (["method=full", "model.path=org/none"], "model.path='org/none': cannot load the model"),
