@@ -49,6 +49,8 @@ def load(paths: list[Path]) -> tuple[int, dict[int, dict]]:
     batches = set()
     for p in paths:
         r = json.loads(p.read_text())
+        if "args" not in r or "prefill_ms" not in r:
+            raise SystemExit(f"{p}: not a bench_accuracy_path.py record with prefill_ms (re-run the benchmark)")
         batches.add(r["args"]["batch"])
         recs[int(r["args"]["context"])] = r
     if len(batches) != 1:
