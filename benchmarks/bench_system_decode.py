@@ -39,6 +39,7 @@ from _kernel_bench_util import hardware  # noqa: E402
 from sparse_eval.methods.registry import build_method  # noqa: E402
 from sparse_eval.system import DecodeOptions, decode  # noqa: E402
 from sparse_eval.system.models import SHAPES, random_model  # noqa: E402
+from sparse_eval.system.plan import host_memory_available, host_threads, plan_batch, weight_bytes  # noqa: E402
 
 GiB = 1 << 30
 
@@ -63,10 +64,15 @@ def parse_args(argv=None):
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--batch", type=int, default=None, help="use this batch for every run instead of the plan")
     ap.add_argument("--time-budget-s", type=float, default=480.0, help="skip remaining runs after this")
-    ap.add_argument("--threads", type=int, default=None, help="numba threads of MagicPIG's CPU part")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="numba threads of MagicPIG's CPU part (default: the cores this process may use)")
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="2 layers, contexts 2K, batch 2 (checks the plumbing)")
     ap.add_argument("--replot", default=None, help="redraw the figure of this system_decode.json and exit")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="print each run's planned batch (GPU and host bytes per row) for this machine and exit; "
+                         "needs no GPU (--gpu-gib gives the GPU's memory then)")
+    ap.add_argument("--gpu-gib", type=float, default=None, help="GPU memory for --plan-only without a GPU")
     ap.add_argument("--out", default=os.environ.get("OUT", "experiments/system_decode_throughput"))
     a = ap.parse_args(argv)
     if a.smoke:
@@ -100,45 +106,6 @@ def method_config(name: str, num_layers: int, hkv: int, d: int, seed: int = 0) -
     if name == "quest":  # MagicPIG §5.1's Quest baseline settings at β = 1/16: pages of 16, sink 4 + local 64
         return {"name": "quest", "page_size": 16, "budget": 0.0625, "dense_layers": [0, 1] if num_layers > 2 else [0]}
     raise ValueError(f"method {name!r}; valid: full, ds, ds_offload, quest, magicpig_<K>_<L>")
-
-
-def plan_batch(name: str, cfg: dict, ctx: int, steps: int, shape: dict, n_layers: int, gpu_free: float,
-               cpu_free: float, max_batch: int) -> tuple[int, dict]:
-    """Largest batch whose caches fit: bytes per row on the GPU and in host memory (bf16 KV; DS labels 4-bit
-    codes + fp16 scale/zero per KV head; MagicPIG tables 4 B per key and table + bucket offsets)."""
-    hkv, d = shape["num_key_value_heads"], shape["head_dim"]
-    n = ctx + steps
-    kv_layer = 2 * hkv * d * 2 * n
-    dense = set(cfg.get("dense_layers", [])) if name != "full" else set(range(n_layers))
-    sparse = n_layers - len(dense)
-    gpu = cpu = 0.0
-    if name in ("full", "ds", "quest"):
-        gpu = n_layers * kv_layer
-    if name == "quest":
-        gpu += sparse * 2 * hkv * d * 2 * (-(-n // cfg["page_size"]))  # page min and max
-    if name not in ("full", "ds", "quest"):
-        gpu = len(dense) * kv_layer
-        cpu = sparse * kv_layer
-    if name in ("ds", "ds_offload"):
-        r = int(0.25 * d)
-        gpu += sparse * hkv * n * (r // 2 + 4)
-    if name.startswith("magicpig"):
-        cpu += sparse * hkv * cfg["L"] * (4 * n + 4 * ((1 << cfg["K"]) + 1) + 2 * n)  # perm + offsets + build codes
-        gpu += sparse * 2 * hkv * d * 2 * (cfg.get("local", 64) + steps + 4)
-    b_gpu = int(gpu_free // gpu) if gpu else max_batch
-    b_cpu = int(cpu_free // cpu) if cpu else max_batch
-    return max(0, min(max_batch, b_gpu, b_cpu)), {"gpu_bytes_per_row": int(gpu), "cpu_bytes_per_row": int(cpu),
-                                                   "fit_gpu": b_gpu, "fit_cpu": b_cpu}
-
-
-def mem_available() -> float:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16 * GiB
 
 
 def bandwidths(dev) -> dict:
@@ -223,6 +190,34 @@ def _title(shape: str, gpu: str) -> str:
     return f"{shape} shape (random weights), bf16, greedy decode, {gpu}; batch = largest that fits (labelled)"
 
 
+def print_plan(a, shape: dict, cpu_free: float, threads: int) -> int:
+    """The planned batch of every (context, method) run on this machine, without building the model."""
+    n_layers = a.num_layers or shape["num_hidden_layers"]
+    weights = weight_bytes(shape, n_layers)
+    if torch.cuda.is_available():
+        gpu_total = torch.cuda.get_device_properties(0).total_memory
+    elif a.gpu_gib:
+        gpu_total = a.gpu_gib * GiB
+    else:
+        raise SystemExit("--plan-only without a GPU needs --gpu-gib (e.g. --gpu-gib 139 for an H200)")
+    gpu_free = max(0.0, gpu_total - weights - a.gpu_reserve_gib * GiB)
+    print(f"{a.shape} ({n_layers} layers, weights {weights / GiB:.1f} GiB); GPU {gpu_total / GiB:.0f} GiB, "
+          f"{gpu_free / GiB:.1f} GiB for caches; host {cpu_free / GiB:.1f} GiB for caches; MagicPIG CPU threads "
+          f"{threads}")
+    print(f"{'context':>8s} {'method':22s} {'batch':>5s} {'GPU MiB/row':>12s} {'host MiB/row':>13s} {'fit GPU':>8s} "
+          f"{'fit host':>8s}")
+    for ctx in a.contexts:
+        for spec in a.methods:
+            name, _, forced = spec.partition("@")
+            base = "_".join(p for p in name.split("_") if p not in ("graph", "torchtopk", "halves"))
+            cfg = method_config(base, n_layers, shape["num_key_value_heads"], shape["head_dim"])
+            batch, plan = plan_batch(base, cfg, ctx, a.steps, shape, n_layers, gpu_free, cpu_free, a.max_batch)
+            batch = int(forced) if forced else (a.batch or batch)
+            print(f"{ctx:8d} {name:22s} {batch:5d} {plan['gpu_bytes_per_row'] / 2**20:12.1f} "
+                  f"{plan['cpu_bytes_per_row'] / 2**20:13.1f} {plan['fit_gpu']:8d} {plan['fit_cpu']:8d}")
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     out = Path(a.out)
@@ -234,19 +229,21 @@ def main(argv=None) -> int:
         print(f"wrote {out / 'system_decode.png'}")
         return 0
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if a.threads:
-        import sparse_eval.kernels.magicpig_cpu as kmc
-
-        kmc.set_num_threads(a.threads)
-    t_start = time.time()
+    threads = a.threads or host_threads()
     shape = SHAPES[a.shape]
+    cpu_free = a.cpu_budget_gib * GiB if a.cpu_budget_gib else 0.6 * host_memory_available()
+    if a.plan_only:
+        return print_plan(a, shape, cpu_free, threads)
+    import sparse_eval.kernels.magicpig_cpu as kmc
+
+    kmc.set_num_threads(threads)
+    t_start = time.time()
     model = random_model(a.shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, num_layers=a.num_layers)
     n_layers = model.config.num_hidden_layers
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     gpu_total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 0
     gpu_free = max(0.0, gpu_total - weights - a.gpu_reserve_gib * GiB) if dev.type == "cuda" else 64 * GiB
-    cpu_free = a.cpu_budget_gib * GiB if a.cpu_budget_gib else 0.6 * mem_available()
-    meta = {"command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+    meta = {"magicpig_cpu_threads": threads, "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
             "hardware": hardware(), "bandwidths": bandwidths(dev), "shape": a.shape, "num_layers": n_layers,
             "weights_bytes": weights, "gpu_free_for_caches": gpu_free, "cpu_free_for_caches": cpu_free,
             "steps": a.steps, "warmup": a.warmup, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
