@@ -90,7 +90,7 @@ def test_collision_counts_are_chunked_exactly():
     kc = torch.randint(0, 4, (2, 2, 50, 7), generator=g, dtype=torch.int16)
     ref = (qc.reshape(2, 2, 6, 1, 7) == kc[:, :, None]).sum(-1).reshape(2, 4, 3, 50)
     for budget in (1, 7, 100, 1 << 20):
-        assert torch.equal(collision_counts(qc, kc, budget).long(), ref)
+        assert torch.equal(collision_counts(qc, kc, element_budget=budget).long(), ref)
     for L in (255, 256, 300):  # counts summed as uint8 up to L = 255, as int16 above: up to L, no wrap-around
         qc = torch.zeros(1, 2, 1, L, dtype=torch.int16)
         kc = torch.randint(0, 2, (1, 1, 9, L), generator=g, dtype=torch.int16)

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.magicpig import collision_counts  # Alg. 1 line 2: the one count, Triton on CUDA
 from .base import AttentionContext, Method, MethodConfig, Selection
 from .core import static_keys
 from .registry import register
@@ -198,34 +199,6 @@ def pack_signs(proj: torch.Tensor, K: int, L: int) -> torch.Tensor:
     return (bits * pow2).sum(-1, dtype=dt)
 
 
-def collision_counts(q_codes: torch.Tensor, k_codes: torch.Tensor, element_budget: int = 1 << 26) -> torch.Tensor:
-    """Number of tables in which each key's code equals the query's.
-
-    q_codes [B, Hq, Q, L], k_codes [B, Hkv, N, L] -> int16 [B, Hq, Q, N].  Never materialises more than
-    ``element_budget`` (query, key, table) comparisons: keys (and, if needed, query rows) are taken in chunks,
-    so one decode step is a handful of vectorised compares whatever N.
-    """
-    b, hq, ql, nt = q_codes.shape
-    hkv, n = k_codes.shape[1], k_codes.shape[2]
-    g = hq // hkv
-    qg = q_codes.reshape(b, hkv, g * ql, 1, nt)
-    out = torch.empty(b, hkv, g * ql, n, dtype=torch.int16, device=q_codes.device)
-    rows = g * ql
-    row_step = max(1, min(rows, element_budget // max(1, b * hkv * nt)))
-    for r0 in range(0, rows, row_step):
-        qr = qg[:, :, r0:r0 + row_step]
-        per_key = b * hkv * qr.shape[2] * nt
-        key_step = max(1, element_budget // per_key)
-        for s in range(0, n, key_step):
-            kk = k_codes[:, :, None, s:s + key_step, :]  # [B, Hkv, 1, n', L]
-            eq = qr == kk  # [B, Hkv, rows, n', L] bool
-            if nt <= 255:  # summed as uint8 in place: a sum into int16 first copies the whole comparison to int16
-                out[:, :, r0:r0 + row_step, s:s + key_step] = eq.view(torch.uint8).sum(-1, dtype=torch.uint8)
-            else:
-                out[:, :, r0:r0 + row_step, s:s + key_step] = eq.sum(-1, dtype=torch.int16)
-    return out.reshape(b, hq, ql, n)
-
-
 def _mix_seed(seed: int, group: int) -> int:
     x = (int(seed) * 0x9E3779B97F4A7C15 + int(group) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & ((1 << 64) - 1)
     x ^= x >> 31
@@ -243,6 +216,8 @@ class MagicPIG(Method):
     prepare_with_valid = True
     # comparisons materialised at once (memory only; does not change results)
     element_budget: int = 1 << 26
+    # ``kernels.magicpig.collision_counts`` backend: "auto" (Triton on CUDA, torch otherwise); same integers on each
+    collision_backend: str = "auto"
 
     def __init__(self, config: MagicPIGConfig):
         super().__init__(config)
@@ -506,7 +481,8 @@ class MagicPIG(Method):
             counts = self._row_counts(ctx, q_codes, mean_rows, r_rows, w)
         else:
             mean_rows, r_rows = st["mean"][:, :, None].expand(-1, -1, ql, -1), st["r"][:, :, None].expand(-1, -1, ql)
-            counts = collision_counts(q_codes, st["codes"][:, :, :n], self.element_budget)  # [B, Hq, Q, N]
+            counts = collision_counts(q_codes, st["codes"][:, :, :n], backend=self.collision_backend,
+                                      element_budget=self.element_budget)  # [B, Hq, Q, N] int16
         keep = (counts >= c.min_collisions) & ctx.candidates
         bias = torch.zeros(b, hq, ql, n, dtype=torch.float32, device=q.device)
         bi, hi, qi, ni = torch.nonzero(keep, as_tuple=True)  # the sampled (row, key) pairs only
