@@ -218,6 +218,10 @@ class MagicPIG(Method):
     element_budget: int = 1 << 26
     # ``kernels.magicpig.collision_counts`` backend: "auto" (Triton on CUDA, torch otherwise); same integers on each
     collision_backend: str = "auto"
+    # (row, key, eq. 10 term) elements up to which a call with the index's μ (decoding) computes −log u for every
+    # candidate key with no host sync (``_bias_dense``); above it, or when rows have their own μ_t, only for the
+    # sampled pairs (``_bias_sampled``: a host sync, ~1/50 of the elements).  Same values either way (~1e-15)
+    dense_bias_elements: int = 1 << 26
 
     def __init__(self, config: MagicPIGConfig):
         super().__init__(config)
@@ -462,6 +466,70 @@ class MagicPIG(Method):
             counts[:, :, :, r0:r1, :m] = eq.sum(-1, dtype=torch.int16)
         return counts.reshape(b, hq, ql, n)
 
+    # -- eq. 10 correction ---------------------------------------------------------------------------
+    def _neg_log_u(self, cos: torch.Tensor) -> torch.Tensor:
+        """−log(u + u_offset) (eq. 11's bias, float32) from cos(q, k̄_i) (float64): p = 1 − arccos(cos)/π, u by
+        eq. 10 (``log_sampling_probability``)."""
+        c = self.config
+        p = collision_probability(cos).clamp_min(_P_MIN)
+        log_u = log_sampling_probability(p, c.K, c.L, c.min_collisions, self.element_budget // 8)
+        if c.u_offset > 0:
+            log_u = torch.logaddexp(log_u, torch.full_like(log_u, math.log(c.u_offset)))
+        return (-log_u).to(torch.float32)
+
+    @staticmethod
+    def _cos(dot: torch.Tensor, knorm: torch.Tensor, qnorm: torch.Tensor) -> torch.Tensor:
+        """cos(q, k̄) in float64; a zero vector gives 0 (p = 1/2)."""
+        den = knorm * qnorm
+        return torch.where(den > 0, dot / den.clamp_min(1e-300), torch.zeros_like(den))
+
+    def _bias_sampled(self, q: torch.Tensor, k: torch.Tensor, mean_rows: torch.Tensor, r_rows: torch.Tensor,
+                      keep: torch.Tensor, g: int) -> torch.Tensor:
+        """bias [B, Hq, Q, N] float32: −log u_i (eq. 11) on the sampled (row, key) pairs only, 0 elsewhere.
+        mean_rows [B, Hkv, Q, D] and r_rows [B, Hkv, Q] are each row's μ_t and r_t.  One host sync (the pairs'
+        count), then chunks of pairs."""
+        c = self.config
+        b, hq, ql, d = q.shape
+        bias = torch.zeros(b, hq, ql, k.shape[2], dtype=torch.float32, device=q.device)
+        bi, hi, qi, ni = torch.nonzero(keep, as_tuple=True)  # the sampled (row, key) pairs only
+        step = self._chunk(4 * (d + max(1, c.L - c.min_collisions + 1)))
+        for s in range(0, bi.numel(), step):
+            bs, hs, qs, ns = bi[s:s + step], hi[s:s + step] // g, qi[s:s + step], ni[s:s + step]
+            # eq. 10 on the hashed vectors: cos(q, k̄_i), k̄_i the centered (with mips: transformed) key, float64
+            kr = k[bs, hs, ns].double() - mean_rows[bs, hs, qs].double()  # [M, D]
+            qr = q[bs, hi[s:s + step], qs].double()
+            knorm = kr.norm(dim=-1)
+            if c.mips:
+                knorm = torch.maximum(knorm, r_rows[bs, hs, qs].double())
+            cos = self._cos((kr * qr).sum(-1), knorm, qr.norm(dim=-1))
+            bias[bs, hi[s:s + step], qs, ns] = self._neg_log_u(cos)  # eq. 11: s_i − log u_i
+        return bias
+
+    def _bias_dense(self, q: torch.Tensor, k: torch.Tensor, mean: torch.Tensor, r: torch.Tensor | None,
+                    keep: torch.Tensor, terms: int) -> torch.Tensor:
+        """``_bias_sampled``'s values for rows sharing the index's μ [B, Hkv, D] (and r [B, Hkv] under eq. 8):
+        −log u_i computed for every (row, key) as cos(q, k_i − μ) = q·(k_i − μ) / (|q| |k_i − μ|) in float64 (one
+        product per KV group), then kept where ``keep``.  No host sync and no loop over pairs; keys in chunks of
+        at most ``element_budget`` (row, key, eq. 10 term) elements."""
+        c = self.config
+        b, hq, ql, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+        rows = hq // hkv * ql
+        qg = q.double().reshape(b, hkv, rows, d)  # query head h·G + g, row t -> row g·Q + t of KV head h
+        qnorm = qg.norm(dim=-1)[..., None]  # [B, Hkv, R, 1]
+        keep_g = keep.reshape(b, hkv, rows, n)
+        mu = mean.double()[:, :, None]  # [B, Hkv, 1, D]
+        bias = torch.empty(b, hkv, rows, n, dtype=torch.float32, device=q.device)
+        step = max(1, min(self._chunk(b * hq * ql * terms), self._chunk(b * hkv * d)))
+        for s in range(0, n, step):
+            kr = k[:, :, s:s + step].double() - mu  # [B, Hkv, n', D]
+            knorm = kr.norm(dim=-1)
+            if r is not None:
+                knorm = torch.maximum(knorm, r.double()[:, :, None])
+            cos = self._cos(torch.matmul(qg, kr.transpose(-1, -2)), knorm[:, :, None], qnorm)  # [B, Hkv, R, n']
+            bias[..., s:s + step] = torch.where(keep_g[..., s:s + step], self._neg_log_u(cos), 0.0)
+        return bias.reshape(b, hq, ql, n)
+
     # -- selection --------------------------------------------------------------------------------
     def select(self, ctx: AttentionContext) -> Selection:
         """Alg. 1 lines 1-3 for a block of query rows.  In the call that builds the index (the sparse prefill of
@@ -484,25 +552,11 @@ class MagicPIG(Method):
             counts = collision_counts(q_codes, st["codes"][:, :, :n], backend=self.collision_backend,
                                       element_budget=self.element_budget)  # [B, Hq, Q, N] int16
         keep = (counts >= c.min_collisions) & ctx.candidates
-        bias = torch.zeros(b, hq, ql, n, dtype=torch.float32, device=q.device)
-        bi, hi, qi, ni = torch.nonzero(keep, as_tuple=True)  # the sampled (row, key) pairs only
-        g = ctx.groups
-        step = self._chunk(4 * (d + max(1, c.L - c.min_collisions + 1)))
-        for s in range(0, bi.numel(), step):
-            bs, hs, qs, ns = bi[s:s + step], hi[s:s + step] // g, qi[s:s + step], ni[s:s + step]
-            # eq. 10 on the hashed vectors: cos(q, k̄_i), k̄_i the centered (with mips: transformed) key, float64
-            kr = k[bs, hs, ns].double() - mean_rows[bs, hs, qs].double()  # [M, D]
-            qr = q[bs, hi[s:s + step], qs].double()
-            knorm = kr.norm(dim=-1)
-            if c.mips:
-                knorm = torch.maximum(knorm, r_rows[bs, hs, qs].double())
-            den = knorm * qr.norm(dim=-1)
-            cos = torch.where(den > 0, (kr * qr).sum(-1) / den.clamp_min(1e-300), torch.zeros_like(den))  # 0-vector: p=1/2
-            p = collision_probability(cos).clamp_min(_P_MIN)
-            log_u = log_sampling_probability(p, c.K, c.L, c.min_collisions, self.element_budget // 8)
-            if c.u_offset > 0:
-                log_u = torch.logaddexp(log_u, torch.full_like(log_u, math.log(c.u_offset)))
-            bias[bs, hi[s:s + step], qs, ns] = (-log_u).to(torch.float32)  # eq. 11: s_i − log u_i
+        terms = c.min_collisions + _upper_terms(c.min_collisions, c.L)  # eq. 10's terms per (row, key)
+        if st.get("row_center") is None and b * hq * ql * n * terms <= self.dense_bias_elements:
+            bias = self._bias_dense(q, k, st["mean"], st["r"] if c.mips else None, keep, terms)
+        else:
+            bias = self._bias_sampled(q, k, mean_rows, r_rows, keep, ctx.groups)
         n_rows = ctx.n_valid.squeeze(-1).clamp_min(1).to(torch.float32)  # [B, 1, Q]
         dim = d + 1 if c.mips else d
         stats = {
