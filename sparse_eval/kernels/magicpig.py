@@ -33,7 +33,8 @@ import torch
 from ._common import check_heads, resolve_gpu_backend
 
 __all__ = [
-    "collision_counts", "collision_counts_reference", "hash_codes", "hash_codes_reference", "random_projections", "center_keys", "collision_probability",
+    "collision_counts", "collision_counts_reference",
+    "hash_codes", "hash_codes_reference", "random_projections", "center_keys", "collision_probability",
     "collision_probability_from_cos",
 ]
 

@@ -221,12 +221,14 @@ class MagicPIG(Method):
     # ``kernels.magicpig.collision_counts`` backend: "auto" (Triton on CUDA, torch otherwise); same integers on each
     collision_backend: str = "auto"
     # (row, key, eq. 10 term) elements up to which a call with the index's μ (decoding) computes −log u for every
-    # candidate key with no host sync (``_bias_dense``); above it, or when rows have their own μ_t, only for the
-    # sampled pairs (``_bias_sampled``: one host sync, eq. 10 on ~1/60 of the elements).  Same values either way
-    # (~1e-15).  Small: eq. 10 costs 33 terms per element at (10, 150), so on an H200 (Llama-3.1-8B heads, 16K
-    # keys, one layer's attend) the dense bias took 10.6 / 15.3 / 26.0 ms against 8.2 / 5.9 / 8.2 ms at batch
-    # 1 / 4 / 8 (17M / 69M / 138M elements)
-    dense_bias_elements: int = 1 << 20
+    # candidate key with no host sync (``_bias_dense``, e.g. for a captured step); above it, or when rows have their
+    # own μ_t, only for the sampled pairs (``_bias_sampled``: one host sync, eq. 10 on ~1/60 of the elements).  The
+    # same values either way (within 1e-6 relative, tested).  Off by default: eq. 10 has 33 terms per element at
+    # (10, 150), and the dense bias was the slower one wherever measured.  One layer's decode attend, Llama-3.1-8B
+    # heads, dense vs sampled pairs: H200, 16K keys, batch 1 / 4 / 8: 10.6 / 15.3 / 26.0 ms vs 8.2 / 5.9 / 8.2 ms;
+    # 2-core CPU, one thread, 2K keys, batch 1 / 4: 44 / 732 ms vs 13 / 105 ms (minima of 15); 448 keys, 8 heads
+    # of dim 8: 2.7 vs 2.0 ms
+    dense_bias_elements: int = 0
 
     def __init__(self, config: MagicPIGConfig):
         super().__init__(config)
@@ -513,8 +515,8 @@ class MagicPIG(Method):
     def _bias_dense(self, q: torch.Tensor, k: torch.Tensor, mean: torch.Tensor, r: torch.Tensor | None,
                     keep: torch.Tensor, terms: int) -> torch.Tensor:
         """``_bias_sampled``'s values for rows sharing the index's μ [B, Hkv, D] (and r [B, Hkv] under eq. 8):
-        −log u_i computed for every (row, key) as cos(q, k_i − μ) = q·(k_i − μ) / (|q| |k_i − μ|) in float64 (one
-        product per KV group), then kept where ``keep``.  No host sync and no loop over pairs; keys in chunks of
+        −log u_i computed for every (row, key) from cos(q, k_i − μ) = q·(k_i − μ) / (|q| |k_i − μ|) in float64
+        (one product per KV group), then kept where ``keep``.  No host sync and no loop over pairs; keys in chunks of
         at most ``element_budget`` (row, key, eq. 10 term) elements."""
         c = self.config
         b, hq, ql, d = q.shape
