@@ -518,7 +518,6 @@ class MagicPIG(Method):
         −log u_i computed for every (row, key) from cos(q, k_i − μ) = q·(k_i − μ) / (|q| |k_i − μ|) in float64
         (one product per KV group), then kept where ``keep``.  No host sync and no loop over pairs; keys in chunks of
         at most ``element_budget`` (row, key, eq. 10 term) elements."""
-        c = self.config
         b, hq, ql, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
         rows = hq // hkv * ql
