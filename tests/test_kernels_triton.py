@@ -380,6 +380,55 @@ def test_hash_codes_bit_layout():
     assert got.cpu().tolist() == [[0b101, 0b010]]
 
 
+def _codes_with_collisions(b, hq, hkv, ql, n, n_tables, k_bits, gen, dtype=torch.int16):
+    """Random K-bit codes where about half of each key's tables copy its group's first query row (so the counts
+    span 0..L, not only the few chance collisions of K = 10)."""
+    qc = torch.randint(0, 1 << k_bits, (b, hq, ql, n_tables), generator=gen).to(dtype)
+    kc = torch.randint(0, 1 << k_bits, (b, hkv, n, n_tables), generator=gen).to(torch.int16)
+    g = hq // hkv
+    copy = torch.rand(b, hkv, n, n_tables, generator=gen) < 0.5
+    src = qc[:, ::g, :1].to(torch.int16).expand(b, hkv, n, n_tables)
+    kc = torch.where(copy, src, kc)
+    return qc.to(DEV), kc.to(DEV)
+
+
+@pytest.mark.parametrize("b,hq,hkv,ql,n,n_tables,k_bits,qdtype", [
+    (2, 4, 2, 1, 70, 150, 10, torch.int16),  # decode, G = 2, L = 150, N not a multiple of the block
+    (1, 8, 2, 3, 33, 150, 10, torch.int16),  # G = 4, Q = 3: 12 rows
+    (2, 6, 2, 2, 129, 20, 3, torch.int32),   # int32 query codes (hash_codes), G·Q = 6 (not a power of 2)
+    (1, 2, 2, 1, 5, 1, 1, torch.int16),      # L = 1, N < a block
+    (1, 32, 1, 1, 40, 9, 2, torch.int16),    # G = 32: rows in two blocks
+])
+def test_collision_counts_match_reference(b, hq, hkv, ql, n, n_tables, k_bits, qdtype):
+    qc, kc = _codes_with_collisions(b, hq, hkv, ql, n, n_tables, k_bits, _gen(n * 7 + hq), qdtype)
+    got = magicpig.collision_counts(qc, kc, backend="triton")
+    ref = magicpig.collision_counts_reference(qc, kc)
+    assert got.dtype == torch.int16 and got.shape == (b, hq, ql, n)
+    assert torch.equal(got, ref)
+    assert int(ref.max()) > n_tables // 3  # the planted collisions are counted
+    brute = (qc.reshape(b, hkv, hq // hkv * ql, 1, n_tables).long() == kc[:, :, None].long()).sum(-1)
+    assert torch.equal(got.long(), brute.reshape(b, hq, ql, n))
+
+
+def test_collision_counts_strided_key_codes():
+    """The index's codes are a prefix view of a larger buffer ([:, :, :n] of the capacity): strides honoured."""
+    qc, kc = _codes_with_collisions(2, 4, 2, 1, 100, 30, 4, _gen(3))
+    view = kc[:, :, :61]
+    assert not view.is_contiguous()
+    assert torch.equal(magicpig.collision_counts(qc, view, backend="triton"),
+                       magicpig.collision_counts_reference(qc, view))
+
+
+def test_collision_counts_rejects_bad_shapes():
+    qc = torch.zeros(1, 3, 1, 8, dtype=torch.int16)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        magicpig.collision_counts(qc, torch.zeros(1, 2, 4, 8, dtype=torch.int16), backend="torch")
+    with pytest.raises(ValueError, match="L must agree"):
+        magicpig.collision_counts(qc, torch.zeros(1, 3, 4, 7, dtype=torch.int16), backend="torch")
+    with pytest.raises(ValueError, match="backend"):
+        magicpig.collision_counts(qc, torch.zeros(1, 3, 4, 8, dtype=torch.int16), backend="cuda")
+
+
 # ----------------------------------------------------------------------------------------- GPU sizes
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -402,6 +451,18 @@ def test_gpu_llama_shape_ds_and_quest():
     o, lse, idx = quest.decode(q, k, v, kmin, kmax, 16, n // 16 // 16)
     o2, lse2 = sparse_decode.attention_reference(q, k, v, idx, out_dtype=torch.float32)
     assert _rel(o.float(), o2) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_llama_shape_collision_counts():
+    """Llama-3.1-8B's heads (32 query, 8 KV) at (K, L) = (10, 150), 16K keys (a prefix view of a larger index),
+    batch 8, decode and a 5-row call: the kernel's counts equal the reference's."""
+    for ql in (1, 5):
+        qc, kc = _codes_with_collisions(8, 32, 8, ql, 16384 + 40, 150, 10, _gen(ql))
+        view = kc[:, :, :16384 + 17]
+        got = magicpig.collision_counts(qc, view, backend="triton")
+        assert torch.equal(got, magicpig.collision_counts_reference(qc, view))
 
 
 def test_kernels_compile_for_hopper_without_spills():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -90,7 +91,7 @@ def test_collision_counts_are_chunked_exactly():
     kc = torch.randint(0, 4, (2, 2, 50, 7), generator=g, dtype=torch.int16)
     ref = (qc.reshape(2, 2, 6, 1, 7) == kc[:, :, None]).sum(-1).reshape(2, 4, 3, 50)
     for budget in (1, 7, 100, 1 << 20):
-        assert torch.equal(collision_counts(qc, kc, budget).long(), ref)
+        assert torch.equal(collision_counts(qc, kc, element_budget=budget).long(), ref)
     for L in (255, 256, 300):  # counts summed as uint8 up to L = 255, as int16 above: up to L, no wrap-around
         qc = torch.zeros(1, 2, 1, L, dtype=torch.int16)
         kc = torch.randint(0, 2, (1, 1, 9, L), generator=g, dtype=torch.int16)
@@ -278,6 +279,55 @@ def test_left_padded_gqa_batch_equals_each_row_alone():
             torch.testing.assert_close(out[row], o1[0], rtol=1e-5, atol=1e-6)
             assert s1["sampled"].sum() > 0
             torch.testing.assert_close(st["cost2"][row], s1["cost2"][0])
+
+
+def _recorded_selections(m: MagicPIG, calls) -> list:
+    """The Selections ``m.select`` returns over a sequence of attend calls sharing one index."""
+    rec, select = [], m.select
+    m.select = lambda ctx: rec.append(select(ctx)) or rec[-1]
+    state = {}
+    for q, k, v, mask in calls:
+        attend(m, q, k, v, attention_mask=mask, state=state, compute_error=False)
+    return rec
+
+
+@pytest.mark.parametrize("opts", [
+    dict(K=4, L=30),                                   # many sampled keys
+    dict(K=10, L=150),                                 # the paper's (10, 150)
+    dict(K=5, L=24, min_collisions=3, u_offset=1e-4, mips=True),
+])
+def test_decode_bias_without_pairs_loop_equals_sampled_pairs(opts):
+    """Decoding (rows sharing the index's μ): the Selection of the dense −log u (every candidate key, no host sync)
+    and of the Triton counts equals the sampled-pairs loop over the torch reference counts: keep and
+    stats exactly, bias within 1e-6 relative; for one-row calls and a 3-row call, GQA, a left-padded row."""
+    g = torch.Generator().manual_seed(21)
+    b, hq, hkv, d, n0, pad = 2, 8, 2, 16, 120, 17
+    k = torch.randn(b, hkv, n0 + 8, d, generator=g) + 0.5
+    v = torch.randn(b, hkv, n0 + 8, d, generator=g)
+    # queries near some keys, so that (10, 150) samples more than the rare chance collision
+    near = k[:, :, torch.randint(0, n0, (hq // hkv,), generator=g)].reshape(b, hq, 1, d)
+    calls = []
+    for n, ql in ((n0, 1), (n0 + 1, 1), (n0 + 4, 3)):
+        q = near.expand(b, hq, ql, d) + 0.3 * torch.randn(b, hq, ql, d, generator=g)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[n - ql:].expand(b, 1, ql, n).clone()
+        mask[1, ..., :pad] = False
+        calls.append((q, k[:, :, :n], v[:, :, :n], mask))
+    base = dict(sink=4, local=8, dense_layers=[], **opts)
+    sampled_pairs = mp(**base)
+    sampled_pairs.collision_backend, sampled_pairs.dense_bias_elements = "torch", 0
+    dense = mp(**base)
+    dense.dense_bias_elements = 1 << 40
+    if importlib.util.find_spec("triton") is not None:  # the Triton kernel (in its interpreter without CUDA)
+        dense.collision_backend = "triton"
+    want, got = _recorded_selections(sampled_pairs, calls), _recorded_selections(dense, calls)
+    assert len(want) == len(got) == 3
+    for a, e in zip(got, want):
+        assert torch.equal(a.keep, e.keep) and int(e.keep.sum()) > 0
+        assert a.stats.keys() == e.stats.keys()
+        for name in e.stats:
+            assert torch.equal(a.stats[name], e.stats[name]), name
+        assert torch.equal(a.bias == 0, e.bias == 0)  # −log u > 0 for every sampled key (u < 1)
+        torch.testing.assert_close(a.bias, e.bias, rtol=1e-6, atol=0.0)
 
 
 # -- configuration and models ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ import tempfile
 
 
 def _configs():
-    from . import _tl_hash, _tl_labels, _tl_merge, _tl_scores, _tl_sparse_decode, _tl_topk
+    from . import _tl_collisions, _tl_hash, _tl_labels, _tl_merge, _tl_scores, _tl_sparse_decode, _tl_topk
 
     sd = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "IDX": "*i32", "CNT": "*i32", "PACC": "*fp32", "PM": "*fp32",
           "PL": "*fp32", "O": "*bf16", "LSE": "*fp32"}
@@ -47,6 +47,11 @@ def _configs():
                 dict(G=4, D=128, BLOCK_D=128, REDUCE=True, HAS_NP=False, BLOCK_P=32), (), 4))
     out.append((_tl_hash._simhash_kernel, {"X": "*bf16", "W": "*fp32", "OUT": "*i32"},
                 dict(D=128, K=10, BLOCK_M=64, BLOCK_D=128, BLOCK_L=32), (), 8))
+    # collision counts: decode (G·Q = 4 rows of int16 codes) and a block of 16 rows with int32 query codes
+    for rows_block, qt in ((4, "*i16"), (16, "*i32")):
+        out.append((_tl_collisions._collision_kernel, {"QC": qt, "KC": "*i16", "OUT": "*i16"},
+                    dict(HKV=8, G=4, L=150, BLOCK_N=64, BLOCK_R=rows_block, BLOCK_LC=8192 // (64 * rows_block),
+                         L_PAD=-(-150 // (8192 // (64 * rows_block))) * (8192 // (64 * rows_block))), (), 8))
     for bits, codes, sc in ((4, "*u8", "*fp16"), (8, "*u8", "*fp32"), (16, "*bf16", "*fp16")):
         out.append((_tl_labels._append_labels_kernel,
                     {"K": "*bf16", "CH": "*i32", "KVOF": "*i64", "CODES": codes, "SC": sc, "ZE": sc, "POS": "*i64"},

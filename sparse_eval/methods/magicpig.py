@@ -43,12 +43,14 @@ Differences from the authors' RULER reference code (``evaluations/RULER/pred/cac
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..kernels.magicpig import collision_counts  # Alg. 1 line 2: the one count, Triton on CUDA
 from .base import AttentionContext, Method, MethodConfig, Selection
 from .core import static_keys
 from .registry import register
@@ -92,6 +94,7 @@ class MagicPIGConfig(MethodConfig):
 # -- analytic quantities ---------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _upper_terms(m: int, L: int, tol: float = 1e-20) -> int:
     """Terms j = m, m+1, … of the upper tail needed when the pmf decreases from j = m (mode ≤ m): there
     pmf(j+1)/pmf(j) < (m+1)/(j+1), so pmf(m+T)/pmf(m) < (m+1)^T m!/(m+T)!; stop once that is below ``tol``."""
@@ -198,34 +201,6 @@ def pack_signs(proj: torch.Tensor, K: int, L: int) -> torch.Tensor:
     return (bits * pow2).sum(-1, dtype=dt)
 
 
-def collision_counts(q_codes: torch.Tensor, k_codes: torch.Tensor, element_budget: int = 1 << 26) -> torch.Tensor:
-    """Number of tables in which each key's code equals the query's.
-
-    q_codes [B, Hq, Q, L], k_codes [B, Hkv, N, L] -> int16 [B, Hq, Q, N].  Never materialises more than
-    ``element_budget`` (query, key, table) comparisons: keys (and, if needed, query rows) are taken in chunks,
-    so one decode step is a handful of vectorised compares whatever N.
-    """
-    b, hq, ql, nt = q_codes.shape
-    hkv, n = k_codes.shape[1], k_codes.shape[2]
-    g = hq // hkv
-    qg = q_codes.reshape(b, hkv, g * ql, 1, nt)
-    out = torch.empty(b, hkv, g * ql, n, dtype=torch.int16, device=q_codes.device)
-    rows = g * ql
-    row_step = max(1, min(rows, element_budget // max(1, b * hkv * nt)))
-    for r0 in range(0, rows, row_step):
-        qr = qg[:, :, r0:r0 + row_step]
-        per_key = b * hkv * qr.shape[2] * nt
-        key_step = max(1, element_budget // per_key)
-        for s in range(0, n, key_step):
-            kk = k_codes[:, :, None, s:s + key_step, :]  # [B, Hkv, 1, n', L]
-            eq = qr == kk  # [B, Hkv, rows, n', L] bool
-            if nt <= 255:  # summed as uint8 in place: a sum into int16 first copies the whole comparison to int16
-                out[:, :, r0:r0 + row_step, s:s + key_step] = eq.view(torch.uint8).sum(-1, dtype=torch.uint8)
-            else:
-                out[:, :, r0:r0 + row_step, s:s + key_step] = eq.sum(-1, dtype=torch.int16)
-    return out.reshape(b, hq, ql, n)
-
-
 def _mix_seed(seed: int, group: int) -> int:
     x = (int(seed) * 0x9E3779B97F4A7C15 + int(group) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & ((1 << 64) - 1)
     x ^= x >> 31
@@ -243,6 +218,17 @@ class MagicPIG(Method):
     prepare_with_valid = True
     # comparisons materialised at once (memory only; does not change results)
     element_budget: int = 1 << 26
+    # ``kernels.magicpig.collision_counts`` backend: "auto" (Triton on CUDA, torch otherwise); same integers on each
+    collision_backend: str = "auto"
+    # (row, key, eq. 10 term) elements up to which a call with the index's μ (decoding) computes −log u for every
+    # candidate key with no host sync (``_bias_dense``, e.g. for a captured step); above it, or when rows have their
+    # own μ_t, only for the sampled pairs (``_bias_sampled``: one host sync, eq. 10 on ~1/60 of the elements).  The
+    # same values either way (within 1e-6 relative, tested).  Off by default: eq. 10 has 33 terms per element at
+    # (10, 150), and the dense bias was the slower one wherever measured.  One layer's decode attend, Llama-3.1-8B
+    # heads, dense vs sampled pairs: H200, 16K keys, batch 1 / 4 / 8: 10.6 / 15.3 / 26.0 ms vs 8.2 / 5.9 / 8.2 ms;
+    # 2-core CPU, one thread, 2K keys, batch 1 / 4: 44 / 732 ms vs 13 / 105 ms (minima of 15); 448 keys, 8 heads
+    # of dim 8: 2.7 vs 2.0 ms
+    dense_bias_elements: int = 0
 
     def __init__(self, config: MagicPIGConfig):
         super().__init__(config)
@@ -487,6 +473,69 @@ class MagicPIG(Method):
             counts[:, :, :, r0:r1, :m] = eq.sum(-1, dtype=torch.int16)
         return counts.reshape(b, hq, ql, n)
 
+    # -- eq. 10 correction ---------------------------------------------------------------------------
+    def _neg_log_u(self, cos: torch.Tensor) -> torch.Tensor:
+        """−log(u + u_offset) (eq. 11's bias, float32) from cos(q, k̄_i) (float64): p = 1 − arccos(cos)/π, u by
+        eq. 10 (``log_sampling_probability``)."""
+        c = self.config
+        p = collision_probability(cos).clamp_min(_P_MIN)
+        log_u = log_sampling_probability(p, c.K, c.L, c.min_collisions, self.element_budget // 8)
+        if c.u_offset > 0:
+            log_u = torch.logaddexp(log_u, torch.full_like(log_u, math.log(c.u_offset)))
+        return (-log_u).to(torch.float32)
+
+    @staticmethod
+    def _cos(dot: torch.Tensor, knorm: torch.Tensor, qnorm: torch.Tensor) -> torch.Tensor:
+        """cos(q, k̄) in float64; a zero vector gives 0 (p = 1/2)."""
+        den = knorm * qnorm
+        return torch.where(den > 0, dot / den.clamp_min(1e-300), torch.zeros_like(den))
+
+    def _bias_sampled(self, q: torch.Tensor, k: torch.Tensor, mean_rows: torch.Tensor, r_rows: torch.Tensor,
+                      keep: torch.Tensor, g: int) -> torch.Tensor:
+        """bias [B, Hq, Q, N] float32: −log u_i (eq. 11) on the sampled (row, key) pairs only, 0 elsewhere.
+        mean_rows [B, Hkv, Q, D] and r_rows [B, Hkv, Q] are each row's μ_t and r_t.  One host sync (the pairs'
+        count), then chunks of pairs."""
+        c = self.config
+        b, hq, ql, d = q.shape
+        bias = torch.zeros(b, hq, ql, k.shape[2], dtype=torch.float32, device=q.device)
+        bi, hi, qi, ni = torch.nonzero(keep, as_tuple=True)  # the sampled (row, key) pairs only
+        step = self._chunk(4 * (d + max(1, c.L - c.min_collisions + 1)))
+        for s in range(0, bi.numel(), step):
+            bs, hs, qs, ns = bi[s:s + step], hi[s:s + step] // g, qi[s:s + step], ni[s:s + step]
+            # eq. 10 on the hashed vectors: cos(q, k̄_i), k̄_i the centered (with mips: transformed) key, float64
+            kr = k[bs, hs, ns].double() - mean_rows[bs, hs, qs].double()  # [M, D]
+            qr = q[bs, hi[s:s + step], qs].double()
+            knorm = kr.norm(dim=-1)
+            if c.mips:
+                knorm = torch.maximum(knorm, r_rows[bs, hs, qs].double())
+            cos = self._cos((kr * qr).sum(-1), knorm, qr.norm(dim=-1))
+            bias[bs, hi[s:s + step], qs, ns] = self._neg_log_u(cos)  # eq. 11: s_i − log u_i
+        return bias
+
+    def _bias_dense(self, q: torch.Tensor, k: torch.Tensor, mean: torch.Tensor, r: torch.Tensor | None,
+                    keep: torch.Tensor, terms: int) -> torch.Tensor:
+        """``_bias_sampled``'s values for rows sharing the index's μ [B, Hkv, D] (and r [B, Hkv] under eq. 8):
+        −log u_i computed for every (row, key) from cos(q, k_i − μ) = q·(k_i − μ) / (|q| |k_i − μ|) in float64
+        (one product per KV group), then kept where ``keep``.  No host sync and no loop over pairs; keys in chunks of
+        at most ``element_budget`` (row, key, eq. 10 term) elements."""
+        b, hq, ql, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+        rows = hq // hkv * ql
+        qg = q.double().reshape(b, hkv, rows, d)  # query head h·G + g, row t -> row g·Q + t of KV head h
+        qnorm = qg.norm(dim=-1)[..., None]  # [B, Hkv, R, 1]
+        keep_g = keep.reshape(b, hkv, rows, n)
+        mu = mean.double()[:, :, None]  # [B, Hkv, 1, D]
+        bias = torch.empty(b, hkv, rows, n, dtype=torch.float32, device=q.device)
+        step = max(1, min(self._chunk(b * hq * ql * terms), self._chunk(b * hkv * d)))
+        for s in range(0, n, step):
+            kr = k[:, :, s:s + step].double() - mu  # [B, Hkv, n', D]
+            knorm = kr.norm(dim=-1)
+            if r is not None:
+                knorm = torch.maximum(knorm, r.double()[:, :, None])
+            cos = self._cos(torch.matmul(qg, kr.transpose(-1, -2)), knorm[:, :, None], qnorm)  # [B, Hkv, R, n']
+            bias[..., s:s + step] = torch.where(keep_g[..., s:s + step], self._neg_log_u(cos), 0.0)
+        return bias.reshape(b, hq, ql, n)
+
     # -- selection --------------------------------------------------------------------------------
     def select(self, ctx: AttentionContext) -> Selection:
         """Alg. 1 lines 1-3 for a block of query rows.  In the call that builds the index (the sparse prefill of
@@ -506,27 +555,14 @@ class MagicPIG(Method):
             counts = self._row_counts(ctx, q_codes, mean_rows, r_rows, w)
         else:
             mean_rows, r_rows = st["mean"][:, :, None].expand(-1, -1, ql, -1), st["r"][:, :, None].expand(-1, -1, ql)
-            counts = collision_counts(q_codes, st["codes"][:, :, :n], self.element_budget)  # [B, Hq, Q, N]
+            counts = collision_counts(q_codes, st["codes"][:, :, :n], backend=self.collision_backend,
+                                      element_budget=self.element_budget)  # [B, Hq, Q, N] int16
         keep = (counts >= c.min_collisions) & ctx.candidates
-        bias = torch.zeros(b, hq, ql, n, dtype=torch.float32, device=q.device)
-        bi, hi, qi, ni = torch.nonzero(keep, as_tuple=True)  # the sampled (row, key) pairs only
-        g = ctx.groups
-        step = self._chunk(4 * (d + max(1, c.L - c.min_collisions + 1)))
-        for s in range(0, bi.numel(), step):
-            bs, hs, qs, ns = bi[s:s + step], hi[s:s + step] // g, qi[s:s + step], ni[s:s + step]
-            # eq. 10 on the hashed vectors: cos(q, k̄_i), k̄_i the centered (with mips: transformed) key, float64
-            kr = k[bs, hs, ns].double() - mean_rows[bs, hs, qs].double()  # [M, D]
-            qr = q[bs, hi[s:s + step], qs].double()
-            knorm = kr.norm(dim=-1)
-            if c.mips:
-                knorm = torch.maximum(knorm, r_rows[bs, hs, qs].double())
-            den = knorm * qr.norm(dim=-1)
-            cos = torch.where(den > 0, (kr * qr).sum(-1) / den.clamp_min(1e-300), torch.zeros_like(den))  # 0-vector: p=1/2
-            p = collision_probability(cos).clamp_min(_P_MIN)
-            log_u = log_sampling_probability(p, c.K, c.L, c.min_collisions, self.element_budget // 8)
-            if c.u_offset > 0:
-                log_u = torch.logaddexp(log_u, torch.full_like(log_u, math.log(c.u_offset)))
-            bias[bs, hi[s:s + step], qs, ns] = (-log_u).to(torch.float32)  # eq. 11: s_i − log u_i
+        terms = c.min_collisions + _upper_terms(c.min_collisions, c.L)  # eq. 10's terms per (row, key)
+        if st.get("row_center") is None and b * hq * ql * n * terms <= self.dense_bias_elements:
+            bias = self._bias_dense(q, k, st["mean"], st["r"] if c.mips else None, keep, terms)
+        else:
+            bias = self._bias_sampled(q, k, mean_rows, r_rows, keep, ctx.groups)
         n_rows = ctx.n_valid.squeeze(-1).clamp_min(1).to(torch.float32)  # [B, 1, Q]
         dim = d + 1 if c.mips else d
         stats = {
