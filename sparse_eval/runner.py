@@ -18,6 +18,7 @@ from .attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan, sl
 from .config import to_plain
 from .engine import Engine
 from .estimate import warn_if_long
+from .fingerprint import file_sha256
 from .methods import MethodConfig, build_method, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
@@ -139,8 +140,9 @@ class Experiment:
         """Everything that decides a run's results (its directory's hash): the model as loaded
         (``model_identity``: source, revision, GGUF file, dtype, config and file fingerprints; ``name`` is only
         the label), the method's config and the sha256 of what it reads from outside it (``inputs``:
-        ``Method.external_inputs``, e.g. Double Sparsity's calibration file), the task, the evaluation settings
-        and the seed.  ``sliding_layers`` enters only for a model that has sliding layers: elsewhere it cannot change
+        ``Method.external_inputs``, e.g. Double Sparsity's calibration file), the task, the sha256 of the local
+        data files its samples were built from (``data``: RULER's essays and QA files, WikiText-2, LongBench files,
+        published key-value records), the evaluation settings and the seed.  ``sliding_layers`` enters only for a model that has sliding layers: elsewhere it cannot change
         a result (and the runs made before it existed keep their directories)."""
         ev = self.cfg.eval
         if dataclasses.is_dataclass(method):
@@ -150,7 +152,8 @@ class Experiment:
             method = {k: v for k, v in method.items() if k != "sliding_layers"}
         model = self.model_identity
         inputs = build_method(make_config(method["name"], method)).external_inputs(self.model_cfg.name)
-        return {
+        self.samples()  # the task's data files are known once its samples are built
+        ident = {
             "model": model,
             "method": method,
             "inputs": inputs,
@@ -158,6 +161,9 @@ class Experiment:
             "eval": {"protocol": self.protocol, "compute_error": ev.compute_error, "prefill_chunk": ev.prefill_chunk},
             "seed": self.cfg.seed,
         }
+        if self.task.read_files:  # only tasks that read local data files: other runs keep their directories
+            ident["data"] = {name: file_sha256(p) for name, p in sorted(self.task.read_files.items())}
+        return ident
 
     def run_dir(self, method_cfg: MethodConfig) -> tuple[dict[str, Any], Path]:
         """(identity, run directory) of one method's run: the one place both are computed."""

@@ -131,3 +131,20 @@ def test_a_shipped_config_with_interpolated_path_keeps_its_name(tmp_path):
     other = ModelConfig(name="smollm2_135m", path=str(tmp_path / "elsewhere"), gguf_file=gguf)
     assert model_label(other, paths) == "elsewhere-SmolLM2-135M-Instruct.Q4_1"
     assert model_label(ModelConfig(name="my_label", path=str(tmp_path / "elsewhere")), paths) == "my_label"
+
+
+def test_task_data_files_are_part_of_the_identity(tmp_path):
+    """A WikiText-2 file rewritten in place gives another run directory; the bundled text reads no data file."""
+    data = tmp_path / "data" / "wikitext-2-raw"
+    data.mkdir(parents=True)
+    text = (REPO / "sparse_eval" / "data" / "wikitext2_test_head.txt").read_text()
+    (data / "wikitext-test.txt").write_text(text)
+    over = ["method=full", "task=wikitext", "task.window=64", "task.num_samples=1", f"paths.data_dir={tmp_path / 'data'}"]
+    exp = Experiment(_cfg(tmp_path, *over))
+    ident = exp.identity(exp.method_configs()[0])
+    assert list(ident["data"]) == ["text"]
+    first = _run_dir(_cfg(tmp_path, *over))
+    (data / "wikitext-test.txt").write_text(text.replace(" the ", " a "))
+    assert _run_dir(_cfg(tmp_path, *over)) != first
+    bundled = Experiment(_cfg(tmp_path, "method=full"))
+    assert "data" not in bundled.identity(bundled.method_configs()[0])

@@ -69,7 +69,13 @@ class Task:
     def __init__(self, config: TaskConfig, data_dir: str | None = None):
         self.config = config
         self.data_dir = Path(data_dir).expanduser() if data_dir else None
+        self.read_files: dict[str, Path] = {}  # local data files samples() read: their sha256 identify the run
         self.validate()
+
+    def record_file(self, name: str, path: str | Path) -> None:
+        """Note a local file ``samples()`` read: its sha256 enters the run's identity (a data file rewritten in
+        place gives a new run directory, not the old results)."""
+        self.read_files[name] = Path(path).expanduser().resolve()
 
     def validate(self) -> None:
         n = self.config.num_samples

@@ -163,6 +163,7 @@ class KVRetrieval(Task):
 
     def published_examples(self) -> list[dict[str, Any]]:
         path = self.published_path()
+        self.record_file("kv_records", path)
         n = self.config.num_samples
         out = []
         with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8") as fh:

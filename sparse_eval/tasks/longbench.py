@@ -225,6 +225,7 @@ class LongBench(Task):
         if c.source in ("auto", "local"):
             found = load_local(name, c.data_path, self.data_dir)
             if found is not None:
+                self.record_file(name, found[1])
                 return found
             if c.source == "local":
                 where = [x for x in (c.data_path, self.data_dir and str(self.data_dir / "longbench")) if x]

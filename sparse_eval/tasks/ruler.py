@@ -111,6 +111,8 @@ class Ruler(Task):
             out += rd.generate(sub, c.num_samples, c.length, prompter, res, keep_text=keep_text)
             log.info("ruler: %s: %d samples at %d tokens in %.1f s", sub, c.num_samples, c.length, time.perf_counter() - t0)
         self.chat_applied = prompter.chat
+        for name, path in res.files.items():
+            self.record_file(name, path)
         return out
 
     def samples(self, tokenizer: Any, max_context: int) -> list[Sample]:

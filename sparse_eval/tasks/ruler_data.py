@@ -993,17 +993,22 @@ class Resources:
     hotpotqa_path: str | None = None
     qa_source: str = "auto"
     _qa: dict[str, tuple] = field(default_factory=dict)
+    files: dict[str, Path] = field(default_factory=dict)  # the local files read (name -> path)
 
     def essay(self) -> Essay:
         where = essay_location(self.essay_path, self.data_dir)
         if where is None or not where.exists():
             check_essay(["niah_single_2"], None, self.essay_path, self.data_dir)
+        self.files["essays"] = Path(where)
         return load_essay(str(where))
 
     def qa(self, dataset: str) -> tuple[list, list, str]:
         if dataset not in self._qa:
             path = self.squad_path if dataset == "squad" else self.hotpotqa_path
             self._qa[dataset] = load_qa(dataset, path, self.data_dir, self.qa_source)
+        origin = Path(self._qa[dataset][2])
+        if origin.is_file():
+            self.files[dataset] = origin
         return self._qa[dataset]
 
 

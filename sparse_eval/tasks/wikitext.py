@@ -78,6 +78,8 @@ class Wikitext(Task):
 
     def samples(self, tokenizer: Any, max_context: int) -> list[Sample]:
         text, origin = load_text(self.config, self.data_dir)
+        if Path(origin).is_file():
+            self.record_file("text", origin)
         window = self.config.window
         if window > max_context:
             raise ValueError(f"task.window={window} exceeds the model's context ({max_context} tokens)")
