@@ -28,15 +28,24 @@ class StatsRecorder:
         """stats: per-row tensors [B, Hq, Q] plus ``rows`` (bool, row has valid keys) and ``empty``;
         ``counted``: bool [B, 1, Q], the query rows to record (None: all).
 
-        All statistics of a call are reduced in one stacked multiply-sum and accumulated in one addition (few
-        kernel launches per layer); they are split by name only in ``summary``."""
+        All statistics of a call are reduced in one stacked multiply-sum (``row_sums``) and accumulated in one
+        addition (few kernel launches per layer); they are split by name only in ``summary``."""
+        self.add_sums(layer, *self.row_sums(stats, counted))
+
+    @staticmethod
+    def row_sums(stats: dict[str, Any], counted: torch.Tensor | None = None) -> tuple[tuple[str, ...], torch.Tensor]:
+        """(stat keys, sums fp32 [1 + S, B, Hq]) of one call's ``stats`` (as in ``add``): entry 0 counts the
+        counted rows with valid keys, entry i the i-th key's values summed over those rows."""
         rows = stats["rows"]
         keys = tuple(k for k, v in stats.items()
                      if k not in ("rows", "keep") and torch.is_tensor(v) and v.shape == rows.shape)
         w = rows if counted is None else rows & counted
         w = w.to(torch.float32)
         mat = torch.stack([w] + [stats[k].to(torch.float32) for k in keys])  # [1 + S, B, Hq, Q]
-        sums = (mat * w).sum(3)  # [1 + S, B, Hq]
+        return keys, (mat * w).sum(3)  # [1 + S, B, Hq]
+
+    def add_sums(self, layer: int, keys: tuple[str, ...], sums: torch.Tensor) -> None:
+        """Accumulate one call's ``row_sums`` into ``layer``'s table (one addition; ``sums`` is never written)."""
         table = self._stacked.setdefault(layer, {})
         entry = (keys, sums.shape[1])  # calls of another batch size (lm-eval's own batches) are summed apart
         table[entry] = table[entry] + sums if entry in table else sums
@@ -46,6 +55,14 @@ class StatsRecorder:
         """Full attention in a would-be-sparse call: every valid key is attended, the output is exact.
         ``key_bytes``: one key's K and V rows, 2·D·e bytes (e = the cache dtype's element size); each row then
         records ``kv_bytes`` = n_valid · 2 · D · e (``core.kv_bytes_read`` of full attention)."""
+        self.add_sums(layer, *self.full_sums(static, n_valid, num_heads, counted, key_bytes))
+
+    @classmethod
+    def full_sums(cls, static: torch.Tensor, n_valid: torch.Tensor, num_heads: int,
+                  counted: torch.Tensor | None = None, key_bytes: float | None = None
+                  ) -> tuple[tuple[str, ...], torch.Tensor]:
+        """``row_sums`` of a full-attention call (``add_full``): they depend only on the pass's masks, so every
+        full layer of one pass can add the same sums."""
         rows = (n_valid > 0).squeeze(-1).expand(-1, num_heads, -1)  # [B, Hq, Q]
         frac = (static.sum(-1).float() / n_valid.squeeze(-1).clamp_min(1).float()).expand(-1, num_heads, -1)
         zeros = torch.zeros_like(frac)
@@ -54,7 +71,7 @@ class StatsRecorder:
                  "static_frac": frac, "est_error": zeros, "mass": ones, "topk_recall": ones}
         if key_bytes is not None:
             stats["kv_bytes"] = (n_valid.squeeze(-1).to(torch.float32) * float(key_bytes)).expand(-1, num_heads, -1)
-        self.add(layer, stats, counted)
+        return cls.row_sums(stats, counted)
 
     def _tables(self, row: int | None) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[str, dict[int, torch.Tensor]]]:
         """(rows, empty, sums) per layer ([Hq] each) of batch row ``row`` (None: all rows), from the stacked sums."""
