@@ -41,15 +41,24 @@ def make_method(name: str, model, model_name: str):
     return method
 
 
-def count_ops(model, cache, context, first, steps, device) -> tuple[float, collections.Counter]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        time_decode(model, cache, context, first, steps, device)
-    def top(e):  # an aten op not called from inside another aten op
+def _op_names(prof) -> collections.Counter:
+    """The top-level aten ops of a profile (not called from inside another aten op), by name."""
+    def top(e):
         p = e.cpu_parent
         while p is not None and not p.name.startswith("aten::"):
             p = p.cpu_parent
         return p is None
-    names = collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::") and top(e))
+    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::") and top(e))
+
+
+def _top_level_ops(prof) -> int:
+    return sum(_op_names(prof).values())
+
+
+def count_ops(model, cache, context, first, steps, device) -> tuple[float, collections.Counter]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        time_decode(model, cache, context, first, steps, device)
+    names = _op_names(prof)
     return sum(names.values()) / steps, names
 
 
@@ -76,6 +85,10 @@ def loop_vs_generate(model, batch: int, prompt: int, new: int, repeats: int, dev
     session = attach(model, make_method("full", model, ""), Runtime(protocol="A"))
     engine = Engine(model, _Tok(), session)
     engine.generate_batch(reqs[:2])
+    ops = {}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.generate_batch(reqs)
+    ops["engine_ops_per_token"] = _top_level_ops(prof) / new
     t_engine = []
     for _ in range(repeats):
         session.recorder.reset()
@@ -94,11 +107,14 @@ def loop_vs_generate(model, batch: int, prompt: int, new: int, repeats: int, dev
     t_gen = []
     with torch.inference_mode():
         model.generate(input_ids=ids[:2], attention_mask=mask[:2], **kw)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model.generate(input_ids=ids, attention_mask=mask, **kw)
+        ops["generate_ops_per_token"] = _top_level_ops(prof) / new
         for _ in range(repeats):
             t0 = time.perf_counter()
             model.generate(input_ids=ids, attention_mask=mask, **kw)
             t_gen.append((time.perf_counter() - t0) * 1000 / new)
-    return {"engine_ms_per_step": statistics.median(t_engine), "generate_ms_per_step": statistics.median(t_gen)}
+    return {"engine_ms_per_step": statistics.median(t_engine), "generate_ms_per_step": statistics.median(t_gen), **ops}
 
 
 def main(argv=None) -> int:
@@ -142,7 +158,8 @@ def main(argv=None) -> int:
         r = loop_vs_generate(model, args.loop_batch, args.loop_prompt, args.loop_new, args.repeats, device)
         print(f"batch {args.loop_batch}, prompt ~{args.loop_prompt}, {args.loop_new} new tokens: Engine (full) "
               f"{r['engine_ms_per_step']:.2f} ms/step, model.generate {r['generate_ms_per_step']:.2f} ms/step "
-              f"(generate / Engine = {r['generate_ms_per_step'] / r['engine_ms_per_step']:.2f}x)")
+              f"(generate / Engine = {r['generate_ms_per_step'] / r['engine_ms_per_step']:.2f}x); aten ops per token "
+              f"(prefill included): Engine {r['engine_ops_per_token']:.0f}, generate {r['generate_ops_per_token']:.0f}")
     return 0
 
 
