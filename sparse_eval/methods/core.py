@@ -246,7 +246,8 @@ def sparse_attention(
             if not torch.is_tensor(c1) or c1.dim() == 0 else c1.float().expand(b, hq, stop - start)
         st["kv_bytes"] = kv_bytes_read(method, ctx, sel, keep)
         if compute_error:
-            p_dense = masked_softmax(scores, vc)
+            # masked_softmax(scores, valid): scores are already -inf wherever a key is not valid
+            p_dense = torch.softmax(scores, dim=-1).masked_fill_(m.invalid, 0.0)
             dense = weighted_values(p_dense, v).float()
             num = (out.float() - dense).norm(dim=-1)
             den = dense.norm(dim=-1)
