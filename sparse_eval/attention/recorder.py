@@ -40,8 +40,9 @@ class StatsRecorder:
         keys = tuple(k for k, v in stats.items()
                      if k not in ("rows", "keep") and torch.is_tensor(v) and v.shape == rows.shape)
         w = rows if counted is None else rows & counted
-        w = w.to(torch.float32)
-        mat = torch.stack([w] + [stats[k].to(torch.float32) for k in keys])  # [1 + S, B, Hq, Q]
+        f32 = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in (w, *(stats[k] for k in keys))]
+        mat = torch.stack(f32)  # [1 + S, B, Hq, Q]
+        w = f32[0]
         return keys, (mat * w).sum(3)  # [1 + S, B, Hq]
 
     def add_sums(self, layer: int, keys: tuple[str, ...], sums: torch.Tensor) -> None:
