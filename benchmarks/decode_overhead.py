@@ -3,7 +3,7 @@ beside stock transformers sdpa on the same cache; and the harness's batched gene
 ``model.generate`` at the same batch.
 
     python benchmarks/decode_overhead.py --model stories260k --context 448 --methods full,topk,quest
-    python benchmarks/decode_overhead.py --model llama3_8b_random --layers 2 --context 1024 --loop-batch 0
+    python benchmarks/decode_overhead.py --model llama3_8b_random --layers 2 --dense-layers 0 --context 1024 --loop-batch 0
 
 ``ops/step`` counts the top-level ``aten::`` ops the CPU profiler records per decode step (those not called from
 inside another aten op: the calls Python makes, close to the kernels a GPU step launches).  ``ms/step``: median over ``--repeats`` of ``--steps`` steps, no profiler.
@@ -29,10 +29,12 @@ from sparse_eval.methods import build_method, make_config  # noqa: E402
 from sparse_eval.runner import method_options  # noqa: E402
 
 
-def make_method(name: str, model, model_name: str):
+def make_method(name: str, model, model_name: str, dense_layers: list[int] | None = None):
     opts = method_options(name)
     n_layers = model.config.num_hidden_layers
     opts["dense_layers"] = [i for i in opts.get("dense_layers", []) if isinstance(i, str) or i < n_layers] or [0]
+    if dense_layers is not None:
+        opts["dense_layers"] = dense_layers
     if name == "double_sparsity" and model_name != "stories260k":
         hd = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
         opts["channels"] = [list(range(hd))] * model.config.num_attention_heads
@@ -126,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--error", choices=("on", "off"), default="on")
+    ap.add_argument("--dense-layers", default=None,
+                    help="comma-separated dense layers for every method (default: each method's config, capped to the model)")
     ap.add_argument("--top", type=int, default=0, help="print the N most frequent ops per method")
     ap.add_argument("--loop-batch", type=int, default=16, help="batch of the Engine-vs-generate comparison (0: skip)")
     ap.add_argument("--loop-prompt", type=int, default=128)
@@ -146,7 +150,8 @@ def main(argv=None) -> int:
             detach(model)
             model.set_attn_implementation("sdpa")
         else:
-            attach(model, make_method(name, model, args.model), Runtime(protocol="A", compute_error=args.error == "on"))
+            dense = [int(i) for i in args.dense_layers.split(",")] if args.dense_layers else None
+            attach(model, make_method(name, model, args.model, dense), Runtime(protocol="A", compute_error=args.error == "on"))
         ms = step_times(model, cache, args.context, first, args.steps, args.repeats, device)
         ops, names = count_ops(model, cache, args.context, first, 4, device)
         print(f"{label:18s} {ops:14.0f} {ms:9.3f}", flush=True)
