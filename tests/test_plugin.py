@@ -181,3 +181,16 @@ def test_full_sums_are_shared_by_the_layers_of_a_pass_only():
     assert none is not padded and float(none[1][0].sum()) == 0.0  # no counted row
     keys, sums = padded
     assert keys[0] == "empty" and float(sums[0].sum()) == 2.0  # one row, two heads
+
+
+def test_recorder_summary_sees_calls_added_after_an_earlier_summary():
+    from sparse_eval.attention.recorder import StatsRecorder
+
+    rec = StatsRecorder(2, 2)
+    st = {"rows": torch.ones(1, 2, 1, dtype=torch.bool), "cost2": torch.full((1, 2, 1), 0.5)}
+    rec.add(1, st)
+    assert rec.summary(row=0)["cost2"] == 0.5 and rec.summary()["sparse_rows"] == 2
+    rec.add(1, {**st, "cost2": torch.full((1, 2, 1), 1.0)})
+    assert rec.summary(row=0)["cost2"] == 0.75 and rec.summary()["sparse_rows"] == 4
+    rec.reset()
+    assert rec.summary()["sparse_rows"] == 0

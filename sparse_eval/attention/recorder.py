@@ -23,6 +23,7 @@ class StatsRecorder:
     def reset(self) -> None:
         # per layer: {(stat keys of a call, B): [1 + S, B, Hq] running sums (entry 0: counted rows with valid keys)}
         self._stacked: dict[int, dict[tuple[str, ...], torch.Tensor]] = {}
+        self._host: dict[int, dict[tuple[str, ...], torch.Tensor]] | None = None  # ``_stacked`` on the host
 
     def add(self, layer: int, stats: dict[str, Any], counted: torch.Tensor | None = None) -> None:
         """stats: per-row tensors [B, Hq, Q] plus ``rows`` (bool, row has valid keys) and ``empty``;
@@ -47,6 +48,7 @@ class StatsRecorder:
 
     def add_sums(self, layer: int, keys: tuple[str, ...], sums: torch.Tensor) -> None:
         """Accumulate one call's ``row_sums`` into ``layer``'s table (one addition; ``sums`` is never written)."""
+        self._host = None
         table = self._stacked.setdefault(layer, {})
         entry = (keys, sums.shape[1])  # calls of another batch size (lm-eval's own batches) are summed apart
         table[entry] = table[entry] + sums if entry in table else sums
@@ -81,7 +83,9 @@ class StatsRecorder:
         sums: dict[str, dict[int, torch.Tensor]] = {}
         if row is not None and len({b for entries in self._stacked.values() for _, b in entries}) > 1:
             raise ValueError("per-row statistics of calls with different batch sizes; reset between batches")
-        for layer, entries in self._stacked.items():
+        if self._host is None:  # one copy per batch: the per-row summaries then run without device syncs
+            self._host = {layer: {e: acc.cpu() for e, acc in entries.items()} for layer, entries in self._stacked.items()}
+        for layer, entries in self._host.items():
             for (keys, _), acc in entries.items():
                 acc = acc.sum(1) if row is None else acc[:, row]  # [1 + S, Hq]
                 rows[layer] = rows[layer] + acc[0] if layer in rows else acc[0]
