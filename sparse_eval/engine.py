@@ -199,8 +199,18 @@ class Engine:
         outs: list[list[int]] = [[] for _ in requests]
         stopped = ["max_new_tokens"] * b
         live = [r.max_new_tokens > 0 for r in requests]
+        # decode, one column per step: the mask's generated columns are laid out once and passed as a view, each
+        # row's position is its previous one + 1 (the count of its real tokens - 1), and the rows counted are
+        # rebuilt only when a row stops (None while every row is live)
+        n = t
+        mask = torch.cat([mask, mask.new_ones((b, max(r.max_new_tokens for r in requests)))], dim=1)
+        pos = real.sum(-1, keepdim=True) - 1  # [B, 1]: each row's last prompt position
+        counted: torch.Tensor | None = None
+        counted_for = [True] * b
+        kw = {self._cache_kw: cache}
         while any(live):
-            nxt = logits.argmax(-1).tolist()
+            tok = logits.argmax(-1, keepdim=True)  # [B, 1]
+            nxt = tok.view(-1).tolist()
             for i, r in enumerate(requests):
                 if not live[i]:
                     continue
@@ -217,12 +227,14 @@ class Engine:
                     live[i] = False
             if not any(live):
                 break
-            step = torch.tensor(nxt, dtype=torch.long, device=self.device)[:, None]
-            ids = torch.cat([ids, step], dim=1)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            counted = torch.tensor(live, dtype=torch.bool, device=self.device)[:, None]
-            n = ids.shape[1]
-            logits = self._call(ids, mask, n, n - 1, cache, "sparse", counted)[:, -1]
+            if live != counted_for:
+                counted_for = list(live)
+                counted = torch.tensor(live, dtype=torch.bool, device=self.device)[:, None]
+            n += 1
+            pos = pos + 1
+            with self.session.phase("sparse"), self.session.counting(counted):
+                logits = self.model(input_ids=tok, attention_mask=mask[:, :n], position_ids=pos, use_cache=True,
+                                    **kw).logits[:, -1]
         results = []
         for i, r in enumerate(requests):
             text = self.tokenizer.decode(outs[i], skip_special_tokens=True)

@@ -133,3 +133,64 @@ def test_pass_masks_are_shared_by_the_layers_of_a_pass_only():
     again = session._masks(other, 1, 1, 10, "cpu")
     assert again is not padded and int(again.n_valid) == 5 and int(padded.n_valid) == 7
     assert session._masks(None, 1, 5, 10, "cpu") is None
+
+
+@pytest.mark.parametrize("protocol", ["A", "B"])
+@torch.inference_mode()
+def test_full_records_per_pass_sums_as_per_layer(protocol):
+    """Full attention's statistics, computed once per forward pass and added by every layer, equal those computed
+    layer by layer (padded batch, rows stopping at different steps, protocol B's per-row phase)."""
+    from sparse_eval.attention.plugin import SparseSession
+    from sparse_eval.engine import GenerationRequest
+
+    model = tiny_model("llama", layers=3)
+    g = torch.Generator().manual_seed(3)
+    reqs = [GenerationRequest(torch.randint(3, 256, (n,), generator=g).tolist(), max_new_tokens=m, context_len=c,
+                              stop_token_ids=[])
+            for n, m, c in ((30, 6, 20), (22, 3, 15), (27, 5, 10))]
+    tables = []
+    for memo in (True, False):
+        session = attach(model, method("full", sink=2, local=3, dense_layers=[0]), Runtime(protocol=protocol))
+        if not memo:
+            session._full_sums = lambda *a, _s=session: (_s._full_memo.clear(), SparseSession._full_sums(_s, *a))[1]
+        Engine(model, _NoTok(), session).generate_batch(reqs)
+        tables.append(session.recorder._stacked)
+        detach(model)
+    assert tables[0].keys() == tables[1].keys() == {1, 2}
+    for layer in tables[0]:
+        assert tables[0][layer].keys() == tables[1][layer].keys()
+        for entry, sums in tables[0][layer].items():
+            assert torch.equal(sums, tables[1][layer][entry])
+
+
+def test_full_sums_are_shared_by_the_layers_of_a_pass_only():
+    from sparse_eval.attention.plugin import SparseSession
+
+    session = SparseSession(build_method(make_config("full", {"sink": 1, "local": 2})), Runtime(), 2, 2)
+    first = session._full_sums(None, 1, 2, 1, 10, 64, None, "cpu")
+    assert session._full_sums(None, 1, 2, 1, 10, 64, None, "cpu") is first
+    assert session._full_sums(None, 1, 2, 1, 11, 64, None, "cpu") is not first
+    mask = torch.ones(1, 1, 1, 10, dtype=torch.bool)
+    mask[..., :3] = False
+    padded = session._full_sums(mask, 1, 2, 1, 10, 64, None, "cpu")
+    assert session._full_sums(mask, 1, 2, 1, 10, 64, None, "cpu") is padded
+    other = mask.clone()
+    assert session._full_sums(other, 1, 2, 1, 10, 64, None, "cpu") is not padded
+    with session.counting(torch.zeros(1, 1, dtype=torch.bool)):
+        none = session._full_sums(mask, 1, 2, 1, 10, 64, None, "cpu")
+    assert none is not padded and float(none[1][0].sum()) == 0.0  # no counted row
+    keys, sums = padded
+    assert keys[0] == "empty" and float(sums[0].sum()) == 2.0  # one row, two heads
+
+
+def test_recorder_summary_sees_calls_added_after_an_earlier_summary():
+    from sparse_eval.attention.recorder import StatsRecorder
+
+    rec = StatsRecorder(2, 2)
+    st = {"rows": torch.ones(1, 2, 1, dtype=torch.bool), "cost2": torch.full((1, 2, 1), 0.5)}
+    rec.add(1, st)
+    assert rec.summary(row=0)["cost2"] == 0.5 and rec.summary()["sparse_rows"] == 2
+    rec.add(1, {**st, "cost2": torch.full((1, 2, 1), 1.0)})
+    assert rec.summary(row=0)["cost2"] == 0.75 and rec.summary()["sparse_rows"] == 4
+    rec.reset()
+    assert rec.summary()["sparse_rows"] == 0

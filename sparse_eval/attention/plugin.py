@@ -169,6 +169,7 @@ class SparseSession:
         self.row_seeds: torch.Tensor | None = None  # long [B]: each row's seed (its sample id), for sampling methods
         self.layer_inputs: dict[int, tuple] = {}  # per layer: (hidden_states, position_embeddings) of the last call
         self._mask_memo: tuple | None = None  # (attention mask, shapes, PassMasks) of the last call
+        self._full_memo: dict[tuple, tuple] = {}  # full attention's recorded sums of the current pass (``_full_sums``)
 
     # -- protocol ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -230,6 +231,27 @@ class SparseSession:
         self._mask_memo = (attention_mask, key, masks)
         return masks
 
+    def _full_sums(self, attention_mask, b: int, hq: int, q_len: int, kv_len: int, key_bytes: int,
+                   per_row: torch.Tensor | None, device) -> tuple[tuple[str, ...], torch.Tensor]:
+        """``StatsRecorder.full_sums`` of a full-attention call, computed once per forward pass: they depend only on
+        the pass's mask, counted rows, phase and shapes, so the layers of one pass reuse them (a layer with a
+        mask of its own, e.g. a sliding window, gets its own entry).  The memo holds the objects it tests by
+        identity, so a later tensor that reuses a freed one's id cannot match."""
+        c = self.method.config
+        shapes = (b, hq, q_len, kv_len, key_bytes, str(device), c.sink, c.local)
+        objs = (attention_mask, self._counted, per_row)
+        key = (shapes, *(id(o) for o in objs))
+        hit = self._full_memo.get(key)
+        if hit is not None and all(a is o for a, o in zip(hit[0], objs)):
+            return hit[1]
+        if len(self._full_memo) >= 8 or any(k[0] != shapes for k in self._full_memo):
+            self._full_memo.clear()
+        valid = key_validity(attention_mask, b, q_len, kv_len, device)
+        static, n_valid = static_keys(valid, c.sink, c.local)
+        sums = self.recorder.full_sums(static, n_valid, hq, self._count_mask(b, q_len, per_row), key_bytes=key_bytes)
+        self._full_memo[key] = (objs, sums)
+        return sums
+
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layer_idx = module.layer_idx
         b, hq, q_len, d = query.shape
@@ -238,16 +260,16 @@ class SparseSession:
         per_row = sparse if torch.is_tensor(sparse) else None  # bool [B, Q]
         if per_row is None and not sparse:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        if self.method.dense:  # stock sdpa; the recorded statistics depend only on the pass's masks
+            out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+            self.recorder.add_sums(layer_idx, *self._full_sums(attention_mask, b, hq, q_len, key.shape[2],
+                                                               2 * d * key.element_size(), per_row, query.device))
+            return out
         counted = self._count_mask(b, q_len, per_row)
         masks = self._masks(attention_mask, b, q_len, key.shape[2], query.device)
         valid = masks.valid if masks is not None else key_validity(attention_mask, b, q_len, key.shape[2], query.device)
-        if self.method.dense or per_row is not None:
+        if per_row is not None:
             dense, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        if self.method.dense:
-            static, n_valid = (masks.static, masks.n_valid) if masks is not None else \
-                static_keys(valid, self.method.config.sink, self.method.config.local)
-            self.recorder.add_full(layer_idx, static, n_valid, hq, counted, key_bytes=2 * d * key.element_size())
-            return dense, None
         state = _layer_state(getattr(module, _CACHE_ATTR, None), layer_idx)
         seeds = self.row_seeds if self.row_seeds is not None and self.row_seeds.shape[0] == b else None
         out, stats = sparse_attention(
@@ -299,7 +321,8 @@ def attach(model: torch.nn.Module, method: Method, runtime: Runtime | None = Non
     session.modules = attention_modules(model)
     for m in session.modules:
         setattr(m, _SESSION_ATTR, session)
-        m._sparse_eval_hook = m.register_forward_pre_hook(_grab_cache, with_kwargs=True)
+        if not method.dense:  # only a sparse call reads the cache's index and the layer inputs
+            m._sparse_eval_hook = m.register_forward_pre_hook(_grab_cache, with_kwargs=True)
     model.set_attn_implementation(ATTENTION_NAME)
     return session
 

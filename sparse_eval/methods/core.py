@@ -133,7 +133,8 @@ def masked_softmax(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.masked_fill(dropped, NEG_INF), dim=-1).masked_fill_(dropped, 0.0)
 
 
-def kept_mass_and_recall(scores: torch.Tensor, p_dense: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_mass_and_recall(scores: torch.Tensor, p_dense: torch.Tensor, keep: torch.Tensor,
+                         kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Two measures of how good a kept set is, per row [B, Hq, Q] (fp32):
 
     * attention mass captured: Σ_{i∈keep} softmax(s)_i, the dense attention's mass on the kept keys;
@@ -141,9 +142,9 @@ def kept_mass_and_recall(scores: torch.Tensor, p_dense: torch.Tensor, keep: torc
       the k-th score count as in T_k, the ratio capped at 1).  1 means the kept set is the exact TopK set.
 
     scores [B, Hq, Q, N] fp32 (−inf where not valid), p_dense = masked_softmax(scores, valid), keep bool.
-    Rows with nothing kept give 0 for both."""
+    Rows with nothing kept give 0 for both.  ``kept``: ``keep.sum(-1)`` (long) when the caller has it."""
     mass = (p_dense * keep).sum(-1)
-    k = keep.sum(-1)  # [B, Hq, Q]
+    k = keep.sum(-1) if kept is None else kept  # [B, Hq, Q]
     ranked = scores.sort(dim=-1, descending=True).values
     kth = ranked.gather(-1, (k - 1).clamp_min(0).unsqueeze(-1))  # the k-th largest score
     hits = (keep & (scores >= kth)).sum(-1)
@@ -151,7 +152,8 @@ def kept_mass_and_recall(scores: torch.Tensor, p_dense: torch.Tensor, keep: torc
     return mass, recall
 
 
-def kv_bytes_read(method: Method, ctx: AttentionContext, sel: Selection, keep: torch.Tensor) -> torch.Tensor:
+def kv_bytes_read(method: Method, ctx: AttentionContext, sel: Selection, keep: torch.Tensor,
+                  kept: torch.Tensor | None = None) -> torch.Tensor:
     """KV-cache bytes the method's system reads for each query-head row, fp32 [B, Hq, Q]:
 
         kv_bytes = index_bytes + |keep| · (2 if not index_reads_keys else 1) · D · e
@@ -160,11 +162,11 @@ def kv_bytes_read(method: Method, ctx: AttentionContext, sel: Selection, keep: t
     min/max; DS: label cache; MagicPIG: hash-bucket ids); the kept keys (static ones included) add their V row,
     and their K row unless scoring already read it.  D = head dim, e = element size of the cache dtype.  Full
     attention: n_valid · 2 · D · e.  Per query-head row, as if each head read its own selection (GQA sharing is
-    not deducted)."""
+    not deducted).  ``kept``: |keep| per row, ``keep.sum(-1)`` as fp32, when the caller has it."""
     b, hq, ql, _ = keep.shape
     d, e = ctx.k.shape[-1], ctx.k.element_size()
     rows_per_key = 1 if method.index_reads_keys else 2
-    kept = keep.sum(-1).to(torch.float32) * float(rows_per_key * d * e)  # [B, Hq, Q]
+    kept = (keep.sum(-1).to(torch.float32) if kept is None else kept) * float(rows_per_key * d * e)  # [B, Hq, Q]
     idx = method.index_bytes(ctx, sel)
     if not torch.is_tensor(idx):
         return kept + float(idx)
@@ -235,23 +237,26 @@ def sparse_attention(
         p = masked_softmax(logits, keep)
         out = weighted_values(p, v)
         rows = m.rows.expand(b, hq, stop - start)
+        n_keep = keep.sum(-1)  # long [B, Hq, Q]
+        n_keep_f = n_keep.float()
         st: dict[str, torch.Tensor] = {
             "rows": rows,
-            "cost2": keep.sum(-1).float() / m.n_rows,
+            "cost2": n_keep_f / m.n_rows,
             "static_frac": m.static_frac.expand(b, hq, -1),
             "empty": empty & rows,
         }
         c1 = method.cost1(ctx, sel)
         st["cost1"] = torch.full((b, hq, stop - start), float(c1), device=q.device) \
             if not torch.is_tensor(c1) or c1.dim() == 0 else c1.float().expand(b, hq, stop - start)
-        st["kv_bytes"] = kv_bytes_read(method, ctx, sel, keep)
+        st["kv_bytes"] = kv_bytes_read(method, ctx, sel, keep, kept=n_keep_f)
         if compute_error:
-            p_dense = masked_softmax(scores, vc)
+            # masked_softmax(scores, valid): scores are already -inf wherever a key is not valid
+            p_dense = torch.softmax(scores, dim=-1).masked_fill_(m.invalid, 0.0)
             dense = weighted_values(p_dense, v).float()
             num = (out.float() - dense).norm(dim=-1)
             den = dense.norm(dim=-1)
             st["est_error"] = torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
-            st["mass"], st["topk_recall"] = kept_mass_and_recall(scores, p_dense, keep)
+            st["mass"], st["topk_recall"] = kept_mass_and_recall(scores, p_dense, keep, kept=n_keep)
         for key, val in sel.stats.items():
             st[key] = val
         if keep_masks:
