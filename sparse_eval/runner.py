@@ -337,6 +337,12 @@ class _Batcher:
                             if isinstance(exc1, (KeyboardInterrupt, SystemExit)):
                                 raise
                             recs.append(self._failed(s, exc1))
+                if any(r.get("oom") for r in recs):  # not the samples' fault: stop, keeping what finished
+                    yield [r for r in recs if not r.get("oom")]
+                    raise RuntimeError(
+                        f"out of memory running one sample alone (eval.batch_size={self.exp.batch_size}); the run "
+                        "stopped with its finished samples kept. Free the device (other processes?) or shorten the "
+                        "task, then run the same command to resume") from exc
             self.used = max(self.used or 0, len(batch))
             i += len(batch)
             yield recs
@@ -387,6 +393,8 @@ class _Batcher:
 
     @staticmethod
     def _failed(sample: Any, exc: BaseException) -> dict[str, Any]:
+        if is_out_of_memory(exc):  # a property of the machine's state, not of the sample: never recorded
+            return {"id": sample.id, "oom": True}
         log.warning("sample %s failed: %r", sample.id, exc)
         return {"id": sample.id, "status": "error", "error": repr(exc), "traceback": traceback.format_exc(limit=8),
                 "time_s": 0.0}

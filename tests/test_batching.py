@@ -176,6 +176,35 @@ def test_batch_size_is_checked_at_start(tmp_path):
             Experiment(cfg_for(tmp_path, "method=full", f"eval.batch_size={bad}"))
 
 
+def test_out_of_memory_alone_stops_the_run_without_recording_a_failure(tmp_path, monkeypatch):
+    """A sample out of memory even alone (another process took the GPU, say) is not a failed sample: the run
+    stops with an error, the samples that finished are kept, and the same command resumes the rest."""
+    from test_runner import cfg_for
+
+    from sparse_eval.runner import Experiment
+    from sparse_eval.store import SAMPLES_FILE, read_samples
+
+    cfg = cfg_for(tmp_path, "method=topk", "task.num_samples=4", "task.window=64", "eval.batch_size=2")
+    exp = Experiment(cfg)
+    orig = exp.task.run_batch
+
+    def full_device(samples, engine):
+        if samples[0].id == exp.samples()[2].id or (len(samples) > 1 and exp.samples()[2] in samples):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return orig(samples, engine)
+
+    monkeypatch.setattr(exp.task, "run_batch", full_device)
+    _, run_dir = exp.run_dir(exp.method_configs()[0])
+    with pytest.raises(RuntimeError, match="out of memory running one sample alone"):
+        exp.run_method(exp.method_configs()[0], run_dir)
+    recs = read_samples(run_dir / SAMPLES_FILE)
+    assert all(r["status"] == "ok" for r in recs.values()) and exp.samples()[2].id not in recs
+    assert len(recs) >= 2
+    monkeypatch.setattr(exp.task, "run_batch", orig)
+    summary = exp.run_method(exp.method_configs()[0], run_dir)
+    assert summary["samples"] == 4 and summary["failed"] == 0
+
+
 def test_auto_batch_halves_on_out_of_memory(tmp_path, monkeypatch):
     from test_runner import cfg_for
 
