@@ -13,7 +13,7 @@ subtask's full ``tokens_to_generate`` (RULER stops at EOS earlier).  Rows whose 
 benchmarked take the measured row of the same method (printed beside them).  Lengths beyond the measured
 contexts are extrapolations of these fits.
 
-    python benchmarks/project_ruler_hours.py experiments/accuracy_path_speed/h200_llama3_8b_*_b8.json
+    python benchmarks/project_ruler_hours.py experiments/accuracy_path_speed/accuracy_path_llama3_8b_random_*_b8.json
 """
 
 from __future__ import annotations
