@@ -315,7 +315,7 @@ def readme_commands() -> list[str]:
 
 # how each README command runs in the test: (tiny overrides appended, or a skip reason)
 TINY = {
-    "python -m sparse_eval": [],
+    "python -m sparse_eval": "run and checked by tests/test_runner.py::test_default_command_end_to_end",
     "python -m sparse_eval method=magicpig method.K=9 method.L=120": [],
     "python -m sparse_eval -m method=topk method.budget=0.02,0.06,0.1": ["task.num_samples=1"],
     "scripts/get_smollm2.sh": "downloads from PyPI",
@@ -353,9 +353,21 @@ def test_every_readme_command_is_covered():
     assert set(readme_commands()) <= set(TINY), sorted(set(readme_commands()) - set(TINY))
 
 
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory):
+    """A runs folder with one finished run, for the commands that read what a run wrote (status, collect, report)."""
+    root = tmp_path_factory.mktemp("readme_runs")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+               SPARSE_EVAL_RUNS_DIR=str(root / "runs"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-m", "sparse_eval", "method=full", "task.num_samples=1", "task.window=64"],
+                   cwd=root, env=env, check=True, capture_output=True, timeout=300)
+    return root / "runs"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cmd", [c for c in TINY if c != "python -m pytest -q"])
-def test_readme_command_runs(tmp_path, cmd):
+def test_readme_command_runs(tmp_path, cmd, request):
     how = TINY[cmd]
     if cmd not in readme_commands():
         pytest.skip("no longer in the README")
@@ -368,9 +380,7 @@ def test_readme_command_runs(tmp_path, cmd):
                SPARSE_EVAL_RUNS_DIR=str(tmp_path / "runs"),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     if "status" in cmd or "collect" in cmd or "report" in cmd:  # they read what a run wrote
-        subprocess.run([sys.executable, "-m", "sparse_eval", "method=full", "task.num_samples=1", "task.window=64"],
-                       cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
-        argv = [a.replace("runs/", str(tmp_path / "runs")) for a in argv]
+        argv = [a.replace("runs/", str(request.getfixturevalue("one_run"))) for a in argv]
     if argv[0] == "python":
         argv[0] = sys.executable
     env.pop("TRITON_INTERPRET", None)  # set by conftest for the kernel tests; a user's shell does not have it
