@@ -13,6 +13,7 @@ still shows Hydra's full traceback.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -117,6 +118,28 @@ def interrupted(exc: KeyboardInterrupt) -> None:
     sys.exit(EXIT_INTERRUPTED)
 
 
+def print_help(main: Callable[[], Any]) -> None:
+    """Hydra's ``--help`` without the structured-config schemas among a group's options (``method: ...,
+    topk_schema, ...``): they are the types the yaml files are checked against, not choices."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        try:
+            main()
+        except SystemExit:
+            pass
+    lines = []
+    for line in buf.getvalue().splitlines(keepends=True):
+        m = re.match(r"([\w/]+): (.*)$", line.rstrip("\n"))
+        if m and "," in m.group(2) or (m and m.group(2).endswith(SCHEMA_SUFFIX)):
+            opts = [o for o in m.group(2).split(", ") if not o.endswith(SCHEMA_SUFFIX)]
+            line = f"{m.group(1)}: {', '.join(opts)}\n"
+        lines.append(line)
+    sys.stdout.write("".join(lines))
+
+
 def hydra_entry(main: Callable[[], Any]) -> None:
     """Run a ``@hydra.main`` function: Hydra's own errors (composition, overrides, its output folder) as one
     ``error:`` line and exit status 2; Ctrl-C as where the run stopped and exit status 130."""
@@ -125,6 +148,9 @@ def hydra_entry(main: Callable[[], Any]) -> None:
 
     user_full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing a stripped traceback and exit(1)
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        print_help(main)
+        return
     try:
         main()
     except KeyboardInterrupt as exc:

@@ -131,6 +131,9 @@ def test_cli_errors_are_one_line_with_exit_status_2(tmp_path, args, needle):
 def test_schemas_are_not_offered_as_choices(tmp_path):
     res = cli("method=nope", f"paths.runs_dir={tmp_path}", cwd=tmp_path)
     assert "magicpig" in res.stderr and "_schema" not in res.stderr, res.stderr
+    res = cli("--help", cwd=tmp_path)
+    assert res.returncode == 0 and "method: double_sparsity" in res.stdout and "logger: none, wandb" in res.stdout
+    assert "_schema" not in res.stdout, res.stdout
 
 
 # -- 4: a read-only store ---------------------------------------------------------------------------------------
