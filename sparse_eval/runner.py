@@ -142,8 +142,9 @@ class Experiment:
         the label), the method's config and the sha256 of what it reads from outside it (``inputs``:
         ``Method.external_inputs``, e.g. Double Sparsity's calibration file), the task, the sha256 of the local
         data files its samples were built from (``data``: RULER's essays and QA files, WikiText-2, LongBench files,
-        published key-value records), the evaluation settings and the seed.  ``sliding_layers`` enters only for a model that has sliding layers: elsewhere it cannot change
-        a result (and the runs made before it existed keep their directories)."""
+        published key-value records), the evaluation settings and the seed.  ``sliding_layers`` enters only for a
+        model that has sliding layers: elsewhere it cannot change a result (and the runs made before it existed keep
+        their directories)."""
         ev = self.cfg.eval
         if dataclasses.is_dataclass(method):
             method = dataclasses.asdict(method)
