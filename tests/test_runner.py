@@ -140,9 +140,12 @@ def test_failing_sample_is_recorded_and_run_goes_on(tmp_path, monkeypatch):
     (["method=full", "model=smollm2_135m", "paths.models_dir=/nonexistent"], "scripts/get_smollm2.sh"),
 ])
 def test_config_errors_fail_at_start_with_a_clear_message(tmp_path, args, needle):
-    res = run_cli(*args, f"paths.runs_dir={tmp_path}", "task.num_samples=1")
-    assert res.returncode != 0
-    assert needle in res.stderr, res.stderr[-2000:]
+    """In process (composition and ``run``); the command line's one-line form and exit status are checked in
+    tests/test_user_path.py."""
+    with pytest.raises(Exception) as err:
+        run(cfg_for(tmp_path, *args, "task.num_samples=1"))
+    text = f"{err.value} {err.value.__cause__ or ''}"
+    assert needle in text, text[-2000:]
     assert not list(Path(tmp_path).glob("wikitext/*/*/samples.jsonl"))  # nothing ran
 
 
