@@ -224,10 +224,7 @@ class MagicPIG(Method):
     # candidate key with no host sync (``_bias_dense``, e.g. for a captured step); above it, or when rows have their
     # own μ_t, only for the sampled pairs (``_bias_sampled``: one host sync, eq. 10 on ~1/60 of the elements).  The
     # same values either way (within 1e-6 relative, tested).  Off by default: eq. 10 has 33 terms per element at
-    # (10, 150), and the dense bias was the slower one wherever measured.  One layer's decode attend, Llama-3.1-8B
-    # heads, dense vs sampled pairs: H200, 16K keys, batch 1 / 4 / 8: 10.6 / 15.3 / 26.0 ms vs 8.2 / 5.9 / 8.2 ms;
-    # 2-core CPU, one thread, 2K keys, batch 1 / 4: 44 / 732 ms vs 13 / 105 ms (minima of 15); 448 keys, 8 heads
-    # of dim 8: 2.7 vs 2.0 ms
+    # (10, 150), so the dense bias is the slower one (timings in sparse_eval/kernels/README.md)
     dense_bias_elements: int = 0
 
     def __init__(self, config: MagicPIGConfig):
