@@ -305,3 +305,16 @@ def test_score_intervals_table_shows_kv_bytes_in_kib(df):
     assert "KV KiB/row" in t.value_cols
     assert {r["KV KiB/row"] for r in t.rows} <= {2.0 * (i + 1) for i in range(len(df))}
     assert all(r["KV KiB/row"] is None for r in score_intervals(df).rows)  # not recorded: an empty cell
+
+
+def test_incomplete_runs_are_marked_in_the_paper_tables(df):
+    """A run cut short keeps its row (the samples it scored) but says so: n of the expected, and a caption."""
+    d = df.copy()
+    full = (d["task"] == "ruler") & (d["method"] == "full")
+    d.loc[full, "expected_samples"] = d.loc[full, "samples"] * 2
+    t3 = {t.name: t for t in build_tables(d)[0]}["magicpig_table3_ruler"]
+    configs = list(t3.frame()["Config"])
+    assert any("(incomplete: " in c for c in configs) and any(c == "(10,150)" for c in configs)
+    assert "Rows marked incomplete" in t3.caption
+    t3_ok = {t.name: t for t in build_tables(df)[0]}["magicpig_table3_ruler"]
+    assert "Rows marked incomplete" not in t3_ok.caption

@@ -110,9 +110,14 @@ def _build(values, costs, d, name: str, title: str, caption: str, columns: list[
     """values: DataFrame with group cols + 'col' + 'score'; costs: DataFrame with group cols + cost1/cost2."""
     gcols = _group_cols(d)
     rows, papers, sources = [], [], []
+    incomplete = False
     for key, grp in values.groupby(gcols, dropna=False, sort=False):
         key = dict(zip(gcols, key if isinstance(key, tuple) else (key,)))
         row: dict[str, Any] = {"Model": key["model"], "Method": key["method_name"], "Config": key["config"]}
+        short = _incomplete(grp)
+        if short:  # a run cut short: its average is over the samples it finished, not the task's
+            row["Config"] = f"{row['Config']} (incomplete: {short})"
+            incomplete = True
         if "setting" in key:
             row["Setting"] = key["setting"]
         for col in columns:
@@ -149,10 +154,23 @@ def _build(values, costs, d, name: str, title: str, caption: str, columns: list[
         caption += f" Setting of every row: {d['setting'].iloc[0]}."
     if avg and any(papers):
         caption += " The paper's Avg is compared only where the row has every column the paper averaged."
+    if incomplete:
+        caption += (" Rows marked incomplete are over the samples their runs finished (n of the expected): not "
+                    "comparable with complete rows.")
     dg = {"Cost1": 3, "Cost2": 3, "Cost_total": 3}
     dg.update(digits or {})
     return Table(name, title, caption, key_cols, value_cols, [rows[i] for i in order], [papers[i] for i in order],
                  [sources[i] for i in order], dg)
+
+
+def _incomplete(grp) -> str | None:
+    """"n/N" when runs of the group scored fewer samples than they expected (cut short, or samples that failed)."""
+    if "samples" not in grp.columns or "expected_samples" not in grp.columns:
+        return None
+    short = grp[grp["samples"] < grp["expected_samples"]]
+    if short.empty:
+        return None
+    return f"{int(short['samples'].sum())}/{int(short['expected_samples'].sum())}"
 
 
 def _with_col(d, col_of: Callable[[Any], str | None], scale: float = 1.0):
@@ -347,10 +365,15 @@ def ds_table2(df) -> Table:
     ds = runs[runs["method"] == "double_sparsity"]
     if ds.empty:
         raise Skip("no double_sparsity runs on wikitext")
-    recs = []
+    recs, short = [], []
     for _, r in ds.iterrows():
         tok, chan = ds_levels(r)
         lab = _level_label(tok)
+        cut = _incomplete(ds.loc[[_]])
+        if cut:
+            from .load import param as _param
+
+            short.append(f"{r['model']} {_param(r, 'channel_type')} at {lab}: {cut}")
         same = tok is not None and chan is not None and math.isclose(min(chan, 1.0), tok, rel_tol=1e-6)
         from .load import param
 
@@ -386,7 +409,9 @@ def ds_table2(df) -> Table:
                  "Columns: token sparsity level (β as a ratio of the context; an absolute β over a W-token window counts "
                  "as β / (W/2)); 'Channel sparsity' = α·label_bits/16 (the label cache's share of the K cache), '= token' "
                  "when equal to the column's level as in the paper; column 1 = full attention.  Paper values are "
-                 "compared only for qk channels with channel = token sparsity.",
+                 "compared only for qk channels with channel = token sparsity." +
+                 (f" Incomplete runs, over the windows they finished (n of the expected): {'; '.join(short)}."
+                  if short else ""),
                  ["Model", "Variant", "Channels", "Channel sparsity", "Setting"], value_cols, rows, papers, sources,
                  {c: 2 for c in value_cols})
 
