@@ -78,10 +78,10 @@ def fit_prefill(recs: dict[int, dict]) -> tuple[float, float]:
 
 
 def measured_name(row: str, available: set[str]) -> str | None:
+    """The benchmarked method a Table 3 row is projected from: itself, else its method's default config."""
     if row in available:
         return row
     base = row.split("_")[0]
-    base = {"quest": "quest", "magicpig": "magicpig", "full": "full"}.get(base, base)
     return base if base in available else None
 
 

@@ -133,7 +133,7 @@ def print_help(main: Callable[[], Any]) -> None:
     lines = []
     for line in buf.getvalue().splitlines(keepends=True):
         m = re.match(r"([\w/]+): (.*)$", line.rstrip("\n"))
-        if m and "," in m.group(2) or (m and m.group(2).endswith(SCHEMA_SUFFIX)):
+        if m and ("," in m.group(2) or m.group(2).endswith(SCHEMA_SUFFIX)):
             opts = [o for o in m.group(2).split(", ") if not o.endswith(SCHEMA_SUFFIX)]
             line = f"{m.group(1)}: {', '.join(opts)}\n"
         lines.append(line)

@@ -224,7 +224,7 @@ class MagicPIG(Method):
     # candidate key with no host sync (``_bias_dense``, e.g. for a captured step); above it, or when rows have their
     # own μ_t, only for the sampled pairs (``_bias_sampled``: one host sync, eq. 10 on ~1/60 of the elements).  The
     # same values either way (within 1e-6 relative, tested).  Off by default: eq. 10 has 33 terms per element at
-    # (10, 150), so the dense bias is the slower one (timings in sparse_eval/kernels/README.md)
+    # (10, 150), so the dense bias evaluates it ~60 times as often (sparse_eval/kernels/README.md)
     dense_bias_elements: int = 0
 
     def __init__(self, config: MagicPIGConfig):

@@ -365,17 +365,16 @@ def ds_table2(df) -> Table:
     ds = runs[runs["method"] == "double_sparsity"]
     if ds.empty:
         raise Skip("no double_sparsity runs on wikitext")
+    from .load import param
+
     recs, short = [], []
-    for _, r in ds.iterrows():
+    for i, r in ds.iterrows():
         tok, chan = ds_levels(r)
         lab = _level_label(tok)
-        cut = _incomplete(ds.loc[[_]])
+        cut = _incomplete(ds.loc[[i]])
         if cut:
-            from .load import param as _param
-
-            short.append(f"{r['model']} {_param(r, 'channel_type')} at {lab}: {cut}")
+            short.append(f"{r['model']} {param(r, 'channel_type')} at {lab}: {cut}")
         same = tok is not None and chan is not None and math.isclose(min(chan, 1.0), tok, rel_tol=1e-6)
-        from .load import param
 
         recs.append({"model": r["model"], "Variant": r["method_name"], "Channels": param(r, "channel_type"),
                      "Channel sparsity": "= token" if same else f"{_level_label(chan)}",
