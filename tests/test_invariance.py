@@ -1,0 +1,312 @@
+"""Batch invariance: a sample's record is bit for bit the same alone, in a batch of 7 and in a batch of 50, for
+every registered method and protocol (``sparse_eval.invariance``, ``sparse_eval.kernels.invariant``).
+
+The kernels' property (a row's reduction order depends only on its own length counted from its end) is checked
+directly, for the torch references (the CPU path) and for the Triton kernels (under Triton's interpreter here; on
+the GPU by ``test_records_do_not_depend_on_the_batch_on_the_gpu``), then end to end on the shipped model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparse_eval import invariance
+from sparse_eval.attention.plugin import Runtime, attach, detach
+from sparse_eval.engine import Engine, GenerationRequest, LoglikelihoodRequest
+from sparse_eval.invariance import InvarianceViolation, batch_invariant, checker, deterministic_topk
+from sparse_eval.kernels import invariant as kinv
+from sparse_eval.kernels._common import triton_available
+from sparse_eval.methods import METHODS, build_method, make_config
+
+# small budgets and static windows so that every method selects within short prompts; one entry per registered
+# method (a method added to the registry without an entry here fails ``test_every_method_is_covered``)
+CONFIGS = {
+    "full": {},
+    "topk": {"budget": 8, "local": 8},
+    "oracle": {"budget": 8, "local": 8},
+    "magicpig": {"K": 4, "L": 20, "local": 8, "dense_layers": [0]},
+    "quest": {"page_size": 4, "budget": 8, "local": 8},
+    "double_sparsity": {"beta": 8},
+    "double_sparsity-offload": {"beta": 8, "offload": True},  # predicts layer l's keys from layer l-1's input
+}
+STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass", "topk_recall", "sparse_rows",
+         "empty_selections")
+
+
+def test_every_method_is_covered():
+    assert sorted({name.split("-")[0] for name in CONFIGS}) == sorted(METHODS)
+
+
+# -- the property the CPU reference relies on: MKL's products, measured ------------------------------------------
+
+
+def test_mkl_rows_and_columns_from_16_on_do_not_depend_on_the_others():
+    """MKL gives a row (column) of a product the same bits whatever the other rows (columns) once there are at least
+    16 of them, and different bits below that (``kernels.invariant.MKL_BLOCK``); and within a reduction of at most
+    ``K_TILE`` entries, leading zeros change nothing (``K_TILE``)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 300, generator=g), torch.randn(300, 96, generator=g)
+    full = torch.mm(a, b)
+    for m in (16, 32, 48):
+        for off in (0, 5, 16):
+            assert torch.equal(torch.mm(a[off:off + m], b), full[off:off + m])
+    for n in (16, 32, 80):
+        assert torch.equal(torch.mm(a[:16], b[:, :n].contiguous()), full[:16, :n])
+    k = kinv.K_TILE
+    a2, b2 = torch.randn(4, 16, k - 40, generator=g), torch.randn(4, k - 40, 16, generator=g)
+    ref = torch.bmm(a2, b2)
+    for p in (1, 7, 40):
+        assert torch.equal(torch.bmm(F.pad(a2, (p, 0)), torch.cat([torch.randn(4, p, 16, generator=g), b2], 1)), ref)
+
+
+# -- kernels: torch references -------------------------------------------------------------------------------------
+
+
+def _left_pad(x: torch.Tensor, p: int, value: float = 0.0) -> torch.Tensor:
+    return F.pad(x, (p, 0), value=value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reference_reductions_are_end_aligned(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 300, generator=g, dtype=dtype)
+    s = kinv.row_sum_reference(x)
+    torch.testing.assert_close(s, x.sum(-1), rtol=1e-5, atol=1e-5)
+    sm = kinv.softmax_reference(x)
+    torch.testing.assert_close(sm, torch.softmax(x, -1), rtol=1e-5, atol=1e-7)
+    cs = kinv.cumsum_reference(x)
+    torch.testing.assert_close(cs, x.cumsum(-1), rtol=1e-5, atol=1e-4)
+    for p in (1, 13, 212, 700):
+        assert torch.equal(kinv.row_sum_reference(_left_pad(x, p)), s)
+        assert torch.equal(kinv.row_sum_reference(x[2:5]), s[2:5])
+        assert torch.equal(kinv.softmax_reference(_left_pad(x, p, float("-inf")))[:, p:], sm)
+        assert torch.equal(kinv.cumsum_reference(_left_pad(x, p))[:, p:], cs)
+        assert torch.equal(kinv.cumsum_reference(F.pad(x, (0, p))[..., :300]), cs)  # later entries change nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reference_products_do_not_depend_on_the_batch_or_the_padding(dtype):
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(5, 3, 300, generator=g, dtype=dtype)  # 3 rows, K = 300 (a key axis)
+    b = torch.randn(5, 300, 24, generator=g, dtype=dtype)
+    full = kinv.bmm_reference(a, b)
+    torch.testing.assert_close(full, torch.bmm(a, b), rtol=1e-5, atol=1e-4)
+    assert torch.equal(kinv.bmm_reference(a[1:3], b[1:3]), full[1:3])
+    assert torch.equal(kinv.bmm_reference(a[:, 1:], b), full[:, 1:])
+    for p in (1, 100, 300):  # left padding of the reduced axis: zeros in a, anything finite in b
+        garbage = torch.randn(5, p, 24, generator=g, dtype=dtype)
+        assert torch.equal(kinv.bmm_reference(_left_pad(a, p), torch.cat([garbage, b], 1)), full)
+    w = torch.randn(300, 40, generator=g, dtype=dtype)  # a weight: rows of an activation never mix
+    x = torch.randn(37, 300, generator=g, dtype=dtype)
+    y = kinv.mm_reference(x, w)
+    for rows in ((0, 1), (3, 10), (20, 37)):
+        assert torch.equal(kinv.mm_reference(x[rows[0]:rows[1]], w), y[rows[0]:rows[1]])
+    # a weight broadcast over a batch (matmul of a non-contiguous activation) gives the rows of the mm
+    xb = x[:36].view(4, 9, 300)
+    assert torch.equal(kinv.bmm_reference(xb, w.expand(4, 300, 40)), y[:36].view(4, 9, 40))
+
+
+# -- kernels: Triton (interpreter without a GPU) -------------------------------------------------------------------
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
+
+
+def _triton_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_triton_kernels_are_row_and_end_aligned(dtype):
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and Triton's interpreter is off")
+    dev = _triton_device()
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(3, 5, 70, generator=g, dtype=dtype).to(dev)
+    b = torch.randn(3, 70, 20, generator=g, dtype=dtype).to(dev)
+    c = kinv.bmm(a, b, backend="triton")
+    torch.testing.assert_close(c.cpu(), torch.bmm(a.cpu(), b.cpu()), rtol=1e-5, atol=1e-4)
+    assert torch.equal(kinv.bmm(a[1:], b[1:], backend="triton"), c[1:])
+    assert torch.equal(kinv.bmm(a[:, 2:4], b, backend="triton"), c[:, 2:4])
+    pad = torch.randn(3, 45, 20, generator=g, dtype=dtype).to(dev)
+    assert torch.equal(kinv.bmm(F.pad(a, (45, 0)), torch.cat([pad, b], 1), backend="triton"), c)
+    x = torch.randn(4, 1500, generator=g, dtype=dtype).to(dev)
+    s = kinv.row_sum(x, backend="triton")
+    torch.testing.assert_close(s.cpu(), x.cpu().sum(-1).to(s.dtype), rtol=1e-5, atol=1e-4)
+    assert torch.equal(kinv.row_sum(F.pad(x, (700, 0))[1:3], backend="triton"), s[1:3])
+    sm = kinv.softmax(x, backend="triton")
+    torch.testing.assert_close(sm.cpu(), torch.softmax(x.cpu(), -1).to(sm.dtype), rtol=1e-5, atol=1e-7)
+    assert torch.equal(kinv.softmax(F.pad(x, (700, 0), value=float("-inf")), backend="triton")[:, 700:], sm)
+    lsm = kinv.softmax(x, log=True, backend="triton")
+    torch.testing.assert_close(lsm.cpu(), torch.log_softmax(x.cpu(), -1).to(lsm.dtype), rtol=1e-5, atol=1e-5)
+
+
+# -- the aten overrides -----------------------------------------------------------------------------------------------
+
+
+def test_overrides_compute_what_torch_computes():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 6, 130, generator=g)
+    w = torch.randn(20, 130, generator=g)
+    bias = torch.randn(20, generator=g)
+    ops = {
+        "sum": lambda t: t.sum(-1), "sum_all": lambda t: t.sum(), "sum_dims": lambda t: t.sum((0, 2), keepdim=True),
+        "mean": lambda t: t.mean(-1), "mean_mid": lambda t: t.mean(1), "softmax": lambda t: torch.softmax(t, 1),
+        "log_softmax": lambda t: torch.log_softmax(t, -1), "logsumexp": lambda t: torch.logsumexp(t, -1),
+        "norm": lambda t: t.norm(dim=-1), "cumsum": lambda t: t.cumsum(1), "linear": lambda t: F.linear(t, w, bias),
+        "bmm": lambda t: t @ t.transpose(1, 2), "einsum": lambda t: torch.einsum("bqn,bkn->bqk", t, t),
+        "double": lambda t: t.double().sum(-1), "int_sum": lambda t: (t > 0).sum(-1), "silu": F.silu,
+        "log1p": lambda t: torch.log1p(t.abs()),
+    }
+    ref = {k: f(x) for k, f in ops.items()}
+    with batch_invariant():
+        assert invariance.enabled()
+        got = {k: f(x) for k, f in ops.items()}
+    assert not invariance.enabled()
+    for k in ops:
+        assert got[k].dtype == ref[k].dtype and got[k].shape == ref[k].shape, k
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_topk_and_sort_break_ties_by_position_whatever_the_padding():
+    x = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, 0.5, 2.0]])
+    vals, idx = deterministic_topk(x, 4)
+    assert idx.tolist() == [[1, 3, 4, 2]] and vals.tolist() == [[3.0, 3.0, 3.0, 2.0]]
+    _, idx_small = deterministic_topk(x, 3, largest=False)
+    assert idx_small.tolist() == [[5, 0, 2]]
+    for p in (1, 9):
+        _, idx_p = deterministic_topk(F.pad(x, (p, 0), value=float("-inf")), 4)
+        assert (idx_p - p).tolist() == idx.tolist()
+    with batch_invariant():
+        assert x.topk(4).indices.tolist() == [[1, 3, 4, 2]]
+        assert torch.sort(x, descending=True).indices.tolist() == [[1, 3, 4, 2, 6, 0, 5]]
+
+
+def test_cpu_pointwise_functions_do_not_depend_on_where_an_element_sits():
+    """silu, sigmoid, log1p, ... round differently in the SIMD loop and its scalar remainder on the CPU; inside the
+    mode an element's value is the same at any offset of any tensor."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(70000, generator=g)
+    with batch_invariant():
+        for f in (F.silu, torch.sigmoid, lambda t: torch.log1p(t.abs()), lambda t: F.gelu(t, approximate="tanh"),
+                  F.softplus, lambda t: t.abs().pow(0.37), torch.exp):
+            y = f(x)
+            for off, n in ((3, 100), (17, 45), (0, 7), (5, 33333), (11, 40001)):
+                assert torch.equal(f(x[off:off + n].clone()), y[off:off + n])
+
+
+def test_the_checker_catches_order_dependent_operators():
+    x = torch.rand(3, 40)
+    idx = torch.tensor([0, 1, 0])
+    with batch_invariant(), checker():
+        x.sum(-1), torch.softmax(x, -1), x.amax(-1), x.argmax(-1)  # routed or exact
+        torch.zeros(2, 40).index_add_(0, idx, torch.ones(3, 40))  # integral values: exact in any order
+        for bad in (lambda: x.prod(-1), lambda: torch.zeros(2, 40).index_add_(0, idx, x),
+                    lambda: F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None]),
+                    lambda: F.layer_norm(x, (40,)), lambda: x.var(-1)):
+            with pytest.raises(InvarianceViolation, match="batch-invariant"):
+                bad()
+
+
+# -- end to end ----------------------------------------------------------------------------------------------------
+
+
+def _prompts(n: int, seed: int, lo: int = 20, hi: int = 64, multiple: int | None = None):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    if multiple:  # lengths that agree modulo the prefill chunk (protocol S batches only such rows)
+        lengths = [hi - multiple * (x % 3) for x in lengths]
+    return [[1] + torch.randint(3, 500, (m - 1,), generator=g).tolist() for m in lengths]
+
+
+def _engine(model, tok, name, protocol, chunk=None, invariant=True):
+    method = build_method(make_config(name.split("-")[0], CONFIGS[name]))
+    method.setup(model, "stories260k")
+    session = attach(model, method, Runtime(protocol, batch_invariant=invariant))
+    return session, Engine(model, tok, session, chunk)
+
+
+def _records(session, engine, requests, size, check=False):
+    """Per request: (tokens or NLL, stop reason, recorder statistics), run in batches of ``size``."""
+    out = []
+    for s0 in range(0, len(requests), size):
+        batch = requests[s0:s0 + size]
+        session.recorder.reset()
+        if check:
+            with checker():
+                res = engine.run_batch(batch)
+        else:
+            res = engine.run_batch(batch)
+        for i, r in enumerate(res):
+            stats = session.recorder.summary(row=i)
+            what = (r.tokens, r.stopped_by) if hasattr(r, "stopped_by") else (r.nll_sum, r.tokens)
+            out.append((what, {k: stats.get(k) for k in STATS}, stats.get("est_error_per_layer_head")))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("protocol,chunk", [("A", None), ("B", None), ("S", 16)])
+@torch.inference_mode()
+def test_records_do_not_depend_on_the_batch(stories, name, protocol, chunk):
+    """Generation and NLL records at batch 50, in batches of 7 and alone are identical to the bit (the batched run
+    under the checker: no order-dependent operator on the path)."""
+    model, tok = stories
+    prompts = _prompts(50, seed=7, multiple=chunk)
+    gen = [GenerationRequest(p, max_new_tokens=3 + i % 4, context_len=len(p) - 4 - i % 5, key=f"g{i}")
+           for i, p in enumerate(prompts)]
+    nll = [LoglikelihoodRequest(p, key=f"w{i}") for i, p in enumerate(prompts[:21])]
+    session, engine = _engine(model, tok, name, protocol, chunk)
+    try:
+        for reqs in (gen, nll):
+            b50 = _records(session, engine, reqs, 50, check=reqs is gen)
+            b7 = _records(session, engine, reqs, 7)
+            assert b7 == b50
+            for i in (0, 13, len(reqs) - 1):
+                assert _records(session, engine, [reqs[i]], 1) == [b50[i]]
+        if not (name == "full" and protocol == "A"):
+            assert all(rec[1]["sparse_rows"] > 0 for rec in b50)
+    finally:
+        detach(model)
+
+
+@torch.inference_mode()
+def test_the_fast_path_stays_close(stories):
+    """``batch_invariant=False`` (stock kernels, sdpa): the same records up to rounding."""
+    model, tok = stories
+    prompts = _prompts(9, seed=8)
+    reqs = [GenerationRequest(p, max_new_tokens=4, key=f"f{i}") for i, p in enumerate(prompts)]
+    session, engine = _engine(model, tok, "topk", "A", invariant=False)
+    try:
+        fast = _records(session, engine, reqs, 9)
+    finally:
+        detach(model)
+    session, engine = _engine(model, tok, "topk", "A")
+    try:
+        inv = _records(session, engine, reqs, 9)
+    finally:
+        detach(model)
+    for (wa, sa, _), (wb, sb, _) in zip(fast, inv):
+        assert wa == wb
+        for k in STATS:
+            assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-6), k
+
+
+# -- on the GPU: a real model, RULER samples of several lengths ------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_records_do_not_depend_on_the_batch_on_the_gpu(tmp_path):
+    """Every registered method on SmolLM2-135M-Instruct (when its GGUF is on the machine; else the shipped model),
+    bf16, RULER samples at two lengths mixed in one pool (so batches are padded): records at batch 1, 7 and 50 are
+    identical.  Writes ``$SPARSE_EVAL_INVARIANCE_OUT`` (a JSON summary) when that variable is set."""
+    from sparse_eval.invariance.check import run_check
+
+    out = os.environ.get("SPARSE_EVAL_INVARIANCE_OUT")
+    report = run_check(device="cuda", out=Path(out) if out else tmp_path / "invariance.json")
+    assert report["all_identical"], json.dumps(report["mismatches"], indent=1)[:4000]
