@@ -26,7 +26,11 @@ class EvalConfig:
     prefill_chunk: int | None = None  # tokens per prefill forward (MagicPIG's RULER runs used 1024); null: one pass
     query_chunk: int = 512  # query rows per block in the sparse path (memory only; does not change results)
     rerun_failed: bool = False  # on resume, run again the samples that ended in an error
-    # samples per padded batch (does not change results: a sample's record is the same in any batch); ``auto``:
+    # fixed-order kernels (``sparse_eval.invariance``): a sample's record is bit for bit the same at any batch size,
+    # with any companions and padding, on the CPU as on the GPU; false: stock kernels (faster; records then move in
+    # the last bits, and greedy tokens and selections with them).  Part of the run's identity
+    batch_invariant: bool = True
+    # samples per padded batch (a sample's record is the same in any batch with ``batch_invariant``); ``auto``:
     # the largest that fits, from min(samples, 128) halving on out-of-memory (the size used is in the summary)
     batch_size: Any = 1
 

@@ -9,7 +9,9 @@ Which forward passes are sparse (see ``attention.plugin``):
 A batch is left-padded.  Position ids count each row's own tokens (``mask.cumsum - 1``), the padding is masked
 out of every attention call, and the session counts statistics only for a row's own query rows (padding, a
 row's context under protocol B and a row that has stopped generating are excluded), so a sample's tokens,
-scores and statistics are those it gets alone (up to floating-point rounding of the padded products):
+scores and statistics are those it gets alone: bit for bit with the session's ``Runtime.batch_invariant`` (each
+batch runs inside ``invariance.batch_invariant()``: fixed-order kernels whose reductions are aligned on a row's
+last key, which left padding keeps in place), up to floating-point rounding without it:
 
 * protocol B: each row's context ends at its own column; the columns where some rows are still in their
   context and others in their question run with a per-row phase (``session.phase(mask)``);
@@ -30,6 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from .attention.plugin import SparseSession, cache_kwargs, make_cache
+from .invariance import batch_invariant
 
 
 @dataclass
@@ -144,9 +147,17 @@ class Engine:
         self.session.row_seeds = torch.tensor([row_seed(r.key) for r in requests], dtype=torch.long, device=self.device)
 
     # -- log-likelihood ----------------------------------------------------------------------------------------
+    def invariant(self) -> Any:
+        """The context of a batch: ``invariance.batch_invariant`` when the session's runtime asks for it."""
+        return batch_invariant(self.session.runtime.batch_invariant)
+
     @torch.inference_mode()
     def nll_batch(self, requests: Sequence[LoglikelihoodRequest]) -> list[LoglikelihoodResult]:
         """Teacher-forced NLL of each window (protocol S: sparse; A and B: dense), in prefill chunks."""
+        with self.invariant():
+            return self._nll_batch(requests)
+
+    def _nll_batch(self, requests: Sequence[LoglikelihoodRequest]) -> list[LoglikelihoodResult]:
         ids, mask, _ = self._layout([r.input_ids for r in requests])
         self._seed_rows(requests)
         b, t = ids.shape
@@ -170,6 +181,10 @@ class Engine:
     @torch.inference_mode()
     def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Greedy decoding of a batch, each row stopping on its own (EOS, a stop string, ``max_new_tokens``)."""
+        with self.invariant():
+            return self._generate_batch(requests)
+
+    def _generate_batch(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         ids, mask, pads = self._layout([r.input_ids for r in requests])
         self._seed_rows(requests)
         b, t = ids.shape

@@ -159,7 +159,8 @@ class Experiment:
             "method": method,
             "inputs": inputs,
             "task": self.task_opts,
-            "eval": {"protocol": self.protocol, "compute_error": ev.compute_error, "prefill_chunk": ev.prefill_chunk},
+            "eval": {"protocol": self.protocol, "compute_error": ev.compute_error, "prefill_chunk": ev.prefill_chunk,
+                     "batch_invariant": ev.batch_invariant},
             "seed": self.cfg.seed,
         }
         if self.task.read_files:  # only tasks that read local data files: other runs keep their directories
@@ -191,7 +192,8 @@ class Experiment:
                                f"({identity['inputs']}); run again to file the results under the new contents")
         self._provenance = method.provenance()
         torch.manual_seed(self.cfg.seed)
-        session = attach(self.model, method, Runtime(self.protocol, self.cfg.eval.compute_error, self.cfg.eval.query_chunk))
+        session = attach(self.model, method, Runtime(self.protocol, self.cfg.eval.compute_error, self.cfg.eval.query_chunk,
+                                                     batch_invariant=self.cfg.eval.batch_invariant))
         engine = Engine(self.model, self.tokenizer, session, self.cfg.eval.prefill_chunk)
         logger = _Logger(self.cfg.logger, run_dir, identity)
         batcher = _Batcher(self, session, engine, todo)

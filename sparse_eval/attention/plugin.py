@@ -30,8 +30,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from .. import invariance
 from ..methods.base import Method
-from ..methods.core import PassMasks, key_validity, pass_masks, sparse_attention, static_keys
+from ..methods.core import PassMasks, dense_attention, key_validity, pass_masks, sparse_attention, static_keys
 from .recorder import StatsRecorder
 
 ATTENTION_NAME = "sparse_eval"
@@ -48,6 +49,9 @@ class Runtime:
     protocol: str = "A"
     compute_error: bool = True
     query_chunk: int = 512  # query rows per block in the sparse path (memory bound, not a result-changing knob)
+    # the engine runs each batch inside ``invariance.batch_invariant()``: a sample's record is bit for bit the one
+    # it gets alone or in any other batch (fixed-order kernels; dense attention by ``core.dense_attention``)
+    batch_invariant: bool = True
 
 
 class SparseLayer(DynamicLayer):
@@ -259,9 +263,9 @@ class SparseSession:
         sparse = self.is_sparse(layer_idx, q_len)
         per_row = sparse if torch.is_tensor(sparse) else None  # bool [B, Q]
         if per_row is None and not sparse:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        if self.method.dense:  # stock sdpa; the recorded statistics depend only on the pass's masks
-            out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+            return dense_call(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        if self.method.dense:  # dense attention; the recorded statistics depend only on the pass's masks
+            out = dense_call(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             self.recorder.add_sums(layer_idx, *self._full_sums(attention_mask, b, hq, q_len, key.shape[2],
                                                                2 * d * key.element_size(), per_row, query.device))
             return out
@@ -269,7 +273,7 @@ class SparseSession:
         masks = self._masks(attention_mask, b, q_len, key.shape[2], query.device)
         valid = masks.valid if masks is not None else key_validity(attention_mask, b, q_len, key.shape[2], query.device)
         if per_row is not None:
-            dense, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+            dense, _ = dense_call(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
         state = _layer_state(getattr(module, _CACHE_ATTR, None), layer_idx)
         seeds = self.row_seeds if self.row_seeds is not None and self.row_seeds.shape[0] == b else None
         out, stats = sparse_attention(
@@ -284,11 +288,24 @@ class SparseSession:
         return out.contiguous(), None
 
 
+def dense_call(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Dense attention in the attention interface's form ([B, Q, Hq, D], None): stock sdpa, or inside
+    ``invariance.batch_invariant()`` ``core.dense_attention`` (sdpa's kernels split keys by batch and length)."""
+    if not invariance.enabled():
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    scaling = module.scaling if scaling is None else scaling
+    b, _, q_len, _ = query.shape
+    valid = key_validity(attention_mask, b, q_len, key.shape[2], query.device)
+    out = dense_attention(query, key, value, valid, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def sparse_eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The registered attention function: the module's session decides; no session means stock sdpa."""
+    """The registered attention function: the module's session decides; no session means dense attention
+    (``dense_call``)."""
     session: SparseSession | None = getattr(module, _SESSION_ATTR, None)
     if session is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return dense_call(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     return session.attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 

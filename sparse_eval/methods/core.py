@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .. import invariance
+from ..kernels import invariant as kinv
 from .base import AttentionContext, Method, Selection
 
 NEG_INF = float("-inf")
@@ -90,6 +92,9 @@ def scores_gqa(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor
     b, hq, ql, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     qg = q.reshape(b, hkv, (hq // hkv) * ql, d)
+    if invariance.enabled():  # fixed-order products, accumulated and returned in fp32 (not rounded to q's dtype)
+        s = kinv.bmm(qg.reshape(b * hkv, -1, d), k.reshape(b * hkv, n, d).transpose(1, 2), out_dtype=torch.float32)
+        return s.reshape(b, hq, ql, n) * scaling
     s = _keys_times_rows(qg, k) if k.is_cuda else torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G·Q, N]
     return s.float().reshape(b, hq, ql, n) * scaling
 
@@ -107,7 +112,8 @@ def weighted_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     b, hq, ql, n = p.shape
     hkv = v.shape[1]
     pg = p.reshape(b, hkv, (hq // hkv) * ql, n)
-    out = _values_split8(pg, v) if v.is_cuda else torch.matmul(pg.to(v.dtype), v)
+    # the split at a multiple of 8 depends on where a row's keys sit: not in the batch-invariant mode
+    out = _values_split8(pg, v) if v.is_cuda and not invariance.enabled() else torch.matmul(pg.to(v.dtype), v)
     return out.reshape(b, hq, ql, v.shape[-1])
 
 
@@ -123,6 +129,24 @@ def _values_split8(pg: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     tail = torch.matmul(pg[..., n8:].to(v.dtype), v[:, :, n8:])
     acc = torch.promote_types(v.dtype, torch.float32)
     return head.to(acc).add_(tail.to(acc)).to(v.dtype)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float,
+                    element_budget: int = 1 << 28) -> torch.Tensor:
+    """Full attention o = softmax(q Kᵀ · scaling over the valid keys) V, [B, Hq, Q, D] in q's dtype, through
+    ``scores_gqa``, ``masked_softmax`` and ``weighted_values`` (the batch-invariant mode's dense attention, in place
+    of ``scaled_dot_product_attention``).  q [B, Hq, Q, D], k/v [B, Hkv, N, D], valid bool [B, 1, Q, N].  Query rows
+    in blocks of at most ``element_budget`` scores (rows are independent: the blocks do not change results).  A row
+    with no valid key gives zeros."""
+    b, hq, ql, _ = q.shape
+    n = k.shape[2]
+    step = max(1, element_budget // max(1, b * hq * n))
+    outs = []
+    for s0 in range(0, ql, step):
+        vc = valid[:, :, s0:s0 + step]
+        scores = scores_gqa(q[:, :, s0:s0 + step], k, scaling)
+        outs.append(weighted_values(masked_softmax(scores, vc), v))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(q.dtype)
 
 
 def masked_softmax(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

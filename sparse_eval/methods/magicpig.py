@@ -440,7 +440,8 @@ class MagicPIG(Method):
         g = hq // hkv
         proj = torch.matmul(k.float(), w[:d])  # [B, Hkv, N, L·K]
         thresh = torch.matmul(mean, w[:d])  # [B, Hkv, Q, L·K]
-        # codes packed by a product with 2^j in float32 (exact up to 24 bits), else as integers (``pack_signs``)
+        # codes packed by a product with 2^j in float32 (exact up to 24 bits: the same integers in any summation
+        # order, so the stock kernel, ``matmul(out=)``, serves in the batch-invariant mode too), else as integers
         as_float = c.K <= 24
         pow2 = torch.pow(2.0, torch.arange(c.K, device=k.device, dtype=torch.float32))
         qg = q_codes.reshape(b, hkv, g, ql, c.L)
@@ -463,7 +464,8 @@ class MagicPIG(Method):
                 p = p + extra[..., None] * w[d]
             above = torch.gt(p, thresh[:, :, r0:r1, None])  # bit j: (k_i − μ_t)·w_j > 0, [B, Hkv, r, m, L·K]
             if as_float:
-                codes = torch.matmul(above.view(*above.shape[:-1], c.L, c.K).to(torch.float32), pow2)  # [B, Hkv, r, m, L]
+                bits = above.view(*above.shape[:-1], c.L, c.K).to(torch.float32)
+                codes = torch.matmul(bits, pow2, out=bits.new_empty(bits.shape[:-1]))  # [B, Hkv, r, m, L]
             else:
                 codes = pack_signs(above, c.K, c.L)
             eq = qg[:, :, :, r0:r1, None, :] == codes[:, :, None]  # [B, Hkv, G, r, m, L]

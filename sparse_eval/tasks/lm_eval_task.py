@@ -596,7 +596,9 @@ class LmEval(Task):
         skip_env = mock.patch.object(lm_evaluator, "add_env_info", lambda results: None) \
             if hasattr(lm_evaluator, "add_env_info") else contextlib.nullcontext()
         try:
-            with skip_env:
+            # the engine's batch-invariant kernels (lm-eval left-pads generation batches, as the engine does; its
+            # log-likelihood batches are right-padded, which task.batch_size=1, the default, avoids)
+            with skip_env, engine.invariant():
                 out = simple_evaluate(
                     model=self._lm(engine), tasks=[task_name], num_fewshot=c.num_fewshot, limit=self.limit,
                     bootstrap_iters=c.bootstrap_iters, log_samples=True, gen_kwargs=c.gen_kwargs or None,
