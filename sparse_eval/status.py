@@ -100,6 +100,7 @@ def run_state(run_dir: Path, now: float | None = None, recent_s: float = DEFAULT
     return {
         "state": state, "run_dir": str(run_dir), "task": run_dir.parent.parent.name, "model": run_dir.parent.name,
         "config": run_name(read_identity(run_dir), run_dir), "written": written, "expected": expected, "errors": errors,
+        "complete": expected is not None and written - errors >= expected,
         "age_s": now - last if last else None, "error": (failed or {}).get("error") if state == "failed" else None,
         "host": progress.get("host"), "slurm_job_id": progress.get("slurm_job_id"),
     }
