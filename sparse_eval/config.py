@@ -25,7 +25,9 @@ class EvalConfig:
     compute_error: bool = True  # estimation error ‖ô − o‖/‖o‖ against dense attention, every sparse call
     prefill_chunk: int | None = None  # tokens per prefill forward (MagicPIG's RULER runs used 1024); null: one pass
     query_chunk: int = 512  # query rows per block in the sparse path (memory only; does not change results)
-    rerun_failed: bool = False  # on resume, run again the samples that ended in an error
+    # at every (re)start, run again the samples that ended in an error (finished samples are kept); false keeps
+    # the errors as they are (the run then stays `incomplete`)
+    rerun_failed: bool = True
     # samples per padded batch (does not change results: a sample's record is the same in any batch); ``auto``:
     # the largest that fits, from min(samples, 128) halving on out-of-memory (the size used is in the summary)
     batch_size: Any = 1

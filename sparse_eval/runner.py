@@ -22,6 +22,7 @@ from .fingerprint import file_sha256
 from .methods import MethodConfig, build_method, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
+from .ordering import ORDER_WINDOW_BATCHES, length_windows, sample_stratum, stratified_order
 from .seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds, seeded_configs
 from .statistics import bootstrap_ci
 from .status import run_state
@@ -251,6 +252,8 @@ class Experiment:
             "samples": len(ok),
             "failed": len(records) - len(ok),
             "expected_samples": len(self.samples()),
+            # every expected sample finished without an error (a run with failed samples is not complete)
+            "complete": len(ok) >= len(self.samples()),
             "seed": identity["seed"],
             "stochastic": build_method(make_config(identity["method"]["name"], identity["method"])).stochastic,
             "time_s": sum(r.get("time_s", 0.0) for r in records),
@@ -294,10 +297,12 @@ def check_batch_size(value: Any) -> int | str:
 
 
 class _Batcher:
-    """Yields the records of the samples still to run, batch by batch, in batches of samples of similar prompt
-    length (under protocol S with ``prefill_chunk`` only samples whose lengths agree modulo the chunk share a batch,
-    so each row sees its own chunk boundaries).  ``auto`` halves the batch on out-of-memory; a batch that fails
-    otherwise is rerun one sample at a time, so a failing sample is recorded alone and the rest go on."""
+    """Yields the records of the samples still to run, batch by batch, in the order of ``sparse_eval.ordering``
+    (subtasks interleaved so that a partial run is an unbiased subset; within windows of a few batches, samples of
+    similar prompt length together; under protocol S with ``prefill_chunk`` only samples whose lengths agree modulo
+    the chunk share a batch, so each row sees its own chunk boundaries).  ``auto`` halves the batch on
+    out-of-memory; a batch that fails otherwise is rerun one sample at a time, so a failing sample is recorded
+    alone and the rest go on."""
 
     def __init__(self, exp: Experiment, session: Any, engine: Engine, todo: list[Any]):
         self.exp, self.session, self.engine = exp, session, engine
@@ -307,13 +312,23 @@ class _Batcher:
         batched = self.task.batched and len(todo) > 1
         self.size = 1 if not batched else min(len(todo), AUTO_BATCH_START) if self.auto else want
         self.used: int | None = None
-        self.todo = self._order(todo) if self.size > 1 else list(todo)
+        self.todo = self._order(todo)
 
     def _order(self, todo: list[Any]) -> list[Any]:
-        lengths = {s.id: len(self.task.request(s).input_ids) for s in todo}
+        """``todo`` in the task's processing order (``ordering``: computed over all the task's samples, so a
+        resumed run continues the same order), then sorted by length within windows of batches."""
+        everything = self.exp.samples()
+        want = {s.id for s in todo}
+        ranked = [everything[i] for i in stratified_order([s.id for s in everything],
+                                                          [sample_stratum(s) for s in everything])]
+        order = [s for s in ranked if s.id in want]
+        if self.size == 1:
+            return order
+        lengths = {s.id: len(self.task.request(s).input_ids) for s in order}
         chunk = self.exp.cfg.eval.prefill_chunk
         group = (lambda n: n % chunk) if chunk and self.exp.protocol == "S" else (lambda n: 0)
-        return sorted(todo, key=lambda s: (group(lengths[s.id]), -lengths[s.id]))
+        return length_windows(order, self.size * ORDER_WINDOW_BATCHES,
+                              key=lambda s: (group(lengths[s.id]), -lengths[s.id]))
 
     def __iter__(self):
         i = 0
@@ -569,7 +584,8 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         _, run_dir = exp.run_dir(m)
         unwritable = check_writable(run_dir)
         if unwritable:  # a read-only store: a finished run is read back, anything else is refused
-            if run_state(run_dir)["state"] == "done" and not cfg.eval.rerun_failed:
+            state = run_state(run_dir)["state"]
+            if state == "done" or (state == "incomplete" and not cfg.eval.rerun_failed):
                 summaries.append(json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8")))
                 continue
             raise RunsDirError(f"paths.runs_dir={cfg.paths.runs_dir}: cannot write {unwritable}; give a writable "
