@@ -460,7 +460,7 @@ def ds_table3(df) -> Table:
     caption = ("WikiText-2 perplexity with token and channel sparsity 1/16 by the channel type: random channels, or "
                "the calibrated q / k / qk outliers; Original = full attention.")
     if seeds:
-        caption += " random: r = α·d channels drawn uniformly per layer and KV head from method.seed, " + "; ".join(
+        caption += " random: r = α·d channels drawn uniformly per layer and KV head from the run's seed, " + "; ".join(
             f"{m}: mean over {len(v)} seed(s) ({', '.join(str(x) for x in sorted(v, key=str))})"
             for m, v in sorted(seeds.items())) + "."
     missing = [c for c in ("random", "q", "k", "qk") if c not in cols]
