@@ -245,7 +245,7 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
     err = subprocess.run([sys.executable, "-m", "sparse_eval.status", str(runs)], cwd=REPO,
                          env=_env(), capture_output=True, text=True, timeout=120)
     # killed a moment ago on this host: pending at once, not "running" for --recent seconds
-    assert err.returncode == 0 and "1 done, 0 running, 0 failed, 1 pending" in err.stdout, err.stdout
+    assert err.returncode == 0 and "1 done, 0 incomplete, 0 running, 0 failed, 1 pending" in err.stdout, err.stdout
 
     # 2nd launch, same command: finishes the oracle run from its first missing sample; the failures stay failures
     done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
