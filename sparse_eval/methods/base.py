@@ -218,7 +218,8 @@ class Method:
     index_reads_keys: ClassVar[bool] = True
     # whether the method draws at random (from ``config.seed``): its records then depend on the seed, and a run
     # over several seeds (``seed=[0,1,2]``) runs it once per seed (``sparse_eval.seeds``).  A method whose
-    # randomness depends on its options overrides this with a property (Double Sparsity's random channels)
+    # randomness depends on its options overrides this with a property (Double Sparsity's random channels), so
+    # generic code asks an instance (``build_method(config).stochastic``), never the class or the method's name
     stochastic: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig):
