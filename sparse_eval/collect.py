@@ -4,7 +4,10 @@
     python -m sparse_eval.collect runs/ruler --out /tmp/ruler  # /tmp/ruler.csv, /tmp/ruler.parquet
     python -m sparse_eval.collect runs/ --no-subtasks          # one row per run
 
-One row per (model, method with its parameters, task with its parameters, subtask, length, protocol, seed).  A
+One row per (model, method with its parameters, task with its parameters, subtask, length, protocol, seed).  Rows
+of runs that differ only in their seed (``seeds.seed_group``: the same identity without the seed) also carry the
+scores pooled over those seeds (``pooled_*``, ``seed_*``): the mean over seeds with its two-level interval over
+prompts and seeds (``sparse_eval.statistics``), and the paired difference against full attention the same way.  A
 run (``<runs_dir>/<task>/<model>/<method>-<hash>``: config.yaml, samples.jsonl, summary.json, meta.json) gives one
 row per subtask and length found in its per-sample records (fields ``subtask`` -- or ``lm_eval_task`` -- and,
 for tasks with a ``length`` setting, ``length``), plus one row ``subtask = "all"`` with the task's own aggregate
@@ -25,22 +28,35 @@ Columns (see also docs/sweeps.md):
   task, task_config                  task name; its config as JSON (all fields)
   subtask, length                    from the per-sample records ("all": the whole run; length: the task's
                                      length setting, or the records' when they vary)
-  protocol, prefill_chunk, seed      evaluation settings
+  protocol, prefill_chunk            evaluation settings
+  seed                               the seed the run's method drew from (``seeds.effective_seed``)
+  seed_group, stochastic             the hash of the run's identity without its seed; whether the method draws at
+                                     random (``Method.stochastic``)
   metric, score                      the task's headline metric name and value for this row
   score_lo, score_hi                 its 95 % bootstrap interval over the row's samples (sparse_eval.statistics;
                                      None for a task whose samples are not units, e.g. lm_eval without documents)
   diff_vs_full, diff_lo, diff_hi,    the paired difference score − full attention's score over the samples both
-  n_paired, significant              ran (same model, task config, protocol, subtask, length), its 95 % paired
-                                     bootstrap interval, the shared samples, and whether the interval excludes 0
-  seeds, seed_std                    runs differing only in seed, and the standard deviation of their scores
+  n_paired, significant              finished (same model, task config, protocol, subtask, length), its 95 % paired
+                                     bootstrap interval, that number of shared samples, and whether the interval
+                                     excludes 0 (None below 8 shared samples, and when either run is incomplete)
+  seeds, seed_values                 the runs of the row's seed group (distinct seeds) and their seeds, "0,1,2"
+  seed_std, seed_min, seed_max       spread of the per-seed scores (on the samples every seed finished)
+  pooled_score, pooled_lo,           the mean over the seeds of the score, over the pooled_n samples every seed
+  pooled_hi, pooled_n                finished, and its 95 % two-level bootstrap interval (prompts and seeds)
+  pooled_diff, pooled_diff_lo,       the same for the paired difference against full attention, over the
+  pooled_diff_hi, pooled_n_paired,   pooled_n_paired samples every seed and full attention finished;
+  pooled_significant                 significant as above
+  interval_omits_seeds               True for a stochastic method's row from a single seed: its intervals (own and
+                                     pooled) leave out the seed-to-seed variation; False otherwise
   cost1, cost2, kv_bytes, est_error, mass, topk_recall, static_frac, empty_selections
                                      means over the row's samples (each sample's value is a mean over sparse
                                      layers, heads and query rows): Cost1 search/sampling FLOPs ratio, Cost2
                                      attended-key fraction, KV bytes read per row, relative L2 error of the
                                      attention output, dense attention mass on the kept keys, top-k recall of them
   samples, failed_samples            finished / errored sample records in the row
-  expected_samples, complete         the run's expected sample count; all of them written (run-level)
-  state                              done / running / failed / pending (sparse_eval.status)
+  expected_samples, complete         the run's expected sample count; every one of them finished without an error
+                                     (run-level: a run with a failed sample is not complete)
+  state                              done / incomplete / running / failed / pending (sparse_eval.status)
   time_s                             sum of the row's per-sample times
   git_commit, git_dirty, sparse_eval_version, torch_version, transformers_version, python_version, hardware,
   started                            provenance from meta.json (the run's first start)
@@ -56,16 +72,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .statistics import bootstrap_ci, paired_difference
+from .seeds import effective_seed, is_stochastic, seed_group
+from .statistics import bootstrap_ci, paired_difference, seed_pooled_ci, seed_pooled_difference, seed_spread
 from .status import run_state
 from .store import (META_FILE, SAMPLES_FILE, SUMMARY_FILE, find_run_dirs, method_label, read_identity, read_json,
                     read_samples)
 
 SUBTASK_FIELDS = ("subtask", "lm_eval_task")
+SINGLE_SEED_MARK = "†"
 MEAN_FIELDS = ("cost1", "cost2", "kv_bytes", "est_error", "mass", "topk_recall", "static_frac", "empty_selections")
 LEAD_COLUMNS = ["model", "method", "method_config", "run_name", "task", "subtask", "length", "protocol", "metric", "score",
-                "score_lo", "score_hi", "samples", "diff_vs_full", "diff_lo", "diff_hi", "significant", "cost1", "cost2",
-                "est_error", "failed_samples", "expected_samples", "complete", "state"]
+                "score_lo", "score_hi", "samples", "diff_vs_full", "diff_lo", "diff_hi", "n_paired", "significant",
+                "seed", "seeds", "seed_std", "seed_min", "seed_max", "pooled_score", "pooled_lo", "pooled_hi",
+                "pooled_n", "pooled_diff", "pooled_diff_lo", "pooled_diff_hi", "pooled_n_paired", "pooled_significant",
+                "interval_omits_seeds", "cost1", "cost2", "est_error", "failed_samples", "expected_samples", "complete",
+                "state"]
 
 
 def _task(task_cfg: dict[str, Any]):
@@ -145,9 +166,10 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
         "dense_layers": ",".join(str(x) for x in method.get("dense_layers") or []) or None, "gqa": method.get("gqa"),
         "sliding_layers": method.get("sliding_layers"),
         "task": task_cfg.get("name"), "task_config": json.dumps(task_cfg, sort_keys=True, default=str),
-        "protocol": ev.get("protocol"), "prefill_chunk": ev.get("prefill_chunk"), "seed": identity.get("seed"),
-        "metric": metric, "expected_samples": state["expected"], "complete": state["expected"] is not None
-        and state["written"] >= state["expected"], "state": state["state"],
+        "protocol": ev.get("protocol"), "prefill_chunk": ev.get("prefill_chunk"), "seed": effective_seed(identity),
+        "seed_group": seed_group(identity),
+        "stochastic": summary["stochastic"] if "stochastic" in summary else is_stochastic(method),
+        "metric": metric, "expected_samples": state["expected"], "complete": state["complete"], "state": state["state"],
         **_provenance(meta), "run_dir": str(run_dir), "config_hash": run_dir.name.rsplit("-", 1)[-1],
     }
     task_length = task_cfg.get("length")
@@ -199,10 +221,9 @@ def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0):
     rows = []
     for run_dir in find_run_dirs(root):
         rows.extend(run_rows(run_dir, by_subtask=by_subtask, recent_s=recent_s))
+    add_seed_pooling(rows)
     add_paired_differences(rows)
     df = pd.DataFrame(rows)
-    if not df.empty:
-        add_seed_spread(df)
     if df.empty:
         return df
     lead = [c for c in LEAD_COLUMNS if c in df.columns]
@@ -219,30 +240,81 @@ PAIR_KEYS = ("model", "model_path", "model_gguf_file", "model_fingerprint", "tas
 REFERENCE = "full"
 
 
-def add_paired_differences(rows: list[dict[str, Any]]) -> None:
-    """Per row, its paired difference against full attention's row on the same samples (``PAIR_KEYS``; seed
-    ignored, full attention has no randomness): ``diff_vs_full`` = score − full's score over the samples both ran,
-    its 95 % paired-bootstrap interval ``diff_lo``/``diff_hi``, ``n_paired``, and ``significant`` (the interval
-    excludes 0; None without a reference).  Consumes each row's private ``_terms``."""
-    refs: dict[tuple, Any] = {}
+def _references(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """Full attention's row per ``PAIR_KEYS`` (the first found; full attention has no randomness)."""
+    refs: dict[tuple, dict[str, Any]] = {}
     for r in rows:
         if r.get("method") == REFERENCE and r.get("_terms") is not None:
-            refs.setdefault(tuple(str(r.get(k)) for k in PAIR_KEYS), r["_terms"])
+            refs.setdefault(tuple(str(r.get(k)) for k in PAIR_KEYS), r)
+    return refs
+
+
+def add_paired_differences(rows: list[dict[str, Any]]) -> None:
+    """Per row, its paired difference against full attention's row on the same samples (``PAIR_KEYS``; seed
+    ignored, full attention has no randomness): ``diff_vs_full`` = score − full's score over the samples both
+    finished, its 95 % paired-bootstrap interval ``diff_lo``/``diff_hi``, ``n_paired`` (those samples), and
+    ``significant`` (the interval excludes 0; None without a reference, below ``MIN_SIGNIFICANCE_N`` shared samples,
+    or when this run or the reference is incomplete).  Consumes each row's private ``_terms``."""
+    refs = _references(rows)
+    pairs = [(r, refs.get(tuple(str(r.get(k)) for k in PAIR_KEYS))) for r in rows]
+    for r, ref in pairs:  # every row's terms are read before any is consumed
+        terms = r.get("_terms")
+        d = paired_difference(terms, ref["_terms"]) if terms is not None and ref is not None else {}
+        if d and not (r.get("complete") and ref.get("complete")):
+            d["significant"] = None  # no claim from an incomplete run (or reference)
+        r["_diff"] = d
     for r in rows:
-        terms = r.pop("_terms", None)
-        ref = refs.get(tuple(str(r.get(k)) for k in PAIR_KEYS))
-        d = paired_difference(terms, ref) if terms is not None and ref is not None else {}
+        r.pop("_terms", None)
+        d = r.pop("_diff")
         r["diff_vs_full"], r["diff_lo"], r["diff_hi"] = d.get("diff"), d.get("lo"), d.get("hi")
         r["n_paired"], r["significant"] = d.get("n"), d.get("significant")
 
 
-def add_seed_spread(df) -> None:
-    """``seeds`` and ``seed_std``: how many runs differ from this row's only in their seed, and the standard
-    deviation of their scores (a stochastic method's spread over seeds; std is NaN with one seed)."""
-    keys = [c for c in (*PAIR_KEYS, "method_config", "dense_layers", "sliding_layers", "gqa", "sink", "local") if c in df.columns]
-    groups = df[keys].apply(lambda row: "|".join(map(str, row)), axis=1)
-    df["seeds"] = df.groupby(groups)["seed"].transform("nunique")
-    df["seed_std"] = df.groupby(groups)["score"].transform("std")
+POOLED_COLUMNS = ("seeds", "seed_values", "seed_std", "seed_min", "seed_max", "pooled_score", "pooled_lo", "pooled_hi",
+                  "pooled_n", "pooled_diff", "pooled_diff_lo", "pooled_diff_hi", "pooled_n_paired",
+                  "pooled_significant", "interval_omits_seeds")
+
+
+def add_seed_pooling(rows: list[dict[str, Any]]) -> None:
+    """The ``POOLED_COLUMNS`` of every row, over the rows of its seed group: the rows of runs that differ only in
+    their seed (same ``seed_group``), of the same subtask and length.  Two runs of one group with the same seed (runs
+    made before the seed reached the methods, which drew from one ``method.seed``) are one seed: the one with the
+    most finished samples counts, and a warning names the others.  Needs each row's private ``_terms`` (left for
+    ``add_paired_differences``)."""
+    refs = _references(rows)
+    warned: set[str] = set()
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r.get("seed_group"), str(r.get("subtask")), str(r.get("length"))), []).append(r)
+    for members in groups.values():
+        by_seed: dict[Any, dict[str, Any]] = {}
+        for r in sorted(members, key=lambda r: -(r.get("samples") or 0)):
+            kept = by_seed.setdefault(str(r.get("seed")), r)
+            if kept is not r and r.get("run_dir") not in warned:
+                warned.add(r.get("run_dir"))
+                print(f"warning: {r.get('run_dir')} repeats seed {r.get('seed')} of {kept.get('run_dir')} (the same "
+                      "draws); pooled as one seed", file=sys.stderr)
+        runs = sorted(by_seed.values(), key=lambda r: (0, r["seed"], "") if isinstance(r.get("seed"), int)
+                      else (1, 0, str(r.get("seed"))))
+        stochastic = runs[0].get("stochastic")
+        out: dict[str, Any] = {c: None for c in POOLED_COLUMNS}
+        out["seeds"] = len(runs)
+        out["seed_values"] = ",".join(str(r.get("seed")) for r in runs)
+        out["interval_omits_seeds"] = None if stochastic is None else bool(stochastic and len(runs) == 1)
+        terms = [r.get("_terms") for r in runs]
+        if all(t is not None for t in terms):
+            ci = seed_pooled_ci(terms)
+            spread = seed_spread(ci["per_seed"])
+            out.update(seed_std=spread["std"], seed_min=spread["min"], seed_max=spread["max"],
+                       pooled_score=ci["score"], pooled_lo=ci["lo"], pooled_hi=ci["hi"], pooled_n=ci["n"])
+            ref = refs.get(tuple(str(runs[0].get(k)) for k in PAIR_KEYS))
+            if ref is not None:
+                d = seed_pooled_difference(terms, ref["_terms"])
+                claim = all(r.get("complete") for r in runs) and ref.get("complete")
+                out.update(pooled_diff=d["diff"], pooled_diff_lo=d["lo"], pooled_diff_hi=d["hi"],
+                           pooled_n_paired=d["n"], pooled_significant=d["significant"] if claim else None)
+        for r in members:
+            r.update(out)
 
 
 def write_table(df, out: Path) -> list[Path]:
@@ -287,10 +359,22 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quiet:
         import pandas as pd
 
-        show = [c for c in ("model", "run_name", "task", "subtask", "length", "protocol", "score", "cost1",
-                            "cost2", "est_error", "samples", "failed_samples", "state") if c in df.columns]
-        with pd.option_context("display.max_rows", 200, "display.width", 200, "display.max_colwidth", 40):
-            print(df[show].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+        show = [c for c in ("model", "run_name", "task", "subtask", "length", "protocol", "seed", "score",
+                            "score_lo", "score_hi", "n_paired", "diff_vs_full", "seeds", "pooled_score", "pooled_lo",
+                            "pooled_hi", "cost1", "cost2", "est_error", "samples", "failed_samples", "state")
+                if c in df.columns]
+        view = df[show].copy()
+        if "interval_omits_seeds" in df.columns:  # a stochastic method's single seed: its intervals omit seeds
+            view["seeds"] = [f"{n} {SINGLE_SEED_MARK}" if flag is True else n
+                             for n, flag in zip(df["seeds"], df["interval_omits_seeds"])]
+        with pd.option_context("display.max_rows", 200, "display.width", 250, "display.max_colwidth", 40):
+            print(view.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+        if (df.get("interval_omits_seeds") == True).any():  # noqa: E712 - a column of True / False / None
+            print(f"{SINGLE_SEED_MARK} one seed of a stochastic method: its intervals omit the seed-to-seed variation "
+                  "(run it with seed=[0,1,2])")
+        if (df["state"] != "done").any():
+            print("rows of runs not done (incomplete, failed, running, pending) are over the samples they finished and "
+                  "are never marked significant")
     out = Path(args.out) if args.out else root / "results"
     try:
         paths = write_table(df, out)

@@ -25,7 +25,9 @@ class EvalConfig:
     compute_error: bool = True  # estimation error ‖ô − o‖/‖o‖ against dense attention, every sparse call
     prefill_chunk: int | None = None  # tokens per prefill forward (MagicPIG's RULER runs used 1024); null: one pass
     query_chunk: int = 512  # query rows per block in the sparse path (memory only; does not change results)
-    rerun_failed: bool = False  # on resume, run again the samples that ended in an error
+    # at every (re)start, run again the samples that ended in an error (finished samples are kept); false keeps
+    # the errors as they are (the run then stays `incomplete`)
+    rerun_failed: bool = True
     # fixed-order kernels (``sparse_eval.invariance``): a sample's record is bit for bit the same at any batch size,
     # with any companions and padding, on the CPU as on the GPU; false: stock kernels (faster; records then move in
     # the last bits, and greedy tokens and selections with them).  Part of the run's identity
@@ -59,7 +61,10 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    seed: int = 0
+    # the one seed of a run's random draws (``sparse_eval.seeds``): the method's (MagicPIG's projections, oracle
+    # sampling's draws, DS's random channels), not the task's prompts (``task.seed``).  A list (e.g. [0, 1, 2])
+    # runs each stochastic method once per seed; a deterministic method runs once (filed under seed 0)
+    seed: Any = 0
     print_table: bool = True
 
 

@@ -22,7 +22,9 @@ from .fingerprint import file_sha256
 from .methods import MethodConfig, build_method, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
-from .statistics import bootstrap_ci, paired_difference
+from .ordering import ORDER_WINDOW_BATCHES, length_windows, sample_stratum, stratified_order
+from .seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds, seeded_configs
+from .statistics import bootstrap_ci
 from .status import run_state
 from .store import (SAMPLES_FILE, SUMMARY_FILE, RunsDirError, SampleLog, check_writable, clear_failure, record_start,
                     read_samples, run_dir_for, run_lock, write_failure, write_progress, write_summary)
@@ -91,7 +93,8 @@ class Experiment:
 
     def method_configs(self) -> list[MethodConfig]:
         """The methods to run, as config dataclasses, each validated before any work (a bad value fails at start,
-        naming it)."""
+        naming it): one per seed of ``seed`` for a stochastic method, one for a deterministic one
+        (``seeds.seeded_configs``)."""
         if self.cfg.method is not None:
             opts = [to_plain(self.cfg.method)]
         else:
@@ -102,10 +105,7 @@ class Experiment:
                     opts.append(method_options(entry))
                 else:
                     opts.append(method_options(entry["name"]) | {k: v for k, v in entry.items() if k != "name"})
-        configs = [make_config(o["name"], o) for o in opts]
-        for c in configs:
-            build_method(c)
-        return configs
+        return [c for o in opts for c in seeded_configs(o, self.cfg.seed)]
 
     def load(self) -> None:
         if self.model is None:
@@ -142,12 +142,15 @@ class Experiment:
         the label), the method's config and the sha256 of what it reads from outside it (``inputs``:
         ``Method.external_inputs``, e.g. Double Sparsity's calibration file), the task, the sha256 of the local
         data files its samples were built from (``data``: RULER's essays and QA files, WikiText-2, LongBench files,
-        published key-value records), the evaluation settings and the seed.  ``sliding_layers`` enters only for a
-        model that has sliding layers: elsewhere it cannot change a result (and the runs made before it existed keep
-        their directories)."""
+        published key-value records), the evaluation settings and the seed the method drew from (``method.seed``,
+        set from the run's ``seed`` by ``method_configs``; recorded as ``seed`` and in the method).
+        ``sliding_layers`` enters only for a model that has sliding layers: elsewhere it cannot change a result (and
+        the runs made before it existed keep their directories)."""
         ev = self.cfg.eval
         if dataclasses.is_dataclass(method):
             method = dataclasses.asdict(method)
+        if method.get("seed") is None:  # options not from method_configs(): the seed it would give them
+            method = dict(method, seed=run_seeds(self.cfg.seed)[0] if is_stochastic(method) else DETERMINISTIC_SEED)
         self.load()
         if not self.sliding:
             method = {k: v for k, v in method.items() if k != "sliding_layers"}
@@ -161,7 +164,7 @@ class Experiment:
             "task": self.task_opts,
             "eval": {"protocol": self.protocol, "compute_error": ev.compute_error, "prefill_chunk": ev.prefill_chunk,
                      "batch_invariant": ev.batch_invariant},
-            "seed": self.cfg.seed,
+            "seed": method["seed"],
         }
         if self.task.read_files:  # only tasks that read local data files: other runs keep their directories
             ident["data"] = {name: file_sha256(p) for name, p in sorted(self.task.read_files.items())}
@@ -191,7 +194,7 @@ class Experiment:
             raise RuntimeError(f"{run_dir}: a file the method reads changed after the run was named "
                                f"({identity['inputs']}); run again to file the results under the new contents")
         self._provenance = method.provenance()
-        torch.manual_seed(self.cfg.seed)
+        torch.manual_seed(method_cfg.seed)
         session = attach(self.model, method, Runtime(self.protocol, self.cfg.eval.compute_error, self.cfg.eval.query_chunk,
                                                      batch_invariant=self.cfg.eval.batch_invariant))
         engine = Engine(self.model, self.tokenizer, session, self.cfg.eval.prefill_chunk)
@@ -246,11 +249,15 @@ class Experiment:
             "batch_size": getattr(self, "_batch_used", None),
             "metric": self.task.metric,
             "score": metrics.get(self.task.metric),
-            "score_ci": score_interval(self.task, ok, seed=self.cfg.seed),
+            "score_ci": score_interval(self.task, ok),
             "metrics": metrics,
             "samples": len(ok),
             "failed": len(records) - len(ok),
             "expected_samples": len(self.samples()),
+            # every expected sample finished without an error (a run with failed samples is not complete)
+            "complete": len(ok) >= len(self.samples()),
+            "seed": identity["seed"],
+            "stochastic": build_method(make_config(identity["method"]["name"], identity["method"])).stochastic,
             "time_s": sum(r.get("time_s", 0.0) for r in records),
         }
         for key in (*RECORD_STATS, "empty_selections"):
@@ -292,10 +299,12 @@ def check_batch_size(value: Any) -> int | str:
 
 
 class _Batcher:
-    """Yields the records of the samples still to run, batch by batch, in batches of samples of similar prompt
-    length (under protocol S with ``prefill_chunk`` only samples whose lengths agree modulo the chunk share a batch,
-    so each row sees its own chunk boundaries).  ``auto`` halves the batch on out-of-memory; a batch that fails
-    otherwise is rerun one sample at a time, so a failing sample is recorded alone and the rest go on."""
+    """Yields the records of the samples still to run, batch by batch, in the order of ``sparse_eval.ordering``
+    (subtasks interleaved so that a partial run is an unbiased subset; within windows of a few batches, samples of
+    similar prompt length together; under protocol S with ``prefill_chunk`` only samples whose lengths agree modulo
+    the chunk share a batch, so each row sees its own chunk boundaries).  ``auto`` halves the batch on
+    out-of-memory; a batch that fails otherwise is rerun one sample at a time, so a failing sample is recorded
+    alone and the rest go on."""
 
     def __init__(self, exp: Experiment, session: Any, engine: Engine, todo: list[Any]):
         self.exp, self.session, self.engine = exp, session, engine
@@ -305,13 +314,23 @@ class _Batcher:
         batched = self.task.batched and len(todo) > 1
         self.size = 1 if not batched else min(len(todo), AUTO_BATCH_START) if self.auto else want
         self.used: int | None = None
-        self.todo = self._order(todo) if self.size > 1 else list(todo)
+        self.todo = self._order(todo)
 
     def _order(self, todo: list[Any]) -> list[Any]:
-        lengths = {s.id: len(self.task.request(s).input_ids) for s in todo}
+        """``todo`` in the task's processing order (``ordering``: computed over all the task's samples, so a
+        resumed run continues the same order), then sorted by length within windows of batches."""
+        everything = self.exp.samples()
+        want = {s.id for s in todo}
+        ranked = [everything[i] for i in stratified_order([s.id for s in everything],
+                                                          [sample_stratum(s) for s in everything])]
+        order = [s for s in ranked if s.id in want]
+        if self.size == 1:
+            return order
+        lengths = {s.id: len(self.task.request(s).input_ids) for s in order}
         chunk = self.exp.cfg.eval.prefill_chunk
         group = (lambda n: n % chunk) if chunk and self.exp.protocol == "S" else (lambda n: 0)
-        return sorted(todo, key=lambda s: (group(lengths[s.id]), -lengths[s.id]))
+        return length_windows(order, self.size * ORDER_WINDOW_BATCHES,
+                              key=lambda s: (group(lengths[s.id]), -lengths[s.id]))
 
     def __iter__(self):
         i = 0
@@ -452,22 +471,50 @@ def _interval_text(ci: dict[str, Any] | None) -> str | None:
     return f"[{ci['lo']:.4g}, {ci['hi']:.4g}]"
 
 
-def compare_with_full(task: Any, summaries: list[dict[str, Any]]) -> None:
-    """Adds ``vs_full`` to each summary of this call when full attention is among them: the paired difference of
-    its score against full attention's over the samples both ran (``statistics.paired_difference``; for the printed
-    table -- ``collect`` records the same for any set of runs)."""
-    full = next((s for s in summaries if s["method"] == "full"), None)
-    if full is None:
-        return
+def pool_seeds(task: Any, summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The printed table's rows: one per method config of this call, over its seeds (``seed=[0,1,2]`` runs a
+    stochastic method once per seed).  Each row has the mean over seeds of the score on the samples every seed
+    finished with its two-level interval over prompts and seeds (``statistics.seed_pooled_ci``), the per-seed
+    spread, and, when full attention is among them, the paired difference against it on the samples both finished
+    (``vs_full``, with ``n``; ``significant`` only between complete runs).  ``collect`` records the same for any
+    set of runs."""
+    from .statistics import seed_pooled_ci, seed_pooled_difference, seed_spread
 
     def terms(summary: dict[str, Any]):
         recs = read_samples(Path(summary["run_dir"]) / SAMPLES_FILE).values()
         return task.score_terms([r for r in recs if r.get("status") == "ok"])
 
-    ref = terms(full)
+    groups: dict[str, list[dict[str, Any]]] = {}
     for s in summaries:
-        t = terms(s) if s is not full else None
-        s["vs_full"] = paired_difference(t, ref) if t is not None and ref is not None else None
+        key = json.dumps({k: v for k, v in s["method_config"].items() if k != "seed"}, sort_keys=True, default=str)
+        groups.setdefault(key, []).append(s)
+    full = next((g for g in groups.values() if g[0]["method"] == "full"), None)
+    ref = terms(full[0]) if full else None
+    rows = []
+    for group in groups.values():
+        ts = [terms(s) for s in group]
+        complete = all(s.get("complete", s["failed"] == 0 and s["samples"] >= s["expected_samples"]) for s in group)
+        row = {"summaries": group, "method": group[0]["method"], "method_config": group[0]["method_config"],
+               "metric": group[0]["metric"], "seeds": [s.get("seed") for s in group],
+               "stochastic": bool(group[0]["stochastic"] if "stochastic" in group[0]
+                                  else is_stochastic(group[0]["method_config"])), "complete": complete,
+               "expected_samples": group[0]["expected_samples"], "failed": sum(s["failed"] for s in group),
+               "time_s": sum(s["time_s"] for s in group), "ci": None, "spread": None, "vs_full": None}
+        for key in ("cost1", "cost2", "static_frac", "est_error"):
+            vals = [s[key] for s in group if s.get(key) is not None]
+            row[key] = sum(vals) / len(vals) if vals else None
+        if all(t is not None for t in ts):
+            row["ci"] = seed_pooled_ci(ts)
+            row["spread"] = seed_spread(row["ci"].get("per_seed") or [])
+            if ref is not None and group is not full:
+                d = seed_pooled_difference(ts, ref)
+                if not (complete and full[0].get("complete", True)):
+                    d["significant"] = None  # no claim from an incomplete run (or reference)
+                row["vs_full"] = d
+        score = row["ci"]["score"] if row["ci"] else group[0]["score"]
+        row["score"], row["samples"] = score, row["ci"]["n"] if row["ci"] else group[0]["samples"]
+        rows.append(row)
+    return rows
 
 
 def _difference_text(d: dict[str, Any] | None) -> str | None:
@@ -477,27 +524,57 @@ def _difference_text(d: dict[str, Any] | None) -> str | None:
     return f"{d['diff']:+.3g} [{d['lo']:.3g}, {d['hi']:.3g}]{' *' if d.get('significant') else ''}"
 
 
-def format_table(summaries: list[dict[str, Any]]) -> str:
+SINGLE_SEED_MARK, INCOMPLETE_MARK = "†", "!"
+
+
+def _seeds_text(row: dict[str, Any]) -> str:
+    """Deterministic: "-"; a stochastic method: its seed count (``†`` for one: the interval omits the seed
+    variation) and the standard deviation of its per-seed scores."""
+    if not row["stochastic"]:
+        return "-"
+    n = len(row["seeds"])
+    if n == 1:
+        return f"1 {SINGLE_SEED_MARK}"
+    std = (row.get("spread") or {}).get("std")
+    return f"{n} (sd {std:.3g})" if std is not None else str(n)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows of ``pool_seeds`` as a table."""
     import pandas as pd
 
-    rows = []
-    for s in summaries:
-        rows.append({
-            "method": s["method"],
-            "config": short_config(s["method_config"]),
-            s["metric"]: s["score"],
-            "95% CI": _interval_text(s.get("score_ci")),
-            **({"vs full [95% CI]": _difference_text(s.get("vs_full"))} if "vs_full" in s else {}),
-            "Cost1": s["cost1"],
-            "Cost2": s["cost2"],
-            "static": s["static_frac"],
-            "est_error": s["est_error"],
-            "samples": s["samples"],
-            "failed": s["failed"],
-            "time_s": s["time_s"],
+    out = []
+    for r in rows:
+        vs = r.get("vs_full")
+        out.append({
+            "method": r["method"],
+            "config": short_config(r["method_config"]),
+            r["metric"]: r["score"],
+            "95% CI": _interval_text(r.get("ci")),
+            **({"vs full [95% CI]": _difference_text(vs), "n_paired": vs.get("n") if vs else None}
+               if any(x.get("vs_full") for x in rows) else {}),
+            "seeds": _seeds_text(r),
+            "Cost1": r["cost1"],
+            "Cost2": r["cost2"],
+            "static": r["static_frac"],
+            "est_error": r["est_error"],
+            "samples": r["samples"] if r["complete"] else f"{r['samples']}/{r['expected_samples']} {INCOMPLETE_MARK}",
+            "failed": r["failed"],
+            "time_s": r["time_s"],
         })
-    df = pd.DataFrame(rows)
-    return df.to_string(index=False, float_format=lambda x: f"{x:.4g}" if not math.isnan(x) else "-", na_rep="-")
+    df = pd.DataFrame(out)
+    if "n_paired" in df:
+        df["n_paired"] = [str(int(v)) if v is not None and v == v else "-" for v in df["n_paired"]]
+    text = df.to_string(index=False, float_format=lambda x: f"{x:.4g}" if not math.isnan(x) else "-", na_rep="-")
+    notes = []
+    if any(r["stochastic"] and len(r["seeds"]) == 1 for r in rows):
+        notes.append(f"{SINGLE_SEED_MARK} one seed of a stochastic method: its interval omits the seed-to-seed "
+                     "variation (seed=[0,1,2] runs it over three seeds)")
+    if any(not r["complete"] for r in rows):
+        notes.append(f"{INCOMPLETE_MARK} incomplete (failed or missing samples): scored over the samples it finished, "
+                     "compared over the samples both finished (n_paired), never marked significant; the same command "
+                     "retries the failed samples")
+    return "\n".join([text, *notes])
 
 
 def run(cfg: Any) -> list[dict[str, Any]]:
@@ -509,7 +586,8 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         _, run_dir = exp.run_dir(m)
         unwritable = check_writable(run_dir)
         if unwritable:  # a read-only store: a finished run is read back, anything else is refused
-            if run_state(run_dir)["state"] == "done" and not cfg.eval.rerun_failed:
+            state = run_state(run_dir)["state"]
+            if state == "done" or (state == "incomplete" and not cfg.eval.rerun_failed):
                 summaries.append(json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8")))
                 continue
             raise RunsDirError(f"paths.runs_dir={cfg.paths.runs_dir}: cannot write {unwritable}; give a writable "
@@ -534,10 +612,11 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     if cfg.print_table:
         first = summaries[0]
         print(f"\nmodel={first['model']} task={first['task']} protocol={first['protocol']} "
-              f"({first['samples']} samples; 95% CI: percentile bootstrap over samples; vs full: paired difference "
-              f"with full attention on the same samples, * where its interval excludes 0 (claimed from 8 samples); Cost1/Cost2/static/est_error: "
-              f"means over sparse layers, heads and query rows)")
-        compare_with_full(exp.task, summaries)
-        print(format_table(summaries))
+              f"({first['expected_samples']} samples; 95% CI: percentile bootstrap over samples, and over seeds for a "
+              f"stochastic method run with several (two-level); vs full: paired difference with full attention on the "
+              f"n_paired samples both finished, * where its interval excludes 0 (claimed from 8 samples); seeds: "
+              f"a stochastic method's seeds and the sd of its per-seed scores; Cost1/Cost2/static/est_error: means "
+              f"over sparse layers, heads and query rows)")
+        print(format_table(pool_seeds(exp.task, summaries)))
         print(f"results: {Path(first['run_dir']).parent}")
     return summaries

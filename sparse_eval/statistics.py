@@ -17,6 +17,40 @@ The paired difference of method A against a reference (full attention) uses the 
 resample indices are applied to both, so the per-sample correlation (a hard sample is hard for both) narrows
 the interval, as a paired test should.  A difference is *significant* when its interval excludes 0 (claimed from
 ``MIN_SIGNIFICANCE_N`` shared samples on).
+
+**Over prompts and seeds (stochastic methods).**  A stochastic method (``Method.stochastic``: MagicPIG's hash
+projections, oracle sampling's draws, Double Sparsity's random channels) run with seeds s = 1..S on the same
+prompts i = 1..n gives records x[s, i]; seeds and prompts are *crossed* (every seed sees every prompt), not
+nested.  Its score is the mean over seeds of each seed's score on the samples every seed finished,
+
+    θ = (1/S) Σ_s score(x[s, ·]),
+
+an estimate of the method's expected score over both the prompt population and the seed distribution.  In the
+additive picture x[s, i] = μ + a_i + b_s + e_si its variance is σ_a²/n + σ_b²/S + σ_e²/(nS): the prompt effect a_i
+is *shared* by all seeds, so it does not average out over seeds, while the seed effect b_s averages over S only.
+The two-level bootstrap (``seed_pooled_ci``) reproduces both terms.  Each of ``n_boot`` replicates draws
+
+  1. sample weights W: n_g draws with replacement within each group g (as above), ONE draw shared by all seeds
+     (resampling prompts independently per seed would shrink the prompt term to σ_a²/(nS): too narrow);
+  2. S seeds with replacement from the S seeds run,
+
+and computes θ* = (1/S) Σ_k score(x[s*_k, ·]; W).  This is the pigeonhole (two-way crossed) bootstrap (Owen 2007,
+Ann. Appl. Stat. 1(2)), which is mildly conservative in the interaction term σ_e².  With few seeds the seed term is
+coarse: a resample of S values has (S−1)/S of their variance and S = 3 seeds give only 10 distinct seed multisets,
+so the seed part of the interval is a rough, slightly narrow estimate; ``seed_std``, ``seed_min`` and
+``seed_max`` are shown beside it.  With S = 1 the procedure is exactly the one-level bootstrap (same draws), and
+the interval then omits the seed variation of a stochastic method (``collect``'s ``interval_omits_seeds``).
+
+The paired difference of a stochastic method against full attention (deterministic: one run), over seeds
+(``seed_pooled_difference``), is (1/S) Σ_s score(x[s, ·]) − score(y) on the samples that every seed AND full
+attention finished; each replicate applies the same W to both sides (paired on samples) and resamples the seeds
+of the method only.
+
+Order of the draws (so that an independent implementation reproduces the intervals exactly):
+``rng = numpy.random.default_rng(seed)``; for each group in increasing group id, ``rng.multinomial(n_g, [1/n_g]
+* n_g, size=n_boot)`` gives W's columns of that group's samples (in their order); then, for the two-level
+intervals, ``rng.integers(0, S, size=(n_boot, S))`` are the seed indices.  The 95 % interval is
+``numpy.quantile(θ*, [0.025, 0.975])`` (linear interpolation) over the finite replicates.
 """
 
 from __future__ import annotations
@@ -77,9 +111,9 @@ class ScoreTerms:
 TRANSFORMS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"identity": lambda x: x, "exp": np.exp}
 
 
-def _resample_weights(group: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
-    """float [n_boot, n]: how often each sample is drawn in each resample, drawn within its group."""
-    rng = np.random.default_rng(seed)
+def _resample_weights(group: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """float [n_boot, n]: how often each sample is drawn in each resample, drawn within its group (groups in
+    increasing id, one multinomial each: see the module docstring)."""
     w = np.zeros((n_boot, len(group)), dtype=np.float64)
     for g in np.unique(group):
         idx = np.flatnonzero(group == g)
@@ -101,7 +135,7 @@ def bootstrap_ci(terms: ScoreTerms, n_boot: int = N_BOOT, level: float = LEVEL, 
     sample (or one per group) the interval is the point itself: the record says n, so it reads as unsure."""
     if len(terms) == 0:
         return {"score": None, "lo": None, "hi": None, "n": 0, "level": level, "n_boot": n_boot}
-    lo, hi = _interval(terms._stat(_resample_weights(terms.group, n_boot, seed)), level)
+    lo, hi = _interval(terms._stat(_resample_weights(terms.group, n_boot, np.random.default_rng(seed))), level)
     return {"score": terms.score(), "lo": lo, "hi": hi, "n": len(terms), "level": level, "n_boot": n_boot}
 
 
@@ -116,7 +150,7 @@ def paired_difference(terms: ScoreTerms, reference: ScoreTerms, n_boot: int = N_
     a, b = terms.subset(shared), reference.subset(shared)
     if not np.array_equal(a.group, b.group):
         raise ValueError("paired_difference: the two runs put a shared sample in different groups")
-    w = _resample_weights(a.group, n_boot, seed)
+    w = _resample_weights(a.group, n_boot, np.random.default_rng(seed))
     lo, hi = _interval(a._stat(w) - b._stat(w), level)
     significant = None if math.isnan(lo) or len(shared) < MIN_SIGNIFICANCE_N else bool(lo > 0 or hi < 0)
     return {"diff": a.score() - b.score(), "lo": lo, "hi": hi, "n": len(shared), "level": level,
@@ -130,3 +164,69 @@ def seed_spread(scores: Sequence[float]) -> dict[str, Any]:
         return {"mean": None, "std": None, "n_seeds": 0, "min": None, "max": None}
     return {"mean": float(vals.mean()), "std": float(vals.std(ddof=1)) if vals.size > 1 else None,
             "n_seeds": int(vals.size), "min": float(vals.min()), "max": float(vals.max())}
+
+
+def common_ids(runs: Sequence[ScoreTerms], reference: ScoreTerms | None = None) -> list[str]:
+    """The sample ids that every run in ``runs`` (and ``reference``, when given) has, in the first run's order."""
+    if not runs:
+        return []
+    have = [set(t.ids) for t in runs[1:]] + ([set(reference.ids)] if reference is not None else [])
+    return [i for i in runs[0].ids if all(i in h for h in have)]
+
+
+def _seed_subsets(runs: Sequence[ScoreTerms], ids: list[str], what: str) -> list[ScoreTerms]:
+    subs = [t.subset(ids) for t in runs]
+    if any(not np.array_equal(subs[0].group, t.group) or t.transform != subs[0].transform for t in subs[1:]):
+        raise ValueError(f"{what}: the seeds' runs put a shared sample in different groups (not one task config)")
+    return subs
+
+
+def _seed_resample(per_seed: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """[R]: per replicate, the mean over S seeds drawn with replacement of ``per_seed`` [S, R] (each seed's
+    statistic under that replicate's sample weights)."""
+    s, r = per_seed.shape
+    idx = rng.integers(0, s, size=(r, s))
+    return per_seed[idx, np.arange(r)[:, None]].mean(axis=1)
+
+
+def seed_pooled_ci(runs: Sequence[ScoreTerms], n_boot: int = N_BOOT, level: float = LEVEL,
+                   seed: int = 0) -> dict[str, Any]:
+    """{score, lo, hi, n, seeds, per_seed, level, n_boot}: the mean over seeds of each seed's score on the samples
+    every seed finished (``n`` of them; ``per_seed``: those scores), with the two-level bootstrap interval over
+    prompts and seeds (module docstring).  ``runs``: one ScoreTerms per seed of one configuration.  One run: the
+    interval of ``bootstrap_ci``, exactly."""
+    ids = common_ids(runs)
+    out = {"score": None, "lo": None, "hi": None, "n": len(ids), "seeds": len(runs), "per_seed": [], "level": level,
+           "n_boot": n_boot}
+    if not ids:
+        return out
+    subs = _seed_subsets(runs, ids, "seed_pooled_ci")
+    rng = np.random.default_rng(seed)
+    w = _resample_weights(subs[0].group, n_boot, rng)
+    stats = np.stack([t._stat(w) for t in subs])  # [S, R]
+    lo, hi = _interval(_seed_resample(stats, rng), level)
+    per_seed = [t.score() for t in subs]
+    return dict(out, score=float(np.mean(per_seed)), lo=lo, hi=hi, per_seed=per_seed)
+
+
+def seed_pooled_difference(runs: Sequence[ScoreTerms], reference: ScoreTerms, n_boot: int = N_BOOT,
+                           level: float = LEVEL, seed: int = 0) -> dict[str, Any]:
+    """{diff, lo, hi, n, seeds, significant}: (mean over seeds of score) − score(reference) over the samples every
+    seed and the reference finished, with the two-level paired interval: the reference (full attention,
+    deterministic) gets the same sample weights as each seed, the seeds are resampled (module docstring).  One
+    run: exactly ``paired_difference``."""
+    ids = common_ids(runs, reference)
+    if not ids:
+        return {"diff": None, "lo": None, "hi": None, "n": 0, "seeds": len(runs), "level": level,
+                "significant": None}
+    subs = _seed_subsets(runs, ids, "seed_pooled_difference")
+    ref = reference.subset(ids)
+    if not np.array_equal(subs[0].group, ref.group):
+        raise ValueError("seed_pooled_difference: the runs and the reference put a shared sample in different groups")
+    rng = np.random.default_rng(seed)
+    w = _resample_weights(ref.group, n_boot, rng)
+    stats = np.stack([t._stat(w) for t in subs])  # [S, R]
+    lo, hi = _interval(_seed_resample(stats, rng) - ref._stat(w), level)
+    significant = None if math.isnan(lo) or len(ids) < MIN_SIGNIFICANCE_N else bool(lo > 0 or hi < 0)
+    return {"diff": float(np.mean([t.score() for t in subs])) - ref.score(), "lo": lo, "hi": hi, "n": len(ids),
+            "seeds": len(runs), "level": level, "significant": significant}

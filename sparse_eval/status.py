@@ -1,4 +1,5 @@
-"""The state of every run under a folder: done / running / failed / pending, and the run-dir files that say so.
+"""The state of every run under a folder: done / incomplete / running / failed / pending, and the run-dir files
+that say so.
 
     python -m sparse_eval.status runs/                 # one line per run (config), then the totals
     python -m sparse_eval.status runs/ --state failed  # only the failed ones, with their error
@@ -15,13 +16,17 @@ States (the first that applies):
 
     failed    failed.json exists: the run stopped with an error (a sample's own error does not fail the run; it
               is a record with status "error" in samples.jsonl, counted in ``errors``)
-    done      summary.json is newer than the last sample and every expected sample is written
+    done      summary.json is newer than the last sample and every expected sample finished without an error
+    incomplete  as done, but some samples ended in an error: its scores are over the samples it finished.  The same
+              command runs the failed samples again (``eval.rerun_failed``, on by default) and keeps the others
     running   the lock is held by a live process, or, when the run was started on another host (e.g. a Slurm
               node, whose lock this host may not see), samples.jsonl / progress.json changed in the last
               ``--recent`` seconds (default 300); a run started on this host whose lock nobody holds is not running
     pending   expected samples not yet written and nobody working on it: interrupted, queued, or not started
 
-A relaunch of the same config resumes a pending (or failed) run at its first unfinished sample.
+A relaunch of the same config resumes a pending (or failed) run at its first unfinished sample, and retries an
+incomplete run's failed samples.  ``complete`` (in ``run_state``, ``collect`` and the summary): every expected
+sample finished without an error (a finished run is then done, never incomplete).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any
 from .store import (CONFIG_FILE, FAILED_FILE, PROGRESS_FILE, SAMPLES_FILE, SUMMARY_FILE, find_run_dirs, lock_held,
                     method_label, read_identity, read_json, read_samples)
 
-STATES = ("done", "running", "failed", "pending")
+STATES = ("done", "incomplete", "running", "failed", "pending")
 DEFAULT_RECENT_S = 300.0
 
 
@@ -88,11 +93,11 @@ def run_state(run_dir: Path, now: float | None = None, recent_s: float = DEFAULT
     t_progress, t_failed = _mtime(run_dir / PROGRESS_FILE), _mtime(run_dir / FAILED_FILE)
     last = max([t for t in (t_samples, t_summary, t_progress, t_failed, _mtime(run_dir / CONFIG_FILE)) if t] or [0])
     held = lock_held(run_dir)
-    complete = expected is not None and written >= expected
+    all_written = expected is not None and written >= expected
     if failed is not None and not held and (t_failed or 0) >= max(t_samples or 0, t_progress or 0):
         state = "failed"
-    elif complete and t_summary is not None and t_summary >= (t_samples or 0) and not held:
-        state = "done"
+    elif all_written and t_summary is not None and t_summary >= (t_samples or 0) and not held:
+        state = "incomplete" if errors else "done"
     elif held or (now - max(t_samples or 0, t_progress or 0) < recent_s and not _holder_gone(progress)):
         state = "running"
     else:
@@ -100,6 +105,7 @@ def run_state(run_dir: Path, now: float | None = None, recent_s: float = DEFAULT
     return {
         "state": state, "run_dir": str(run_dir), "task": run_dir.parent.parent.name, "model": run_dir.parent.name,
         "config": run_name(read_identity(run_dir), run_dir), "written": written, "expected": expected, "errors": errors,
+        "complete": expected is not None and written - errors >= expected,
         "age_s": now - last if last else None, "error": (failed or {}).get("error") if state == "failed" else None,
         "host": progress.get("host"), "slurm_job_id": progress.get("slurm_job_id"),
     }

@@ -245,7 +245,7 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
     err = subprocess.run([sys.executable, "-m", "sparse_eval.status", str(runs)], cwd=REPO,
                          env=_env(), capture_output=True, text=True, timeout=120)
     # killed a moment ago on this host: pending at once, not "running" for --recent seconds
-    assert err.returncode == 0 and "1 done, 0 running, 0 failed, 1 pending" in err.stdout, err.stdout
+    assert err.returncode == 0 and "1 done, 0 incomplete, 0 running, 0 failed, 1 pending" in err.stdout, err.stdout
 
     # 2nd launch, same command: finishes the oracle run from its first missing sample; the failures stay failures
     done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
@@ -325,14 +325,16 @@ def test_status_states(tmp_path):
             os.utime(f, (t, t))
         return d
 
-    make("done-1", ["ok", "error"], 2, summary=True)
+    make("done-1", ["ok", "ok"], 2, summary=True)
+    make("incomplete-5", ["ok", "error"], 2, summary=True)  # a failed sample: never done
     make("pending-2", ["ok"], 3)
     make("running-3", ["ok"], 3, age=5)
     make("failed-4", ["ok"], 3, failed=True)
     states = {d.name.split("-")[0]: run_state(d, recent_s=60) for d in find_run_dirs(tmp_path)}
-    assert {k: v["state"] for k, v in states.items()} == {"done": "done", "pending": "pending",
-                                                         "running": "running", "failed": "failed"}
-    assert (states["done"]["written"], states["done"]["errors"], states["done"]["expected"]) == (2, 1, 2)
+    assert {k: v["state"] for k, v in states.items()} == {"done": "done", "incomplete": "incomplete",
+                                                         "pending": "pending", "running": "running", "failed": "failed"}
+    assert (states["incomplete"]["written"], states["incomplete"]["errors"], states["incomplete"]["expected"]) == (2, 1, 2)
+    assert states["done"]["complete"] and not states["incomplete"]["complete"]
     assert states["failed"]["error"] == "ValueError: bad"
 
 

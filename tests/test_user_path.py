@@ -334,6 +334,9 @@ TINY = {
     "python -m sparse_eval": "run and checked by tests/test_runner.py::test_default_command_end_to_end",
     "python -m sparse_eval method=magicpig method.K=9 method.L=120": [],
     "python -m sparse_eval -m method=topk method.budget=0.02,0.06,0.1": ["task.num_samples=1"],
+    "python -m sparse_eval method=magicpig seed=1": ["task.num_samples=1", "task.window=64"],
+    "python -m sparse_eval method=magicpig 'seed=[0,1,2]'": ["task.num_samples=1", "task.window=64"],
+    "python -m sparse_eval -m method=full,magicpig seed=0,1,2": ["task.num_samples=1", "task.window=64"],
     "scripts/get_smollm2.sh": "downloads from PyPI",
     "python -m sparse_eval model=smollm2_135m task=ruler task.length=4096 task.subtasks=[niah_single_1] "
     "task.num_samples=1 method=quest": [],

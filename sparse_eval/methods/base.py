@@ -46,8 +46,10 @@ class MethodConfig:
     sliding_layers: str = "dense"
     # selection per query head (paper setting for all methods) or shared per KV group
     gqa: str = "query_head"
-    # seed of the method's own randomness (sampling, random projections)
-    seed: int = 0
+    # seed of the method's own randomness (sampling, random projections).  In a run the runner sets it from the
+    # top-level ``seed`` (``sparse_eval.seeds``; ``method.seed`` is refused there); None elsewhere (``attend()``,
+    # the system path) means 0
+    seed: int | None = None
 
 
 @dataclass
@@ -214,8 +216,15 @@ class Method:
     # whether ``index_bytes`` already reads every valid key's K (exact scoring): the kept keys' K rows are then
     # not read a second time, only their V rows (``core.kv_bytes_read``)
     index_reads_keys: ClassVar[bool] = True
+    # whether the method draws at random (from ``config.seed``): its records then depend on the seed, and a run
+    # over several seeds (``seed=[0,1,2]``) runs it once per seed (``sparse_eval.seeds``).  A method whose
+    # randomness depends on its options overrides this with a property (Double Sparsity's random channels), so
+    # generic code asks an instance (``build_method(config).stochastic``), never the class or the method's name
+    stochastic: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig):
+        if config.seed is None:  # outside a run (attend(), the system path): seed 0
+            config.seed = 0
         self.config = config
         self.validate()
 

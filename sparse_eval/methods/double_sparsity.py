@@ -69,7 +69,7 @@ from .topk import topk_mask
 CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "calibration"  # the shipped files
 CALIBRATION_ENV = "SPARSE_EVAL_CALIBRATION_DIR"
 CALIBRATED_TYPES = ("qk", "q", "k")  # read from the calibration file
-CHANNEL_TYPES = CALIBRATED_TYPES + ("random",)  # random: drawn from method.seed, no file
+CHANNEL_TYPES = CALIBRATED_TYPES + ("random",)  # random: drawn from the run's seed, no file
 OFFLOAD_INPUTS = ("residual", "attn_input")
 LABEL_BITS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 
@@ -148,7 +148,7 @@ def load_channels(path: Path, channel_type: str, rewrite: str = "") -> tuple[tor
     chans = data.get("channels", {})
     if channel_type not in chans:
         if channel_type == "random":
-            raise ValueError("method.channel_type='random' draws its channels from method.seed; it reads no file")
+            raise ValueError("method.channel_type='random' draws its channels from the run's seed; it reads no file")
         raise ValueError(
             f"method.channel_type={channel_type!r} is not in {path} (it has {sorted(chans)}); valid: {list(CHANNEL_TYPES)}"
         )
@@ -167,6 +167,11 @@ class DoubleSparsity(Method):
     name = "double_sparsity"
     config_class = DoubleSparsityConfig
     index_reads_keys = False
+
+    @property
+    def stochastic(self) -> bool:  # type: ignore[override]
+        """Random channels (``channel_type=random``) are drawn from config.seed; calibrated ones are fixed."""
+        return self.config.channel_type == "random"
 
     def __init__(self, config: DoubleSparsityConfig):
         super().__init__(config)
@@ -194,7 +199,7 @@ class DoubleSparsity(Method):
         if c.channel_type not in CHANNEL_TYPES:
             raise ValueError(f"method.channel_type={c.channel_type!r}; valid: {list(CHANNEL_TYPES)}")
         if c.channel_type == "random" and (c.channels is not None or c.channels_file):
-            raise ValueError("method.channel_type='random' draws its channels from method.seed: drop method.channels "
+            raise ValueError("method.channel_type='random' draws its channels from the run's seed: drop method.channels "
                              "/ method.channels_file (or pick a calibrated type: qk, q, k)")
         if c.offload_input not in OFFLOAD_INPUTS:
             raise ValueError(f"method.offload_input={c.offload_input!r}; valid: {list(OFFLOAD_INPUTS)}")

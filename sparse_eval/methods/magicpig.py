@@ -213,6 +213,7 @@ class MagicPIG(Method):
 
     name = "magicpig"
     config_class = MagicPIGConfig
+    stochastic = True  # SimHash projections drawn from config.seed
     index_reads_keys = False
     supported_gqa = ("query_head",)  # the query's hash codes are per query head
     prepare_with_valid = True

@@ -40,6 +40,7 @@ class OracleSampling(Method):
 
     name = "oracle"
     config_class = OracleConfig
+    stochastic = True  # i.i.d. draws from config.seed
     supported_gqa = ("query_head",)
 
     def validate(self, num_layers=None, context=None):

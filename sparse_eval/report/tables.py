@@ -460,7 +460,7 @@ def ds_table3(df) -> Table:
     caption = ("WikiText-2 perplexity with token and channel sparsity 1/16 by the channel type: random channels, or "
                "the calibrated q / k / qk outliers; Original = full attention.")
     if seeds:
-        caption += " random: r = α·d channels drawn uniformly per layer and KV head from method.seed, " + "; ".join(
+        caption += " random: r = α·d channels drawn uniformly per layer and KV head from the run's seed, " + "; ".join(
             f"{m}: mean over {len(v)} seed(s) ({', '.join(str(x) for x in sorted(v, key=str))})"
             for m, v in sorted(seeds.items())) + "."
     missing = [c for c in ("random", "q", "k", "qk") if c not in cols]
@@ -483,38 +483,90 @@ def _kib(v: Any) -> float | None:
     return float(v) / 1024.0
 
 
+def _present(v: Any) -> bool:
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def _seeds_cell(r: Any, stochastic: Any) -> str:
+    """"–" for a deterministic method; a stochastic one's seed count and the range of its per-seed scores, or
+    "1 †" for a single seed (its interval omits the seed variation)."""
+    if stochastic is not True:
+        return "–"
+    n = int(r.get("seeds") or 1)
+    if n == 1:
+        return "1 †"
+    lo, hi = r.get("seed_min"), r.get("seed_max")
+    return f"{n}: {lo:.1f}–{hi:.1f}" if _present(lo) and _present(hi) else str(n)
+
+
 def score_intervals(df) -> Table:
-    """Every run's score with its sample count and 95 % bootstrap interval, and its paired difference against full
-    attention on the same samples (``collect``'s ``score_lo``/``score_hi``, ``diff_*``); ``*`` marks a difference
-    whose interval excludes 0."""
+    """One row per configuration (the runs that differ only in their seed, ``collect``'s ``seed_group``, as one):
+    its score with n and the 95 % interval over prompts and seeds, its seeds and the range of their scores, and its
+    paired difference against full attention over the samples both finished (``collect``'s ``pooled_*``; a table
+    collected before those existed: each run's own ``score_lo``/``score_hi``, ``diff_*``).  ``*`` marks a
+    difference whose interval excludes 0; a run that is not complete is marked and never starred."""
     runs = run_rows(df)
     if "score_lo" not in runs.columns or runs["score_lo"].isna().all():
         raise Skip("no run has a score interval (results collected before intervals were recorded)")
-    rows = []
-    for _, r in runs.iterrows():
-        sig, diff = r.get("significant"), r.get("diff_vs_full")
-        has_diff = r.get("method") != "full" and diff is not None and not (isinstance(diff, float) and math.isnan(diff))
+    pooled = "pooled_score" in runs.columns and "seed_group" in runs.columns
+    groups = (runs.groupby(["seed_group", "length"], dropna=False, sort=False) if pooled
+              else runs.groupby(runs.index, sort=False))
+    rows, single, short_rows = [], False, False
+    for _, grp in groups:
+        r = grp.iloc[0]
+        g = (lambda k, plain=None: r.get(k)) if pooled else (lambda k, plain=None: r.get(plain or k))
+        score, lo, hi = g("pooled_score", "score"), g("pooled_lo", "score_lo"), g("pooled_hi", "score_hi")
+        n = g("pooled_n", "samples")
+        diff, sig = g("pooled_diff", "diff_vs_full"), g("pooled_significant", "significant")
+        dlo, dhi, npair = g("pooled_diff_lo", "diff_lo"), g("pooled_diff_hi", "diff_hi"), g("pooled_n_paired", "n_paired")
+        has_diff = r.get("method") != "full" and _present(diff)
+        stochastic = _num_bool(r.get("stochastic")) if "stochastic" in runs.columns else None
+        single |= stochastic is True and int(r.get("seeds") or 1) == 1
+        config = config_label(r)
+        cut = _incomplete(grp)
+        if cut:
+            config, short_rows = f"{config} (incomplete: {cut})", True
         rows.append({
             "Model": r.get("model"), "Task": r.get("task"), "Length": _length_label(r.get("length")) or r.get("length"),
-            "Method": method_display(r), "Config": config_label(r),
-            "n": r.get("samples"), "Score": r.get("score"), "95% CI": _interval(r.get("score_lo"), r.get("score_hi")),
-            "Δ vs full": f"{diff:+.1f}{' *' if sig is True else ''}" if has_diff else None,
-            "Δ 95% CI": _interval(r.get("diff_lo"), r.get("diff_hi")) if has_diff else None,
-            "Cost2": r.get("cost2"),
-            "KV KiB/row": _kib(r.get("kv_bytes")),
+            "Method": method_display(r), "Config": config,
+            "n": n if _present(n) else None, "Score": score, "95% CI": _interval(lo, hi),
+            "Seeds": _seeds_cell(r, stochastic) if pooled else None,
+            "Δ vs full": f"{diff:+.1f}{' *' if _num_bool(sig) is True and not cut else ''}" if has_diff else None,
+            "Δ 95% CI": _interval(dlo, dhi) if has_diff else None,
+            "n paired": npair if has_diff and _present(npair) else None,
+            "Cost2": _mean(grp["cost2"]),
+            "KV KiB/row": _kib(_mean(grp["kv_bytes"])) if "kv_bytes" in grp.columns else None,
         })
     rows.sort(key=lambda x: (str(x["Model"]), str(x["Task"]), _natural(x["Length"]), x["Δ vs full"] is not None,
                              _natural(x["Method"]), _natural(x["Config"])))
+    caption = ("Score: the task's metric over n samples with its 95 % percentile-bootstrap interval (samples resampled "
+               "within each subtask). A stochastic method run over several seeds (Seeds: their number and the range "
+               "of their scores) is scored by the mean over its seeds on the samples every seed finished, and its "
+               "interval is a two-level bootstrap over prompts and seeds (sparse_eval.statistics). Δ vs full: the "
+               "score minus full attention's on the n paired samples both finished, with its 95 % paired bootstrap "
+               "interval (over seeds too); * marks a difference whose interval excludes 0 (significant at the 5 % "
+               "level). KV KiB/row: the KV-cache bytes the method's system reads per sparse layer, query head and step "
+               "(kept keys' K and V plus the method's index: all keys' K to score for full/TopK/oracle, page min/max "
+               "for Quest, labels for DS, bucket ids for MagicPIG; GQA sharing not deducted), in KiB.")
+    if single:
+        caption += (" 1 †: a single seed of a stochastic method: its interval omits the seed-to-seed variation.")
+    if short_rows:
+        caption += (" Rows marked incomplete are over the samples their runs finished (n of the expected; failed or "
+                    "missing samples): not comparable with complete rows, and never marked significant.")
+    value_cols = ["n", "Score", "95% CI"] + (["Seeds"] if pooled else []) + ["Δ vs full", "Δ 95% CI", "n paired",
+                                                                              "Cost2", "KV KiB/row"]
     return Table("score_intervals", "Scores with 95 % intervals and paired differences against full attention",
-                 "Score: the task's metric over n samples with its 95 % percentile-bootstrap interval (samples resampled "
-                 "within each subtask). Δ vs full: the score minus full attention's on the same samples, with its 95 % "
-                 "paired bootstrap interval; * marks a difference whose interval excludes 0 (significant at the 5 % level). "
-                 "KV KiB/row: the KV-cache bytes the method's system reads per sparse layer, query head and step (kept "
-                 "keys' K and V plus the method's index: all keys' K to score for full/TopK/oracle, page min/max for "
-                 "Quest, labels for DS, bucket ids for MagicPIG; GQA sharing not deducted), in KiB.",
-                 ["Model", "Task", "Length", "Method", "Config"],
-                 ["n", "Score", "95% CI", "Δ vs full", "Δ 95% CI", "Cost2", "KV KiB/row"],
-                 rows, digits={"n": 0, "Score": 1, "Cost2": 3, "KV KiB/row": 1})
+                 caption, ["Model", "Task", "Length", "Method", "Config"], value_cols,
+                 rows, digits={"n": 0, "n paired": 0, "Score": 1, "Cost2": 3, "KV KiB/row": 1})
+
+
+def _num_bool(v: Any) -> Any:
+    """True / False from a bool or its CSV form ("True"), else None."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in ("true", "false"):
+        return v.strip().lower() == "true"
+    return None
 
 
 TABLES: dict[str, Callable[[Any], Table]] = {

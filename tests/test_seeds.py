@@ -1,0 +1,182 @@
+"""One seed per run: it reaches the method's draws and the run's identity, a stochastic method runs once per seed,
+a deterministic one once, and collect pools exactly the runs that differ only in their seed."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from test_runner import cfg_for
+
+from sparse_eval.methods import METHODS, attend, build_method, make_config
+from sparse_eval.runner import Experiment, run
+
+VOLATILE = {"time_s"}
+
+
+def _records(run_dir):
+    recs = [json.loads(line) for line in Path(run_dir, "samples.jsonl").read_text().splitlines()]
+    return {r["id"]: {k: v for k, v in r.items() if k not in VOLATILE} for r in recs}
+
+
+@pytest.mark.parametrize("method", ["oracle", "magicpig"])
+def test_the_seed_reaches_the_method(tmp_path, method):
+    """seed=0 and seed=1 give different records (and run directories, each recording its seed); the same seed
+    again gives identical records."""
+    over = (f"method={method}", "task.num_samples=1", "task.window=128")
+    exp = Experiment(cfg_for(tmp_path / "a", *over, "seed=[0,1]"))
+    configs = exp.method_configs()
+    assert [c.seed for c in configs] == [0, 1]
+    s0, s1 = (exp.run_method(c) for c in configs)
+    assert s0["run_dir"] != s1["run_dir"] and (s0["seed"], s1["seed"]) == (0, 1) and s0["stochastic"]
+    for s, seed in ((s0, 0), (s1, 1)):
+        ident = exp.identity(next(c for c in configs if c.seed == seed))
+        assert ident["seed"] == ident["method"]["seed"] == seed
+    r0, r1 = _records(s0["run_dir"]), _records(s1["run_dir"])
+    assert r0.keys() == r1.keys()
+    for sid in r0:
+        assert r0[sid]["est_error"] != r1[sid]["est_error"]
+        assert r0[sid] != r1[sid]
+    again = Experiment(cfg_for(tmp_path / "b", *over, "seed=0"))
+    (c,) = again.method_configs()
+    assert again.run_dir(c)[1].name == Path(s0["run_dir"]).name  # one identity per seed
+    assert _records(again.run_method(c)["run_dir"]) == r0
+
+
+def test_deterministic_method_runs_once_filed_under_seed_0(tmp_path):
+    over = ("task.num_samples=1", "task.window=64")
+    topk = Experiment(cfg_for(tmp_path, "method=topk", *over, "seed=[0,1,2]"))
+    (c,) = topk.method_configs()
+    assert c.seed == 0
+    plain = Experiment(cfg_for(tmp_path, "method=topk", *over))
+    assert topk.run_dir(c)[1] == plain.run_dir(plain.method_configs()[0])[1]
+    assert Experiment(cfg_for(tmp_path, "method=topk", *over, "seed=5")).method_configs()[0].seed == 0
+    oracle = Experiment(cfg_for(tmp_path, "method=oracle", *over, "seed=[0,1,2]"))
+    dirs = {oracle.run_dir(c)[1] for c in oracle.method_configs()}
+    assert len(dirs) == 3
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["method=oracle", "method.seed=1"], "method.seed=1"),
+    (["method=oracle", "seed=[0,0]"], "seed=[0, 0]"),
+    (["method=oracle", "seed=-1"], "seed=-1"),
+    (["method=oracle", "seed=[]"], "seed=[]"),
+])
+def test_a_second_seed_knob_or_a_bad_seed_is_refused(tmp_path, args, needle):
+    with pytest.raises(ValueError) as err:
+        run(cfg_for(tmp_path, *args, "task.num_samples=1"))
+    assert needle in str(err.value) and "seed=" in str(err.value)
+    assert not list(Path(tmp_path).glob("wikitext/*/*"))  # nothing written
+
+
+def _stochastic_probe(name: str) -> tuple[bool, bool]:
+    """(declared stochastic, output changes with the seed) of a method on random tensors."""
+    torch.manual_seed(0)
+    hq, hkv, n, d = 4, 2, 200, 16
+    q, k, v = torch.randn(1, hq, 1, d), torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, d)
+    opts = {"sink": 0, "local": 0}
+    if name == "double_sparsity":
+        opts.update(channel_type="random")
+    if name in ("topk", "oracle"):
+        opts.update(budget=0.05)
+    outs = [attend(name, q, k, v, compute_error=False, seed=s, **opts)[0] for s in (0, 1)]
+    return build_method(make_config(name, opts)).stochastic, not torch.equal(*outs)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_methods_declare_whether_they_are_stochastic(name):
+    """``Method.stochastic`` is true exactly for the methods whose output depends on the seed."""
+    declared, changes = _stochastic_probe(name)
+    assert declared == changes, (name, declared, changes)
+    if name == "double_sparsity":  # calibrated channels are fixed: deterministic
+        assert not build_method(make_config(name, {"channel_type": "qk"})).stochastic
+
+
+# -- collect pools exactly the runs that differ only in their seed -------------------------------------------
+
+SUBTASKS = ["niah_single_1", "fwe"]
+TASK = {"name": "ruler", "subtasks": SUBTASKS, "num_samples": 12, "length": 4096, "haystack": "noise", "seed": 42}
+
+
+def _fake_run(root: Path, method: dict, seed: int, scores: dict[str, float], task=TASK, top_seed=None,
+              expected=None, errors=()):
+    from sparse_eval.store import config_hash, run_dir_for
+
+    identity = {"model": {"name": "m", "path": "p"}, "method": dict(method, seed=seed), "inputs": {}, "task": task,
+                "eval": {"protocol": "A", "compute_error": True, "prefill_chunk": None},
+                "seed": seed if top_seed is None else top_seed}
+    d = run_dir_for(root, identity)
+    d.mkdir(parents=True)
+    from omegaconf import OmegaConf
+
+    (d / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(identity)))
+    (d / "meta.json").write_text("{}")
+    (d / "progress.json").write_text(json.dumps({"expected_samples": expected or len(scores) + len(errors)}))
+    lines = [{"id": i, "status": "ok", "subtask": i.rsplit("-", 1)[0], "score": sc, "prediction": "x"}
+             for i, sc in scores.items()]
+    lines += [{"id": i, "status": "error", "error": "boom"} for i in errors]
+    (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (d / "summary.json").write_text(json.dumps({"expected_samples": expected or len(scores) + len(errors)}))
+    assert config_hash(identity) in d.name
+    return d
+
+
+def _scores(rng, shift=0.0, ids=None):
+    ids = ids or [f"{s}-{i:04d}" for s in SUBTASKS for i in range(6)]
+    return {i: float(np.clip(rng.normal(60 + shift, 30), 0, 100)) for i in ids}
+
+
+def test_collect_pools_exactly_the_runs_that_differ_only_in_seed(tmp_path, capsys):
+    from sparse_eval.collect import collect
+    from sparse_eval.statistics import seed_pooled_ci, seed_pooled_difference
+    from sparse_eval.tasks import build_task
+
+    rng = np.random.default_rng(0)
+    mp = {"name": "magicpig", "K": 10, "L": 150, "sink": 4, "local": 64, "dense_layers": [0, 16]}
+    full = {"name": "full", "sink": 4, "local": 64, "dense_layers": [0, 1]}
+    ref = _scores(rng)
+    _fake_run(tmp_path, full, 0, ref)
+    pooled = {s: _scores(rng, -5) for s in (0, 1, 2)}
+    for s, sc in pooled.items():
+        _fake_run(tmp_path, mp, s, sc)
+    _fake_run(tmp_path, dict(mp, L=120), 0, _scores(rng))  # another config: its own group, one seed
+    _fake_run(tmp_path, mp, 3, _scores(rng), task=dict(TASK, seed=7))  # other prompts: not pooled
+    # a run made before the seed reached the methods: top-level seed 1, but the method drew from seed 0
+    _fake_run(tmp_path, dict(mp, L=75), 0, _scores(rng), top_seed=0)
+    _fake_run(tmp_path, dict(mp, L=75), 0, _scores(rng), top_seed=1)
+
+    df = collect(tmp_path)
+    whole = df[df.subtask == "all"]
+    main = whole[(whole.method == "magicpig") & (whole["method.L"] == 150) & (whole.task_config.str.contains('"seed": 42'))]
+    assert sorted(main.seed) == [0, 1, 2] and (main.seeds == 3).all() and (main.seed_values == "0,1,2").all()
+    assert main.seed_group.nunique() == 1 and (main.interval_omits_seeds == False).all()  # noqa: E712
+    task = build_task(TASK)
+    terms = [task.score_terms([{"id": i, "subtask": i.rsplit("-", 1)[0], "score": v, "prediction": "x"}
+                               for i, v in pooled[s].items()]) for s in (0, 1, 2)]
+    ref_terms = task.score_terms([{"id": i, "subtask": i.rsplit("-", 1)[0], "score": v, "prediction": "x"}
+                                  for i, v in ref.items()])
+    ci, d = seed_pooled_ci(terms), seed_pooled_difference(terms, ref_terms)
+    row = main.iloc[0]
+    assert row.pooled_score == pytest.approx(ci["score"]) and row.pooled_n == 12
+    assert (row.pooled_lo, row.pooled_hi) == pytest.approx((ci["lo"], ci["hi"]))
+    assert (row.pooled_diff, row.pooled_diff_lo, row.pooled_diff_hi) == pytest.approx((d["diff"], d["lo"], d["hi"]))
+    per_seed = [t.score() for t in terms]
+    assert row.seed_std == pytest.approx(np.std(per_seed, ddof=1)) and row.seed_min == pytest.approx(min(per_seed))
+    # the per-seed rows keep their own one-level intervals
+    assert main.score.nunique() == 3
+    others = whole[(whole.method == "magicpig") & ~whole.index.isin(main.index)]
+    single = others[others["method.L"] == 120]
+    assert (single.seeds == 1).all() and (single.interval_omits_seeds == True).all()  # noqa: E712
+    other_prompts = others[others.task_config.str.contains('"seed": 7')]
+    assert (other_prompts.seeds == 1).all() and other_prompts.pooled_diff.isna().all()  # no full run on those prompts
+    legacy = others[others["method.L"] == 75]
+    assert len(legacy) == 2 and (legacy.seeds == 1).all()  # the same draws twice: one seed
+    assert "repeats seed 0" in capsys.readouterr().err
+    full_row = whole[whole.method == "full"].iloc[0]
+    assert full_row.stochastic == False and full_row.interval_omits_seeds == False  # noqa: E712
+    assert not math.isnan(row.pooled_lo)
