@@ -143,8 +143,10 @@ class Engine:
                              use_cache=cache is not None, **kw)
         return out.logits
 
-    def _seed_rows(self, requests: Sequence[Any]) -> None:
+    def _seed_rows(self, requests: Sequence[Any], pads: torch.Tensor) -> None:
+        """Per row: its seed (from its sample id) and its first column (the left padding before it)."""
         self.session.row_seeds = torch.tensor([row_seed(r.key) for r in requests], dtype=torch.long, device=self.device)
+        self.session.row_starts = pads
 
     # -- log-likelihood ----------------------------------------------------------------------------------------
     def invariant(self) -> Any:
@@ -154,12 +156,15 @@ class Engine:
     @torch.inference_mode()
     def nll_batch(self, requests: Sequence[LoglikelihoodRequest]) -> list[LoglikelihoodResult]:
         """Teacher-forced NLL of each window (protocol S: sparse; A and B: dense), in prefill chunks."""
-        with self.invariant():
-            return self._nll_batch(requests)
+        try:
+            with self.invariant():
+                return self._nll_batch(requests)
+        finally:
+            self.session.row_starts = None  # the starts of this batch only
 
     def _nll_batch(self, requests: Sequence[LoglikelihoodRequest]) -> list[LoglikelihoodResult]:
-        ids, mask, _ = self._layout([r.input_ids for r in requests])
-        self._seed_rows(requests)
+        ids, mask, pads = self._layout([r.input_ids for r in requests])
+        self._seed_rows(requests, pads)
         b, t = ids.shape
         phase = "sparse" if self.protocol == "S" else "dense"
         cache = make_cache(self.model) if self.prefill_chunk else None
@@ -181,12 +186,15 @@ class Engine:
     @torch.inference_mode()
     def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Greedy decoding of a batch, each row stopping on its own (EOS, a stop string, ``max_new_tokens``)."""
-        with self.invariant():
-            return self._generate_batch(requests)
+        try:
+            with self.invariant():
+                return self._generate_batch(requests)
+        finally:
+            self.session.row_starts = None  # the starts of this batch only
 
     def _generate_batch(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         ids, mask, pads = self._layout([r.input_ids for r in requests])
-        self._seed_rows(requests)
+        self._seed_rows(requests, pads)
         b, t = ids.shape
         real = mask.bool()
         cache = make_cache(self.model)

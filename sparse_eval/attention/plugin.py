@@ -31,6 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .. import invariance
+from ..kernels import invariant as kinv
 from ..methods.base import Method
 from ..methods.core import PassMasks, dense_attention, key_validity, pass_masks, sparse_attention, static_keys
 from .recorder import StatsRecorder
@@ -171,6 +172,7 @@ class SparseSession:
         self._phase: str | torch.Tensor | None = None
         self._counted: torch.Tensor | None = None  # bool [B, Q] of the current pass: query rows whose stats count
         self.row_seeds: torch.Tensor | None = None  # long [B]: each row's seed (its sample id), for sampling methods
+        self.row_starts: torch.Tensor | None = None  # long [B]: each row's first column (left padding), from the engine
         self.layer_inputs: dict[int, tuple] = {}  # per layer: (hidden_states, position_embeddings) of the last call
         self._mask_memo: tuple | None = None  # (attention mask, shapes, PassMasks) of the last call
         self._full_memo: dict[tuple, tuple] = {}  # full attention's recorded sums of the current pass (``_full_sums``)
@@ -262,10 +264,11 @@ class SparseSession:
         scaling = module.scaling if scaling is None else scaling
         sparse = self.is_sparse(layer_idx, q_len)
         per_row = sparse if torch.is_tensor(sparse) else None  # bool [B, Q]
+        starts = self.row_starts
         if per_row is None and not sparse:
-            return dense_call(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            return dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
         if self.method.dense:  # dense attention; the recorded statistics depend only on the pass's masks
-            out = dense_call(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            out = dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
             self.recorder.add_sums(layer_idx, *self._full_sums(attention_mask, b, hq, q_len, key.shape[2],
                                                                2 * d * key.element_size(), per_row, query.device))
             return out
@@ -273,7 +276,7 @@ class SparseSession:
         masks = self._masks(attention_mask, b, q_len, key.shape[2], query.device)
         valid = masks.valid if masks is not None else key_validity(attention_mask, b, q_len, key.shape[2], query.device)
         if per_row is not None:
-            dense, _ = dense_call(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            dense, _ = dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
         state = _layer_state(getattr(module, _CACHE_ATTR, None), layer_idx)
         seeds = self.row_seeds if self.row_seeds is not None and self.row_seeds.shape[0] == b else None
         out, stats = sparse_attention(
@@ -288,15 +291,21 @@ class SparseSession:
         return out.contiguous(), None
 
 
-def dense_call(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def dense_call(module, query, key, value, attention_mask, scaling=None, dropout=0.0, starts=None, **kwargs):
     """Dense attention in the attention interface's form ([B, Q, Hq, D], None): stock sdpa, or inside
-    ``invariance.batch_invariant()`` ``core.dense_attention`` (sdpa's kernels split keys by batch and length)."""
+    ``invariance.batch_invariant()`` (sdpa's kernels split keys by batch and length) the invariant kernel
+    ``kernels.invariant.attention`` when each row's first key is known (``starts`` long [B], the engine's left
+    padding; causal, with the layer's sliding window), else ``core.dense_attention`` over the mask."""
     if not invariance.enabled():
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scaling = module.scaling if scaling is None else scaling
     b, _, q_len, _ = query.shape
-    valid = key_validity(attention_mask, b, q_len, key.shape[2], query.device)
-    out = dense_attention(query, key, value, valid, scaling)
+    if starts is not None and starts.shape[0] == b:
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or 0
+        out = kinv.attention(query, key, value, starts, scaling, int(window))
+    else:
+        valid = key_validity(attention_mask, b, q_len, key.shape[2], query.device)
+        out = dense_attention(query, key, value, valid, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

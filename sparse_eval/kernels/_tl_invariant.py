@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import triton_interpret
+
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) per input dtype: fixed for every shape (row invariance needs it)
 _MM_CONFIG = {
@@ -28,12 +30,35 @@ _MM_CONFIG = {
 ROW_BLOCK = 1024  # entries per tile of the row kernels
 
 
+def _trips(n: int, block: int = ROW_BLOCK) -> dict:
+    """Loop form of a row kernel: runtime trip counts on the GPU; a constexpr one under the interpreter."""
+    interp = triton_interpret()
+    return {"INTERP": interp, "NT": triton.cdiv(n, block) if interp else 1}
+
+
+@triton.jit
+def _bmm_step(t, k0, a_rows, b_cols, sak, sbk, mmask, nmask, acc, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+              F64: tl.constexpr):
+    offs_k = k0 + t * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs_k >= 0
+    kk = tl.where(kmask, offs_k, 0).to(tl.int64)
+    a = tl.load(a_rows + kk[None, :] * sak, mask=mmask[:, None] & kmask[None, :], other=0.0)
+    b = tl.load(b_cols + kk[:, None] * sbk, mask=kmask[:, None] & nmask[None, :], other=0.0)
+    if F64:
+        acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    elif IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
 @triton.jit
 def _bmm_kernel(
     A, B, C, M, N, K,
     sab, sam, sak, sbb, sbk, sbn, scb, scm, scn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, F64: tl.constexpr, OUT: tl.constexpr,
+    IEEE: tl.constexpr, F64: tl.constexpr, OUT: tl.constexpr, INTERP: tl.constexpr, NT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -50,18 +75,12 @@ def _bmm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for t in range(0, n_tiles):
-        offs_k = k0 + t * BLOCK_K + tl.arange(0, BLOCK_K)
-        kmask = offs_k >= 0
-        kk = tl.where(kmask, offs_k, 0).to(tl.int64)
-        a = tl.load(a_rows + kk[None, :] * sak, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_cols + kk[:, None] * sbk, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if F64:
-            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-        elif IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+    if INTERP:  # the interpreter (numpy >= 2.4) cannot take tensor loop bounds: a constexpr trip count there
+        for t in range(0, NT):
+            acc = _bmm_step(t, k0, a_rows, b_cols, sak, sbk, mmask, nmask, acc, BLOCK_K, IEEE, F64)
+    else:
+        for t in range(0, n_tiles):
+            acc = _bmm_step(t, k0, a_rows, b_cols, sak, sbk, mmask, nmask, acc, BLOCK_K, IEEE, F64)
     c = C + bat * scb + offs_m.to(tl.int64)[:, None] * scm + offs_n.to(tl.int64)[None, :] * scn
     tl.store(c, acc.to(OUT), mask=mmask[:, None] & nmask[None, :])
 
@@ -84,13 +103,35 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=dt == torch.float32, F64=dt == torch.float64,
-        OUT=_TL[out_dtype], num_warps=warps,
+        OUT=_TL[out_dtype], INTERP=triton_interpret(), NT=triton.cdiv(k, bk) if triton_interpret() else 1,
+        num_warps=warps,
     )
     return out
 
 
 @triton.jit
-def _row_sum_kernel(X, OUT, n, sx, SQUARE: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr):
+def _load_tile(base, start, t, BLOCK: tl.constexpr, other, F64: tl.constexpr):
+    offs = start + t * BLOCK + tl.arange(0, BLOCK)
+    mask = offs >= 0
+    x = tl.load(base + tl.where(mask, offs, 0), mask=mask, other=other)
+    if F64:
+        x = x.to(tl.float64)
+    else:
+        x = x.to(tl.float32)
+    return x, offs, mask
+
+
+@triton.jit
+def _sum_step(base, start, t, acc, BLOCK: tl.constexpr, SQUARE: tl.constexpr, F64: tl.constexpr):
+    x, _, _ = _load_tile(base, start, t, BLOCK, 0.0, F64)
+    if SQUARE:
+        x = x * x
+    return acc + tl.sum(x, axis=0)
+
+
+@triton.jit
+def _row_sum_kernel(X, OUT, n, sx, SQUARE: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr,
+                    INTERP: tl.constexpr, NT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = X + row * sx
     n_tiles = tl.cdiv(n, BLOCK)
@@ -99,17 +140,12 @@ def _row_sum_kernel(X, OUT, n, sx, SQUARE: tl.constexpr, F64: tl.constexpr, BLOC
         acc = tl.zeros([1], dtype=tl.float64)
     else:
         acc = tl.zeros([1], dtype=tl.float32)
-    for t in range(0, n_tiles):
-        offs = start + t * BLOCK + tl.arange(0, BLOCK)
-        mask = offs >= 0
-        x = tl.load(base + tl.where(mask, offs, 0), mask=mask, other=0.0)
-        if F64:
-            x = x.to(tl.float64)
-        else:
-            x = x.to(tl.float32)
-        if SQUARE:
-            x = x * x
-        acc += tl.sum(x, axis=0)
+    if INTERP:  # a constexpr trip count under the interpreter
+        for t in range(0, NT):
+            acc = _sum_step(base, start, t, acc, BLOCK, SQUARE, F64)
+    else:
+        for t in range(0, n_tiles):
+            acc = _sum_step(base, start, t, acc, BLOCK, SQUARE, F64)
     tl.store(OUT + row + tl.arange(0, 1), acc)
 
 
@@ -121,12 +157,35 @@ def row_sum(x: torch.Tensor, square: bool) -> torch.Tensor:
     r, n = x.shape
     out = torch.empty(r, dtype=torch.float64 if f64 else torch.float32, device=x.device)
     if r:
-        _row_sum_kernel[(r,)](x, out, n, x.stride(0), SQUARE=square, F64=f64, BLOCK=ROW_BLOCK, num_warps=4)
+        _row_sum_kernel[(r,)](x, out, n, x.stride(0), SQUARE=square, F64=f64, BLOCK=ROW_BLOCK, **_trips(n), num_warps=4)
     return out
 
 
 @triton.jit
-def _softmax_kernel(X, OUT, n, sx, so, LOG: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr):
+def _max_step(base, start, t, m, BLOCK: tl.constexpr, F64: tl.constexpr):
+    x, _, _ = _load_tile(base, start, t, BLOCK, float("-inf"), F64)
+    return tl.maximum(m, tl.max(x, axis=0))
+
+
+@triton.jit
+def _sum_exp_step(base, start, t, m, s, BLOCK: tl.constexpr, F64: tl.constexpr):
+    x, _, mask = _load_tile(base, start, t, BLOCK, float("-inf"), F64)
+    return s + tl.sum(tl.where(mask, tl.exp(x - m), 0.0), axis=0)
+
+
+@triton.jit
+def _softmax_out_step(base, obase, start, t, m, s, BLOCK: tl.constexpr, LOG: tl.constexpr, F64: tl.constexpr):
+    x, offs, mask = _load_tile(base, start, t, BLOCK, float("-inf"), F64)
+    if LOG:
+        y = (x - m) - tl.log(s)
+    else:
+        y = tl.exp(x - m) / s
+    tl.store(obase + tl.where(mask, offs, 0), y, mask=mask)
+
+
+@triton.jit
+def _softmax_kernel(X, OUT, n, sx, so, LOG: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr,
+                    INTERP: tl.constexpr, NT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = X + row * sx
     obase = OUT + row * so
@@ -138,25 +197,20 @@ def _softmax_kernel(X, OUT, n, sx, so, LOG: tl.constexpr, F64: tl.constexpr, BLO
     else:
         m = tl.full([1], float("-inf"), dtype=tl.float32)
         s = tl.zeros([1], dtype=tl.float32)
-    for t in range(0, n_tiles):
-        offs = start + t * BLOCK + tl.arange(0, BLOCK)
-        mask = offs >= 0
-        x = tl.load(base + tl.where(mask, offs, 0), mask=mask, other=float("-inf")).to(m.dtype)
-        m = tl.maximum(m, tl.max(x, axis=0))
-    for t in range(0, n_tiles):
-        offs = start + t * BLOCK + tl.arange(0, BLOCK)
-        mask = offs >= 0
-        x = tl.load(base + tl.where(mask, offs, 0), mask=mask, other=float("-inf")).to(m.dtype)
-        s += tl.sum(tl.where(mask, tl.exp(x - m), 0.0), axis=0)
-    for t in range(0, n_tiles):
-        offs = start + t * BLOCK + tl.arange(0, BLOCK)
-        mask = offs >= 0
-        x = tl.load(base + tl.where(mask, offs, 0), mask=mask, other=float("-inf")).to(m.dtype)
-        if LOG:
-            y = (x - m) - tl.log(s)
-        else:
-            y = tl.exp(x - m) / s
-        tl.store(obase + tl.where(mask, offs, 0), y, mask=mask)
+    if INTERP:  # a constexpr trip count under the interpreter
+        for t in range(0, NT):
+            m = _max_step(base, start, t, m, BLOCK, F64)
+        for t in range(0, NT):
+            s = _sum_exp_step(base, start, t, m, s, BLOCK, F64)
+        for t in range(0, NT):
+            _softmax_out_step(base, obase, start, t, m, s, BLOCK, LOG, F64)
+    else:
+        for t in range(0, n_tiles):
+            m = _max_step(base, start, t, m, BLOCK, F64)
+        for t in range(0, n_tiles):
+            s = _sum_exp_step(base, start, t, m, s, BLOCK, F64)
+        for t in range(0, n_tiles):
+            _softmax_out_step(base, obase, start, t, m, s, BLOCK, LOG, F64)
 
 
 def softmax(x: torch.Tensor, log: bool) -> torch.Tensor:
@@ -167,5 +221,103 @@ def softmax(x: torch.Tensor, log: bool) -> torch.Tensor:
     r, n = x.shape
     out = torch.empty(r, n, dtype=torch.float64 if f64 else torch.float32, device=x.device)
     if r and n:
-        _softmax_kernel[(r,)](x, out, n, x.stride(0), out.stride(0), LOG=log, F64=f64, BLOCK=ROW_BLOCK, num_warps=4)
+        _softmax_kernel[(r,)](x, out, n, x.stride(0), out.stride(0), LOG=log, F64=f64, BLOCK=ROW_BLOCK, **_trips(n),
+                              num_warps=4)
     return out
+
+
+@triton.jit
+def _attention_step(t, t0, t1, start, N, q, qcol, K, V, kbase, vbase, skn, skd, svn, svd, offs_d, scale, WINDOW,
+                    m_i, l_i, acc, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    offs_n = start + t * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = (offs_n >= 0) & (offs_n < N) & (t >= t0) & (t < t1)  # a tile outside [t0, t1) changes nothing
+    nn = tl.where(nmask, offs_n, 0).to(tl.int64)
+    k = tl.load(kbase + nn[None, :] * skn + offs_d[:, None] * skd, mask=nmask[None, :], other=0.0)  # [D, BLOCK_N]
+    if IEEE:
+        s = tl.dot(q, k, input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, k) * scale
+    ok = nmask[None, :] & (offs_n[None, :] >= start) & (offs_n[None, :] <= qcol[:, None])
+    ok = ok & ((WINDOW <= 0) | (offs_n[None, :] > qcol[:, None] - WINDOW))
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no NaN, exact zeros
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(vbase + nn[:, None] * svn + offs_d[None, :] * svd, mask=nmask[:, None], other=0.0)  # [BLOCK_N, D]
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attention_kernel(
+    Q, K, V, O, START, QL, N, HQ, scale, WINDOW,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    INTERP: tl.constexpr, NT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    h = (pid_bh % HQ).to(tl.int64)
+    hk = h // G
+    start = tl.load(START + b).to(tl.int32)  # the row's first key (left padding before it)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    mmask = offs_m < QL
+    qcol = N - QL + offs_m  # the key column of each query row (causal: keys <= qcol)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=mmask[:, None], other=0.0)
+    # the keys this block of rows may attend: [lo, hi); tiles laid from the row's first key (``start``)
+    first_q = N - QL + pid_m * BLOCK_M
+    last_q = tl.minimum(first_q + BLOCK_M - 1, N - 1)
+    lo = tl.where(WINDOW > 0, tl.maximum(start, first_q - WINDOW + 1), start)
+    t0 = (lo - start) // BLOCK_N
+    t1 = tl.cdiv(last_q + 1 - start, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    kbase = K + b * skb + hk * skh
+    vbase = V + b * svb + hk * svh
+    if INTERP:  # the interpreter cannot take tensor loop bounds: every tile there, those outside [t0, t1) masked
+        for t in range(0, NT):
+            m_i, l_i, acc = _attention_step(t, t0, t1, start, N, q, qcol, K, V, kbase, vbase, skn, skd, svn, svd,
+                                            offs_d, scale, WINDOW, m_i, l_i, acc, BLOCK_N, IEEE)
+    else:
+        for t in range(t0, t1):
+            m_i, l_i, acc = _attention_step(t, t0, t1, start, N, q, qcol, K, V, kbase, vbase, skn, skd, svn, svd,
+                                            offs_d, scale, WINDOW, m_i, l_i, acc, BLOCK_N, IEEE)
+    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    tl.store(O + b * sob + h * soh + offs_m.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=mmask[:, None])
+
+
+ATTN_BLOCK_M = 64
+ATTN_BLOCK_N = 64
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float,
+              window: int = 0) -> torch.Tensor:
+    """Causal attention of q [B, Hq, Q, D] (the last Q positions) over k/v [B, Hkv, N, D], each row's keys from
+    ``start[b]`` (left padding before), within a sliding ``window`` (0: none); -> [B, Hq, Q, D] in q's dtype.
+    Online softmax over key tiles laid from the row's first key, so a row's order of additions depends only on its
+    own positions; a tile outside a row's range leaves its state exactly as it was."""
+    b, hq, ql, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    dp = max(16, 1 << (d - 1).bit_length())
+    if dp != d:  # tl.dot needs a power of two >= 16: zero columns add nothing
+        q, k, v = (torch.nn.functional.pad(x, (0, dp - d)) for x in (q, k, v))
+    out = torch.empty(b, hq, ql, dp, dtype=q.dtype, device=q.device)
+    if out.numel():
+        grid = (triton.cdiv(ql, ATTN_BLOCK_M), b * hq)
+        _attention_kernel[grid](
+            q, k, v, out, start.to(torch.int32).contiguous(), ql, n, hq, float(scale), int(window or 0),
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            G=hq // hkv, D=dp, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N, IEEE=q.dtype == torch.float32,
+            **_trips(n, ATTN_BLOCK_N), num_warps=4,
+        )
+    return out[..., :d] if dp != d else out

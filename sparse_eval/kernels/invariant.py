@@ -190,3 +190,50 @@ def softmax(x: torch.Tensor, log: bool = False, backend: str = "auto") -> torch.
 
         return _tl_invariant.softmax(x, log)
     return softmax_reference(x, log)
+
+
+def attention_mask(start: torch.Tensor, q_len: int, n: int, window: int = 0, rows: slice = slice(None)) -> torch.Tensor:
+    """bool [B, 1, Q', N]: key c is visible to query row i (at column N − Q + i; ``rows`` selects Q' of the Q rows)
+    when start[b] <= c <= N − Q + i and, with a sliding ``window``, c > N − Q + i − window."""
+    cols = torch.arange(n, device=start.device)
+    qcol = (torch.arange(q_len, device=start.device) + (n - q_len))[rows]
+    ok = (cols[None, :] <= qcol[:, None])[None, None] & (cols[None, None, None, :] >= start.view(-1, 1, 1, 1))
+    if window:
+        ok = ok & (cols[None, :] > qcol[:, None] - window)[None, None]
+    return ok
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float,
+                        window: int = 0, element_budget: int = 1 << 26) -> torch.Tensor:
+    """``attention``'s torch form: scores by ``bmm_reference`` (fp32), softmax over the visible keys by
+    ``softmax_reference``, probabilities (in v's dtype) times V by ``bmm_reference``; a row with no visible key gives
+    zeros.  q [B, Hq, Q, D], k/v [B, Hkv, N, D] -> [B, Hq, Q, D] in q's dtype.  Query rows in blocks of at most
+    ``element_budget`` scores (rows are independent: the blocks change nothing)."""
+    b, hq, ql, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    g = hq // hkv
+    kt = k.reshape(b * hkv, n, d).transpose(1, 2)
+    vv = v.reshape(b * hkv, n, d)
+    step = max(1, element_budget // max(1, b * hq * n))
+    outs = []
+    for s0 in range(0, ql, step):
+        qc = q[:, :, s0:s0 + step]
+        r = qc.shape[2]
+        s = bmm_reference(qc.reshape(b * hkv, g * r, d), kt, torch.float32).reshape(b, hq, r, n) * scale
+        keep = attention_mask(start, ql, n, window, slice(s0, s0 + r))
+        s = s.masked_fill(~keep, float("-inf"))
+        p = softmax_reference(s.reshape(-1, n)).view(b, hq, r, n).masked_fill(~keep, 0.0).nan_to_num(0.0)
+        outs.append(bmm_reference(p.to(v.dtype).reshape(b * hkv, g * r, n), vv).reshape(b, hq, r, d))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(q.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float,
+              window: int = 0, backend: str = "auto") -> torch.Tensor:
+    """Batch-invariant causal attention, each row's keys from ``start[b]`` (long [B]; the left padding before it),
+    within a sliding ``window`` (0: none): q [B, Hq, Q, D] (the last Q positions), k/v [B, Hkv, N, D] (GQA) ->
+    [B, Hq, Q, D].  Triton: online softmax over key tiles laid from the row's first key (``_tl_invariant``)."""
+    if resolve_gpu_backend(backend, q, k, v) == "triton":
+        from . import _tl_invariant
+
+        return _tl_invariant.attention(q, k, v, start, scale, window)
+    return attention_reference(q, k, v, start, scale, window)
