@@ -4,7 +4,7 @@
   raw releases and across tokenizers, and finds none between the validation and test splits;
 * a wikitext run whose Double Sparsity calibration was made from the test split is refused at start, with a
   message naming the file, its text, the task and the fix; one calibrated on validation text runs; a file with
-  no fingerprint is refused for want of one;
+  no fingerprint is refused for want of one; RULER's prompts are checked the same way;
 * ``calibrate`` reads WikiText-2 validation by default (local copy, else the hub's validation split) and refuses
   the old test-split choices;
 * the shipped calibration files say which text and how many tokens they were computed from: stories260K's is
@@ -121,6 +121,31 @@ def test_a_calibration_file_without_fingerprint_is_refused(tmp_path, stories, sh
     with pytest.raises(CalibrationOverlapError, match=r"records no fingerprint.*task=wikitext.*python -m sparse_eval\."
                                                       r"calibrate model=stories260k"):
         exp.preflight(exp.method_configs()[0])
+
+
+def test_ruler_prompts_are_checked_too(stories, shared_data):
+    """The same check on another task: RULER's essay haystack against a calibration on the essays (refused) and
+    on WikiText-2 validation (passes).  Only the samples are built (no model run)."""
+    from sparse_eval.tasks import build_task
+
+    tok = stories[1]
+    task = build_task({"name": "ruler", "length": 4096, "subtasks": ["niah_single_2"], "num_samples": 2},
+                      data_dir=str(shared_data))
+    samples = task.samples(tok, 8192)
+    essays = json.loads((shared_data / "paul-graham-essays" / "PaulGrahamEssays.json").read_text())["text"]
+    valid = (shared_data / "wikitext-2-tokenized" / "valid.txt").read_text(encoding="utf-8")
+
+    class Calibrated:
+        def __init__(self, text):
+            self.fp = fingerprint(text)
+
+        def calibration_text(self):
+            return CalibrationText("file essays.json", "Paul Graham essays", self.fp, "recalibrate")
+
+    with pytest.raises(CalibrationOverlapError, match=r"file essays\.json was calibrated on Paul Graham essays.*"
+                                                      r"task=ruler.*Fix: recalibrate"):
+        check_method(Calibrated(essays[:30_000]), task, samples, tok)
+    assert check_method(Calibrated(valid[:100_000]), task, samples, tok) == {"checked": True, "shared": 0}
 
 
 def test_methods_without_calibration_and_tasks_without_text_are_not_refused(tmp_path, caplog):
