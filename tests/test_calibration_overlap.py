@@ -7,9 +7,8 @@
   no fingerprint is refused for want of one; RULER's prompts are checked the same way;
 * ``calibrate`` reads WikiText-2 validation by default (local copy, else the hub's validation split) and refuses
   the old test-split choices;
-* the shipped calibration files say which text and how many tokens they were computed from: stories260K's is
-  WikiText-2 validation, its fingerprint is that text's and shares nothing with the test split; SmolLM2's, not
-  regenerated, says it is the test head, and its fingerprint overlaps it.
+* the shipped calibration files say which text and how many tokens they were computed from (WikiText-2
+  validation), their fingerprint is that text's, and it shares nothing with the WikiText-2 test split.
 """
 
 from __future__ import annotations
@@ -210,9 +209,10 @@ def test_calibrate_defaults_to_wikitext2_validation(shared_data, monkeypatch):
 
 # -- the shipped files ---------------------------------------------------------------------------------------
 
-def test_shipped_stories_file_records_its_validation_text(shared_data):
-    cal = json.loads((SHIPPED / "stories260k.json").read_text())["calibration"]
-    assert cal["command"] == "python -m sparse_eval.calibrate model=stories260k"
+@pytest.mark.parametrize("name", ["stories260k", "smollm2_135m"])
+def test_shipped_files_record_their_validation_text(name, shared_data):
+    cal = json.loads((SHIPPED / f"{name}.json").read_text())["calibration"]
+    assert cal["command"] == f"python -m sparse_eval.calibrate model={name}"
     assert (cal["text"]["dataset"], cal["text"]["split"]) == ("WikiText-2", "validation")
     assert cal["data"] == cal["text"]["origin"] == "local:wikitext-2-tokenized/valid.txt"
     assert cal["tokens"] == cal["blocks"] * cal["block_size"] == 256 * 512
@@ -222,16 +222,9 @@ def test_shipped_stories_file_records_its_validation_text(shared_data):
     for f in ("wikitext-2-raw/wiki.test.raw", "wikitext-2-tokenized/test.txt"):
         assert shared_shingles(fp, [(shared_data / f).read_text(encoding="utf-8")]) == 0, f
     assert shared_shingles(fp, [TEST_HEAD.read_text(encoding="utf-8")]) == 0
-
-
-def test_shipped_smollm2_file_is_marked_as_test_split_and_refused_for_wikitext():
-    """Not regenerated (sparse_eval/calibration/README.md): it says it was calibrated on the test head, and its
-    fingerprint makes the check refuse it for any run scoring that text."""
-    cal = json.loads((SHIPPED / "smollm2_135m.json").read_text())["calibration"]
-    assert (cal["text"]["dataset"], cal["text"]["split"]) == ("WikiText-2", "test")
-    assert cal["data"] == cal["text"]["origin"] == "bundled:wikitext2_test_head.txt"
-    assert cal["tokens"] == cal["blocks"] * cal["block_size"] == 21 * 512
-    assert shared_shingles(cal["text_fingerprint"], [TEST_HEAD.read_text(encoding="utf-8")]) >= MIN_SHARED
+    # and it is the validation text's: its sampled shingles are found there
+    valid = (shared_data / "wikitext-2-tokenized" / "valid.txt").read_text(encoding="utf-8")
+    assert shared_shingles(fp, [valid]) == fp["kept"]
 
 
 def test_shipped_stories_fingerprint_is_its_recorded_text(stories, shared_data):
