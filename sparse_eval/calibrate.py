@@ -1,8 +1,13 @@
 """Offline channel calibration for Double Sparsity (DS §4.1):  ``python -m sparse_eval.calibrate model=NAME``.
 
-The model runs over calibration text in blocks of ``block_size`` tokens (the authors: 512-token blocks of Pile
-validation text; here any text file, by default the WikiText-2 head bundled with the package).  For every layer
-and head, the channels are ranked by the mean over all tokens of
+The model runs over calibration text in blocks of ``block_size`` tokens: the first ``num_blocks`` (default 256,
+as the authors: 256 x 512-token blocks of Pile validation text).  The text is by default the WikiText-2
+*validation* split (``data=wikitext2_validation``): ``paths.data_dir/wikitext-2-tokenized/valid.txt`` when the
+folder has it (the tokenized release, rare words as ``<unk>``), else the hub's ``Salesforce/wikitext``
+``wikitext-2-raw-v1`` validation split through ``datasets`` (``source=`` auto | local | hub picks); or any text file
+(``data=<path>``).  Never the test split, which the wikitext task evaluates: a run whose evaluated text overlaps
+the calibration text is refused (``sparse_eval.overlap``).  For every layer and head, the channels are ranked by
+the mean over all tokens of
 
     qk:  |q_c · k_c|   of each token's query with its own key (the authors' "Method 1"; the paper's choice),
     q:   |q_c|         (per query head),          k:  |k_c|   (per KV head),
@@ -13,11 +18,13 @@ label cache is cut from are the rotated ones) and as the q_proj / k_proj outputs
 is paired with its KV head for ``qk``.  Sums are accumulated in float64, ties keep the lower channel first, and
 the file has no time stamp, so the output is a deterministic function of (model, text, settings).
 
-The file (JSON) records the model's name and shape, the data (origin and sha256), the number of tokens and
-blocks, the settings, the command, and for each statistic the channel order [layer][head][channel] (best
-first) and the mean values.  It is written to ``output`` or, by default, to the user's calibration folder
-(``$SPARSE_EVAL_CALIBRATION_DIR``, else ``$XDG_DATA_HOME/sparse_eval/calibration``, else
-``~/.local/share/sparse_eval/calibration``), never into the installed package, and the path is printed.
+The file (JSON) records the model's name and shape, the data (origin and sha256; ``text``: dataset, split,
+variant, origin), the number of tokens and blocks, a content fingerprint of the text those tokens decode to
+(``text_fingerprint``, ``sparse_eval.overlap.fingerprint``), the settings, the command, and for each statistic
+the channel order [layer][head][channel] (best first) and the mean values.  It is written to ``output`` or, by
+default, to the user's calibration folder (``$SPARSE_EVAL_CALIBRATION_DIR``, else
+``$XDG_DATA_HOME/sparse_eval/calibration``, else ``~/.local/share/sparse_eval/calibration``), never into the
+installed package, and the path is printed.
 ``Method.setup`` of ``double_sparsity`` reads ``method.channels_file`` when given, else the first
 ``<model.name>.json`` of: the user's folder, then the files shipped in ``sparse_eval/calibration/``.  The file's
 sha256 is part of the run's identity, so recalibrating gives new run directories.
@@ -43,7 +50,13 @@ from .models.loading import ModelConfig, load_model, max_context
 from .runner import CONF_DIR
 
 FORMAT = "sparse_eval.double_sparsity.channels/1"
-LOCAL_WIKITEXT = "wikitext-2-raw/wikitext-test.txt"
+VALIDATION = "wikitext2_validation"  # the default calibration text
+LOCAL_VALIDATION = "wikitext-2-tokenized/valid.txt"  # under paths.data_dir (the tokenized release, with <unk>)
+SOURCES = ("auto", "local", "hub")
+REMOVED_DATA = {  # earlier values of `data`: both were the WikiText-2 test split, which the wikitext task evaluates
+    "bundled": "the WikiText-2 test head shipped in sparse_eval/data",
+    "local": "paths.data_dir/wikitext-2-raw/wikitext-test.txt, the WikiText-2 test split",
+}
 ROPE_MODES = {  # which side of RoPE each statistic is taken on
     "authors": {"qk": "after", "q": "before", "k": "before"},
     "after": {"qk": "after", "q": "after", "k": "after"},
@@ -54,30 +67,53 @@ ROPE_MODES = {  # which side of RoPE each statistic is taken on
 @dataclass
 class CalibrateConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    # bundled (the package's WikiText-2 head) | local (paths.data_dir/wikitext-2-raw/wikitext-test.txt) | a text file
-    data: str = "bundled"
+    # wikitext2_validation (WikiText-2 validation, from paths.data_dir or the hub, see `source`) | a text file
+    data: str = VALIDATION
+    # for data=wikitext2_validation: auto (paths.data_dir/wikitext-2-tokenized/valid.txt if there, else the hub) |
+    # local | hub (datasets: Salesforce/wikitext, wikitext-2-raw-v1, split validation)
+    source: str = "auto"
     block_size: int = 512  # tokens per forward (authors: 512); at most the model's context
-    num_blocks: int | None = None  # null: every whole block of the text (authors: 256 blocks)
+    num_blocks: int | None = 256  # the first blocks of the text (authors: 256); null: every whole block
     rope: str = "authors"  # authors (qk after RoPE, q/k before) | after | before
     output: str | None = None  # null: <user calibration folder>/<model.name>.json (see user_calibration_dir)
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 
-def load_text(data: str, data_dir: str | None) -> tuple[str, str]:
-    """Returns (text, a description of where it came from); read as the wikitext task reads it."""
-    from .tasks.wikitext import WikitextConfig
+def load_text(data: str, data_dir: str | None, source: str = "auto") -> tuple[str, dict[str, Any]]:
+    """Returns (text, where it came from: {dataset, split, variant, origin}).  ``data``: ``wikitext2_validation``
+    (``source``: auto | local | hub) or the path of a text file."""
+    from .tasks.base import from_hub
+    from .tasks.wikitext import HUB_CONFIG, HUB_ID, WikitextConfig
     from .tasks.wikitext import load_text as wikitext_text
 
-    if data == "bundled":
-        return wikitext_text(WikitextConfig(source="bundled"), None)
-    if data == "local":
-        if not data_dir:
-            raise ValueError("data=local needs paths.data_dir (a folder holding wikitext-2-raw/wikitext-test.txt)")
-        return wikitext_text(WikitextConfig(source="local"), Path(data_dir).expanduser())[0], f"local:{LOCAL_WIKITEXT}"
-    p = Path(data).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"data={data!r}: not 'bundled', 'local' or an existing text file")
-    return wikitext_text(WikitextConfig(path=str(p)), None)[0], f"file:{p.name}"
+    if data in REMOVED_DATA:
+        raise ValueError(f"data={data!r} ({REMOVED_DATA[data]}) is no longer a calibration text: the wikitext task "
+                         f"evaluates that split. Use data={VALIDATION} (the default) or data=<path of a text file>")
+    if data != VALIDATION:
+        p = Path(data).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"data={data!r}: not {VALIDATION!r} nor an existing text file")
+        return wikitext_text(WikitextConfig(path=str(p)), None)[0], {"dataset": None, "split": None,
+                                                                     "origin": f"file:{p.name}"}
+    if source not in SOURCES:
+        raise ValueError(f"source={source!r}; valid: {list(SOURCES)}")
+    local = Path(data_dir).expanduser() / LOCAL_VALIDATION if data_dir else None
+    if source in ("auto", "local") and local is not None and local.is_file():
+        return local.read_text(encoding="utf-8").replace("\r\n", "\n"), {
+            "dataset": "WikiText-2", "split": "validation",
+            "variant": "wikitext-2-v1 tokenized release (rare words as <unk>), pytorch/examples word_language_model",
+            "origin": f"local:{LOCAL_VALIDATION}"}
+    if source == "local":
+        raise FileNotFoundError(f"source=local but {local if local else 'paths.data_dir (unset)'} is not a file; set "
+                                f"paths.data_dir to a folder holding {LOCAL_VALIDATION}, or use source=hub")
+    with from_hub(f"data={VALIDATION}", f"{HUB_ID}/{HUB_CONFIG} validation",
+                  local if local is not None else f"<paths.data_dir>/{LOCAL_VALIDATION}",
+                  "or calibrate on a text file: data=<path>"):
+        import datasets
+
+        ds = datasets.load_dataset(HUB_ID, HUB_CONFIG, split="validation")
+    return "\n\n".join(ds["text"]), {"dataset": "WikiText-2", "split": "validation",
+                                     "variant": f"{HUB_CONFIG} (raw)", "origin": f"hub:{HUB_ID}/{HUB_CONFIG}:validation"}
 
 
 def _rope_fn(attn: Any):
@@ -155,13 +191,17 @@ def calibrate(
     model_name: str,
     model_path: str = "",
     data_origin: str = "",
+    text_info: dict[str, Any] | None = None,
     block_size: int = 512,
     num_blocks: int | None = None,
     rope: str = "authors",
     command: str = "",
 ) -> dict[str, Any]:
-    """Runs the calibration and returns the file's content (a JSON-ready dict)."""
+    """Runs the calibration and returns the file's content (a JSON-ready dict).  ``text_info``: where ``text`` came
+    from (dataset, split, variant, origin), recorded with a content fingerprint of the tokens used."""
     import transformers
+
+    from .overlap import fingerprint
 
     if block_size < 2:
         raise ValueError(f"block_size={block_size}: must be >= 2")
@@ -173,6 +213,7 @@ def calibrate(
         raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than one block (block_size={block_size})")
     nb = total if num_blocks is None else min(total, num_blocks)
     t = torch.tensor(ids[: nb * block_size], dtype=torch.long)
+    used = tokenizer.decode(t.tolist(), skip_special_tokens=True)  # the text the statistics saw
     blocks = [t[i * block_size:(i + 1) * block_size].unsqueeze(0) for i in range(nb)]
     scores = channel_statistics(model, blocks, rope)
     cfg = model.config.get_text_config()
@@ -192,9 +233,14 @@ def calibrate(
             "command": command,
             "data": data_origin,
             "data_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            "text": {**{"dataset": None, "split": None, "origin": data_origin}, **(text_info or {}),
+                     "used": f"its first {nb * block_size} tokens (the whole text tokenized once, with the "
+                             f"tokenizer's special tokens)",
+                     "decoded_characters": len(used), "decoded_sha256": hashlib.sha256(used.encode("utf-8")).hexdigest()},
             "tokens": nb * block_size,
             "blocks": nb,
             "block_size": block_size,
+            "text_fingerprint": fingerprint(used),
             "rope": ROPE_MODES[rope] | {"mode": rope},
             "statistic": {
                 "qk": "mean over tokens of |q_c * k_c| (token with itself), per query head",
@@ -226,20 +272,24 @@ def run(cfg: Any, command: str = "") -> Path:
     model_cfg = ModelConfig(**to_plain(cfg.model))
     if cfg.rope not in ROPE_MODES:
         raise ValueError(f"rope={cfg.rope!r}; valid: {list(ROPE_MODES)}")
-    text, origin = load_text(cfg.data, cfg.paths.data_dir)
+    if cfg.source not in SOURCES:
+        raise ValueError(f"source={cfg.source!r}; valid: {list(SOURCES)}")
+    text, info = load_text(cfg.data, cfg.paths.data_dir, cfg.source)
     model, tokenizer = load_model(model_cfg)
     context = max_context(model_cfg, model)
     if cfg.block_size > context:
         raise ValueError(f"block_size={cfg.block_size} exceeds the model's context ({context} tokens)")
     result = calibrate(
-        model, tokenizer, text, model_name=model_cfg.name, model_path=model_cfg.path, data_origin=origin,
+        model, tokenizer, text, model_name=model_cfg.name, model_path=model_cfg.path, data_origin=info["origin"],
+        text_info=info,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks, rope=cfg.rope, command=command,
     )
     out = Path(cfg.output).expanduser() if cfg.output else user_calibration_dir() / f"{model_cfg.name}.json"
     write(result, out)
     c = result["calibration"]
+    what = " ".join(str(info[k]) for k in ("dataset", "split") if info.get(k))
     print(f"wrote {out.resolve()}: {result['model']['num_layers']} layers, {c['tokens']} tokens "
-          f"({c['blocks']} x {c['block_size']}) of {c['data']}")
+          f"({c['blocks']} x {c['block_size']}) of {what + ' ' if what else ''}{c['data']}")
     if not cfg.output:
         print(f"method=double_sparsity model={model_cfg.name} reads it (search order: "
               f"{', '.join(str(d) for d in calibration_dirs())})")

@@ -60,6 +60,9 @@ Columns (see also docs/sweeps.md):
   time_s                             sum of the row's per-sample times
   git_commit, git_dirty, sparse_eval_version, torch_version, transformers_version, python_version, hardware,
   started                            provenance from meta.json (the run's first start)
+  git_diff_sha256, provenance_version
+                                     the hash of a dirty checkout's difference from its commit, and the record's
+                                     version (sparse_eval.provenance; none before version 2)
   run_dir, config_hash               where the row came from
 """
 
@@ -130,7 +133,8 @@ def _provenance(meta: dict[str, Any]) -> dict[str, Any]:
     ver = meta.get("versions") or {}
     hw = meta.get("hardware") or {}
     return {
-        "git_commit": git.get("commit"), "git_dirty": git.get("dirty"),
+        "git_commit": git.get("commit"), "git_dirty": git.get("dirty"), "git_diff_sha256": git.get("diff_sha256"),
+        "provenance_version": git.get("version"),
         "sparse_eval_version": ver.get("sparse_eval"), "torch_version": ver.get("torch"),
         "transformers_version": ver.get("transformers"), "python_version": ver.get("python"),
         "hardware": hw.get("gpu") or hw.get("cpu") or hw.get("machine"), "started": meta.get("started"),

@@ -23,6 +23,7 @@ from .methods import MethodConfig, build_method, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
 from .ordering import ORDER_WINDOW_BATCHES, length_windows, sample_stratum, stratified_order
+from .overlap import check_method as check_calibration_overlap
 from .seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds, seeded_configs
 from .statistics import bootstrap_ci
 from .status import run_state
@@ -133,7 +134,8 @@ class Experiment:
         method.validate(num_layers=self.num_layers, context=self.context)
         layer_plan(method, self.num_layers, self.sliding)  # refuses a method left with no sparse layer
         method.setup(self.model, self.model_cfg.name)
-        self.samples()
+        # calibration text (DS's channels) disjoint from the evaluated text, by content (sparse_eval.overlap)
+        check_calibration_overlap(method, self.task, self.samples(), self.tokenizer)
         return resolved
 
     def identity(self, method: MethodConfig | dict[str, Any]) -> dict[str, Any]:

@@ -267,6 +267,12 @@ class Method:
         """What the method loaded in ``setup`` that decides its results (recorded in the run summary)."""
         return {}
 
+    def calibration_text(self) -> Any:
+        """After ``setup``: the text the loaded state was computed from, a ``sparse_eval.overlap.CalibrationText``
+        (file, dataset and split, content fingerprint), which the runner checks against the task's evaluated
+        text before a run starts.  Default: None (the method learned nothing from text)."""
+        return None
+
     # -- per-layer index ------------------------------------------------------------------------
     def prepare(self, state: dict[str, Any], k: torch.Tensor, v: torch.Tensor, layer_idx: int, module: Any = None,
                 **kwargs: Any) -> None:

@@ -13,7 +13,9 @@ Algorithm 1 (DS Decode), per query head, with C the head's r = α·d calibrated 
   (``channels_file`` overrides; ``channels`` passes them directly).  ``channel_type=random`` (DS Table 3's
   random-channel baseline) needs no calibration: for each layer and KV head, r channels drawn uniformly at
   random without replacement (the first r of a permutation of the d channels from a generator seeded by
-  (``seed``, layer)), shared by the query heads of that KV head.  The statistic is taken on the keys and
+  (``seed``, layer)), shared by the query heads of that KV head.  The calibration file records the text it was
+  computed from (dataset, split, tokens, a content fingerprint: ``calibration_text``); a run whose task evaluates
+  text that overlaps it is refused at start (``sparse_eval.overlap``).  The statistic is taken on the keys and
   queries *after* RoPE for "qk", as the authors' calibration did, and the channels index the post-RoPE cache
   at decode, as the authors' simulation and kernels did (their label cache is cut from the rotated keys).
 * Label cache (§4.2): K[:, C] per query head, kept in the layer's ``state`` and appended as keys arrive;
@@ -110,6 +112,16 @@ def default_channels_file(model_name: str) -> Path:
     return user_calibration_dir() / f"{model_name}.json"
 
 
+def calibration_description(cal: dict[str, Any]) -> str:
+    """One line saying which text a calibration file's ``calibration`` record was computed from."""
+    text = cal.get("text") or {}
+    what = " ".join(str(text[k]) for k in ("dataset", "split") if text.get(k))
+    origin = text.get("origin") or cal.get("data") or "text of unknown origin"
+    tokens = cal.get("tokens")
+    return (f"{what + ' from ' if what else ''}{origin}"
+            f"{f' ({tokens:,} tokens)' if isinstance(tokens, int) else ''}")
+
+
 @dataclass
 class DoubleSparsityConfig(MethodConfig):
     name: str = "double_sparsity"
@@ -177,6 +189,8 @@ class DoubleSparsity(Method):
         super().__init__(config)
         self._channels: torch.Tensor | None = None  # long [L, H, ≥r] or [H, ≥r] (every layer)
         self._channels_source: str | None = None
+        self._calibration: dict[str, Any] | None = None  # the loaded file's "calibration" record (setup)
+        self._model_name = ""
         self._random: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, Hkv, d) -> long [Hkv, d]
         self._model = None
         self._attn: dict[int, Any] = {}
@@ -242,7 +256,24 @@ class DoubleSparsity(Method):
         out: dict[str, Any] = {"channels_source": src}
         if src and Path(src).exists():
             out["channels_sha256"] = hashlib.sha256(Path(src).read_bytes()).hexdigest()
+        if self._calibration is not None:
+            out["calibration_text"] = calibration_description(self._calibration)
         return out
+
+    def calibration_text(self):
+        """The text the loaded calibration file was computed from, with its content fingerprint (None for
+        channels given directly or drawn at random)."""
+        from ..overlap import CalibrationText
+
+        if self._calibration is None or self._channels_source is None:
+            return None
+        cal, path = self._calibration, self._channels_source
+        fix = (f"calibrate on text the run does not evaluate: {calibration_command(self._model_name)} (WikiText-2 "
+               f"validation; add data=<text file> for another) writes the file method=double_sparsity reads first; "
+               f"or point method.channels_file at such a file, or use method.channel_type=random")
+        return CalibrationText(label=f"method=double_sparsity's calibration file {path}",
+                               description=calibration_description(cal), fingerprint=cal.get("text_fingerprint"),
+                               fix=fix)
 
     def setup(self, model: Any, model_name: str) -> None:
         """Loads the model's calibrated channels (unless given directly) and, for offload, finds each layer's
@@ -272,6 +303,8 @@ class DoubleSparsity(Method):
                 )
             self._channels = chans
             self._channels_source = str(path)
+            self._calibration = meta.get("calibration") if isinstance(meta.get("calibration"), dict) else {}
+            self._model_name = model_name
         self._model = model
         self._attn = {m.layer_idx: m for m in attention_modules(model)}
         self._norm_w = {}

@@ -124,6 +124,15 @@ class Task:
         return ScoreTerms([r["id"] for r in scored], [r["score"] for r in scored], [1.0] * len(scored),
                           [0] * len(scored))
 
+    def evaluated_texts(self, samples: list[Sample], tokenizer: Any) -> list[str] | None:
+        """The text the run evaluates, which calibration text must not overlap (``sparse_eval.overlap``): by
+        default each sample's request decoded with the model's tokenizer (WikiText's windows, the RULER,
+        LongBench and key-value prompts with their haystacks).  None: the task cannot say (lm_eval, whose prompts
+        lm-eval builds), and the check is skipped with a warning."""
+        if not self.batched:
+            return None
+        return tokenizer.batch_decode([list(self.request(s).input_ids) for s in samples], skip_special_tokens=True)
+
 
 TASKS: dict[str, type[Task]] = {}
 
