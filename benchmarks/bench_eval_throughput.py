@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--haystack", default=None, help="RULER task.haystack (noise needs no data)")
     p.add_argument("--data-dir", default=None, help="paths.data_dir (essays, SQuAD, HotpotQA)")
     p.add_argument("--no-baseline", action="store_true", help="skip the stock generate baseline")
+    p.add_argument("--invariance", choices=("on", "off", "both"), default="on",
+                   help="eval.batch_invariant: on (the default mode), off, or both (each method off, then on: the "
+                        "cost of the batch-invariant kernels, measured in one process)")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
     p.add_argument("--out", required=True, help="output folder (JSON, markdown, the runs)")
     return p.parse_args(argv)
@@ -112,6 +115,23 @@ def stock_generate(exp: Experiment, batch: int) -> dict[str, Any]:
             "wall_s": wall, "samples_per_s": len(samples) / wall, "generated_tokens": tokens, "score": None}
 
 
+@torch.inference_mode()
+def warmup(exp: Experiment, mcfg: Any) -> None:
+    """One small batch of ``mcfg`` through the engine in the experiment's current mode, nothing recorded."""
+    from sparse_eval.attention.plugin import Runtime, attach, detach
+    from sparse_eval.engine import Engine
+    from sparse_eval.methods import build_method
+
+    method = build_method(mcfg)
+    method.setup(exp.model, exp.model_cfg.name)
+    session = attach(exp.model, method, Runtime(exp.protocol, batch_invariant=exp.cfg.eval.batch_invariant))
+    try:
+        engine = Engine(exp.model, exp.tokenizer, session, exp.cfg.eval.prefill_chunk)
+        engine.run_batch([exp.task.request(s) for s in exp.samples()[:2]])
+    finally:
+        detach(exp.model)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -122,21 +142,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     samples = exp.samples()
     gen_s = time.perf_counter() - t0
     rows = []
-    for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
+    modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.invariance]
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    warmed = set()
+    for name in names:
         opts = method_options(name)
         mcfg = exp.preflight(make_config(opts["name"], opts))  # dense layers resolved for this model, as a run does
-        _, run_dir = exp.run_dir(mcfg)
-        _sync()
-        t1 = time.perf_counter()
-        summary = exp.run_method(mcfg, run_dir)
-        _sync()
-        wall = time.perf_counter() - t1
-        rows.append({"method": name, "config": short_config(dataclasses.asdict(mcfg)), "samples": summary["samples"],
-                     "failed": summary["failed"], "batch_size": summary["batch_size"], "wall_s": wall,
-                     "samples_per_s": summary["samples"] / wall, "score": summary["score"],
-                     "est_error": summary["est_error"], "run_dir": summary["run_dir"]})
-        print(f"{name}: {summary['samples']} samples in {wall:.1f} s (batch {summary['batch_size']}), "
-              f"score {summary['score']}", flush=True)
+        for invariant in modes:
+            exp.cfg.eval.batch_invariant = invariant
+            if invariant not in warmed:  # Triton compiles the invariant kernels at their first use: not timed
+                warmup(exp, mcfg)
+                warmed.add(invariant)
+            _, run_dir = exp.run_dir(mcfg)
+            _sync()
+            t1 = time.perf_counter()
+            summary = exp.run_method(mcfg, run_dir)
+            _sync()
+            wall = time.perf_counter() - t1
+            rows.append({"method": name, "config": short_config(dataclasses.asdict(mcfg)), "batch_invariant": invariant,
+                         "samples": summary["samples"], "failed": summary["failed"],
+                         "batch_size": summary["batch_size"], "wall_s": wall,
+                         "samples_per_s": summary["samples"] / wall, "score": summary["score"],
+                         "est_error": summary["est_error"], "run_dir": summary["run_dir"]})
+            print(f"{name} (batch_invariant={invariant}): {summary['samples']} samples in {wall:.1f} s "
+                  f"(batch {summary['batch_size']}), score {summary['score']}", flush=True)
     baseline = None
     if not args.no_baseline:
         full = next((r for r in rows if r["method"] == "full"), None)
@@ -150,7 +179,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "task": {"name": "ruler", "length": args.length, "samples_per_task": args.samples,
                  "subtasks": list(exp.task.config.subtasks), "haystack": args.haystack, "total_samples": len(samples)},
         "batch_size_arg": args.batch_size, "sample_generation_s": gen_s,
-        "methods": rows, "baseline": baseline, "total_wall_s": sum(r["wall_s"] for r in rows),
+        "methods": rows, "baseline": baseline, "invariance": args.invariance,
+        "total_wall_s": {str(m): sum(r["wall_s"] for r in rows if r["batch_invariant"] == m) for m in modes},
         "provenance": provenance(),
     }
     (out / "eval_throughput.json").write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
@@ -167,14 +197,19 @@ def markdown(r: dict[str, Any]) -> str:
              f"`{r['command']}`", "",
              f"device: {r['gpu'] or r['device']}, dtype {r['dtype']}; eval.batch_size={r['batch_size_arg']}; "
              f"RULER sample generation {r['sample_generation_s']:.1f} s (not included)", "",
-             "| method | config | samples | batch | wall s | samples/s | score | est_error |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | config | batch_invariant | samples | batch | wall s | samples/s | score | est_error |",
+             "|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     for row in r["methods"] + ([r["baseline"]] if r["baseline"] else []):
-        lines.append(f"| {row['method']} | {row['config']} | {row['samples']} | {row['batch_size']} | "
-                     f"{row['wall_s']:.1f} | {row['samples_per_s']:.3g} | {fmt(row.get('score'), '.1f')} | "
-                     f"{fmt(row.get('est_error'), '.3g')} |")
-    lines += ["", f"six-method total: {r['total_wall_s']:.1f} s"]
+        lines.append(f"| {row['method']} | {row['config']} | {row.get('batch_invariant', '-')} | {row['samples']} | "
+                     f"{row['batch_size']} | {row['wall_s']:.1f} | {row['samples_per_s']:.3g} | "
+                     f"{fmt(row.get('score'), '.1f')} | {fmt(row.get('est_error'), '.3g')} |")
+    totals = r["total_wall_s"]
+    lines += ["", "total wall: " + ", ".join(f"batch_invariant={m}: {t:.1f} s" for m, t in totals.items())]
+    if len(totals) == 2:
+        lines.append("wall time with the batch-invariant kernels against without, per method: " + ", ".join(
+            f"{a['method']} {b['wall_s'] / a['wall_s']:.2f}x" for a, b in
+            zip(r["methods"][0::2], r["methods"][1::2])) + f"; all {totals['True'] / totals['False']:.2f}x")
     return "\n".join(lines) + "\n"
 
 

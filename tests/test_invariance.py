@@ -260,6 +260,8 @@ def _prompts(n: int, seed: int, lo: int = 20, hi: int = 64, multiple: int | None
 def _engine(model, tok, name, protocol, chunk=None, invariant=True):
     method = build_method(make_config(name.split("-")[0], CONFIGS[name]))
     method.setup(model, "stories260k")
+    if hasattr(method, "element_budget"):  # small chunks: chunk boundaries must not depend on the batch either
+        method.element_budget = 1 << 14
     session = attach(model, method, Runtime(protocol, batch_invariant=invariant))
     return session, Engine(model, tok, session, chunk)
 

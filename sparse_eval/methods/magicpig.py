@@ -296,21 +296,29 @@ class MagicPIG(Method):
 
     def _fix_center(self, k: torch.Tensor, wts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """μ [B', H, D] (mean of the keys with weight 1 in wts [B', N], in float64; zeros without centering) and
-        r [B', H] (max |k − μ| over them, eq. 8) for k [B', H, N, D], in chunks along N."""
+        r [B', H] (max |k − μ| over them, eq. 8) for k [B', H, N, D].  The sum runs over chunks of keys of a fixed
+        size laid from the last key back (end-aligned, like every reduction of the batch-invariant mode: a row's
+        partial sums do not depend on the batch or on its left padding, whose chunks add exact zeros), and over
+        groups of batch rows sized for memory (rows are independent)."""
         c = self.config
         b, h, n, d = k.shape
-        step = self._chunk(2 * b * h * d)
+        step = self._chunk(2 * h * d)  # keys per chunk: independent of the batch
+        rows = max(1, self._chunk(2 * h * d * min(n, step)))
+        first = n - -(-n // step) * step  # <= 0: the front chunk reaches below key 0
         mean = torch.zeros(b, h, d, dtype=torch.float64, device=k.device)
         if c.center:
-            for s in range(0, n, step):
-                mean += torch.einsum("bn,bhnd->bhd", wts[:, s:s + step], k[:, :, s:s + step].double())
+            for r0 in range(0, b, rows):
+                for s0 in range(first, n, step):
+                    lo = max(0, s0)
+                    mean[r0:r0 + rows] += torch.einsum("bn,bhnd->bhd", wts[r0:r0 + rows, lo:s0 + step],
+                                                       k[r0:r0 + rows, :, lo:s0 + step].double())
             mean /= wts.sum(-1)[:, None, None]
         mean = mean.float()
         r = torch.zeros(b, h, dtype=torch.float32, device=k.device)
         if c.mips:
-            for s in range(0, n, step):
-                norms = (k[:, :, s:s + step].float() - mean[:, :, None]).norm(dim=-1)
-                norms = norms.masked_fill(wts[:, None, s:s + step] == 0, 0.0)
+            for s0 in range(0, n, step):
+                norms = (k[:, :, s0:s0 + step].float() - mean[:, :, None]).norm(dim=-1)
+                norms = norms.masked_fill(wts[:, None, s0:s0 + step] == 0, 0.0)
                 r = torch.maximum(r, norms.amax(-1))
         return mean, r
 
