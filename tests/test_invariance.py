@@ -303,8 +303,8 @@ def test_records_do_not_depend_on_the_batch(stories, name, protocol, chunk):
             assert b7 == b50
             for i in (0, 13, len(reqs) - 1):
                 assert _records(session, engine, [reqs[i]], 1) == [b50[i]]
-        if not (name == "full" and protocol == "A"):
-            assert all(rec[1]["sparse_rows"] > 0 for rec in b50)
+            if reqs is gen:  # the comparison covered sparse calls (under A: the decode steps)
+                assert sum(rec[1]["sparse_rows"] or 0 for rec in b50) > 0
     finally:
         detach(model)
 

@@ -143,6 +143,12 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
             detach(lm)
         return res
 
+    def save():  # after every method: a run cut short keeps what it measured
+        report["all_identical"] = not report["mismatches"] and bool(report["methods"])
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=1) + "\n")
+
     for label, name, opts in METHOD_RUNS:
         if methods and label not in methods:
             continue
@@ -159,6 +165,7 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
         }
         print(f"{label}: {'identical' if not bad else f'{len(bad)} mismatches'} {report['methods'][label]['seconds']}",
               flush=True)
+        save()
     for label, name, opts in METHOD_RUNS:
         if label not in fast_path or (methods and label not in methods):
             continue
@@ -170,10 +177,8 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
                                       "identical_records": same_record}
         print(f"fast path {label}: {same_tokens}/{len(res[1][0])} identical tokens, {same_record} identical records",
               flush=True)
-    report["all_identical"] = not report["mismatches"]
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
+        save()
+    save()
     return report
 
 

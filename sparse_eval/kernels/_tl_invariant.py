@@ -20,12 +20,12 @@ import triton.language as tl
 from ._common import triton_interpret
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) per input dtype: fixed for every shape (row invariance needs it)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per input dtype: fixed for every shape (row invariance needs it)
 _MM_CONFIG = {
-    torch.bfloat16: (64, 64, 64, 4),
-    torch.float16: (64, 64, 64, 4),
-    torch.float32: (64, 64, 32, 4),
-    torch.float64: (16, 16, 16, 4),
+    torch.bfloat16: (128, 128, 64, 8, 3),
+    torch.float16: (128, 128, 64, 8, 3),
+    torch.float32: (64, 64, 32, 4, 3),
+    torch.float64: (16, 16, 16, 4, 2),
 }
 ROW_BLOCK = 1024  # entries per tile of the row kernels
 
@@ -37,13 +37,12 @@ def _trips(n: int, block: int = ROW_BLOCK) -> dict:
 
 
 @triton.jit
-def _bmm_step(t, k0, a_rows, b_cols, sak, sbk, mmask, nmask, acc, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+def _bmm_step(t, k0, a_ptrs, b_ptrs, sak, sbk, mmask, nmask, acc, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
               F64: tl.constexpr):
-    offs_k = k0 + t * BLOCK_K + tl.arange(0, BLOCK_K)
-    kmask = offs_k >= 0
-    kk = tl.where(kmask, offs_k, 0).to(tl.int64)
-    a = tl.load(a_rows + kk[None, :] * sak, mask=mmask[:, None] & kmask[None, :], other=0.0)
-    b = tl.load(b_cols + kk[:, None] * sbk, mask=kmask[:, None] & nmask[None, :], other=0.0)
+    kk = k0 + t * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = kk >= 0  # the front tile reaches below index 0
+    a = tl.load(a_ptrs + t * BLOCK_K * sak, mask=mmask[:, None] & kmask[None, :], other=0.0)
+    b = tl.load(b_ptrs + t * BLOCK_K * sbk, mask=kmask[:, None] & nmask[None, :], other=0.0)
     if F64:
         acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
     elif IEEE:
@@ -57,30 +56,39 @@ def _bmm_step(t, k0, a_rows, b_cols, sak, sbk, mmask, nmask, acc, BLOCK_K: tl.co
 def _bmm_kernel(
     A, B, C, M, N, K,
     sab, sam, sak, sbb, sbk, sbn, scb, scm, scn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     IEEE: tl.constexpr, F64: tl.constexpr, OUT: tl.constexpr, INTERP: tl.constexpr, NT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    bat = tl.program_id(2).to(tl.int64)
+    # tiles in groups of GROUP_M row tiles (L2 reuse of b's columns); the grouping decides only which program
+    # computes a tile, never how
+    pid = tl.program_id(0)
+    bat = tl.program_id(1).to(tl.int64)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = offs_m < M
     nmask = offs_n < N
-    a_rows = A + bat * sab + offs_m.to(tl.int64)[:, None] * sam
-    b_cols = B + bat * sbb + offs_n.to(tl.int64)[None, :] * sbn
     n_tiles = tl.cdiv(K, BLOCK_K)
-    k0 = K - n_tiles * BLOCK_K  # <= 0: the front tile reaches below index 0 (masked)
+    k0 = K - n_tiles * BLOCK_K  # <= 0: tiles are laid from the end of K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    a_ptrs = A + bat * sab + offs_m.to(tl.int64)[:, None] * sam + offs_k[None, :] * sak
+    b_ptrs = B + bat * sbb + offs_k[:, None] * sbk + offs_n.to(tl.int64)[None, :] * sbn
     if F64:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if INTERP:  # the interpreter (numpy >= 2.4) cannot take tensor loop bounds: a constexpr trip count there
         for t in range(0, NT):
-            acc = _bmm_step(t, k0, a_rows, b_cols, sak, sbk, mmask, nmask, acc, BLOCK_K, IEEE, F64)
+            acc = _bmm_step(t, k0, a_ptrs, b_ptrs, sak, sbk, mmask, nmask, acc, BLOCK_K, IEEE, F64)
     else:
         for t in range(0, n_tiles):
-            acc = _bmm_step(t, k0, a_rows, b_cols, sak, sbk, mmask, nmask, acc, BLOCK_K, IEEE, F64)
+            acc = _bmm_step(t, k0, a_ptrs, b_ptrs, sak, sbk, mmask, nmask, acc, BLOCK_K, IEEE, F64)
     c = C + bat * scb + offs_m.to(tl.int64)[:, None] * scm + offs_n.to(tl.int64)[None, :] * scn
     tl.store(c, acc.to(OUT), mask=mmask[:, None] & nmask[None, :])
 
@@ -96,15 +104,15 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     out = torch.empty(bt, m, n, dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
-    bm, bn, bk, warps = _MM_CONFIG[dt]
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), bt)
+    bm, bn, bk, warps, stages = _MM_CONFIG[dt]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), bt)
     _bmm_kernel[grid](
         a, b, out, m, n, k,
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=dt == torch.float32, F64=dt == torch.float64,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, IEEE=dt == torch.float32, F64=dt == torch.float64,
         OUT=_TL[out_dtype], INTERP=triton_interpret(), NT=triton.cdiv(k, bk) if triton_interpret() else 1,
-        num_warps=warps,
+        num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -255,26 +263,28 @@ def _attention_step(t, t0, t1, start, N, q, qcol, K, V, kbase, vbase, skn, skd, 
 
 @triton.jit
 def _attention_kernel(
-    Q, K, V, O, START, QL, N, HQ, scale, WINDOW,
+    Q, K, V, O, START, QL, N, scale, WINDOW,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    INTERP: tl.constexpr, NT: tl.constexpr,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, INTERP: tl.constexpr, NT: tl.constexpr,
 ):
+    # program (block of rows, batch row b, KV head hk); the rows r = g·QL + i are query row i of query head
+    # hk·G + g, so the G heads of a KV group share each K/V tile (decode: one tile load for G rows)
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HQ).to(tl.int64)
-    h = (pid_bh % HQ).to(tl.int64)
-    hk = h // G
+    b = (tl.program_id(1) // HKV).to(tl.int64)
+    hk = (tl.program_id(1) % HKV).to(tl.int64)
     start = tl.load(START + b).to(tl.int32)  # the row's first key (left padding before it)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = offs_r < G * QL
+    qi = offs_r % QL
+    head = hk * G + (offs_r // QL).to(tl.int64)
     offs_d = tl.arange(0, D)
-    mmask = offs_m < QL
-    qcol = N - QL + offs_m  # the key column of each query row (causal: keys <= qcol)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=mmask[:, None], other=0.0)
-    # the keys this block of rows may attend: [lo, hi); tiles laid from the row's first key (``start``)
-    first_q = N - QL + pid_m * BLOCK_M
-    last_q = tl.minimum(first_q + BLOCK_M - 1, N - 1)
+    qcol = N - QL + qi  # the key column of each query row (causal: keys <= qcol)
+    q = tl.load(Q + b * sqb + head[:, None] * sqh + qi.to(tl.int64)[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=rmask[:, None], other=0.0)
+    # the keys this block's rows may attend: tiles laid from the row's first key (``start``)
+    first_q = tl.min(tl.where(rmask, qcol, N), axis=0)
+    last_q = tl.max(tl.where(rmask, qcol, 0), axis=0)
     lo = tl.where(WINDOW > 0, tl.maximum(start, first_q - WINDOW + 1), start)
     t0 = (lo - start) // BLOCK_N
     t1 = tl.cdiv(last_q + 1 - start, BLOCK_N)
@@ -292,8 +302,8 @@ def _attention_kernel(
             m_i, l_i, acc = _attention_step(t, t0, t1, start, N, q, qcol, K, V, kbase, vbase, skn, skd, svn, svd,
                                             offs_d, scale, WINDOW, m_i, l_i, acc, BLOCK_N, IEEE)
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(O + b * sob + h * soh + offs_m.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
-             out.to(O.dtype.element_ty), mask=mmask[:, None])
+    tl.store(O + b * sob + head[:, None] * soh + qi.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=rmask[:, None])
 
 
 ATTN_BLOCK_M = 64
@@ -313,11 +323,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Te
         q, k, v = (torch.nn.functional.pad(x, (0, dp - d)) for x in (q, k, v))
     out = torch.empty(b, hq, ql, dp, dtype=q.dtype, device=q.device)
     if out.numel():
-        grid = (triton.cdiv(ql, ATTN_BLOCK_M), b * hq)
+        grid = (triton.cdiv((hq // hkv) * ql, ATTN_BLOCK_M), b * hkv)
         _attention_kernel[grid](
-            q, k, v, out, start.to(torch.int32).contiguous(), ql, n, hq, float(scale), int(window or 0),
+            q, k, v, out, start.to(torch.int32).contiguous(), ql, n, float(scale), int(window or 0),
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            G=hq // hkv, D=dp, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N, IEEE=q.dtype == torch.float32,
+            HKV=hkv, G=hq // hkv, D=dp, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N, IEEE=q.dtype == torch.float32,
             **_trips(n, ATTN_BLOCK_N), num_warps=4,
         )
     return out[..., :d] if dp != d else out
