@@ -261,7 +261,7 @@ def _engine(model, tok, name, protocol, chunk=None, invariant=True):
     method = build_method(make_config(name.split("-")[0], CONFIGS[name]))
     method.setup(model, "stories260k")
     if hasattr(method, "element_budget"):  # small chunks: chunk boundaries must not depend on the batch either
-        method.element_budget = 1 << 14
+        method.element_budget = 1 << 16
     session = attach(model, method, Runtime(protocol, batch_invariant=invariant))
     return session, Engine(model, tok, session, chunk)
 
@@ -305,6 +305,24 @@ def test_records_do_not_depend_on_the_batch(stories, name, protocol, chunk):
                 assert _records(session, engine, [reqs[i]], 1) == [b50[i]]
             if reqs is gen:  # the comparison covered sparse calls (under A: the decode steps)
                 assert sum(rec[1]["sparse_rows"] or 0 for rec in b50) > 0
+    finally:
+        detach(model)
+
+
+@pytest.mark.parametrize("name", ["full", "magicpig"])
+@torch.inference_mode()
+def test_a_chunked_prefill_gives_the_records_it_gives_alone(stories, name):
+    """Protocol A with ``prefill_chunk`` (the RULER experiments' 1024): chunk boundaries are laid from the longest
+    row's first token, so a row alone and in a batch is cut elsewhere; dense attention laid from each row's first
+    key gives its queries the same results either way."""
+    model, tok = stories
+    prompts = _prompts(9, seed=9, lo=20, hi=70)
+    reqs = [GenerationRequest(p, max_new_tokens=4, key=f"c{i}") for i, p in enumerate(prompts)]
+    session, engine = _engine(model, tok, name, "A", chunk=16)
+    try:
+        batch = _records(session, engine, reqs, 9)
+        for i in (0, 4, 8):
+            assert _records(session, engine, [reqs[i]], 1) == [batch[i]]
     finally:
         detach(model)
 

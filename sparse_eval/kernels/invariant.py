@@ -53,17 +53,18 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # -- reference (torch) -------------------------------------------------------------------------------------------
 
 
-def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Σ over the last dim of x [..., n] as a pairwise tree of elementwise additions, end-aligned: the row is
-    left-padded with zeros to the next power of two P, then level by level x ← x[..., 0::2] + x[..., 1::2].
-    Entry i sits at offset n − 1 − i from the end in every layout, so with leading zeros (left padding) the same
-    pairs are added in the same order and the extra subtrees add exact zeros.  Returns [...] in x's dtype."""
+def tree_sum(x: torch.Tensor, align: str = "end") -> torch.Tensor:
+    """Σ over the last dim of x [..., n] as a pairwise tree of elementwise additions.  ``align="end"``: the row is
+    left-padded with zeros to the next power of two P, then level by level x ← x[..., 0::2] + x[..., 1::2]; entry i
+    sits at offset n − 1 − i from the end in every layout, so with leading zeros (left padding) the same pairs are
+    added in the same order and the extra subtrees add exact zeros.  ``align="start"``: padded on the right, so
+    trailing zeros (keys after a query's own position) change nothing.  Returns [...] in x's dtype."""
     n = x.shape[-1]
     if n == 0:
         return x.new_zeros(x.shape[:-1])
     p = next_pow2(n)
     if p != n:
-        x = F.pad(x, (p - n, 0))
+        x = F.pad(x, (p - n, 0) if align == "end" else (0, p - n))
     while x.shape[-1] > 1:
         x = x[..., 0::2] + x[..., 1::2]
     return x[..., 0]
@@ -75,13 +76,13 @@ def row_sum_reference(x: torch.Tensor, square: bool = False) -> torch.Tensor:
     return tree_sum(x * x if square else x)
 
 
-def softmax_reference(x: torch.Tensor, log: bool = False) -> torch.Tensor:
+def softmax_reference(x: torch.Tensor, log: bool = False, align: str = "end") -> torch.Tensor:
     """Softmax (or log-softmax) over the last dim of x [R, n], in ``acc_dtype``: m = max (exact in any order),
-    e = exp(x − m), Σ e by ``tree_sum``.  A row of −inf gives NaN, as torch's softmax does."""
+    e = exp(x − m), Σ e by ``tree_sum`` (``align`` as there).  A row of −inf gives NaN, as torch's softmax does."""
     x = x.to(acc_dtype(x.dtype))
     m = x.amax(-1, keepdim=True)
     z = x - m
-    s = tree_sum(torch.exp(z)).unsqueeze(-1)
+    s = tree_sum(torch.exp(z), align).unsqueeze(-1)
     return z - torch.log(s) if log else torch.exp(z) / s
 
 
@@ -106,11 +107,11 @@ def _pad_to(x: torch.Tensor, dim: int, mult: int, front: bool = False) -> torch.
     return F.pad(x, pad)
 
 
-def _tiled_product(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _tiled_product(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, align: str = "end") -> torch.Tensor:
     """a [Bt, M, K] @ b [Bt, K, N]: M and N zero-padded to multiples of ``MKL_BLOCK`` (at least one).  A reduction of
     at most ``K_TILE`` entries is one MKL problem (leading zeros, i.e. left padding, change nothing within it);
-    a longer one is left-padded to a multiple of ``K_TILE``, each tile's product is one MKL problem
-    ([M', K_TILE] @ [K_TILE, N']), and the tiles' partial products are summed by ``tree_sum`` (end-aligned).  The
+    a longer one is left-padded to a multiple of ``K_TILE`` (``align="start"``: right-padded), each tile's product is
+    one MKL problem ([M', K_TILE] @ [K_TILE, N']), and the tiles' partial products are summed by ``tree_sum``.  The
     products are ``torch.bmm(..., out=)`` (aten ``bmm.out``), so this can serve as the override of aten ``bmm``."""
     bt, m, k = a.shape
     n = b.shape[2]
@@ -124,17 +125,18 @@ def _tiled_product(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> 
         out = torch.empty(bt, mp, np_, dtype=acc, device=a.device)
         torch.bmm(a, b, out=out)
         return out[:, :m, :n].to(out_dtype)
-    a = _pad_to(a, 2, K_TILE, front=True)  # [Bt, M', K']
-    b = _pad_to(b, 1, K_TILE, front=True)  # [Bt, K', N']
+    a = _pad_to(a, 2, K_TILE, front=align == "end")  # [Bt, M', K']
+    b = _pad_to(b, 1, K_TILE, front=align == "end")  # [Bt, K', N']
     nk = a.shape[2] // K_TILE
     at = a.view(bt, mp, nk, K_TILE).transpose(1, 2).reshape(bt * nk, mp, K_TILE)
     part = torch.empty(bt * nk, mp, np_, dtype=acc, device=a.device)
     torch.bmm(at, b.reshape(bt * nk, K_TILE, np_), out=part)
-    total = tree_sum(part.view(bt, nk, mp, np_).permute(0, 2, 3, 1))  # [Bt, M', N']: Σ over the tiles
+    total = tree_sum(part.view(bt, nk, mp, np_).permute(0, 2, 3, 1), align)  # [Bt, M', N']: Σ over the tiles
     return total[:, :m, :n].to(out_dtype)
 
 
-def bmm_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def bmm_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
+                  align: str = "end") -> torch.Tensor:
     """a [Bt, M, K] @ b [Bt, K, N] -> [Bt, M, N] in ``out_dtype`` (default a's dtype), accumulated in
     ``acc_dtype`` (``_tiled_product``).  A ``b`` broadcast over the batch (stride 0: ``matmul`` of a
     non-contiguous activation with a weight) is taken as one matrix, the batch folded into its rows, so a row's
@@ -142,8 +144,8 @@ def bmm_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | Non
     out_dtype = out_dtype or a.dtype
     bt, m, k = a.shape
     if bt > 1 and b.stride(0) == 0:
-        return _tiled_product(a.reshape(1, bt * m, k), b[:1], out_dtype).view(bt, m, b.shape[2])
-    return _tiled_product(a, b, out_dtype)
+        return _tiled_product(a.reshape(1, bt * m, k), b[:1], out_dtype, align).view(bt, m, b.shape[2])
+    return _tiled_product(a, b, out_dtype, align)
 
 
 def mm_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -205,25 +207,36 @@ def attention_mask(start: torch.Tensor, q_len: int, n: int, window: int = 0, row
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float,
                         window: int = 0, element_budget: int = 1 << 26) -> torch.Tensor:
-    """``attention``'s torch form: scores by ``bmm_reference`` (fp32), softmax over the visible keys by
-    ``softmax_reference``, probabilities (in v's dtype) times V by ``bmm_reference``; a row with no visible key gives
-    zeros.  q [B, Hq, Q, D], k/v [B, Hkv, N, D] -> [B, Hq, Q, D] in q's dtype.  Query rows in blocks of at most
-    ``element_budget`` scores (rows are independent: the blocks change nothing)."""
+    """``attention``'s torch form, laid out from each row's first key like the kernel: every row's keys are moved to
+    column 0 (its left padding to the end), then scores by ``bmm_reference`` (fp32), softmax over the visible keys
+    by ``softmax_reference`` and probabilities (in v's dtype) times V by ``bmm_reference``, both start-aligned, so
+    a query's result does not depend on the padding before its row nor on how many keys follow its own position
+    (a chunked prefill).  A row with no visible key gives zeros.  q [B, Hq, Q, D], k/v [B, Hkv, N, D] ->
+    [B, Hq, Q, D] in q's dtype.  Query rows in blocks of at most ``element_budget`` scores (rows are independent:
+    the blocks change nothing)."""
     b, hq, ql, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
-    kt = k.reshape(b * hkv, n, d).transpose(1, 2)
-    vv = v.reshape(b * hkv, n, d)
+    cols = torch.arange(n, device=k.device)
+    src = (cols[None, :] + start.view(-1, 1)).clamp_max(n - 1)  # [B, N]: row-relative column j reads start + j
+    gather = src[:, None, :, None].expand(b, hkv, n, d)
+    kt = k.gather(2, gather).reshape(b * hkv, n, d).transpose(1, 2)
+    vv = v.gather(2, gather).reshape(b * hkv, n, d)
     step = max(1, element_budget // max(1, b * hq * n))
     outs = []
     for s0 in range(0, ql, step):
         qc = q[:, :, s0:s0 + step]
         r = qc.shape[2]
         s = bmm_reference(qc.reshape(b * hkv, g * r, d), kt, torch.float32).reshape(b, hq, r, n) * scale
-        keep = attention_mask(start, ql, n, window, slice(s0, s0 + r))
+        qrel = (torch.arange(s0, s0 + r, device=k.device) + (n - ql))[None, :] - start.view(-1, 1)  # [B, r]
+        keep = cols[None, None, :] <= qrel[:, :, None]  # [B, r, N]: causal, in the row's own columns
+        if window:
+            keep = keep & (cols[None, None, :] > qrel[:, :, None] - window)
+        keep = keep[:, None]  # [B, 1, r, N]
         s = s.masked_fill(~keep, float("-inf"))
-        p = softmax_reference(s.reshape(-1, n)).view(b, hq, r, n).masked_fill(~keep, 0.0).nan_to_num(0.0)
-        outs.append(bmm_reference(p.to(v.dtype).reshape(b * hkv, g * r, n), vv).reshape(b, hq, r, d))
+        p = softmax_reference(s.reshape(-1, n), align="start").view(b, hq, r, n).masked_fill(~keep, 0.0).nan_to_num(0.0)
+        o = bmm_reference(p.to(v.dtype).reshape(b * hkv, g * r, n), vv, align="start")
+        outs.append(o.reshape(b, hq, r, d))
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(q.dtype)
 
 
