@@ -29,6 +29,9 @@ class EvalConfig:
     # samples per padded batch (does not change results: a sample's record is the same in any batch); ``auto``:
     # the largest that fits, from min(samples, 128) halving on out-of-memory (the size used is in the summary)
     batch_size: Any = 1
+    # on the CPU, a run whose rough time estimate (``sparse_eval.estimate``) exceeds an hour is refused unless this
+    # is true (it then only warns)
+    allow_long: bool = False
 
 
 @dataclass

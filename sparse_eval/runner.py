@@ -17,8 +17,9 @@ from tqdm.auto import tqdm
 from .attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan, sliding_layers
 from .config import to_plain
 from .engine import Engine
-from .estimate import warn_if_long
+from .estimate import check_long
 from .fingerprint import file_sha256
+from .memory import auto_batch_cap, check_batch
 from .methods import MethodConfig, build_method, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
@@ -302,6 +303,8 @@ class _Batcher:
         self.auto = want == "auto"
         batched = self.task.batched and len(todo) > 1
         self.size = 1 if not batched else min(len(todo), AUTO_BATCH_START) if self.auto else want
+        if self.auto:  # on the CPU: no larger than the rows that fit the host memory (sparse_eval.memory)
+            self.size = auto_batch_cap(exp, session.method.config, todo, self.size)
         self.used: int | None = None
         self.todo = self._order(todo) if self.size > 1 else list(todo)
 
@@ -501,7 +504,8 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
 def run(cfg: Any) -> list[dict[str, Any]]:
     exp = Experiment(cfg)
     methods = [exp.preflight(m) for m in exp.method_configs()]  # a run that cannot start writes nothing
-    warn_if_long(exp.model, exp.samples(), len(methods), log)
+    check_batch(exp, methods, exp.samples())  # memory (MagicPIG's tables; on the CPU, the batch): refused here
+    check_long(exp, methods, log)  # on the CPU, over an hour: refused unless eval.allow_long=true
     summaries = []
     for m in methods:
         _, run_dir = exp.run_dir(m)
