@@ -60,6 +60,9 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0
     print_table: bool = True
+    # multirun (-m): check every job's config, model and data before launching any (``sparse_eval.preflight``);
+    # false launches without the check
+    preflight: bool = True
 
 
 def register_configs() -> None:

@@ -23,6 +23,7 @@ from .memory import auto_batch_cap, check_batch
 from .methods import MethodConfig, build_method, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
+from .preflight import check_sparse_layers
 from .statistics import bootstrap_ci, paired_difference
 from .status import run_state
 from .store import (SAMPLES_FILE, SUMMARY_FILE, RunsDirError, SampleLog, check_writable, clear_failure, record_start,
@@ -132,7 +133,8 @@ class Experiment:
                                                                                      self.num_layers))
         method = build_method(resolved)
         method.validate(num_layers=self.num_layers, context=self.context)
-        layer_plan(method, self.num_layers, self.sliding)  # refuses a method left with no sparse layer
+        dense, _ = layer_plan(method, self.num_layers, self.sliding)  # refuses one left no layer by sliding ones
+        check_sparse_layers(method, self.num_layers, dense, self.model_cfg.name)  # and by its dense_layers
         method.setup(self.model, self.model_cfg.name)
         self.samples()
         return resolved

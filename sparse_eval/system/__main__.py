@@ -70,6 +70,12 @@ def run(cfg: Any) -> dict[str, Any]:
     opts = to_plain(cfg.method)
     if opts["name"] not in SYSTEM_LAYERS:
         raise ValueError(f"method={opts['name']!r} has no system path; valid: {list(SYSTEM_LAYERS)}")
+    if opts["name"] == "double_sparsity":
+        from ..kernels.ds import LABEL_BITS
+
+        if opts.get("label_bits") not in LABEL_BITS:
+            raise ValueError(f"method.label_bits={opts.get('label_bits')!r}: the system path's label cache packs "
+                             f"{list(LABEL_BITS)} bits (the accuracy path, python -m sparse_eval, takes 1..8 and 16)")
     method = build_method(make_config(opts["name"], opts))
     tok = None
     if cfg.random_shape:
