@@ -256,11 +256,12 @@ def main(cfg) -> None:
 
     overrides = list(HydraConfig.get().overrides.task)
     command = " ".join(["python -m sparse_eval.calibrate", *overrides])
+    from .cli import EXIT_USAGE, fail
+
     try:
         run(cfg, command)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(exc), EXIT_USAGE)  # one line, exit status 2, nothing left under paths.runs_dir
 
 
 if __name__ == "__main__":

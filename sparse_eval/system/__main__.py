@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,11 +144,12 @@ def _compare(model, tok, method, name, ids, tokens, new) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="system")
 def main(cfg) -> None:
+    from ..cli import EXIT_USAGE, fail
+
     try:
         rec = run(cfg)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(exc), EXIT_USAGE)  # one line, exit status 2
     m = rec["method"]["name"] + (" (offload)" if rec["method"].get("offload") else "")
     print(f"{rec['model']} on {rec['device']}, method {m}: context {rec['context']}, batch {rec['batch']}, "
           f"{rec['new_tokens']} new tokens" + (", static step (CUDA graph on GPU)" if rec["cuda_graph"] else ""))
