@@ -88,11 +88,15 @@ def _rope_fn(attn: Any):
 
 
 @torch.no_grad()
-def channel_statistics(model: Any, blocks: list[torch.Tensor], rope: str = "authors") -> dict[str, torch.Tensor]:
-    """Mean |q∘k|, |q|, |k| per layer, head and channel over every token of ``blocks`` (each long [1, T]).
+def channel_statistics(model: Any, blocks: list[torch.Tensor], rope: str = "authors",
+                       progress: bool = False) -> dict[str, torch.Tensor]:
+    """Mean |q∘k|, |q|, |k| per layer, head and channel over every token of ``blocks`` (each long [1, T]);
+    ``progress``: a progress bar with the time left, one step per block.
 
     Returns {"qk": [L, Hq, D], "q": [L, Hq, D], "k": [L, Hkv, D]} (float64).
     """
+    from tqdm.auto import tqdm
+
     from .attention.plugin import attention_modules
 
     if rope not in ROPE_MODES:
@@ -133,7 +137,8 @@ def channel_statistics(model: Any, blocks: list[torch.Tensor], rope: str = "auth
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in mods]
     try:
         device = next(model.parameters()).device
-        for ids in blocks:
+        for ids in tqdm(blocks, desc="calibration forwards", unit="block", disable=not progress, leave=False,
+                        dynamic_ncols=True):
             model(input_ids=ids.to(device), use_cache=False)
     finally:
         for hd in handles:
@@ -159,8 +164,9 @@ def calibrate(
     num_blocks: int | None = None,
     rope: str = "authors",
     command: str = "",
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Runs the calibration and returns the file's content (a JSON-ready dict)."""
+    """Runs the calibration and returns the file's content (a JSON-ready dict); ``progress``: a progress bar."""
     import transformers
 
     if block_size < 2:
@@ -174,7 +180,7 @@ def calibrate(
     nb = total if num_blocks is None else min(total, num_blocks)
     t = torch.tensor(ids[: nb * block_size], dtype=torch.long)
     blocks = [t[i * block_size:(i + 1) * block_size].unsqueeze(0) for i in range(nb)]
-    scores = channel_statistics(model, blocks, rope)
+    scores = channel_statistics(model, blocks, rope, progress=progress)
     cfg = model.config.get_text_config()
     hq = cfg.num_attention_heads
     return {
@@ -233,7 +239,7 @@ def run(cfg: Any, command: str = "") -> Path:
         raise ValueError(f"block_size={cfg.block_size} exceeds the model's context ({context} tokens)")
     result = calibrate(
         model, tokenizer, text, model_name=model_cfg.name, model_path=model_cfg.path, data_origin=origin,
-        block_size=cfg.block_size, num_blocks=cfg.num_blocks, rope=cfg.rope, command=command,
+        block_size=cfg.block_size, num_blocks=cfg.num_blocks, rope=cfg.rope, command=command, progress=True,
     )
     out = Path(cfg.output).expanduser() if cfg.output else user_calibration_dir() / f"{model_cfg.name}.json"
     write(result, out)
