@@ -37,6 +37,7 @@ RECORD_STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass"
 EMPTY_SELECTION_WARN = 0.05  # a run whose rows select no key of their own more often than this is flagged
 AUTO_BATCH_START = 128  # eval.batch_size=auto tries min(samples, this) first, then halves on out-of-memory
 SHORT_CONFIG_KEYS = ("budget", "K", "L", "page_size", "alpha", "beta")
+NO_VALUE = "–"  # a table cell without a value (full attention's own "vs full", a statistic a run did not have)
 
 
 def method_options(name: str) -> dict[str, Any]:
@@ -500,7 +501,38 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             "time_s": s["time_s"],
         })
     df = pd.DataFrame(rows)
-    return df.to_string(index=False, float_format=lambda x: f"{x:.4g}" if not math.isnan(x) else "-", na_rep="-")
+    if "vs full [95% CI]" in df:  # full attention's own row (and a row without a difference): a dash, not None
+        df["vs full [95% CI]"] = df["vs full [95% CI]"].map(lambda v: NO_VALUE if v is None else v)
+    return df.to_string(index=False, float_format=lambda x: f"{x:.4g}" if not math.isnan(x) else NO_VALUE,
+                        na_rep=NO_VALUE)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def reuse_note(summaries: list[dict[str, Any]], reused: list[tuple[int, int]]) -> str:
+    """What a run took from saved results: `` (reused the saved results of full, topk: nothing recomputed)``, or
+    which runs resumed where; "" when everything was computed now.  ``reused``: per summary, (samples already
+    written at its start, samples expected)."""
+    whole = [s["method"] for s, (done, exp) in zip(summaries, reused) if exp and done >= exp]
+    part = [f"{s['method']} at sample {done + 1} of {exp}" for s, (done, exp) in zip(summaries, reused)
+            if exp and 0 < done < exp]
+    notes = []
+    if whole:
+        notes.append(("all results were already saved there: reused, nothing recomputed" if len(whole) == len(summaries)
+                      else f"reused the saved results of {', '.join(whole)}"))
+    if part:
+        notes.append(f"resumed {', '.join(part)}")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _reused(run_dir: Path) -> tuple[int, int]:
+    """(samples already written when the run (re)started, samples expected), from its progress.json."""
+    from .store import PROGRESS_FILE, read_json
+
+    p = read_json(run_dir / PROGRESS_FILE) or {}
+    return int(p.get("done_at_start") or 0), int(p.get("expected_samples") or 0)
 
 
 def run(cfg: Any) -> list[dict[str, Any]]:
@@ -509,12 +541,14 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     check_batch(exp, methods, exp.samples())  # memory (MagicPIG's tables; on the CPU, the batch): refused here
     check_long(exp, methods, log)  # on the CPU, over an hour: refused unless eval.allow_long=true
     summaries = []
+    reused: list[tuple[int, int]] = []  # per run: (samples already saved at its start, expected)
     for m in methods:
         _, run_dir = exp.run_dir(m)
         unwritable = check_writable(run_dir)
         if unwritable:  # a read-only store: a finished run is read back, anything else is refused
             if run_state(run_dir)["state"] == "done" and not cfg.eval.rerun_failed:
                 summaries.append(json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8")))
+                reused.append((summaries[-1]["samples"], summaries[-1]["samples"]))
                 continue
             raise RunsDirError(f"paths.runs_dir={cfg.paths.runs_dir}: cannot write {unwritable}; give a writable "
                                f"folder, e.g. paths.runs_dir=runs")
@@ -522,6 +556,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
             with run_lock(run_dir):  # one process per run dir: a duplicate job waits, then finds the samples done
                 clear_failure(run_dir)
                 summaries.append(exp.run_method(m, run_dir))
+            reused.append(_reused(run_dir))
         except KeyboardInterrupt as exc:  # nothing to record: the run resumes at its next sample
             exc.run_dir = str(run_dir)  # type: ignore[attr-defined]
             raise
@@ -538,10 +573,10 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     if cfg.print_table:
         first = summaries[0]
         print(f"\nmodel={first['model']} task={first['task']} protocol={first['protocol']} "
-              f"({first['samples']} samples; 95% CI: percentile bootstrap over samples; vs full: paired difference "
+              f"({plural(first['samples'], 'sample')}; 95% CI: percentile bootstrap over samples; vs full: paired difference "
               f"with full attention on the same samples, * where its interval excludes 0 (claimed from 8 samples); Cost1/Cost2/static/est_error: "
               f"means over sparse layers, heads and query rows)")
         compare_with_full(exp.task, summaries)
         print(format_table(summaries))
-        print(f"results: {Path(first['run_dir']).parent}")
+        print(f"results: {Path(first['run_dir']).parent}{reuse_note(summaries, reused)}")
     return summaries

@@ -50,7 +50,7 @@ def _prompts(tok: Any, context: int, batch: int) -> torch.Tensor:
     """[batch, context] token ids: row i starts i·context tokens into the shipped WikiText-2 head."""
     from ..tasks.wikitext import BUNDLED
 
-    ids = tok(BUNDLED.read_text(encoding="utf-8"))["input_ids"]
+    ids = tok(BUNDLED.read_text(encoding="utf-8"), verbose=False)["input_ids"]  # one long text, cut into rows
     need = context * batch
     if len(ids) < need:
         raise ValueError(f"context={context} x batch={batch} needs {need} tokens; the shipped text has {len(ids)} "
