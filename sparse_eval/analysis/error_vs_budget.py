@@ -89,7 +89,7 @@ def oracle_bound(q: torch.Tensor, k: torch.Tensor, scaling: float, sink: int, lo
 
 def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progress: bool = False) -> list[dict[str, Any]]:
     """Returns one record per (layer, method, setting, seed): error, cost2 and (oracle) unique count and bound.
-    ``progress``: a progress bar over the passage's forward and every (layer, method, setting, seed), with the
+    ``progress``: progress bars for the passage's forward and then every (layer, method, setting, seed), with the
     time left."""
     opts.validate()
     shape = model_shape(model)
@@ -106,9 +106,11 @@ def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progre
     kept = [b for b in opts.budgets if not (math.floor(float(b) * (n_min - opts.sink - opts.local)) < 1 and b < 1.0)]
     per_layer = len(kept) * (("topk" in opts.methods) + len(seeds) * ("oracle" in opts.methods)) \
         + len(opts.magicpig) * len(seeds) * ("magicpig" in opts.methods)
-    bar = common.progress(1 + len(layers) * per_layer, f"error_vs_budget: {length}-token forward", "estimate", progress)
-    cap = capture_qkv(model, ids, layers=layers, query_rows=opts.num_queries)
-    bar.update()
+    with common.progress(1, f"error_vs_budget: {length}-token forward", "forward", progress) as fwd:
+        cap = capture_qkv(model, ids, layers=layers, query_rows=opts.num_queries)
+        fwd.update()
+    # the estimates' own bar: its rate (and so the time left) is not skewed by the forward's one long step
+    bar = common.progress(len(layers) * per_layer, "error_vs_budget", "estimate", progress)
     common_opts = {"sink": opts.sink, "local": opts.local}
     records: list[dict[str, Any]] = []
     for li, l in enumerate(layers):
