@@ -124,11 +124,15 @@ def _rope_fn(attn: Any):
 
 
 @torch.no_grad()
-def channel_statistics(model: Any, blocks: list[torch.Tensor], rope: str = "authors") -> dict[str, torch.Tensor]:
-    """Mean |q∘k|, |q|, |k| per layer, head and channel over every token of ``blocks`` (each long [1, T]).
+def channel_statistics(model: Any, blocks: list[torch.Tensor], rope: str = "authors",
+                       progress: bool = False) -> dict[str, torch.Tensor]:
+    """Mean |q∘k|, |q|, |k| per layer, head and channel over every token of ``blocks`` (each long [1, T]);
+    ``progress``: a progress bar with the time left, one step per block.
 
     Returns {"qk": [L, Hq, D], "q": [L, Hq, D], "k": [L, Hkv, D]} (float64).
     """
+    from tqdm.auto import tqdm
+
     from .attention.plugin import attention_modules
 
     if rope not in ROPE_MODES:
@@ -169,7 +173,8 @@ def channel_statistics(model: Any, blocks: list[torch.Tensor], rope: str = "auth
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in mods]
     try:
         device = next(model.parameters()).device
-        for ids in blocks:
+        for ids in tqdm(blocks, desc="calibration forwards", unit="block", disable=not progress, leave=False,
+                        dynamic_ncols=True):
             model(input_ids=ids.to(device), use_cache=False)
     finally:
         for hd in handles:
@@ -196,9 +201,11 @@ def calibrate(
     num_blocks: int | None = None,
     rope: str = "authors",
     command: str = "",
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Runs the calibration and returns the file's content (a JSON-ready dict).  ``text_info``: where ``text`` came
-    from (dataset, split, variant, origin), recorded with a content fingerprint of the tokens used."""
+    from (dataset, split, variant, origin), recorded with a content fingerprint of the tokens used; ``progress``: a
+    progress bar."""
     import transformers
 
     from .overlap import fingerprint
@@ -215,7 +222,7 @@ def calibrate(
     t = torch.tensor(ids[: nb * block_size], dtype=torch.long)
     used = tokenizer.decode(t.tolist(), skip_special_tokens=True)  # the text the statistics saw
     blocks = [t[i * block_size:(i + 1) * block_size].unsqueeze(0) for i in range(nb)]
-    scores = channel_statistics(model, blocks, rope)
+    scores = channel_statistics(model, blocks, rope, progress=progress)
     cfg = model.config.get_text_config()
     hq = cfg.num_attention_heads
     return {
@@ -282,7 +289,7 @@ def run(cfg: Any, command: str = "") -> Path:
     result = calibrate(
         model, tokenizer, text, model_name=model_cfg.name, model_path=model_cfg.path, data_origin=info["origin"],
         text_info=info,
-        block_size=cfg.block_size, num_blocks=cfg.num_blocks, rope=cfg.rope, command=command,
+        block_size=cfg.block_size, num_blocks=cfg.num_blocks, rope=cfg.rope, command=command, progress=True,
     )
     out = Path(cfg.output).expanduser() if cfg.output else user_calibration_dir() / f"{model_cfg.name}.json"
     write(result, out)
@@ -306,11 +313,12 @@ def main(cfg) -> None:
 
     overrides = list(HydraConfig.get().overrides.task)
     command = " ".join(["python -m sparse_eval.calibrate", *overrides])
+    from .cli import EXIT_USAGE, fail
+
     try:
         run(cfg, command)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(exc), EXIT_USAGE)  # one line, exit status 2, nothing left under paths.runs_dir
 
 
 if __name__ == "__main__":

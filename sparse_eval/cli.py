@@ -5,28 +5,74 @@
     2    bad configuration or input, found before anything was written: a Hydra error (unknown key, group or
          option), a bad value, missing data or model weights, a corrupt calibration file, an unwritable runs dir
     130  interrupted (Ctrl-C): the run keeps what it wrote and resumes when the same command runs again
+    143  terminated (SIGTERM, what Slurm and ``timeout`` send): as Ctrl-C
 
 ``hydra_entry(main)`` runs a ``@hydra.main`` function under these rules.  ``HYDRA_FULL_ERROR=1`` set by the user
-still shows Hydra's full traceback.
+still shows Hydra's full traceback.  A refused command (exit status 2) leaves nothing under ``paths.runs_dir``:
+the output folder Hydra made for it (``.hydra/<time>``: its log and config copies) is removed again
+(``forget_hydra_output``), and so are the folders made only to hold it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 SCHEMA_SUFFIX = "_schema"
 _APP_STARTED = False  # set by ``check_choices`` when Hydra has called the app: an OSError before it is Hydra's
+_MADE: list[Path] = []  # folders ``writable_or_tmp`` created for Hydra's output (removed again on a refusal)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (Slurm's time limit or preemption, ``timeout``, ``kill``), raised in the main thread so a run stops
+    as it does on Ctrl-C: what it wrote is kept and the same command resumes it."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:
     print(f"error: {message}", file=sys.stderr)
+    if code == EXIT_USAGE:
+        forget_hydra_output()
     sys.exit(code)
+
+
+def forget_hydra_output() -> None:
+    """Remove the output folder Hydra made for this single run (``hydra.run.dir``: its log and config copies) and
+    the folders ``writable_or_tmp`` made only to hold it, when they are empty: a refused command leaves nothing
+    under ``paths.runs_dir``."""
+    import logging
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
+            return
+        out = Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # noqa: BLE001 - no Hydra output folder to forget
+        return
+    for h in list(logging.root.handlers):  # the job's log file lies in that folder
+        name = getattr(h, "baseFilename", None)
+        if name and Path(name).is_relative_to(out):
+            logging.root.removeHandler(h)
+            h.close()
+    if out.is_dir() and out.parent.name == ".hydra":
+        shutil.rmtree(out, ignore_errors=True)
+    for d in sorted(_MADE, key=lambda p: len(p.parts), reverse=True):
+        try:
+            d.rmdir()  # only when empty
+        except OSError:
+            pass
 
 
 def writable_or_tmp(runs_dir: str) -> str:
@@ -35,6 +81,11 @@ def writable_or_tmp(runs_dir: str) -> str:
     one-line error instead of a Hydra traceback)."""
     path = Path(str(runs_dir)).expanduser()
     try:
+        for d in (path / ".hydra", *(path / ".hydra").parents):
+            if d.exists():
+                break
+            if d not in _MADE:
+                _MADE.append(d)
         path.mkdir(parents=True, exist_ok=True)
         if os.access(path, os.W_OK):
             return str(path)
@@ -98,24 +149,57 @@ def hydra_message(exc: BaseException) -> str:
         if not any(a.split("=")[0].lstrip("+~") == "method" for a in _argv_overrides()):
             return (f"{key}: no method chosen (without method=, every method in `compare` runs); add method=NAME, "
                     f"valid: {_yaml_choices('method')}")
+    missing = re.search(r"Could not (?:find|load) '([\w./-]+)'", msg)
+    group = re.search(r"Available options in '([\w./-]+)'", msg)
+    if missing and group and missing.group(1).startswith(group.group(1) + "/"):
+        return missing_config_message(msg, group.group(1), missing.group(1)[len(group.group(1)) + 1:])
     lines = [l for l in msg.splitlines() if l.strip() and not l.strip().endswith(SCHEMA_SUFFIX)]
     if cause_line and cause_line not in msg:
         lines.append(cause_line)
     return "\n".join(lines)
 
 
+def missing_config_message(msg: str, group: str, name: str) -> str:
+    """One line for Hydra's "Could not find '<group>/<name>'" and its option listing: every option of the group,
+    those in subfolders too (``smoke/ruler_magicpig``, which Hydra's listing leaves out), without the schemas, and
+    the closest names."""
+    import difflib
+
+    from .runner import CONF_DIR
+
+    listed = []
+    for line in msg.split("Available options in", 1)[1].splitlines()[1:]:
+        if not line.startswith(("\t", " ")):
+            break  # Hydra's "Config search path:" follows
+        listed.append(line.strip())
+    folder = CONF_DIR / group
+    nested = [p.relative_to(folder).with_suffix("").as_posix() for p in folder.rglob("*.yaml")] if folder.is_dir() else []
+    options = sorted({o for o in listed + nested if o and not o.endswith(SCHEMA_SUFFIX)},
+                     key=lambda o: (o.count("/"), o))
+    guess = difflib.get_close_matches(name, options, n=2, cutoff=0.6)
+    base = name[:-len("_smoke")] if name.endswith("_smoke") else name
+    if name.endswith("_smoke") and f"smoke/{base}" in options:  # the smoke variants live in a subfolder
+        guess = [f"smoke/{base}"] + [g for g in guess if g != f"smoke/{base}"]
+    hint = f"; did you mean {' or '.join(guess)}?" if guess else ""
+    return f"Could not find '{group}/{name}'; valid {group} options: {', '.join(options)}{hint}"
+
+
 def interrupted(exc: KeyboardInterrupt) -> None:
+    """Ctrl-C or SIGTERM (``Terminated``): where the run stopped and how to resume it; exit status 130 or 143."""
+    what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+    code = EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     run_dir = getattr(exc, "run_dir", None)
     if run_dir is None:
-        print("\ninterrupted before a run started; nothing was written", file=sys.stderr)
+        print(f"\n{what} before a run started; nothing was written", file=sys.stderr)
+        forget_hydra_output()
     else:
         from .status import run_state
 
         s = run_state(Path(run_dir))
         exp = "?" if s["expected"] is None else s["expected"]
-        print(f"\ninterrupted: {run_dir} stopped with {s['written']}/{exp} samples written; run the same command "
+        print(f"\n{what}: {run_dir} stopped with {s['written']}/{exp} samples written; run the same command "
               f"again to resume at the next sample", file=sys.stderr)
-    sys.exit(EXIT_INTERRUPTED)
+    sys.exit(code)
 
 
 def print_help(main: Callable[[], Any]) -> None:
@@ -142,7 +226,8 @@ def print_help(main: Callable[[], Any]) -> None:
 
 def hydra_entry(main: Callable[[], Any]) -> None:
     """Run a ``@hydra.main`` function: Hydra's own errors (composition, overrides, its output folder) as one
-    ``error:`` line and exit status 2; Ctrl-C as where the run stopped and exit status 130."""
+    ``error:`` line and exit status 2; Ctrl-C as where the run stopped and exit status 130, SIGTERM the same with
+    exit status 143."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -151,6 +236,8 @@ def hydra_entry(main: Callable[[], Any]) -> None:
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         print_help(main)
         return
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # SIGTERM ends a run as Ctrl-C does
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         main()
     except KeyboardInterrupt as exc:

@@ -64,6 +64,11 @@ Columns (see also docs/sweeps.md):
                                      the hash of a dirty checkout's difference from its commit, and the record's
                                      version (sparse_eval.provenance; none before version 2)
   run_dir, config_hash               where the row came from
+  error                              why a run could not be read (state "unreadable": its config.yaml is torn or
+                                     corrupt; the row has no score)
+
+Exit status: 0 the table holds every run; 1 a run could not be read (its row says so) or there is no run; 2 the
+folder does not exist or the table cannot be written.
 """
 
 from __future__ import annotations
@@ -144,9 +149,8 @@ def _provenance(meta: dict[str, Any]) -> dict[str, Any]:
 def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) -> list[dict[str, Any]]:
     """The table rows of one run directory."""
     identity = read_identity(run_dir)
-    if not identity or "method" not in identity or "task" not in identity:
-        print(f"warning: {run_dir}: no readable config.yaml; skipped", file=sys.stderr)
-        return []
+    if not identity or not isinstance(identity.get("method"), dict) or not isinstance(identity.get("task"), dict):
+        return [unreadable_row(run_dir, recent_s)]
     method, task_cfg = identity["method"], identity["task"]
     model, ev = identity.get("model") or {}, identity.get("eval") or {}
     summary = read_json(run_dir / SUMMARY_FILE) or {}
@@ -216,6 +220,17 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
             recs = [r for k in keys if k[1] == length for r in groups[k]]
             rows.append(row(recs, "all" if len(subtasks) > 1 else next(iter(subtasks)), length))
     return rows
+
+
+def unreadable_row(run_dir: Path, recent_s: float = 300.0) -> dict[str, Any]:
+    """The row of a run whose config.yaml cannot be read: where it is, state ``unreadable`` and why; no score (its
+    samples cannot be tied to a method and task)."""
+    state = run_state(run_dir, recent_s=recent_s)
+    print(f"warning: {run_dir}: {state['error'] or 'config.yaml cannot be read'}", file=sys.stderr)
+    return {"model": run_dir.parent.name, "method": run_dir.name.split("-", 1)[0], "method_config": run_dir.name.rsplit("-", 1)[0],
+            "run_name": run_dir.name, "task": run_dir.parent.parent.name, "subtask": None, "length": None,
+            "seed": None, "score": None, "samples": state["written"], "expected_samples": state["expected"], "state": state["state"],
+            "error": state["error"], "run_dir": str(run_dir), "config_hash": run_dir.name.rsplit("-", 1)[-1]}
 
 
 def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0):
@@ -347,7 +362,8 @@ def write_table(df, out: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparse_eval.collect", description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", help="a runs folder (paths.runs_dir) or any folder below it")
-    ap.add_argument("--out", help="output path without suffix (default <dir>/results)")
+    ap.add_argument("--out", metavar="X", help="where to write the table, without a suffix: writes X.csv and X.parquet "
+                                               "(parquet when pyarrow is installed; default <dir>/results)")
     ap.add_argument("--no-subtasks", action="store_true", help="one row per run (and length), no subtask rows")
     ap.add_argument("--recent", type=float, default=300.0, help="seconds within which a run counts as running")
     ap.add_argument("--quiet", action="store_true", help="do not print the table")
@@ -387,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     print(f"{len(df)} rows from {df['run_dir'].nunique()} runs -> " + ", ".join(str(p) for p in paths))
+    bad = df[df["state"] == "unreadable"]["run_dir"].unique() if "state" in df else []
+    if len(bad):  # the table lacks those runs' results: say so, and not with exit status 0
+        print(f"error: {len(bad)} of {df['run_dir'].nunique()} runs could not be read (config.yaml); their rows say "
+              f"state=unreadable and carry no score: {', '.join(bad)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -35,6 +35,9 @@ class EvalConfig:
     # samples per padded batch (a sample's record is the same in any batch with ``batch_invariant``); ``auto``:
     # the largest that fits, from min(samples, 128) halving on out-of-memory (the size used is in the summary)
     batch_size: Any = 1
+    # on the CPU, a run whose rough time estimate (``sparse_eval.estimate``) exceeds an hour is refused unless this
+    # is true (it then only warns)
+    allow_long: bool = False
 
 
 @dataclass
@@ -66,6 +69,9 @@ class Config:
     # runs each stochastic method once per seed; a deterministic method runs once (filed under seed 0)
     seed: Any = 0
     print_table: bool = True
+    # multirun (-m): check every job's config, model and data before launching any (``sparse_eval.preflight``);
+    # false launches without the check
+    preflight: bool = True
 
 
 def register_configs() -> None:

@@ -1,4 +1,5 @@
-"""A rough time estimate of a run on the CPU, told at start when it exceeds an hour.
+"""A rough time estimate of a run on the CPU: over an hour, the run is refused at start unless
+``eval.allow_long=true`` (``check_long``; then it only warns).
 
 Per sample: the forward pass's matmul FLOPs, 2·P·T (P parameters, T tokens of the sample) + 2·layers·hidden·T²
 (causal qKᵀ and softmax·V), divided by the float32 matmul rate measured on this CPU at start.  The sparse methods'
@@ -62,3 +63,36 @@ def warn_if_long(model: Any, samples: Sequence[Any], runs: int, log: Any) -> flo
     log.warning("this will take roughly %.1f h on this CPU (%s). It is meant for a GPU; on a CPU lower "
                 "task.num_samples / task.length.", est[0] / 3600, est[1])
     return est[0]
+
+
+def remaining_samples(exp: Any, methods: Sequence[Any]) -> list[list[Any]]:
+    """Per method, the samples it still has to run (those not yet in its run directory's samples.jsonl; with
+    ``eval.rerun_failed`` the failed ones too): a re-run on saved results costs nothing."""
+    from .store import SAMPLES_FILE, read_samples
+
+    samples = exp.samples()
+    rerun = bool(exp.cfg.eval.get("rerun_failed", False))
+    out: list[list[Any]] = []
+    for m in methods:
+        _, run_dir = exp.run_dir(m)
+        done = read_samples(run_dir / SAMPLES_FILE)
+        out.append([s for s in samples if s.id not in done or (rerun and done[s.id].get("status") != "ok")])
+    return out
+
+
+def check_long(exp: Any, methods: Sequence[Any], log: Any) -> float | None:
+    """At start, on the CPU: the rough time of the samples still to run; over ``WARN_S`` it refuses the run
+    (ValueError, before anything is written) unless ``eval.allow_long=true``, which only warns."""
+    todo = [t for t in remaining_samples(exp, methods) if t]
+    if not todo:
+        return None
+    same = all([s.id for s in t] == [s.id for s in todo[0]] for t in todo)
+    est = cpu_estimate(exp.model, todo[0], len(todo)) if same else cpu_estimate(exp.model, [s for t in todo for s in t], 1)
+    if est is None or est[0] < WARN_S:
+        return None if est is None else est[0]
+    if bool(exp.cfg.eval.get("allow_long", False)):
+        log.warning("this will take roughly %.1f h on this CPU (%s); running it as eval.allow_long=true asks.",
+                    est[0] / 3600, est[1])
+        return est[0]
+    raise ValueError(f"this run would take roughly {est[0] / 3600:.1f} h on this CPU ({est[1]}); it is meant for a "
+                     f"GPU: lower task.num_samples / task.length, or add eval.allow_long=true to run it anyway")

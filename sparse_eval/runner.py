@@ -17,13 +17,15 @@ from tqdm.auto import tqdm
 from .attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan, sliding_layers
 from .config import to_plain
 from .engine import Engine
-from .estimate import warn_if_long
+from .estimate import check_long
 from .fingerprint import file_sha256
+from .memory import auto_batch_cap, check_batch
 from .methods import MethodConfig, build_method, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
 from .ordering import ORDER_WINDOW_BATCHES, length_windows, sample_stratum, stratified_order
 from .overlap import check_method as check_calibration_overlap
+from .preflight import check_sparse_layers
 from .seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds, seeded_configs
 from .statistics import bootstrap_ci
 from .status import run_state
@@ -38,6 +40,7 @@ RECORD_STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass"
 EMPTY_SELECTION_WARN = 0.05  # a run whose rows select no key of their own more often than this is flagged
 AUTO_BATCH_START = 128  # eval.batch_size=auto tries min(samples, this) first, then halves on out-of-memory
 SHORT_CONFIG_KEYS = ("budget", "K", "L", "page_size", "alpha", "beta")
+NO_VALUE = "–"  # a table cell without a value (full attention's own "vs full", a statistic a run did not have)
 
 
 def method_options(name: str) -> dict[str, Any]:
@@ -132,7 +135,8 @@ class Experiment:
                                                                                      self.num_layers))
         method = build_method(resolved)
         method.validate(num_layers=self.num_layers, context=self.context)
-        layer_plan(method, self.num_layers, self.sliding)  # refuses a method left with no sparse layer
+        dense, _ = layer_plan(method, self.num_layers, self.sliding)  # refuses one left no layer by sliding ones
+        check_sparse_layers(method, self.num_layers, dense, self.model_cfg.name)  # and by its dense_layers
         method.setup(self.model, self.model_cfg.name)
         # calibration text (DS's channels) disjoint from the evaluated text, by content (sparse_eval.overlap)
         check_calibration_overlap(method, self.task, self.samples(), self.tokenizer)
@@ -315,6 +319,8 @@ class _Batcher:
         self.auto = want == "auto"
         batched = self.task.batched and len(todo) > 1
         self.size = 1 if not batched else min(len(todo), AUTO_BATCH_START) if self.auto else want
+        if self.auto:  # on the CPU: no larger than the rows that fit the host memory (sparse_eval.memory)
+            self.size = auto_batch_cap(exp, session.method.config, todo, self.size)
         self.used: int | None = None
         self.todo = self._order(todo)
 
@@ -530,10 +536,10 @@ SINGLE_SEED_MARK, INCOMPLETE_MARK = "†", "!"
 
 
 def _seeds_text(row: dict[str, Any]) -> str:
-    """Deterministic: "-"; a stochastic method: its seed count (``†`` for one: the interval omits the seed
+    """Deterministic: "–"; a stochastic method: its seed count (``†`` for one: the interval omits the seed
     variation) and the standard deviation of its per-seed scores."""
     if not row["stochastic"]:
-        return "-"
+        return NO_VALUE
     n = len(row["seeds"])
     if n == 1:
         return f"1 {SINGLE_SEED_MARK}"
@@ -565,9 +571,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             "time_s": r["time_s"],
         })
     df = pd.DataFrame(out)
+    if "vs full [95% CI]" in df:  # full attention's own row (and a row without a difference): a dash, not None
+        df["vs full [95% CI]"] = df["vs full [95% CI]"].map(lambda v: NO_VALUE if v is None else v)
     if "n_paired" in df:
-        df["n_paired"] = [str(int(v)) if v is not None and v == v else "-" for v in df["n_paired"]]
-    text = df.to_string(index=False, float_format=lambda x: f"{x:.4g}" if not math.isnan(x) else "-", na_rep="-")
+        df["n_paired"] = [str(int(v)) if v is not None and v == v else NO_VALUE for v in df["n_paired"]]
+    text = df.to_string(index=False, float_format=lambda x: f"{x:.4g}" if not math.isnan(x) else NO_VALUE,
+                        na_rep=NO_VALUE)
     notes = []
     if any(r["stochastic"] and len(r["seeds"]) == 1 for r in rows):
         notes.append(f"{SINGLE_SEED_MARK} one seed of a stochastic method: its interval omits the seed-to-seed "
@@ -578,12 +587,41 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                      "retries the failed samples")
     return "\n".join([text, *notes])
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def reuse_note(summaries: list[dict[str, Any]], reused: list[tuple[int, int]]) -> str:
+    """What a run took from saved results: `` (reused the saved results of full, topk: nothing recomputed)``, or
+    which runs resumed where; "" when everything was computed now.  ``reused``: per summary, (samples already
+    written at its start, samples expected)."""
+    whole = [s["method"] for s, (done, exp) in zip(summaries, reused) if exp and done >= exp]
+    part = [f"{s['method']} at sample {done + 1} of {exp}" for s, (done, exp) in zip(summaries, reused)
+            if exp and 0 < done < exp]
+    notes = []
+    if whole:
+        notes.append(("all results were already saved there: reused, nothing recomputed" if len(whole) == len(summaries)
+                      else f"reused the saved results of {', '.join(whole)}"))
+    if part:
+        notes.append(f"resumed {', '.join(part)}")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _reused(run_dir: Path) -> tuple[int, int]:
+    """(samples already written when the run (re)started, samples expected), from its progress.json."""
+    from .store import PROGRESS_FILE, read_json
+
+    p = read_json(run_dir / PROGRESS_FILE) or {}
+    return int(p.get("done_at_start") or 0), int(p.get("expected_samples") or 0)
+
 
 def run(cfg: Any) -> list[dict[str, Any]]:
     exp = Experiment(cfg)
     methods = [exp.preflight(m) for m in exp.method_configs()]  # a run that cannot start writes nothing
-    warn_if_long(exp.model, exp.samples(), len(methods), log)
+    check_batch(exp, methods, exp.samples())  # memory (MagicPIG's tables; on the CPU, the batch): refused here
+    check_long(exp, methods, log)  # on the CPU, over an hour: refused unless eval.allow_long=true
     summaries = []
+    reused: list[tuple[int, int]] = []  # per run: (samples already saved at its start, expected)
     for m in methods:
         _, run_dir = exp.run_dir(m)
         unwritable = check_writable(run_dir)
@@ -591,6 +629,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
             state = run_state(run_dir)["state"]
             if state == "done" or (state == "incomplete" and not cfg.eval.rerun_failed):
                 summaries.append(json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8")))
+                reused.append((summaries[-1]["samples"], summaries[-1]["samples"]))
                 continue
             raise RunsDirError(f"paths.runs_dir={cfg.paths.runs_dir}: cannot write {unwritable}; give a writable "
                                f"folder, e.g. paths.runs_dir=runs")
@@ -598,6 +637,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
             with run_lock(run_dir):  # one process per run dir: a duplicate job waits, then finds the samples done
                 clear_failure(run_dir)
                 summaries.append(exp.run_method(m, run_dir))
+            reused.append(_reused(run_dir))
         except KeyboardInterrupt as exc:  # nothing to record: the run resumes at its next sample
             exc.run_dir = str(run_dir)  # type: ignore[attr-defined]
             raise
@@ -614,11 +654,11 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     if cfg.print_table:
         first = summaries[0]
         print(f"\nmodel={first['model']} task={first['task']} protocol={first['protocol']} "
-              f"({first['expected_samples']} samples; 95% CI: percentile bootstrap over samples, and over seeds for a "
-              f"stochastic method run with several (two-level); vs full: paired difference with full attention on the "
-              f"n_paired samples both finished, * where its interval excludes 0 (claimed from 8 samples); seeds: "
+              f"({plural(first['expected_samples'], 'sample')}; 95% CI: percentile bootstrap over samples, and over seeds "
+              f"for a stochastic method run with several (two-level); vs full: paired difference with full attention on "
+              f"the n_paired samples both finished, * where its interval excludes 0 (claimed from 8 samples); seeds: "
               f"a stochastic method's seeds and the sd of its per-seed scores; Cost1/Cost2/static/est_error: means "
               f"over sparse layers, heads and query rows)")
         print(format_table(pool_seeds(exp.task, summaries)))
-        print(f"results: {Path(first['run_dir']).parent}")
+        print(f"results: {Path(first['run_dir']).parent}{reuse_note(summaries, reused)}")
     return summaries

@@ -1,4 +1,4 @@
-"""The state of every run under a folder: done / incomplete / running / failed / pending, and the run-dir files
+"""The state of every run under a folder: done / incomplete / running / failed / pending / unreadable, and the run-dir files
 that say so.
 
     python -m sparse_eval.status runs/                 # one line per run (config), then the totals
@@ -14,6 +14,8 @@ results (``samples.jsonl``, ``summary.json``), three small files the runner writ
 
 States (the first that applies):
 
+    unreadable  config.yaml (the run's identity) cannot be read: the run cannot be named, resumed or tabulated;
+              the command that made it rewrites it at its start (keeping the samples), else remove the directory
     failed    failed.json exists: the run stopped with an error (a sample's own error does not fail the run; it
               is a record with status "error" in samples.jsonl, counted in ``errors``)
     done      summary.json is newer than the last sample and every expected sample finished without an error
@@ -43,7 +45,9 @@ from typing import Any
 from .store import (CONFIG_FILE, FAILED_FILE, PROGRESS_FILE, SAMPLES_FILE, SUMMARY_FILE, find_run_dirs, lock_held,
                     method_label, read_identity, read_json, read_samples)
 
-STATES = ("done", "incomplete", "running", "failed", "pending")
+STATES = ("done", "incomplete", "running", "failed", "pending", "unreadable")
+UNREADABLE_FIX = ("config.yaml cannot be read (torn or corrupt): the run cannot be named, resumed or tabulated; run the "
+                  "command that made it again (it rewrites config.yaml and keeps the samples) or remove the directory")
 DEFAULT_RECENT_S = 300.0
 
 
@@ -94,7 +98,12 @@ def run_state(run_dir: Path, now: float | None = None, recent_s: float = DEFAULT
     last = max([t for t in (t_samples, t_summary, t_progress, t_failed, _mtime(run_dir / CONFIG_FILE)) if t] or [0])
     held = lock_held(run_dir)
     all_written = expected is not None and written >= expected
-    if failed is not None and not held and (t_failed or 0) >= max(t_samples or 0, t_progress or 0):
+    identity = read_identity(run_dir)
+    readable = isinstance(identity, dict) and isinstance(identity.get("method"), dict) and \
+        isinstance(identity.get("task"), dict)
+    if not readable and not held:
+        state = "unreadable"
+    elif failed is not None and not held and (t_failed or 0) >= max(t_samples or 0, t_progress or 0):
         state = "failed"
     elif all_written and t_summary is not None and t_summary >= (t_samples or 0) and not held:
         state = "incomplete" if errors else "done"
@@ -104,9 +113,10 @@ def run_state(run_dir: Path, now: float | None = None, recent_s: float = DEFAULT
         state = "pending"
     return {
         "state": state, "run_dir": str(run_dir), "task": run_dir.parent.parent.name, "model": run_dir.parent.name,
-        "config": run_name(read_identity(run_dir), run_dir), "written": written, "expected": expected, "errors": errors,
-        "complete": expected is not None and written - errors >= expected,
-        "age_s": now - last if last else None, "error": (failed or {}).get("error") if state == "failed" else None,
+        "config": run_name(identity if readable else None, run_dir), "written": written, "expected": expected,
+        "errors": errors, "complete": expected is not None and written - errors >= expected,
+        "age_s": now - last if last else None,
+        "error": (failed or {}).get("error") if state == "failed" else UNREADABLE_FIX if state == "unreadable" else None,
         "host": progress.get("host"), "slurm_job_id": progress.get("slurm_job_id"),
     }
 
@@ -130,7 +140,7 @@ def format_states(states: list[dict[str, Any]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
     for s in states:
         if s["error"]:
-            lines.append(f"failed: {s['run_dir']}: {s['error'].splitlines()[0][:300]}")
+            lines.append(f"{s['state']}: {s['run_dir']}: {s['error'].splitlines()[0][:300]}")
     return "\n".join(lines)
 
 
@@ -158,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if states:
             print(format_states(states))
-        print(f"{sum(totals.values())} runs: " + ", ".join(f"{v} {k}" for k, v in totals.items()) + f"  ({root})")
+        print(f"{sum(totals.values())} runs: " + ", ".join(f"{v} {k}" for k, v in totals.items()
+                                                        if k != "unreadable" or v) + f"  ({root})")
     return 0
 
 

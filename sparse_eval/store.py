@@ -133,9 +133,54 @@ def write_json(path: Path, obj: Any) -> None:
     is created when missing."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file renamed over it; a failed write (a full disk) removes its
+    temporary file instead of leaving it behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+TMP_PATTERNS = (".*.*.tmp", "samples.tmp")  # ``_write_atomic``'s and ``SampleLog``'s temporary files
+STALE_TMP_S = 60.0
+
+
+def remove_stale_tmp(run_dir: Path) -> list[Path]:
+    """Remove the temporary files a killed or failed write left in ``run_dir`` (``.<file>.<pid>.tmp`` of a process
+    that is gone from this host, or older than ``STALE_TMP_S``; ``samples.tmp``).  Called by the process that holds
+    the run's lock, when the run (re)starts.  Returns what it removed."""
+    gone = []
+    now = time.time()
+    for pattern in TMP_PATTERNS:
+        for f in Path(run_dir).glob(pattern):
+            pid = f.name.rsplit(".", 2)[-2] if f.name.startswith(".") else ""
+            try:
+                old = now - f.stat().st_mtime > STALE_TMP_S
+            except OSError:
+                continue
+            if f.name == "samples.tmp" or old or (pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid))):
+                with contextlib.suppress(OSError):
+                    f.unlink()
+                    gone.append(f)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by another user
+        return True
+    return True
 
 
 def read_json(path: Path) -> Any:
@@ -156,7 +201,7 @@ def record_start(run_dir: Path, identity: dict[str, Any]) -> None:
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(OmegaConf.create(identity)), encoding="utf-8")
+    _write_atomic(run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(identity)))
     if not (run_dir / META_FILE).exists():
         write_json(run_dir / META_FILE, provenance())
 
@@ -188,8 +233,11 @@ def write_failure(run_dir: Path, exc: BaseException, extra: dict[str, Any] | Non
 
 
 def clear_failure(run_dir: Path) -> None:
+    """At a run's (re)start, under its lock: drop the failure record and the temporary files a failed or killed
+    write left (``remove_stale_tmp``)."""
     with contextlib.suppress(FileNotFoundError):
         (Path(run_dir) / FAILED_FILE).unlink()
+    remove_stale_tmp(run_dir)
 
 
 class SampleLog:

@@ -95,7 +95,7 @@ def test_phase_times_break_down_the_magicpig_steps(stories, prompts):
     assert timed.tokens.tolist() == plain.tokens.tolist()
     ms = timed.stats["phase_ms"]
     assert set(ms) == {"magicpig_codes_to_host", "magicpig_cpu_sample", "magicpig_cpu_attention",
-                       "magicpig_gpu_attention_merge"}
+                       "magicpig_static_attention_merge"}
     assert timed.stats["phase_steps"] == NEW - 2
     assert all(v > 0 for v in ms.values()) and sum(ms.values()) < sum(timed.step_ms[1:])
     assert "phase_ms" not in plain.stats

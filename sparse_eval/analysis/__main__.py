@@ -12,7 +12,6 @@ summary (means over layers of the headline numbers) and the files written, the p
 from __future__ import annotations
 
 import importlib
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,13 +85,16 @@ register_analysis_configs()
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="analysis")
 def main(cfg) -> None:
+    from ..cli import EXIT_USAGE, fail
+
     try:
         result = run(cfg)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(exc), EXIT_USAGE)  # one line, exit status 2, nothing left under paths.runs_dir
     print(summary(result))
 
 
 if __name__ == "__main__":
-    main()
+    from ..cli import hydra_entry
+
+    hydra_entry(main)  # Hydra's errors as one line, exit status 2 (sparse_eval.cli)

@@ -175,3 +175,10 @@ def layer_summary(table: Any, columns: list[str]) -> Any:
     stats = table[cols].agg(["mean", "min", "max"]).T
     return pd.DataFrame({"quantity": cols, "mean": stats["mean"].values, "min": stats["min"].values,
                          "max": stats["max"].values})
+
+
+def progress(total: int, desc: str, unit: str = "step", show: bool = True):
+    """A progress bar (stderr) with the rate and the time left, for an analysis's steps."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not show, leave=False, dynamic_ncols=True)

@@ -67,11 +67,12 @@ def rank_channels(score: torch.Tensor) -> torch.Tensor:
     return torch.sort(score, dim=-1, descending=True, stable=True).indices
 
 
-def offline_scores(model: Any, blocks: torch.Tensor, channel_type: str, rope: str = "authors") -> torch.Tensor:
+def offline_scores(model: Any, blocks: torch.Tensor, channel_type: str, rope: str = "authors",
+                   progress: bool = False) -> torch.Tensor:
     """Calibration statistic [L, H, D] (H = query heads for qk/q, KV heads for k), by calibrate.py's code."""
     from ..calibrate import channel_statistics
 
-    stats = channel_statistics(model, [b.unsqueeze(0) for b in blocks], rope)
+    stats = channel_statistics(model, [b.unsqueeze(0) for b in blocks], rope, progress=progress)
     return stats[channel_type].float()
 
 
@@ -142,7 +143,9 @@ def layer_similarity(model: Any, ids: torch.Tensor) -> dict[str, list[float]]:
 
 # -- the run --------------------------------------------------------------------------------------------------
 
-def measure(model: Any, tokenizer: Any, context: int, opts: DSCheckOptions) -> dict[str, Any]:
+def measure(model: Any, tokenizer: Any, context: int, opts: DSCheckOptions, show: bool = True) -> dict[str, Any]:
+    """The checks' raw numbers; ``show``: progress bars (calibration forwards, then the online windows and the
+    layer similarity) with the time left."""
     opts.validate()
     shape = model_shape(model)
     block = min(context, 512) if opts.block_size is None else int(opts.block_size)
@@ -153,12 +156,14 @@ def measure(model: Any, tokenizer: Any, context: int, opts: DSCheckOptions) -> d
     text, origin = common.load_text(opts.text, opts.data_dir, opts.text_path)
     calib = common.token_windows(tokenizer, text, block, opts.calib_blocks)
     online = common.token_windows(tokenizer, text, block, opts.online_blocks, skip=opts.calib_blocks)
-    off = offline_scores(model, calib, opts.channel_type, opts.rope)  # [L, H, D]
+    off = offline_scores(model, calib, opts.channel_type, opts.rope, progress=show)  # [L, H, D]
     off_rank = rank_channels(off)
     d = shape["head_dim"]  # ratios as the channel counts they give (r = max(1, round(ρ·d))), duplicates merged
     ratios = sorted({max(1, int(round(float(r) * d))) / d for r in opts.ratios})
     acc: dict[int, torch.Tensor] = {}
+    bar = common.progress(online.shape[0] + 1, "ds_checks: online windows", "window", show)
     for i in range(online.shape[0]):
+        bar.update()
         pre_rope = opts.rope == "before" or (opts.rope == "authors" and opts.channel_type in ("q", "k"))
         if pre_rope:  # the side of RoPE the calibration statistic was taken on
             cap = _pre_rope_qk(model, online[i:i + 1], opts.num_queries)
@@ -171,7 +176,10 @@ def measure(model: Any, tokenizer: Any, context: int, opts: DSCheckOptions) -> d
     overlap = {l: acc[l] / online.shape[0] for l in sorted(acc)}  # [H, F]
     hidden = common.token_windows(tokenizer, text, block, opts.hidden_blocks, skip=opts.calib_blocks + opts.online_blocks) \
         if _enough(tokenizer, text, block, opts.calib_blocks + opts.online_blocks + opts.hidden_blocks) else online
+    bar.set_description("ds_checks: layer similarity")
     sim = layer_similarity(model, hidden)
+    bar.update()
+    bar.close()
     return {
         "model_shape": shape, "text": origin, "block_size": block, "ratios": ratios,
         "channel_type": opts.channel_type,

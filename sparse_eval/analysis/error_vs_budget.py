@@ -88,7 +88,9 @@ def oracle_bound(q: torch.Tensor, k: torch.Tensor, scaling: float, sink: int, lo
 
 
 def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progress: bool = False) -> list[dict[str, Any]]:
-    """Returns one record per (layer, method, setting, seed): error, cost2 and (oracle) unique count and bound."""
+    """Returns one record per (layer, method, setting, seed): error, cost2 and (oracle) unique count and bound.
+    ``progress``: progress bars for the passage's forward and then every (layer, method, setting, seed), with the
+    time left."""
     opts.validate()
     shape = model_shape(model)
     layers = common.pick_layers(opts.layers, shape["num_layers"])
@@ -99,12 +101,20 @@ def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progre
         raise ValueError(f"num_queries={opts.num_queries} must be smaller than length={length}")
     text, origin = common.load_text(opts.text, opts.data_dir, opts.text_path)
     ids = common.token_windows(tokenizer, text, length, 1)
-    cap = capture_qkv(model, ids, layers=layers, query_rows=opts.num_queries)
-    common_opts = {"sink": opts.sink, "local": opts.local}
     n_min = length - opts.num_queries + 1  # keys of the first query row
-    records: list[dict[str, Any]] = []
     seeds = [opts.seed + r for r in range(opts.repeats)]
+    kept = [b for b in opts.budgets if not (math.floor(float(b) * (n_min - opts.sink - opts.local)) < 1 and b < 1.0)]
+    per_layer = len(kept) * (("topk" in opts.methods) + len(seeds) * ("oracle" in opts.methods)) \
+        + len(opts.magicpig) * len(seeds) * ("magicpig" in opts.methods)
+    with common.progress(1, f"error_vs_budget: {length}-token forward", "forward", progress) as fwd:
+        cap = capture_qkv(model, ids, layers=layers, query_rows=opts.num_queries)
+        fwd.update()
+    # the estimates' own bar: its rate (and so the time left) is not skewed by the forward's one long step
+    bar = common.progress(len(layers) * per_layer, "error_vs_budget", "estimate", progress)
+    common_opts = {"sink": opts.sink, "local": opts.local}
+    records: list[dict[str, Any]] = []
     for li, l in enumerate(layers):
+        bar.set_description(f"error_vs_budget: layer {l} ({li + 1}/{len(layers)})")
         c = cap[l]
         q, k, v = c.q, c.k, c.v
         dev_k = dict(layer_idx=l, scaling=c.scaling)
@@ -114,6 +124,7 @@ def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progre
             if seed is not None:
                 o["seed"] = seed
             _, st = attend(method, q, k, v, **dev_k, **o)
+            bar.update()
             return st
 
         for b in opts.budgets:
@@ -142,8 +153,7 @@ def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progre
                     st = run("magicpig", seed=s, K=int(K), L=int(L), min_collisions=opts.min_collisions,
                                 center=opts.center)
                     records.append(_record(l, "magicpig", st, K=int(K), L=int(L), seed=s))
-        if progress:
-            print(f"  layer {l}: done ({li + 1}/{len(layers)})", flush=True)
+    bar.close()
     for r in records:
         r["length"] = length
         r["text"] = origin

@@ -145,8 +145,9 @@ def _batched(model, ids: torch.Tensor, batch: int, query_rows: int):
         yield capture_qkv(model, ids[start:start + batch], query_rows=query_rows)
 
 
-def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions) -> dict[str, Any]:
-    """Runs every measure; returns the raw numbers (lists nested [layer][head][...])."""
+def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, show: bool = True) -> dict[str, Any]:
+    """Runs every measure; returns the raw numbers (lists nested [layer][head][...]).  ``show``: a progress bar
+    over its steps (the forwards, then the per-layer measures of the passage), with the time left."""
     opts.validate()
     shape = model_shape(model)
     nl = shape["num_layers"]
@@ -163,18 +164,23 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions) -> 
 
     # Fig. 5a: k_0 across inputs of random tokens
     rnd = common.random_tokens(tokenizer, shape["vocab_size"], opts.num_random, opts.random_len, opts.seed)
+    win = common.token_windows(tokenizer, text, opts.sentence_len, opts.num_sentences)
+    steps = -(-rnd.shape[0] // opts.batch) + -(-win.shape[0] // opts.batch) + 1 + nl
+    bar = common.progress(steps, "geometry: random inputs", show=show)
     k0: dict[int, list[torch.Tensor]] = {}
     for cap in _batched(model, rnd, opts.batch, 1):
         for l, c in cap.items():
             k0.setdefault(l, []).append(c.k[:, :, 0])  # [b, Hkv, D]
+        bar.update()
     sink_mean, sink_min = zip(*(pairwise_cos(torch.cat(k0[l])) for l in range(nl)))
 
     # Fig. 5b/5c and Fig. 11: text windows
-    win = common.token_windows(tokenizer, text, opts.sentence_len, opts.num_sentences)
+    bar.set_description("geometry: text windows")
     kavg: dict[int, list[torch.Tensor]] = {}
     ksink: dict[int, list[torch.Tensor]] = {}
     vnorm: dict[int, torch.Tensor] = {}
     for cap in _batched(model, win, opts.batch, 1):
+        bar.update()
         for l, c in cap.items():
             kavg.setdefault(l, []).append(c.k.mean(2))  # [b, Hkv, D]
             ksink.setdefault(l, []).append(c.k[:, :, 0])
@@ -190,10 +196,14 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions) -> 
                                        skip=(opts.num_sentences * (opts.sentence_len - 1)) // max(length - 1, 1) + 1)
     except ValueError:
         passage = common.token_windows(tokenizer, text, length, 1)
+    bar.set_description(f"geometry: {length}-token passage")
     cap = capture_qkv(model, passage, query_rows=opts.num_queries)
+    bar.update()
+    bar.set_description("geometry: per layer")
     fr = [float(f) for f in opts.fractions]
     mass, mass_ns, mass_head, mass_ns_head, spread = [], [], [], [], []
     for l in range(nl):
+        bar.update()
         c = cap[l]
         p = attention_probs(c.q, c.k, c.scaling)  # [1, Hq, Q, N]
         valid = key_validity(None, 1, c.q.shape[2], c.k.shape[2], p.device)  # [1, 1, Q, N]
@@ -205,6 +215,7 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions) -> 
         mass.append(m[0].mean((0, 1)))
         mass_ns.append(mn[0].mean((0, 1)))
         spread.append(score_spread(c.q[:, :, -1:], c.k, c.v, c.scaling))
+    bar.close()
     spread_layer = nl // 2 if opts.spread_layer is None else common.pick_layers(opts.spread_layer, nl)[0]
 
     return {

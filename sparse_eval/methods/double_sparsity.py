@@ -23,7 +23,8 @@ Algorithm 1 (DS Decode), per query head, with C the head's r = α·d calibrated 
   The quantizer is the authors' simulation's: per token, asymmetric min/max over the r label channels,
   2^bits − 1 levels, dequantized.  The authors' simulation quantizes the query label the same way
   (``quantize_query``, default true).  Their conversion helper drops ``label_bits`` when it recurses, so their
-  runs always used 4 bits whatever was asked; here the setting is honoured.
+  runs always used 4 bits whatever was asked; here the setting is honoured, for any width 1..8 (their quantizer is
+  defined for any width and their CLI exposes it, ``--q_bits``; the paper reports 4 only).
 * Defaults.  α = 1/4, β = 1/16 (``alpha=0.25, beta=0.0625``).  The paper's "1/16 channel sparsity" is the
   label cache's size relative to the K cache, α·label_bits/16: the authors' plot code computes channel
   sparsity as group_factor·16/bits, their README runs group_factor 4 (α = 1/4) with 4-bit labels, and §4.2
@@ -131,7 +132,10 @@ class DoubleSparsityConfig(MethodConfig):
     alpha: float = 0.25
     # token ratio β of the context (float) or absolute token count (int, the authors' heavy_const)
     beta: Any = 0.0625
-    # bits of the label cache (1..8, or 16 = not quantized); paper §4.2: 4
+    # bits of the label cache (1..8, or 16 = not quantized); paper §4.2: 4.  Every width 1..8 is valid on purpose
+    # (an ablation of the labels' precision): the simulation quantizes to 2^bits − 1 levels as the authors'
+    # pseudo_quantize does for any width, and their CLI exposes it (--q_bits, default 2).  The system path's
+    # kernels pack 4, 8 or 16 bits only (``python -m sparse_eval.system`` refuses the others)
     label_bits: int = 4
     # quantize the query label too (authors' HF simulation)
     quantize_query: bool = True

@@ -43,9 +43,20 @@ class ModelConfig:
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    valid = ["auto", "cpu"] + (["cuda", "cuda:N"] if torch.cuda.is_available() else [])
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"model.device={device!r} is not a device this package runs on; valid here: {valid} "
+                         f"(auto: CUDA when present, else the CPU)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"model.device={device!r} but CUDA is not available; valid here: 'auto', 'cpu'")
-    return torch.device(device)
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"model.device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                         f"valid here: cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -72,8 +83,50 @@ def resolve_path(cfg: ModelConfig) -> str:
         if not target.exists():
             hint = f" To get it: {cfg.how_to_get}" if cfg.how_to_get else ""
             raise FileNotFoundError(f"model.path: {target} does not exist.{hint}")
+        if not cfg.gguf_file and local.is_dir() and not (local / "config.json").is_file():
+            ggufs = sorted(f.name for f in local.glob("*.gguf"))
+            fix = (f"give model.gguf_file={ggufs[0]}" + (f" (one of {ggufs})" if len(ggufs) > 1 else "")
+                   if ggufs else "give a folder holding a checkpoint (config.json, weights, tokenizer), a hub id, or "
+                                 "model=NAME of conf/model")
+            raise FileNotFoundError(f"model.path={p!r} is not a model checkpoint: {local} has no config.json; {fix}")
         return str(local)
     return p  # a hub id
+
+
+def _load_error(cfg: ModelConfig, exc: BaseException, what: str = "the model") -> FileNotFoundError:
+    """One line for a checkpoint that transformers could not load, naming ``model.path`` and how to get it."""
+    reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    hint = cfg.how_to_get or (f"Download it once (huggingface-cli download {cfg.path} --local-dir DIR) and set "
+                              f"model.path=DIR, or check the hub id")
+    return FileNotFoundError(f"model.path={cfg.path!r}: cannot load {what} ({reason}). {hint}")
+
+
+def load_config(cfg: ModelConfig) -> Any:
+    """The model's config (``AutoConfig``) alone, without its weights: what a sweep's preflight checks jobs
+    against.  Raises the one-line error ``load_model`` raises for a path it cannot load."""
+    from transformers import AutoConfig
+
+    path = resolve_path(cfg)
+    kw: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.gguf_file:
+        kw["gguf_file"] = cfg.gguf_file
+    try:
+        return AutoConfig.from_pretrained(path, **kw)
+    except (OSError, ValueError) as exc:
+        raise _load_error(cfg, exc, "its config") from None
+
+
+def quiet_bpe_cleanup(tokenizer: Any) -> None:
+    """transformers ignores ``clean_up_tokenization_spaces=True`` for a BPE tokenizer (the clean-up is meant for
+    WordPiece and would strip spaces before punctuation) and warns at the first decode of every run; set it to
+    False there, which decodes the same text without the warning.  Other tokenizers are left as they are."""
+    try:
+        bpe = type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
+    except AttributeError:  # a slow (Python) tokenizer: it applies the clean-up and does not warn
+        return
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    if bpe and not forced and getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        tokenizer.clean_up_tokenization_spaces = False
 
 
 def load_model(cfg: ModelConfig, attn_implementation: str = "sdpa") -> tuple[Any, Any]:
@@ -90,12 +143,13 @@ def load_model(cfg: ModelConfig, attn_implementation: str = "sdpa") -> tuple[Any
         kw["gguf_file"] = cfg.gguf_file
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+    except (OSError, ValueError) as exc:  # not on disk, not on the hub, or no tokenizer there: one line
+        raise _load_error(cfg, exc, "the model" if isinstance(exc, OSError) else "its tokenizer") from None
+    try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kw)
-    except OSError as exc:  # not on disk and not reachable on the hub: say how to get it instead of a traceback
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        hint = cfg.how_to_get or (f"Download it once (huggingface-cli download {cfg.path} --local-dir DIR) and set "
-                                  f"model.path=DIR, or check the hub id")
-        raise FileNotFoundError(f"model.path={cfg.path!r}: cannot load the model ({reason}). {hint}") from None
+    except (OSError, ValueError) as exc:  # not on disk, not on the hub, not a causal LM: one line naming model.path
+        raise _load_error(cfg, exc) from None
+    quiet_bpe_cleanup(tokenizer)
     model.to(device).eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,7 @@ def _prompts(tok: Any, context: int, batch: int) -> torch.Tensor:
     """[batch, context] token ids: row i starts i·context tokens into the shipped WikiText-2 head."""
     from ..tasks.wikitext import BUNDLED
 
-    ids = tok(BUNDLED.read_text(encoding="utf-8"))["input_ids"]
+    ids = tok(BUNDLED.read_text(encoding="utf-8"), verbose=False)["input_ids"]  # one long text, cut into rows
     need = context * batch
     if len(ids) < need:
         raise ValueError(f"context={context} x batch={batch} needs {need} tokens; the shipped text has {len(ids)} "
@@ -70,6 +69,12 @@ def run(cfg: Any) -> dict[str, Any]:
     opts = to_plain(cfg.method)
     if opts["name"] not in SYSTEM_LAYERS:
         raise ValueError(f"method={opts['name']!r} has no system path; valid: {list(SYSTEM_LAYERS)}")
+    if opts["name"] == "double_sparsity":
+        from ..kernels.ds import LABEL_BITS
+
+        if opts.get("label_bits") not in LABEL_BITS:
+            raise ValueError(f"method.label_bits={opts.get('label_bits')!r}: the system path's label cache packs "
+                             f"{list(LABEL_BITS)} bits (the accuracy path, python -m sparse_eval, takes 1..8 and 16)")
     method = build_method(make_config(opts["name"], opts))
     tok = None
     if cfg.random_shape:
@@ -139,11 +144,12 @@ def _compare(model, tok, method, name, ids, tokens, new) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="system")
 def main(cfg) -> None:
+    from ..cli import EXIT_USAGE, fail
+
     try:
         rec = run(cfg)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(exc), EXIT_USAGE)  # one line, exit status 2
     m = rec["method"]["name"] + (" (offload)" if rec["method"].get("offload") else "")
     print(f"{rec['model']} on {rec['device']}, method {m}: context {rec['context']}, batch {rec['batch']}, "
           f"{rec['new_tokens']} new tokens" + (", static step (CUDA graph on GPU)" if rec["cuda_graph"] else ""))

@@ -109,7 +109,8 @@ class Ruler(Task):
         for sub in c.subtasks:
             t0 = time.perf_counter()
             out += rd.generate(sub, c.num_samples, c.length, prompter, res, keep_text=keep_text)
-            log.info("ruler: %s: %d samples at %d tokens in %.1f s", sub, c.num_samples, c.length, time.perf_counter() - t0)
+            log.info("ruler: %s: %d sample%s at %d tokens in %.1f s", sub, c.num_samples, "" if c.num_samples == 1 else "s",
+                     c.length, time.perf_counter() - t0)
         self.chat_applied = prompter.chat
         for name, path in res.files.items():
             self.record_file(name, path)

@@ -220,7 +220,7 @@ class MagicPIGLayer(FullLayer):
         wk, wv = self._window(max(c.sink, n - c.local), n)
         static = (self.sink_k[:, :, :s_n], self.sink_v[:, :, :s_n], wk, wv)
         if codes is None:  # no candidate keys yet: every key is static
-            with phase("magicpig_gpu_attention_merge"):
+            with phase("magicpig_static_attention_merge"):
                 o, _ = kmerge.attend_and_merge(q3, *static, torch.zeros(b, hq, d, device=q.device),
                                                torch.full((b, hq), float("-inf"), device=q.device), scaling,
                                                backend=self.backend_gpu)
@@ -235,7 +235,7 @@ class MagicPIGLayer(FullLayer):
         self._count(session, cnt)
         with phase("magicpig_cpu_attention"):
             o_c, lse_c = self._cpu_attention(q_host, idx, cnt, scaling)
-        with phase("magicpig_gpu_attention_merge"):
+        with phase("magicpig_static_attention_merge"):
             # the static keys' attention merged with the CPU part by log-sum-exp, in one launch on CUDA
             o, _ = kmerge.attend_and_merge(q3, *static, *to_device(q.device, o_c, lse_c), scaling,
                                            backend=self.backend_gpu)
