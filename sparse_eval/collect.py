@@ -28,7 +28,8 @@ Columns (see also docs/sweeps.md):
   task, task_config                  task name; its config as JSON (all fields)
   subtask, length                    from the per-sample records ("all": the whole run; length: the task's
                                      length setting, or the records' when they vary)
-  protocol, prefill_chunk            evaluation settings
+  protocol, prefill_chunk,           evaluation settings (batch_invariant: the fixed-order kernels of
+  batch_invariant                    ``sparse_eval.invariance``; None for runs made before the setting existed)
   seed                               the seed the run's method drew from (``seeds.effective_seed``)
   seed_group, stochastic             the hash of the run's identity without its seed; whether the method draws at
                                      random (``Method.stochastic``)
@@ -174,7 +175,8 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
         "dense_layers": ",".join(str(x) for x in method.get("dense_layers") or []) or None, "gqa": method.get("gqa"),
         "sliding_layers": method.get("sliding_layers"),
         "task": task_cfg.get("name"), "task_config": json.dumps(task_cfg, sort_keys=True, default=str),
-        "protocol": ev.get("protocol"), "prefill_chunk": ev.get("prefill_chunk"), "seed": effective_seed(identity),
+        "protocol": ev.get("protocol"), "prefill_chunk": ev.get("prefill_chunk"),
+        "batch_invariant": ev.get("batch_invariant"), "seed": effective_seed(identity),
         "seed_group": seed_group(identity),
         "stochastic": summary["stochastic"] if "stochastic" in summary else is_stochastic(method),
         "metric": metric, "expected_samples": state["expected"], "complete": state["complete"], "state": state["state"],
@@ -255,7 +257,7 @@ def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0):
 
 # the rows a method is compared with full attention on: same model as loaded, task config, evaluation, subtask, length
 PAIR_KEYS = ("model", "model_path", "model_gguf_file", "model_fingerprint", "task_config", "protocol", "prefill_chunk",
-             "subtask", "length")
+             "batch_invariant", "subtask", "length")
 REFERENCE = "full"
 
 

@@ -108,6 +108,7 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
     from ..engine import Engine
     from ..methods import build_method, make_config
     from ..models.loading import load_model, max_context
+    from ..provenance import provenance
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = model or default_model()
@@ -126,6 +127,7 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
         "samples": n, "alone": len(alone_ids), "max_new_tokens": max_new_tokens,
         "subtasks": sorted({s.data.get("subtask", "") for _, s, _ in pool}),
         "setup_s": round(time.perf_counter() - t0, 1), "methods": {}, "mismatches": [], "fast_path": {},
+        "provenance": provenance(),
     }
 
     def run(label, name, opts, invariant, sizes):
