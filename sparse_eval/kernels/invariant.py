@@ -135,22 +135,41 @@ def _tiled_product(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, ali
     return total[:, :m, :n].to(out_dtype)
 
 
+def _weight_product(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ b [K, N] where K is a model dimension (a weight's rows), the same in every batch: M and N padded to
+    multiples of ``MKL_BLOCK`` (at least one) and one MKL product; MKL gives a row the same bits whatever the other
+    rows from 16 rows on (measured), and K needs no tiling since nothing pads it."""
+    m, k = a.shape
+    n = b.shape[1]
+    acc = acc_dtype(torch.promote_types(a.dtype, b.dtype))
+    if m == 0 or n == 0 or k == 0:
+        return torch.zeros(m, n, dtype=out_dtype, device=a.device)
+    a = _pad_to(a.to(acc), 0, MKL_BLOCK)
+    b = _pad_to(b.to(acc), 1, MKL_BLOCK)
+    out = torch.empty(a.shape[0], b.shape[1], dtype=acc, device=a.device)
+    torch.mm(a, b, out=out)
+    return out[:m, :n].to(out_dtype)
+
+
 def bmm_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
                   align: str = "end") -> torch.Tensor:
     """a [Bt, M, K] @ b [Bt, K, N] -> [Bt, M, N] in ``out_dtype`` (default a's dtype), accumulated in
-    ``acc_dtype`` (``_tiled_product``).  A ``b`` broadcast over the batch (stride 0: ``matmul`` of a
-    non-contiguous activation with a weight) is taken as one matrix, the batch folded into its rows, so a row's
-    result is that of ``mm_reference`` and no copy of ``b`` is made per batch entry."""
+    ``acc_dtype`` (``_tiled_product``: K may be a key axis, padded on the left).  A ``b`` broadcast over the batch
+    (stride 0: ``matmul`` of a non-contiguous activation with a weight) is a weight product (``mm_reference``), the
+    batch folded into its rows, so a row's result is the one ``mm_reference`` gives it and ``b`` is not copied."""
     out_dtype = out_dtype or a.dtype
     bt, m, k = a.shape
     if bt > 1 and b.stride(0) == 0:
-        return _tiled_product(a.reshape(1, bt * m, k), b[:1], out_dtype, align).view(bt, m, b.shape[2])
+        return _weight_product(a.reshape(bt * m, k), b[0], out_dtype).view(bt, m, b.shape[2])
     return _tiled_product(a, b, out_dtype, align)
 
 
 def mm_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """a [M, K] @ b [K, N] -> [M, N]: ``bmm_reference`` of one batch entry (a row's result does not depend on M)."""
-    return _tiled_product(a.unsqueeze(0), b.unsqueeze(0), out_dtype or a.dtype)[0]
+    """a [M, K] @ b [K, N] -> [M, N], a row's result independent of M.  A 2-D product is taken as a product with a
+    model's weight (linear layers, projections): its reduction axis K is a model dimension, never padded, so it is
+    not tiled (``_weight_product``).  Reductions over keys, whose length the batch pads, are batched products
+    (``bmm_reference``) or sums."""
+    return _weight_product(a, b, out_dtype or a.dtype)
 
 
 # -- dispatch -----------------------------------------------------------------------------------------------------
