@@ -163,11 +163,12 @@ class Experiment:
         model = self.model_identity
         inputs = build_method(make_config(method["name"], method)).external_inputs(self.model_cfg.name)
         self.samples()  # the task's data files are known once its samples are built
+        task = {k: v for k, v in self.task_opts.items() if not (v is None and k in self.task.identity_when_set)}
         ident = {
             "model": model,
             "method": method,
             "inputs": inputs,
-            "task": self.task_opts,
+            "task": task,
             "eval": {"protocol": self.protocol, "compute_error": ev.compute_error, "prefill_chunk": ev.prefill_chunk,
                      "batch_invariant": ev.batch_invariant},
             "seed": method["seed"],

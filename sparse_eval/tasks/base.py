@@ -65,6 +65,9 @@ class Task:
     default_protocol: ClassVar[str] = "A"
     metric: ClassVar[str] = "score"  # the headline number of the summary table
     higher_is_better: ClassVar[bool] = True
+    # config fields added after runs were archived that enter a run's identity only when set (not None), so the
+    # runs made before them keep their directories (a None there is the behaviour those runs had)
+    identity_when_set: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: TaskConfig, data_dir: str | None = None):
         self.config = config

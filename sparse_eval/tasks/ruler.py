@@ -67,6 +67,10 @@ class RulerConfig(TaskConfig):
     hotpotqa_path: str | None = None  # HotpotQA distractor dev JSON; default paths.data_dir/hotpotqa-dev-sample/
     qa_source: str = "auto"  # auto: local file, else the hub (datasets); local; hub
     remove_newline_tab: bool = False
+    # a cap on the tokens generated per sample; null: RULER's own per-subtask count (``tokens_to_generate``: 128 for
+    # NIAH, 30 VT, 120 CWE, 50 FWE, 32 QA), which the papers use.  Prompts are built as for RULER's count either
+    # way.  For smoke runs that test the plumbing, not the scores (a capped answer can score lower)
+    max_new_tokens: int | None = None
 
 
 @register_task
@@ -75,6 +79,7 @@ class Ruler(Task):
     config_class = RulerConfig
     default_protocol = "A"
     metric = "score"
+    identity_when_set = ("max_new_tokens",)
 
     def validate(self) -> None:
         super().validate()
@@ -92,6 +97,9 @@ class Ruler(Task):
             c.haystack = None if h == "essay" else h
         if c.qa_source not in QA_SOURCES:
             raise ValueError(f"task.qa_source={c.qa_source!r}; valid: {list(QA_SOURCES)}")
+        if c.max_new_tokens is not None and (isinstance(c.max_new_tokens, bool) or c.max_new_tokens < 1):
+            raise ValueError(f"task.max_new_tokens={c.max_new_tokens}: give a count >= 1, or null for RULER's own "
+                             "per-subtask count (the papers' setting)")
         rd.check_essay(c.subtasks, c.haystack, c.essay_path, self.data_dir)
 
     def resources(self) -> rd.Resources:
@@ -132,7 +140,10 @@ class Ruler(Task):
 
     def request(self, sample: Sample) -> GenerationRequest:
         d = sample.data
-        return GenerationRequest(d["input_ids"], max_new_tokens=rd.tokens_to_generate(d["subtask"]),
+        n = rd.tokens_to_generate(d["subtask"])
+        if self.config.max_new_tokens is not None:
+            n = min(n, self.config.max_new_tokens)
+        return GenerationRequest(d["input_ids"], max_new_tokens=n,
                                  context_len=d["context_len"], key=sample.id)
 
     def score(self, sample: Sample, res: GenerationResult) -> dict[str, Any]:
