@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan, sliding_layers
-from .config import to_plain
+from .config import CONF_DIR, to_plain
 from .engine import Engine
 from .estimate import check_long
 from .fingerprint import file_sha256
@@ -35,7 +35,6 @@ from .tasks import build_task
 
 log = logging.getLogger("sparse_eval")
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 RECORD_STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass", "topk_recall")
 EMPTY_SELECTION_WARN = 0.05  # a run whose rows select no key of their own more often than this is flagged
 AUTO_BATCH_START = 128  # eval.batch_size=auto tries min(samples, this) first, then halves on out-of-memory
