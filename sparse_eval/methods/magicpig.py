@@ -53,6 +53,7 @@ import torch
 from ..kernels.magicpig import collision_counts  # Alg. 1 line 2: the one count, Triton on CUDA
 from .base import AttentionContext, Method, MethodConfig, Selection
 from .core import static_keys
+from .labels import count_label
 from .registry import register
 
 _STATE_KEY = "magicpig"
@@ -215,6 +216,7 @@ class MagicPIG(Method):
     config_class = MagicPIGConfig
     stochastic = True  # SimHash projections drawn from config.seed
     index_reads_keys = False
+    display_name = "MagicPIG"
     supported_gqa = ("query_head",)  # the query's hash codes are per query head
     prepare_with_valid = True
     # comparisons materialised at once (memory only; does not change results)
@@ -256,6 +258,21 @@ class MagicPIG(Method):
     def describe(self) -> str:
         c = self.config
         return f"magicpig(K={c.K},L={c.L},min_collisions={c.min_collisions})"
+
+    @classmethod
+    def label(cls, params):
+        """(K,L) as the paper's tables write it, with what departs from eq. 10's defaults (no centering, another
+        collision threshold, MIPS)."""
+        lab = f"({count_label(params.get('K'))},{count_label(params.get('L'))})"
+        extra = []
+        if params.get("center") is False:
+            extra.append("no centering")
+        mc = params.get("min_collisions")
+        if mc not in (None, 2):
+            extra.append(f"≥{mc} coll.")
+        if params.get("mips"):
+            extra.append("MIPS")
+        return lab + (" " + ", ".join(extra) if extra else "")
 
     # -- random projections -----------------------------------------------------------------------
     def projection(self, layer_idx: int, dim: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
+from .labels import budget_label, count_label
 from .registry import register
 from .topk import topk_mask
 
@@ -158,6 +159,8 @@ class Quest(Method):
     name = "quest"
     config_class = QuestConfig
     index_reads_keys = False
+    display_name = "Quest"
+    budget_field = "budget"
 
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
@@ -173,6 +176,11 @@ class Quest(Method):
 
     def describe(self) -> str:
         return f"quest(page={self.config.page_size}, budget={self.config.budget})"
+
+    @classmethod
+    def label(cls, params):
+        """(page size, budget), as MagicPIG's tables write Quest's configs."""
+        return f"({count_label(params.get('page_size'))},{budget_label(params.get('budget'))})"
 
     # -- page metadata ---------------------------------------------------------------------------
     def _update_pages(self, ctx: AttentionContext, first: torch.Tensor) -> dict[str, Any]:

@@ -43,6 +43,8 @@ class TopK(Method):
 
     name = "topk"
     config_class = TopKConfig
+    display_name = "TopK"
+    budget_field = "budget"
 
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
