@@ -228,6 +228,11 @@ class Method:
     # the config field of the method's token budget (float: a ratio of the context, int: tokens), if it has one:
     # the report's config label and sparsity level of a run read it (``label``, ``level``)
     budget_field: ClassVar[str | None] = None
+    # parts of ``index_memory`` allocated once per run, whatever its batch, on the host first (MagicPIG's projections)
+    shared_index_parts: ClassVar[tuple[str, ...]] = ()
+    # whether the options alone can make one row's index larger than any device (MagicPIG's L hash tables of every
+    # key): ``memory.check_index_fits`` then refuses such a setting at start (``index_too_large`` says why)
+    index_may_not_fit: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig):
         if config.seed is None:  # outside a run (attend(), the system path): seed 0
@@ -304,6 +309,21 @@ class Method:
         (e = the cache dtype's element size); ``index_reads_keys`` is then True.  Counted per query-head row, as if
         each head read its own selection (the G heads of a KV group sharing reads is not deducted)."""
         return ctx.n_valid.squeeze(-1).to(torch.float32) * (ctx.k.shape[-1] * ctx.k.element_size())
+
+    # -- what the memory estimate asks (``sparse_eval.memory``), from a config ``params`` --------------------------
+    @classmethod
+    def index_memory(cls, params: Mapping[str, Any], shape: Any, n: int, sparse_layers: int,
+                     building_rows: bool = False) -> dict[str, int]:
+        """Bytes of one row's method index over ``n`` keys in ``sparse_layers`` layers, by part, on the accuracy
+        path; ``shape`` the model's sizes (``memory.Shape``: layers, heads, kv_heads, head_dim), ``building_rows``
+        whether a call's rows build the index (protocols S and B).  Default: no index."""
+        return {}
+
+    @classmethod
+    def index_too_large(cls, params: Mapping[str, Any], need: str) -> str:
+        """The start-time refusal of a setting whose index cannot fit (``index_may_not_fit``); ``need`` says what
+        one sample needs against what is available."""
+        return f"method={cls.name}: its index {need}"
 
     # -- what the report asks, from a run's config ``params`` ({field: value}; fields an old table lacks absent) --
     @classmethod

@@ -236,6 +236,13 @@ class DoubleSparsity(Method):
         return "DS-Offload" if params.get("offload") else cls.display_name
 
     @classmethod
+    def index_memory(cls, params, shape, n, sparse_layers, building_rows=False):
+        """The label cache: r = α·d channels of every key per query head, float32, and its scores (×2)."""
+        alpha = params.get("alpha", 0.25)
+        r = max(1, int(alpha * shape.head_dim)) if isinstance(alpha, float) else int(alpha)
+        return {"label cache": sparse_layers * shape.heads * n * r * 4 * 2}
+
+    @classmethod
     def label(cls, params):
         """"α=…, β=…, b-bit, <channels>"."""
         a, b = params.get("alpha"), params.get("beta")

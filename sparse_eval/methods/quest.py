@@ -34,6 +34,7 @@ page takes two d-vectors (m and M), i.e. the FLOPs of ~one key's q·k and p·v, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +177,12 @@ class Quest(Method):
 
     def describe(self) -> str:
         return f"quest(page={self.config.page_size}, budget={self.config.budget})"
+
+    @classmethod
+    def index_memory(cls, params, shape, n, sparse_layers, building_rows=False):
+        """Page bounds: a min and a max key (float32) per page of every KV head."""
+        page = max(1, int(params.get("page_size", 16)))
+        return {"page bounds": sparse_layers * shape.kv_heads * math.ceil(n / page) * 2 * shape.head_dim * 4}
 
     @classmethod
     def label(cls, params):
