@@ -62,8 +62,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     method: Any = None  # one method (``method=NAME``); null: run every method in ``compare``
     task: Any = None
-    # methods run when ``method`` is null: config names from conf/method/ or {name: ..., option: value} mappings
-    compare: list[Any] = field(default_factory=lambda: ["full"])
+    # methods run when ``method`` is null: config names from conf/method/ or {name: ..., option: value} mappings;
+    # null: every registered method with its own config (``methods.compare_names``: full attention first)
+    compare: list[Any] | None = None
     eval: EvalConfig = field(default_factory=EvalConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

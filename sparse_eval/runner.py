@@ -20,7 +20,7 @@ from .engine import Engine
 from .estimate import check_long
 from .fingerprint import file_sha256
 from .memory import auto_batch_cap, check_batch
-from .methods import MethodConfig, build_method, make_config
+from .methods import MethodConfig, build_method, compare_names, is_dense, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
 from .ordering import ORDER_WINDOW_BATCHES, length_windows, sample_stratum, stratified_order
@@ -102,7 +102,8 @@ class Experiment:
             opts = [to_plain(self.cfg.method)]
         else:
             opts = []
-            for entry in self.cfg.compare:
+            compare = self.cfg.compare if self.cfg.get("compare") is not None else compare_names()
+            for entry in compare:
                 entry = to_plain(entry)
                 if isinstance(entry, str):
                     opts.append(method_options(entry))
@@ -495,7 +496,7 @@ def pool_seeds(task: Any, summaries: list[dict[str, Any]]) -> list[dict[str, Any
     for s in summaries:
         key = json.dumps({k: v for k, v in s["method_config"].items() if k != "seed"}, sort_keys=True, default=str)
         groups.setdefault(key, []).append(s)
-    full = next((g for g in groups.values() if g[0]["method"] == "full"), None)
+    full = next((g for g in groups.values() if is_dense(g[0]["method"])), None)
     ref = terms(full[0]) if full else None
     rows = []
     for group in groups.values():

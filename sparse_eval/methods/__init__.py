@@ -20,7 +20,7 @@ import torch
 from ..discovery import import_package_modules, load_plugins
 from .base import AttentionContext, Method, MethodConfig, Selection
 from .core import key_validity, sparse_attention
-from .registry import METHODS, build_method, is_dense, make_config, method_class, register
+from .registry import METHODS, build_method, compare_names, is_dense, make_config, method_class, register
 
 # every module of this folder registers its method (``@register``): a new method is one new module here
 INFRASTRUCTURE = ("base", "core", "registry", "labels")
@@ -75,8 +75,8 @@ def attend(
 
 
 __all__ = [
-    "AttentionContext", "METHODS", "Method", "MethodConfig", "Selection", "attend", "build_method", "is_dense",
-    "make_config", "method_class", "register", "sparse_attention",
+    "AttentionContext", "METHODS", "Method", "MethodConfig", "Selection", "attend", "build_method", "compare_names",
+    "is_dense", "make_config", "method_class", "register", "sparse_attention",
 ]
 
 

@@ -32,6 +32,12 @@ def is_dense(name: Any) -> bool:
     return bool(cls is not None and cls.dense)
 
 
+def compare_names() -> list[str]:
+    """Every registered method, the one the default experiment compares when ``compare`` is not given: the dense
+    reference first, then by name."""
+    return sorted(METHODS, key=lambda name: (not METHODS[name].dense, name))
+
+
 def make_config(name: str, options: Mapping[str, Any] | None = None) -> MethodConfig:
     """Build a method's config dataclass from plain options, refusing unknown keys by name."""
     import dataclasses
