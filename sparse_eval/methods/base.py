@@ -233,6 +233,9 @@ class Method:
     # whether the options alone can make one row's index larger than any device (MagicPIG's L hash tables of every
     # key): ``memory.check_index_fits`` then refuses such a setting at start (``index_too_large`` says why)
     index_may_not_fit: ClassVar[bool] = False
+    # a method whose selection is its static keys alone (StreamingLLM: attention sinks + a recent window): a row
+    # that keeps none of its candidates is the method, not an empty selection (``core`` counts no ``empty`` row)
+    selects_static_only: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig):
         if config.seed is None:  # outside a run (attend(), the system path): seed 0
