@@ -228,6 +228,8 @@ class Method:
     # the config field of the method's token budget (float: a ratio of the context, int: tokens), if it has one:
     # the report's config label and sparsity level of a run read it (``label``, ``level``)
     budget_field: ClassVar[str | None] = None
+    # the options a reader tells this method's configs apart by (the printed table's config column, progress bars)
+    headline_options: ClassVar[tuple[str, ...]] = ()
     # parts of ``index_memory`` allocated once per run, whatever its batch, on the host first (MagicPIG's projections)
     shared_index_parts: ClassVar[tuple[str, ...]] = ()
     # whether the options alone can make one row's index larger than any device (MagicPIG's L hash tables of every

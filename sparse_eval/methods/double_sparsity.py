@@ -185,6 +185,7 @@ class DoubleSparsity(Method):
     config_class = DoubleSparsityConfig
     index_reads_keys = False
     display_name = "DS"
+    headline_options = ("alpha", "beta")
 
     @property
     def stochastic(self) -> bool:  # type: ignore[override]

@@ -217,6 +217,7 @@ class MagicPIG(Method):
     stochastic = True  # SimHash projections drawn from config.seed
     index_reads_keys = False
     display_name = "MagicPIG"
+    headline_options = ("K", "L")
     shared_index_parts = ("projections",)  # one set of matrices for the whole batch
     index_may_not_fit = True  # L tables of every key: method.L=100000000 fits no machine
     supported_gqa = ("query_head",)  # the query's hash codes are per query head

@@ -162,6 +162,7 @@ class Quest(Method):
     index_reads_keys = False
     display_name = "Quest"
     budget_field = "budget"
+    headline_options = ("page_size", "budget")
 
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
