@@ -9,9 +9,9 @@ each row, added by ``core``), so the method selects no key of its own and its at
 
 Its Cost2 is the static fraction, Cost1 = 0 (no search), and it reads the K and V rows of the kept keys only.
 ``sink`` is the authors' ``start_size``; ``local`` counts the query's own key, so it is their ``recent_size`` + 1
-(the authors' cache holds ``recent_size`` keys before the query's own is appended).  Settings and the one departure
-(keys keep their original positions; the authors' ``enable_pos_shift`` re-positions them within the cache):
-docs/fidelity.md.
+(the authors' cache holds ``recent_size`` keys before the query's own is appended); with ``sink=0 local=0`` a row
+keeps only its newest key (``core``'s fallback).  Settings and the one departure (keys keep their original
+positions; the authors' ``enable_pos_shift`` re-positions them within the cache): docs/fidelity.md.
 """
 
 from __future__ import annotations
@@ -40,12 +40,6 @@ class StreamingLLM(Method):
     display_name = "StreamingLLM"
     selects_static_only = True  # a row keeping no candidate is the method, not an empty selection
     index_reads_keys = False  # no index: the kept keys' K and V rows are all it reads
-
-    def validate(self, num_layers=None, context=None):
-        super().validate(num_layers, context)
-        if self.config.sink == 0 and self.config.local == 0:
-            raise ValueError("method.sink=0 with method.local=0: StreamingLLM attends to its sinks and recent window "
-                             "only, so it would keep no key; give method.sink (the authors: 4) and method.local")
 
     def select(self, ctx: AttentionContext) -> Selection:
         return Selection(keep=ctx.static.expand_as(ctx.scores))  # [B, Hq, Q, N]: the static keys, nothing else
