@@ -33,7 +33,7 @@ def is_dense(name: Any) -> bool:
 
 
 def compare_names() -> list[str]:
-    """Every registered method, the one the default experiment compares when ``compare`` is not given: the dense
+    """The methods the default experiment compares when ``compare`` is not given: every registered one, the dense
     reference first, then by name."""
     return sorted(METHODS, key=lambda name: (not METHODS[name].dense, name))
 

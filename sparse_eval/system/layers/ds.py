@@ -198,7 +198,8 @@ class DSLayer(SelectsTopK, FullLayer):
     def check_options(cls, cfg):
         if cfg.get("label_bits") not in kds.LABEL_BITS:
             raise ValueError(f"method.label_bits={cfg.get('label_bits')!r}: the system path's label cache packs "
-                             f"{list(kds.LABEL_BITS)} bits (the accuracy path, python -m sparse_eval, takes 1..8 and 16)")
+                             f"{list(kds.LABEL_BITS)} bits (the accuracy path, python -m sparse_eval, takes 1..8 and "
+                             f"16)")
 
     @classmethod
     def label_bytes(cls, cfg: dict[str, Any], n: int, hkv: int, d: int) -> int:
