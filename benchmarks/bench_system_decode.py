@@ -211,7 +211,7 @@ def print_plan(a, shape: dict, cpu_free: float, threads: int) -> int:
             name, _, forced = spec.partition("@")
             base = "_".join(p for p in name.split("_") if p not in ("graph", "torchtopk", "halves"))
             cfg = method_config(base, n_layers, shape["num_key_value_heads"], shape["head_dim"])
-            batch, plan = plan_batch(base, cfg, ctx, a.steps, shape, n_layers, gpu_free, cpu_free, a.max_batch)
+            batch, plan = plan_batch(cfg, ctx, a.steps, shape, n_layers, gpu_free, cpu_free, a.max_batch)
             batch = int(forced) if forced else (a.batch or batch)
             print(f"{ctx:8d} {name:22s} {batch:5d} {plan['gpu_bytes_per_row'] / 2**20:12.1f} "
                   f"{plan['cpu_bytes_per_row'] / 2**20:13.1f} {plan['fit_gpu']:8d} {plan['fit_cpu']:8d}")
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
             interleave = 2 if "halves" in parts else 1
             base = "_".join(p for p in parts if p not in ("graph", "torchtopk", "halves"))
             cfg = method_config(base, n_layers, shape["num_key_value_heads"], shape["head_dim"])
-            batch, plan = plan_batch(base, cfg, ctx, a.steps, shape, n_layers, gpu_free, cpu_free, a.max_batch)
+            batch, plan = plan_batch(cfg, ctx, a.steps, shape, n_layers, gpu_free, cpu_free, a.max_batch)
             batch = int(forced) if forced else (a.batch or batch)
             rec.update(batch=batch, batch_forced=bool(forced or a.batch), plan=plan, cuda_graph=graph, topk=topk,
                        interleave=interleave,

@@ -258,14 +258,16 @@ def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0):
 # the rows a method is compared with full attention on: same model as loaded, task config, evaluation, subtask, length
 PAIR_KEYS = ("model", "model_path", "model_gguf_file", "model_fingerprint", "task_config", "protocol", "prefill_chunk",
              "batch_invariant", "subtask", "length")
-REFERENCE = "full"
 
 
 def _references(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
-    """Full attention's row per ``PAIR_KEYS`` (the first found; full attention has no randomness)."""
+    """Full attention's row per ``PAIR_KEYS`` (the first found; full attention has no randomness): the rows of the
+    dense reference method (``Method.dense``)."""
+    from .methods import is_dense  # torch, only when runs are collected
+
     refs: dict[tuple, dict[str, Any]] = {}
     for r in rows:
-        if r.get("method") == REFERENCE and r.get("_terms") is not None:
+        if is_dense(r.get("method")) and r.get("_terms") is not None:
             refs.setdefault(tuple(str(r.get(k)) for k in PAIR_KEYS), r)
     return refs
 

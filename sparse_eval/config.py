@@ -1,13 +1,16 @@
 """Structured-config schemas (Hydra ConfigStore), so a wrong key or value fails at start.
 
 ``conf/`` mirrors the code: ``conf/model`` -> ``models.loading.ModelConfig``, ``conf/method/<name>`` -> the
-method's config dataclass (registered here as ``<name>_schema``), ``conf/task/<name>`` -> the task's.
+method's config dataclass (registered here as ``<name>_schema``), ``conf/task/<name>`` -> the task's.  A registered
+method with no ``conf/method/<name>.yaml`` (a user's plugin, ``sparse_eval.discovery``) is stored here under its
+name with its dataclass's defaults, so ``method=<name>`` selects it all the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -17,7 +20,7 @@ from .methods import METHODS
 from .models.loading import ModelConfig
 from .tasks import TASKS
 
-
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 @dataclass
 class EvalConfig:
@@ -59,8 +62,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     method: Any = None  # one method (``method=NAME``); null: run every method in ``compare``
     task: Any = None
-    # methods run when ``method`` is null: config names from conf/method/ or {name: ..., option: value} mappings
-    compare: list[Any] = field(default_factory=lambda: ["full"])
+    # methods run when ``method`` is null: config names from conf/method/ or {name: ..., option: value} mappings;
+    # null: every registered method with its own config (``methods.compare_names``: full attention first)
+    compare: list[Any] | None = None
     eval: EvalConfig = field(default_factory=EvalConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -84,6 +88,8 @@ def register_configs() -> None:
     cs.store(group="logger", name="logger_schema", node=LoggerConfig)
     for name, cls in METHODS.items():
         cs.store(group="method", name=f"{name}_schema", node=cls.config_class)
+        if not (CONF_DIR / "method" / f"{name}.yaml").is_file():  # a plugin's method: its defaults as its config
+            cs.store(group="method", name=name, node=cls.config_class(name=name))
     for name, cls in TASKS.items():
         cs.store(group="task", name=f"{name}_schema", node=cls.config_class)
 

@@ -19,9 +19,10 @@ tokens per prefill forward (``eval.prefill_chunk`` or the whole prompt), e = the
     layer inputs           layers · T · hidden · e                  (sparse methods keep each layer's input)
     sparse blocks          Hq · Q · N · 4 · 8                       (Q query rows per sparse call: min(query_chunk,
                                                                      T) while the prompt is sparse, else 1)
-    method index           MagicPIG: sparse layers · Hkv · N · L · code bytes · 2 (the codes, grown
-                           geometrically) and, where rows build the index (protocols S, B), Hkv · N · K·L bytes;
-                           Quest: sparse layers · Hkv · ⌈N/page⌉ · 2 · D · 4; DS: sparse layers · Hq · N · r · 4 · 2
+    method index           the method's own estimate (``Method.index_memory``), e.g. MagicPIG: sparse layers ·
+                           Hkv · N · L · code bytes · 2 (the codes, grown geometrically) and, where rows build the
+                           index (protocols S, B), Hkv · N · K·L bytes; Quest: sparse layers · Hkv · ⌈N/page⌉ · 2 ·
+                           D · 4; DS: sparse layers · Hq · N · r · 4 · 2
 
 times ``SAFETY``.  Measured peaks (VmHWM above the loaded model, 2026-12-02) of SmolLM2-135M-Instruct on RULER
 niah_single_1 at 4K (3,962 prompt tokens + 128 generated, noise haystack), fp32 on the 2-core dev machine, against
@@ -34,10 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+from .methods.registry import METHODS, is_dense
 
 log = logging.getLogger("sparse_eval")
 
@@ -132,7 +134,7 @@ def _plain(method: Any) -> dict[str, Any]:
 def _sparse_layers(method: dict[str, Any], layers: int) -> int:
     from .methods.base import resolve_dense_layers
 
-    if method.get("name") == "full":
+    if is_dense(method.get("name")):
         return 0
     try:
         return layers - len(resolve_dense_layers(method.get("dense_layers", []), layers))
@@ -141,32 +143,19 @@ def _sparse_layers(method: dict[str, Any], layers: int) -> int:
 
 
 def index_bytes(method: Any, shape: Shape, n: int, building_rows: bool = False) -> dict[str, int]:
-    """Bytes of one row's method index over ``n`` keys (all sparse layers), and what MagicPIG allocates besides:
-    its projection matrices (``projections``, shared by the batch) and, where a call's rows build the index
-    (protocols S and B), the comparison of every key with every table (``build``)."""
+    """Bytes of one row's method index over ``n`` keys (all sparse layers), by part: the method's own estimate
+    (``Method.index_memory``; its ``shared_index_parts``, e.g. MagicPIG's projections, are allocated once per
+    run)."""
     m = _plain(method)
-    name = m.get("name")
-    sparse = _sparse_layers(m, shape.layers)
-    out: dict[str, int] = {}
-    if name == "magicpig":
-        K, L = int(m.get("K", 10)), int(m.get("L", 150))
-        code = 2 if K <= 15 else 4 if K <= 31 else 8
-        dim = shape.head_dim + (1 if m.get("mips") else 0)
-        groups = math.ceil(shape.layers / max(1, int(m.get("projection_group", 1) or 1)))
-        out["hash codes"] = sparse * shape.kv_heads * n * L * code * 2
-        out["projections"] = groups * dim * K * L * 4
-        # the query's codes and one chunk of hashing (at least one key's K·L projections, float32 and bool)
-        out["hashing"] = shape.heads * L * code + 8 * shape.kv_heads * K * L
-        if building_rows:
-            out["build"] = shape.kv_heads * n * K * L
-    elif name == "quest":
-        page = max(1, int(m.get("page_size", 16)))
-        out["page bounds"] = sparse * shape.kv_heads * math.ceil(n / page) * 2 * shape.head_dim * 4
-    elif name == "double_sparsity":
-        alpha = m.get("alpha", 0.25)
-        r = max(1, int(alpha * shape.head_dim)) if isinstance(alpha, float) else int(alpha)
-        out["label cache"] = sparse * shape.heads * n * r * 4 * 2
-    return out
+    cls = METHODS.get(m.get("name"))
+    if cls is None:
+        return {}
+    return cls.index_memory(m, shape, n, _sparse_layers(m, shape.layers), building_rows=building_rows)
+
+
+def _shared_parts(method: dict[str, Any]) -> tuple[str, ...]:
+    cls = METHODS.get(method.get("name"))
+    return cls.shared_index_parts if cls is not None else ()
 
 
 def row_bytes(shape: Shape, method: Any, *, prompt: int, new_tokens: int = 0, loglik: bool = False,
@@ -176,7 +165,7 @@ def row_bytes(shape: Shape, method: Any, *, prompt: int, new_tokens: int = 0, lo
     m = _plain(method)
     n = int(prompt) + int(new_tokens)
     t = min(int(prompt), int(prefill_chunk)) if prefill_chunk else int(prompt)
-    dense_method = m.get("name") == "full"
+    dense_method = is_dense(m.get("name"))
     s = shape
     parts = {
         "KV cache": s.layers * 2 * s.kv_heads * s.head_dim * n * s.elem,
@@ -190,14 +179,15 @@ def row_bytes(shape: Shape, method: Any, *, prompt: int, new_tokens: int = 0, lo
         parts["layer inputs"] = s.layers * t * s.hidden * s.elem
         parts["sparse blocks"] = s.heads * q * n * 4 * SPARSE_BLOCK_TENSORS
         idx = index_bytes(m, s, n, building_rows=prompt_sparse)
-        idx.pop("projections", None)  # shared by the batch: counted once (``fixed_bytes``)
-        parts.update(idx)
+        parts.update({k: v for k, v in idx.items() if k not in _shared_parts(m)})  # shared: ``fixed_bytes``
     return {k: int(v) for k, v in parts.items()}
 
 
 def fixed_bytes(shape: Shape, method: Any) -> int:
-    """Bytes a run allocates once, whatever its batch: MagicPIG's projection matrices."""
-    return int(index_bytes(method, shape, 0).get("projections", 0))
+    """Bytes a run allocates once, whatever its batch: the method's shared index parts (MagicPIG's projection
+    matrices)."""
+    m = _plain(method)
+    return int(sum(v for k, v in index_bytes(m, shape, 0).items() if k in _shared_parts(m)))
 
 
 # -- a run's samples ---------------------------------------------------------------------------------------------
@@ -239,30 +229,32 @@ def _device(exp: Any):
 
 
 def check_index_fits(method: Any, shape: Shape, n: int, device: Any, building_rows: bool = False) -> None:
-    """Refuses a MagicPIG setting whose tables for one row of ``n`` keys (hash codes, projections drawn on the
-    host, the hashing of one key) cannot fit the free memory of ``device`` (and the projections the host's), by
-    ``index_bytes``: e.g. ``method.L=100000000``.  Other methods' indexes grow with the batch only (``row_bytes``)."""
+    """Refuses a setting of a method whose index can outgrow any device by its options (``Method.index_may_not_fit``:
+    MagicPIG) when the index of one row of ``n`` keys (``index_bytes``: MagicPIG's hash codes, projections drawn
+    on the host, the hashing of one key) cannot fit the free memory of ``device`` (and its shared parts the
+    host's), e.g. ``method.L=100000000``.  Other methods' indexes grow with the batch only (``row_bytes``)."""
     import torch
 
     m = _plain(method)
-    if m.get("name") != "magicpig":
+    cls = METHODS.get(m.get("name"))
+    if cls is None or not cls.index_may_not_fit:
         return
     parts = index_bytes(m, shape, n, building_rows=building_rows)
     need = sum(parts.values())
+    shared = sum(v for k, v in parts.items() if k in cls.shared_index_parts)
     dev = torch.device(device)
     room = device_memory_available(dev)
-    if need > room or parts["projections"] > host_memory_available():
+    if need > room or shared > host_memory_available():
         where = "this machine's" if dev.type == "cpu" else f"{dev}'s"
         detail = ", ".join(f"{k} {gb(v)}" for k, v in parts.items() if v >= 1 << 20)
-        raise ValueError(
-            f"method.L={m.get('L')} with method.K={m.get('K')}: MagicPIG's tables for one sample of {n} tokens need "
-            f"~{gb(need)} ({detail}), more than {where} {gb(room)} available; lower method.L (the paper: 75-300) "
-            f"or method.K")
+        raise ValueError(cls.index_too_large(m, f"for one sample of {n} tokens need ~{gb(need)} ({detail}), more "
+                                                f"than {where} {gb(room)} available"))
 
 
 def check_tables(exp: Any, method: Any, samples: Sequence[Any]) -> None:
     """``check_index_fits`` for the longest of ``samples`` on ``exp``'s model and device."""
-    if _plain(method).get("name") != "magicpig" or not samples:
+    cls = METHODS.get(_plain(method).get("name"))
+    if cls is None or not cls.index_may_not_fit or not samples:
         return
     n = max(sum(_work(exp.task, s)[:2]) for s in samples)
     check_index_fits(method, Shape.of(exp.model), n, _device(exp), building_rows=exp.protocol in ("S", "B"))

@@ -15,12 +15,12 @@ import torch
 from tqdm.auto import tqdm
 
 from .attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan, sliding_layers
-from .config import to_plain
+from .config import CONF_DIR, to_plain
 from .engine import Engine
 from .estimate import check_long
 from .fingerprint import file_sha256
 from .memory import auto_batch_cap, check_batch
-from .methods import MethodConfig, build_method, make_config
+from .methods import METHODS, MethodConfig, build_method, compare_names, is_dense, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
 from .ordering import ORDER_WINDOW_BATCHES, length_windows, sample_stratum, stratified_order
@@ -35,11 +35,9 @@ from .tasks import build_task
 
 log = logging.getLogger("sparse_eval")
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 RECORD_STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass", "topk_recall")
 EMPTY_SELECTION_WARN = 0.05  # a run whose rows select no key of their own more often than this is flagged
 AUTO_BATCH_START = 128  # eval.batch_size=auto tries min(samples, this) first, then halves on out-of-memory
-SHORT_CONFIG_KEYS = ("budget", "K", "L", "page_size", "alpha", "beta")
 NO_VALUE = "–"  # a table cell without a value (full attention's own "vs full", a statistic a run did not have)
 
 
@@ -67,8 +65,10 @@ def method_options(name: str) -> dict[str, Any]:
 
 
 def short_config(method: dict[str, Any]) -> str:
-    """The method options a reader tells configs apart by, e.g. ``K=10, L=150``."""
-    return ", ".join(f"{k}={v}" for k, v in method.items() if k in SHORT_CONFIG_KEYS)
+    """The method options a reader tells configs apart by (the method's ``headline_options``), e.g. ``K=10, L=150``."""
+    cls = METHODS.get(method.get("name"))
+    keys = cls.headline_options if cls is not None else ()
+    return ", ".join(f"{k}={v}" for k, v in method.items() if k in keys)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -103,7 +103,8 @@ class Experiment:
             opts = [to_plain(self.cfg.method)]
         else:
             opts = []
-            for entry in self.cfg.compare:
+            compare = self.cfg.compare if self.cfg.get("compare") is not None else compare_names()
+            for entry in compare:
                 entry = to_plain(entry)
                 if isinstance(entry, str):
                     opts.append(method_options(entry))
@@ -497,7 +498,7 @@ def pool_seeds(task: Any, summaries: list[dict[str, Any]]) -> list[dict[str, Any
     for s in summaries:
         key = json.dumps({k: v for k, v in s["method_config"].items() if k != "seed"}, sort_keys=True, default=str)
         groups.setdefault(key, []).append(s)
-    full = next((g for g in groups.values() if g[0]["method"] == "full"), None)
+    full = next((g for g in groups.values() if is_dense(g[0]["method"])), None)
     ref = terms(full[0]) if full else None
     rows = []
     for group in groups.values():

@@ -65,11 +65,14 @@ def run_name(identity: dict[str, Any] | None, run_dir: Path) -> str:
     ``magicpig-K=10-L=150-dense=0,2-length=4096-1a2b3c4d5e``: runs that differ in those show different names."""
     if not identity or not isinstance(identity.get("method"), dict):
         return run_dir.name
+    from .methods import is_dense  # torch, only when a run is named
+
     method, task = identity["method"], identity.get("task") or {}
     parts = [method_label(method)]
-    if method.get("name") != "full" and method.get("dense_layers") is not None:
+    layers = not is_dense(method.get("name"))  # the dense reference has no dense / sparse layers to tell apart
+    if layers and method.get("dense_layers") is not None:
         parts.append("dense=" + ",".join(str(x) for x in method["dense_layers"]))
-    if method.get("name") != "full" and method.get("sliding_layers") == "sparse":
+    if layers and method.get("sliding_layers") == "sparse":
         parts.append("sliding=sparse")
     if task.get("length") is not None:
         parts.append(f"length={task['length']}")

@@ -16,13 +16,13 @@ SHAPE = dict(num_key_value_heads=2, head_dim=8, num_hidden_layers=4)
 
 
 def test_full_attention_keeps_every_layer_kv_on_the_gpu():
-    gpu, cpu = bytes_per_row("full", {"name": "full"}, 100, 4, SHAPE, 4)
+    gpu, cpu = bytes_per_row({"name": "full"}, 100, 4, SHAPE, 4)
     assert (gpu, cpu) == (4 * 2 * 2 * 8 * 2 * 104, 0)
 
 
 def test_magicpig_keeps_sparse_layers_and_tables_on_the_host():
     cfg = {"name": "magicpig", "K": 3, "L": 5, "dense_layers": [0]}
-    gpu, cpu = bytes_per_row("magicpig_3_5", cfg, 100, 4, SHAPE, 4)
+    gpu, cpu = bytes_per_row(cfg, 100, 4, SHAPE, 4)
     kv = 2 * 2 * 8 * 2 * 104
     assert cpu == 3 * kv + 3 * 2 * 5 * (4 * 104 + 4 * (2 ** 3 + 1) + 2 * 104)
     assert gpu == kv + 3 * 2 * 2 * 8 * 2 * (64 + 4 + 4)  # the dense layer + sink/local/steps of the sparse ones
@@ -32,13 +32,25 @@ def test_batch_is_bounded_by_the_memory_each_method_uses():
     full = {"name": "full"}
     pig = {"name": "magicpig", "K": 10, "L": 150, "dense_layers": [0, 16]}
     shape, n = SHAPES["llama3_1_8b"], 32
-    b_full, p_full = plan_batch("full", full, 98304, 12, shape, n, 100 * GiB, 1000 * GiB, 256)
+    b_full, p_full = plan_batch(full, 98304, 12, shape, n, 100 * GiB, 1000 * GiB, 256)
     assert b_full == p_full["fit_gpu"] < p_full["fit_cpu"]
-    small, p_small = plan_batch("magicpig_10_150", pig, 98304, 12, shape, n, 100 * GiB, 100 * GiB, 256)
-    big, _ = plan_batch("magicpig_10_150", pig, 98304, 12, shape, n, 100 * GiB, 400 * GiB, 256)
+    small, p_small = plan_batch(pig, 98304, 12, shape, n, 100 * GiB, 100 * GiB, 256)
+    big, _ = plan_batch(pig, 98304, 12, shape, n, 100 * GiB, 400 * GiB, 256)
     assert small == p_small["fit_cpu"] < p_small["fit_gpu"] and big > small
-    assert plan_batch("full", full, 98304, 12, shape, n, 1.0, 1.0, 256)[0] == 0  # not one row: 0, never negative
-    assert plan_batch("full", full, 10, 1, SHAPE, 4, 1e12, 1e12, 7)[0] == 7  # max_batch caps it
+    assert plan_batch(full, 98304, 12, shape, n, 1.0, 1.0, 256)[0] == 0  # not one row: 0, never negative
+    assert plan_batch(full, 10, 1, SHAPE, 4, 1e12, 1e12, 7)[0] == 7  # max_batch caps it
+
+
+def test_each_layer_kind_places_its_own_caches():
+    """Quest and DS keep their metadata beside a GPU KV cache; DS-Offload (``offload``) moves the KV cache to the
+    host and keeps the label cache on the GPU: each by its layer kind's ``row_bytes``, not by name here."""
+    kv = 2 * 2 * 8 * 2 * 104
+    quest = {"name": "quest", "page_size": 16, "dense_layers": [0]}
+    assert bytes_per_row(quest, 100, 4, SHAPE, 4) == (4 * kv + 3 * 2 * 2 * 8 * 2 * 7, 0)
+    ds = {"name": "double_sparsity", "alpha": 0.25, "dense_layers": [0, 1]}
+    labels = 2 * 104 * (2 // 2 + 4)  # r = 0.25 · 8 = 2 channels
+    assert bytes_per_row(ds, 100, 4, SHAPE, 4) == (4 * kv + 2 * labels, 0)
+    assert bytes_per_row({**ds, "offload": True}, 100, 4, SHAPE, 4) == (2 * kv + 2 * labels, 2 * kv)
 
 
 def test_weight_bytes_of_the_llama_8b_shape():

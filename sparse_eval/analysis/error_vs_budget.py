@@ -29,12 +29,15 @@ import torch
 
 from ..methods import attend
 from ..methods.core import key_validity, scores_gqa, static_keys
+from ..methods.magicpig import MagicPIG
+from ..methods.oracle import OracleSampling
+from ..methods.topk import TopK
 from . import common
 from .capture import capture_qkv, model_shape
 
 DEFAULT_BUDGETS = [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 DEFAULT_KL = [[10, 75], [10, 150], [10, 300], [9, 120], [8, 75], [8, 90], [7, 35], [7, 150]]
-METHOD_NAMES = ("topk", "oracle", "magicpig")
+METHOD_NAMES = (TopK.name, OracleSampling.name, MagicPIG.name)
 
 
 @dataclass
@@ -104,8 +107,8 @@ def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progre
     n_min = length - opts.num_queries + 1  # keys of the first query row
     seeds = [opts.seed + r for r in range(opts.repeats)]
     kept = [b for b in opts.budgets if not (math.floor(float(b) * (n_min - opts.sink - opts.local)) < 1 and b < 1.0)]
-    per_layer = len(kept) * (("topk" in opts.methods) + len(seeds) * ("oracle" in opts.methods)) \
-        + len(opts.magicpig) * len(seeds) * ("magicpig" in opts.methods)
+    per_layer = len(kept) * ((TopK.name in opts.methods) + len(seeds) * (OracleSampling.name in opts.methods)) \
+        + len(opts.magicpig) * len(seeds) * (MagicPIG.name in opts.methods)
     with common.progress(1, f"error_vs_budget: {length}-token forward", "forward", progress) as fwd:
         cap = capture_qkv(model, ids, layers=layers, query_rows=opts.num_queries)
         fwd.update()
@@ -131,12 +134,12 @@ def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progre
             b = float(b)
             if math.floor(b * (n_min - opts.sink - opts.local)) < 1 and b < 1.0:
                 continue  # fewer than one key of budget at this length
-            if "topk" in opts.methods:
-                st = run("topk", budget=b)
-                records.append(_record(l, "topk", st, budget=b))
-            if "oracle" in opts.methods:
+            if TopK.name in opts.methods:
+                st = run(TopK.name, budget=b)
+                records.append(_record(l, TopK.name, st, budget=b))
+            if OracleSampling.name in opts.methods:
                 for s in seeds:
-                    st = run("oracle", seed=s, budget=b)
+                    st = run(OracleSampling.name, seed=s, budget=b)
                     keep = st["keep"]
                     b_, _, ql, n = keep.shape
                     valid = key_validity(None, b_, ql, n, keep.device)
@@ -144,15 +147,15 @@ def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progre
                     unique = (keep & ~stat).sum(-1).float()  # [B, Hq, Q]
                     draws = torch.floor(nval.double() * b).long()
                     bound = oracle_bound(q, k, c.scaling, opts.sink, opts.local, draws)
-                    records.append(_record(l, "oracle", st, budget=b, seed=s, unique=float(unique.mean()),
+                    records.append(_record(l, OracleSampling.name, st, budget=b, seed=s, unique=float(unique.mean()),
                                            bound=float(bound.mean()), draws=float(draws.float().mean()),
                                            unique_le_bound=float((unique <= bound + 1e-6).float().mean())))
-        if "magicpig" in opts.methods:
+        if MagicPIG.name in opts.methods:
             for K, L in opts.magicpig:
                 for s in seeds:
-                    st = run("magicpig", seed=s, K=int(K), L=int(L), min_collisions=opts.min_collisions,
-                                center=opts.center)
-                    records.append(_record(l, "magicpig", st, K=int(K), L=int(L), seed=s))
+                    st = run(MagicPIG.name, seed=s, K=int(K), L=int(L), min_collisions=opts.min_collisions,
+                             center=opts.center)
+                    records.append(_record(l, MagicPIG.name, st, K=int(K), L=int(L), seed=s))
     bar.close()
     for r in records:
         r["length"] = length
@@ -212,12 +215,13 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4), constrained_layout=True, squeeze=False)
     for ax, layer in zip(axes[0], panels):
         d = summary[summary["layer"] == layer]
-        for method, style, label in (("topk", dict(color="C0", marker="o"), "TopK (x = keys kept)"),
-                                     ("oracle", dict(color="C1", marker="s"), "oracle sampling (x = draws B)")):
+        for method, style, label in ((TopK.name, dict(color="C0", marker="o"), "TopK (x = keys kept)"),
+                                     (OracleSampling.name, dict(color="C1", marker="s"),
+                                      "oracle sampling (x = draws B)")):
             dm = d[d["method"] == method].sort_values("budget")
             if len(dm):
                 ax.plot(dm["budget"], dm["error"], label=label, ms=4, **style)
-        dm = d[d["method"] == "magicpig"]
+        dm = d[d["method"] == MagicPIG.name]
         if len(dm):
             ax.scatter(dm["cost2"], dm["error"], color="C2", marker="^", zorder=3, label="MagicPIG (x = measured Cost2)")
         ax.set_xscale("log")
@@ -233,7 +237,7 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
     paths += common.save_figure(fig, out, "fig6_error_vs_budget")
 
     # Fig. 4: TopK error per layer
-    d = summary[(summary["method"] == "topk") & (summary["layer"] != "mean")]
+    d = summary[(summary["method"] == TopK.name) & (summary["layer"] != "mean")]
     if len(d):
         fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
         cmap = plt.get_cmap("viridis")
@@ -251,7 +255,7 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
         paths += common.save_figure(fig, out, "fig4_topk_error_per_layer")
 
     # Theorem 3.3: unique samples vs budget
-    d = summary[summary["method"] == "oracle"]
+    d = summary[summary["method"] == OracleSampling.name]
     if len(d) and "unique" in d:
         fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4), constrained_layout=True, squeeze=False)
         for ax, layer in zip(axes[0], panels):

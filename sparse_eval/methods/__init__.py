@@ -1,5 +1,8 @@
 """Sparse-attention methods: one class each behind ``Method`` (selection + logit correction) and a registry.
 
+Every module of this package is imported here and registers its method; then the user's plugins are imported
+(``sparse_eval.discovery``).
+
 Public API for studying a method on captured tensors::
 
     out, stats = sparse_eval.methods.attend("topk", q, k, v, budget=0.05)
@@ -14,17 +17,14 @@ from typing import Any
 
 import torch
 
-from . import full, oracle, topk  # noqa: F401  (registration)
+from ..discovery import import_package_modules, load_plugins
 from .base import AttentionContext, Method, MethodConfig, Selection
 from .core import key_validity, sparse_attention
-from .registry import METHODS, build_method, make_config, method_class, register
+from .registry import METHODS, build_method, compare_names, is_dense, make_config, method_class, register
 
-for _optional in ("magicpig", "quest", "double_sparsity"):
-    try:  # the three paper methods live in their own modules
-        __import__(f"{__name__}.{_optional}")
-    except ModuleNotFoundError as _e:  # pragma: no cover - only while a module is absent
-        if _e.name != f"{__name__}.{_optional}":
-            raise
+# every module of this folder registers its method (``@register``): a new method is one new module here
+INFRASTRUCTURE = ("base", "core", "registry", "labels")
+import_package_modules(__name__, skip=INFRASTRUCTURE)
 
 
 def attend(
@@ -75,6 +75,13 @@ def attend(
 
 
 __all__ = [
-    "AttentionContext", "METHODS", "Method", "MethodConfig", "Selection", "attend", "build_method",
-    "make_config", "method_class", "register", "sparse_attention",
+    "AttentionContext", "METHODS", "Method", "MethodConfig", "Selection", "attend", "build_method", "compare_names",
+    "is_dense", "make_config", "method_class", "register", "sparse_attention",
 ]
+
+
+# the user's methods last (``sparse_eval.discovery``: the ``sparse_eval.methods`` entry points and
+# ``SPARSE_EVAL_PLUGINS``), so that a plugin may import anything above from ``sparse_eval.methods``
+for _obj in load_plugins():
+    if isinstance(_obj, type) and issubclass(_obj, Method) and METHODS.get(_obj.name) is not _obj:
+        register(_obj)

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping
 
 import torch
+
+from .labels import budget_label, budget_level
 
 GQA_MODES = ("query_head", "kv_head")
 SLIDING_LAYERS = ("dense", "sparse")
@@ -221,6 +223,21 @@ class Method:
     # randomness depends on its options overrides this with a property (Double Sparsity's random channels), so
     # generic code asks an instance (``build_method(config).stochastic``), never the class or the method's name
     stochastic: ClassVar[bool] = False
+    # the report's name of the method (tables, legends), e.g. "TopK"; "" = ``name``
+    display_name: ClassVar[str] = ""
+    # the config field of the method's token budget (float: a ratio of the context, int: tokens), if it has one:
+    # the report's config label and sparsity level of a run read it (``label``, ``level``)
+    budget_field: ClassVar[str | None] = None
+    # the options a reader tells this method's configs apart by (the printed table's config column, progress bars)
+    headline_options: ClassVar[tuple[str, ...]] = ()
+    # parts of ``index_memory`` allocated once per run, whatever its batch, on the host first (MagicPIG's projections)
+    shared_index_parts: ClassVar[tuple[str, ...]] = ()
+    # whether the options alone can make one row's index larger than any device (MagicPIG's L hash tables of every
+    # key): ``memory.check_index_fits`` then refuses such a setting at start (``index_too_large`` says why)
+    index_may_not_fit: ClassVar[bool] = False
+    # a method whose selection is its static keys alone (StreamingLLM: attention sinks + a recent window): a row
+    # that keeps none of its candidates is the method, not an empty selection (``core`` counts no ``empty`` row)
+    selects_static_only: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig):
         if config.seed is None:  # outside a run (attend(), the system path): seed 0
@@ -297,6 +314,46 @@ class Method:
         (e = the cache dtype's element size); ``index_reads_keys`` is then True.  Counted per query-head row, as if
         each head read its own selection (the G heads of a KV group sharing reads is not deducted)."""
         return ctx.n_valid.squeeze(-1).to(torch.float32) * (ctx.k.shape[-1] * ctx.k.element_size())
+
+    # -- what the memory estimate asks (``sparse_eval.memory``), from a config ``params`` --------------------------
+    @classmethod
+    def index_memory(cls, params: Mapping[str, Any], shape: Any, n: int, sparse_layers: int,
+                     building_rows: bool = False) -> dict[str, int]:
+        """Bytes of one row's method index over ``n`` keys in ``sparse_layers`` layers, by part, on the accuracy
+        path; ``shape`` the model's sizes (``memory.Shape``: layers, heads, kv_heads, head_dim), ``building_rows``
+        whether a call's rows build the index (protocols S and B).  Default: no index."""
+        return {}
+
+    @classmethod
+    def index_too_large(cls, params: Mapping[str, Any], need: str) -> str:
+        """The start-time refusal of a setting whose index cannot fit (``index_may_not_fit``); ``need`` says what
+        one sample needs against what is available."""
+        return f"method={cls.name}: its index {need}"
+
+    # -- what the report asks, from a run's config ``params`` ({field: value}; fields an old table lacks absent) --
+    @classmethod
+    def display(cls, params: Mapping[str, Any]) -> str:
+        """The method's name in tables and legends for a run with config ``params`` (a variant may differ)."""
+        return cls.display_name or cls.name
+
+    @classmethod
+    def label(cls, params: Mapping[str, Any]) -> str | None:
+        """The run's config in the paper's notation (e.g. MagicPIG's (K,L)); default: the budget, for a method with
+        ``budget_field``.  None: the report writes the run's whole method config."""
+        return budget_label(params.get(cls.budget_field)) if cls.budget_field else None
+
+    @classmethod
+    def level(cls, params: Mapping[str, Any], context: float | None) -> float | None:
+        """The run's sparsity level (the share of a row's keys its config selects, static keys not counted) for the
+        figures that plot against it; ``context``: the keys of an average row (an int budget's denominator), None
+        when unknown.  Default: the budget (``budget_level``); None for a method without one."""
+        return budget_level(params.get(cls.budget_field), context) if cls.budget_field else None
+
+    @classmethod
+    def point_label(cls, params: Mapping[str, Any], context: float | None) -> str | None:
+        """A short label of the run's point in a figure where ``label`` is too long (Double Sparsity at token =
+        channel sparsity: its level, 1/16); None: ``label``."""
+        return None
 
 
 def log_or_neg_inf(x: torch.Tensor) -> torch.Tensor:

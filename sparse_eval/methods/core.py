@@ -249,8 +249,11 @@ def sparse_attention(
         sel: Selection = method.select(ctx)
         own = sel.keep & m.candidates
         # [B, Hq, Q]: the method kept none of the row's candidates (a row with no candidate, e.g. one whose keys
-        # are all sink/local, cannot select any and is not counted)
+        # are all sink/local, cannot select any and is not counted; nor is any row of a method that selects its
+        # static keys only)
         empty = ~own.any(-1) & m.candidates.any(-1)
+        if method.selects_static_only:
+            empty = torch.zeros_like(empty)
         keep = own | m.static
         if cfg.sink == 0 and cfg.local == 0:
             # nothing at all (no static keys configured and nothing picked): fall back to the newest valid key.

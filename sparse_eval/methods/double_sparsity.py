@@ -66,6 +66,7 @@ import torch
 from sparse_eval.kernels.ds import pseudo_quantize  # the query-label quantization, shared with the system path's kernels
 
 from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
+from .labels import budget_label, budget_level, count_label, fraction_label
 from .registry import register
 from .topk import topk_mask
 
@@ -183,6 +184,8 @@ class DoubleSparsity(Method):
     name = "double_sparsity"
     config_class = DoubleSparsityConfig
     index_reads_keys = False
+    display_name = "DS"
+    headline_options = ("alpha", "beta")
 
     @property
     def stochastic(self) -> bool:  # type: ignore[override]
@@ -227,6 +230,47 @@ class DoubleSparsity(Method):
     def describe(self) -> str:
         c = self.config
         return f"double_sparsity(alpha={c.alpha}, beta={c.beta}, bits={c.label_bits}{', offload' if c.offload else ''})"
+
+    # -- the report's view of a run's config ---------------------------------------------------------
+    @classmethod
+    def display(cls, params):
+        return "DS-Offload" if params.get("offload") else cls.display_name
+
+    @classmethod
+    def index_memory(cls, params, shape, n, sparse_layers, building_rows=False):
+        """The label cache: r = α·d channels of every key per query head, float32, and its scores (×2)."""
+        alpha = params.get("alpha", 0.25)
+        r = max(1, int(alpha * shape.head_dim)) if isinstance(alpha, float) else int(alpha)
+        return {"label cache": sparse_layers * shape.heads * n * r * 4 * 2}
+
+    @classmethod
+    def label(cls, params):
+        """"α=…, β=…, b-bit, <channels>"."""
+        a, b = params.get("alpha"), params.get("beta")
+        bits, ch = count_label(params.get("label_bits")), params.get("channel_type")
+        return f"α={a:g}, β={budget_label(b)}, {bits}-bit, {ch}"
+
+    @classmethod
+    def levels(cls, params, context: float | None) -> tuple[float | None, float | None]:
+        """(token sparsity, channel sparsity) of a config.  token: β as a ratio of the context (an int β, the
+        authors' heavy_const, over ``context``, the keys of an average row); channel: α · label_bits / 16, the
+        label cache's size relative to the K cache (DS §4.2)."""
+        a, bits = params.get("alpha"), params.get("label_bits")
+        chan = None if a is None or bits is None else float(a) * float(bits) / 16.0
+        return budget_level(params.get("beta"), context), chan
+
+    @classmethod
+    def level(cls, params, context):
+        return cls.levels(params, context)[0]
+
+    @classmethod
+    def point_label(cls, params, context):
+        """At token = channel sparsity (the paper's "1/16 sparsity"): the level, with the channel type unless qk."""
+        tok, chan = cls.levels(params, context)
+        if tok is None or chan is None or not math.isclose(tok, min(chan, 1.0), rel_tol=1e-6):
+            return None
+        ct = params.get("channel_type")
+        return fraction_label(tok) + ("" if ct in (None, "qk") else f" {ct}")
 
     @staticmethod
     def _as_channels(ch: Any) -> torch.Tensor:

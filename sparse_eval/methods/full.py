@@ -21,6 +21,11 @@ class Full(Method):
     name = "full"
     config_class = FullConfig
     dense = True
+    display_name = "Full"
+
+    @classmethod
+    def label(cls, params):
+        return "–"  # no config of its own
 
     def select(self, ctx: AttentionContext) -> Selection:
         return Selection(keep=ctx.valid.expand_as(ctx.scores))

@@ -53,6 +53,7 @@ import torch
 from ..kernels.magicpig import collision_counts  # Alg. 1 line 2: the one count, Triton on CUDA
 from .base import AttentionContext, Method, MethodConfig, Selection
 from .core import static_keys
+from .labels import count_label
 from .registry import register
 
 _STATE_KEY = "magicpig"
@@ -215,6 +216,10 @@ class MagicPIG(Method):
     config_class = MagicPIGConfig
     stochastic = True  # SimHash projections drawn from config.seed
     index_reads_keys = False
+    display_name = "MagicPIG"
+    headline_options = ("K", "L")
+    shared_index_parts = ("projections",)  # one set of matrices for the whole batch
+    index_may_not_fit = True  # L tables of every key: method.L=100000000 fits no machine
     supported_gqa = ("query_head",)  # the query's hash codes are per query head
     prepare_with_valid = True
     # comparisons materialised at once (memory only; does not change results)
@@ -256,6 +261,42 @@ class MagicPIG(Method):
     def describe(self) -> str:
         c = self.config
         return f"magicpig(K={c.K},L={c.L},min_collisions={c.min_collisions})"
+
+    @classmethod
+    def index_memory(cls, params, shape, n, sparse_layers, building_rows=False):
+        """Hash codes (L codes of every key, grown geometrically: ×2), the projection matrices, the hashing of the
+        query and of one chunk of keys (at least one key's K·L projections, float32 and bool) and, where the rows
+        build the tables, the comparison of every key with every table (eq. 10)."""
+        K, L = int(params.get("K", 10)), int(params.get("L", 150))
+        code = 2 if K <= 15 else 4 if K <= 31 else 8
+        dim = shape.head_dim + (1 if params.get("mips") else 0)
+        groups = math.ceil(shape.layers / max(1, int(params.get("projection_group", 1) or 1)))
+        out = {"hash codes": sparse_layers * shape.kv_heads * n * L * code * 2,
+               "projections": groups * dim * K * L * 4,
+               "hashing": shape.heads * L * code + 8 * shape.kv_heads * K * L}
+        if building_rows:
+            out["build"] = shape.kv_heads * n * K * L
+        return out
+
+    @classmethod
+    def index_too_large(cls, params, need):
+        return (f"method.L={params.get('L')} with method.K={params.get('K')}: MagicPIG's tables {need}; lower "
+                f"method.L (the paper: 75-300) or method.K")
+
+    @classmethod
+    def label(cls, params):
+        """(K,L) as the paper's tables write it, with what departs from eq. 10's defaults (no centering, another
+        collision threshold, MIPS)."""
+        lab = f"({count_label(params.get('K'))},{count_label(params.get('L'))})"
+        extra = []
+        if params.get("center") is False:
+            extra.append("no centering")
+        mc = params.get("min_collisions")
+        if mc not in (None, 2):
+            extra.append(f"≥{mc} coll.")
+        if params.get("mips"):
+            extra.append("MIPS")
+        return lab + (" " + ", ".join(extra) if extra else "")
 
     # -- random projections -----------------------------------------------------------------------
     def projection(self, layer_idx: int, dim: int, device: torch.device | str = "cpu") -> torch.Tensor:

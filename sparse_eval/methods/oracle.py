@@ -41,6 +41,9 @@ class OracleSampling(Method):
     name = "oracle"
     config_class = OracleConfig
     stochastic = True  # i.i.d. draws from config.seed
+    display_name = "Oracle sampling"
+    budget_field = "budget"
+    headline_options = ("budget",)
     supported_gqa = ("query_head",)
 
     def validate(self, num_layers=None, context=None):

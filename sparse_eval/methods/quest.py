@@ -34,12 +34,14 @@ page takes two d-vectors (m and M), i.e. the FLOPs of ~one key's q·k and p·v, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
+from .labels import budget_label, count_label
 from .registry import register
 from .topk import topk_mask
 
@@ -158,6 +160,9 @@ class Quest(Method):
     name = "quest"
     config_class = QuestConfig
     index_reads_keys = False
+    display_name = "Quest"
+    budget_field = "budget"
+    headline_options = ("page_size", "budget")
 
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
@@ -173,6 +178,17 @@ class Quest(Method):
 
     def describe(self) -> str:
         return f"quest(page={self.config.page_size}, budget={self.config.budget})"
+
+    @classmethod
+    def index_memory(cls, params, shape, n, sparse_layers, building_rows=False):
+        """Page bounds: a min and a max key (float32) per page of every KV head."""
+        page = max(1, int(params.get("page_size", 16)))
+        return {"page bounds": sparse_layers * shape.kv_heads * math.ceil(n / page) * 2 * shape.head_dim * 4}
+
+    @classmethod
+    def label(cls, params):
+        """(page size, budget), as MagicPIG's tables write Quest's configs."""
+        return f"({count_label(params.get('page_size'))},{budget_label(params.get('budget'))})"
 
     # -- page metadata ---------------------------------------------------------------------------
     def _update_pages(self, ctx: AttentionContext, first: torch.Tensor) -> dict[str, Any]:

@@ -25,6 +25,19 @@ def method_class(name: str) -> type[Method]:
         raise ValueError(f"unknown method {name!r}; valid methods: {sorted(METHODS)}") from None
 
 
+def is_dense(name: Any) -> bool:
+    """Whether ``name`` is a registered method that computes no selection (``Method.dense``: full attention, the
+    reference every other method is compared with); False for a name this process does not know."""
+    cls = METHODS.get(name) if isinstance(name, str) else None
+    return bool(cls is not None and cls.dense)
+
+
+def compare_names() -> list[str]:
+    """The methods the default experiment compares when ``compare`` is not given: every registered one, the dense
+    reference first, then by name."""
+    return sorted(METHODS, key=lambda name: (not METHODS[name].dense, name))
+
+
 def make_config(name: str, options: Mapping[str, Any] | None = None) -> MethodConfig:
     """Build a method's config dataclass from plain options, refusing unknown keys by name."""
     import dataclasses

@@ -43,6 +43,9 @@ class TopK(Method):
 
     name = "topk"
     config_class = TopKConfig
+    display_name = "TopK"
+    budget_field = "budget"
+    headline_options = ("budget",)
 
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)

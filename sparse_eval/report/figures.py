@@ -17,7 +17,12 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from .load import param, run_rows, subtask_rows
+from ..methods import is_dense
+from ..methods.double_sparsity import DoubleSparsity
+from ..methods.magicpig import MagicPIG
+from ..methods.oracle import OracleSampling
+from ..methods.topk import TopK
+from .load import method_level, param, point_label, reference_rows, run_rows, subtask_rows
 from .tables import Skip, ds_levels
 
 NIAH_PREFIX = "niah"
@@ -270,13 +275,13 @@ def _ruler_group(s: str) -> str | None:
 
 def fig1_topk(df, out: Path) -> list[Path]:
     sub = subtask_rows(df, "ruler")
-    topk = sub[sub["method"] == "topk"]
+    topk = sub[sub["method"] == TopK.name]
     if topk.empty or topk["config"].nunique() < 2:
         raise Skip("needs RULER runs of topk at two or more budgets")
     g = _group_score(topk, _ruler_group)
     if g.empty:
         raise Skip("topk RULER runs have no niah_*, cwe or fwe subtask")
-    full = _group_score(sub[sub["method"] == "full"], _ruler_group)
+    full = _group_score(reference_rows(sub), _ruler_group)
     keys = sorted(g.groupby(["model", "length"]).groups.keys(), key=str)
     fig, axes = _panels(len(keys))
     drawn = False
@@ -305,7 +310,7 @@ def fig1_topk(df, out: Path) -> list[Path]:
 
 def fig6c_oracle_vs_topk(df, out: Path) -> list[Path]:
     runs = run_rows(df)
-    d = runs[runs["method"].isin(["topk", "oracle"])]
+    d = runs[runs["method"].isin([TopK.name, OracleSampling.name])]
     both = [k for k, g in d.groupby(["model", "task", "length"], dropna=False) if g["method"].nunique() == 2]
     if not both:
         raise Skip("needs topk and oracle runs of the same model, task and length")
@@ -314,15 +319,16 @@ def fig6c_oracle_vs_topk(df, out: Path) -> list[Path]:
     for ax, (model, task, length) in zip(axes, both):
         g = d[(d["model"] == model) & (d["task"] == task) & ((d["length"] == length) if length == length else d["length"].isna())]
         notes: list[tuple[float, float, str]] = []
-        for method, name in (("topk", "TopK"), ("oracle", "Oracle sampling")):
-            dm = g[g["method"] == method]
+        for cls in (TopK, OracleSampling):
+            name = cls.display_name
+            dm = g[g["method"] == cls.name]
             dm = dm.assign(budget=[param(r, "budget") for _, r in dm.iterrows()])
             m = _score_points(dm, "budget", cost2=("cost2", "mean"))
             ax.plot(m.index, m["score"], marker=MARKERS[name], color=COLORS[name], label=name)
             drawn |= _error_bars(ax, m.index, m["score"], m["lo"], m["hi"], color=COLORS[name])
-            if method == "oracle":
+            if cls is OracleSampling:
                 notes = [(b, r.score, f"Cost2 {r.cost2:.3g}") for b, r in m.iterrows()]
-        f = runs[(runs["model"] == model) & (runs["task"] == task) & (runs["method"] == "full")]
+        f = reference_rows(runs[(runs["model"] == model) & (runs["task"] == task)])
         if length == length:
             f = f[f["length"] == length]
         drawn |= _full_line(ax, f)
@@ -343,7 +349,7 @@ def fig6c_oracle_vs_topk(df, out: Path) -> list[Path]:
 
 def fig9a_centering(df, out: Path) -> list[Path]:
     runs = run_rows(df)
-    mp = runs[runs["method"] == "magicpig"].copy()
+    mp = runs[runs["method"] == MagicPIG.name].copy()
     if mp.empty:
         raise Skip("no magicpig runs")
     mp["K"] = [param(r, "K") for _, r in mp.iterrows()]
@@ -390,7 +396,7 @@ def fig9a_centering(df, out: Path) -> list[Path]:
 
 def fig9bc_magicpig_vs_topk(df, out: Path) -> list[Path]:
     sub = subtask_rows(df, "ruler")
-    d = sub[sub["method"].isin(["topk", "magicpig"]) & sub["subtask"].isin(["cwe", "fwe"])]
+    d = sub[sub["method"].isin([TopK.name, MagicPIG.name]) & sub["subtask"].isin(["cwe", "fwe"])]
     if d.empty or d["method"].nunique() < 2:
         raise Skip("needs RULER runs of both topk and magicpig with the cwe / fwe subtasks")
     keys = sorted({(m, l, s) for m, l, s in zip(d["model"], d["length"], d["subtask"])}, key=str)
@@ -398,13 +404,13 @@ def fig9bc_magicpig_vs_topk(df, out: Path) -> list[Path]:
     drawn = False
     for ax, (model, length, st) in zip(axes, keys):
         g = d[(d["model"] == model) & (d["length"] == length) & (d["subtask"] == st)]
-        t = _score_points(g[g["method"] == "topk"], "config", cost2=("cost2", "mean")).sort_values("cost2")
+        t = _score_points(g[g["method"] == TopK.name], "config", cost2=("cost2", "mean")).sort_values("cost2")
         ax.plot(t["cost2"], t["score"], marker="o", color=COLORS["TopK"], label="TopK (exact)")
         drawn |= _error_bars(ax, t["cost2"], t["score"], t["lo"], t["hi"], color=COLORS["TopK"])
-        mp = _score_points(g[g["method"] == "magicpig"], "config", cost2=("cost2", "mean"))
+        mp = _score_points(g[g["method"] == MagicPIG.name], "config", cost2=("cost2", "mean"))
         ax.scatter(mp["cost2"], mp["score"], marker="^", color=COLORS["MagicPIG"], zorder=3, label="MagicPIG (K, L)")
         drawn |= _error_bars(ax, mp["cost2"], mp["score"], mp["lo"], mp["hi"], color=COLORS["MagicPIG"])
-        f = sub[(sub["method"] == "full") & (sub["model"] == model) & (sub["length"] == length) & (sub["subtask"] == st)]
+        f = reference_rows(sub[(sub["model"] == model) & (sub["length"] == length) & (sub["subtask"] == st)])
         drawn |= _full_line(ax, f)
         ax.set_xscale("log")
         _plain_log_x(ax)
@@ -421,12 +427,10 @@ def fig9bc_magicpig_vs_topk(df, out: Path) -> list[Path]:
 
 
 def _retrieval_label(r) -> str:
-    """Legend label of a kv-retrieval run: 'DS 1/16' where token = channel sparsity, else the method's config."""
-    if r["method"] == "double_sparsity":
-        tok, chan = ds_levels(r)
-        if tok is not None and chan is not None and math.isclose(tok, min(chan, 1.0), rel_tol=1e-6):
-            return f"{r['method_name']} {_frac_label(tok)}"
-    return r["method_name"] if r["config"] == "–" else f"{r['method_name']} {r['config']}"
+    """Legend label of a kv-retrieval run: the method and its point label (``load.point_label``: 'DS 1/16' where
+    token = channel sparsity, else the method's config)."""
+    lab = point_label(r)
+    return r["method_name"] if lab == "–" else f"{r['method_name']} {lab}"
 
 
 def ds_fig4_retrieval(df, out: Path) -> list[Path]:
@@ -434,8 +438,7 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
     if runs.empty:
         raise Skip("no kv_retrieval runs")
     runs = runs.copy()
-    runs["level"] = [ds_levels(r)[0] if r["method"] == "double_sparsity" else
-                     (param(r, "budget") if r["method"] in ("topk", "oracle", "quest") else None) for _, r in runs.iterrows()]
+    runs["level"] = [method_level(r) for _, r in runs.iterrows()]  # the method's (``Method.level``)
     runs["label"] = [_retrieval_label(r) for _, r in runs.iterrows()]
     lengths = sorted(runs["length"].dropna().unique())
     fig, axes = _panels(2, 5.6, 4.4)
@@ -445,7 +448,7 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
     keys = lengths or [None]
     for j, L in enumerate(keys):
         a = runs if L is None else runs[runs["length"] == L]
-        f = a[a["method"] == "full"]
+        f = reference_rows(a)
         fs = f["score"].mean() if not f.empty else None
         fp = _score_points(f.assign(level=1.0), "level") if not f.empty else None  # full's point, with its interval
         dodge = 2 ** (0.08 * (j - (len(keys) - 1) / 2))
@@ -457,7 +460,8 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
                 xs, ys = [1.0] + xs, [fs] + ys
                 los, his = [fp["lo"].iloc[0]] + los, [fp["hi"].iloc[0]] + his
             ax.plot([x * dodge for x in xs], ys, marker=MARKERS.get(name, "o"), color=f"C{j}",
-                    ls=("-", "--", "-.")[j % 3] if name == "DS" else ":", markersize=max(4.0, 8.0 - 1.5 * j), zorder=2 + j,
+                    ls=("-", "--", "-.")[j % 3] if name == DoubleSparsity.display_name else ":",
+                    markersize=max(4.0, 8.0 - 1.5 * j), zorder=2 + j,
                     label=f"{name}, {int(L)} tokens" if L is not None else name)
             drawn |= _error_bars(ax, [x * dodge for x in xs], ys, los, his, color=f"C{j}", zorder=1.5 + j)
         if sparse.empty and fs is not None:
@@ -475,13 +479,13 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
     # (b) vs context length, one line per method config (Full first, then DS by level)
     ax = axes[1]
     if len(lengths) >= 2:
-        order = sorted(runs.groupby("label"), key=lambda kv: (kv[1]["method"].iloc[0] != "full",
+        order = sorted(runs.groupby("label"), key=lambda kv: (not is_dense(kv[1]["method"].iloc[0]),
                                                                 -(kv[1]["level"].dropna().mean() if kv[1]["level"].notna().any() else 2)))
         for i, (lab, dd) in enumerate(order):
             m = _score_points(dd, "length")
             if len(m) >= 2:
                 name = dd["method_name"].iloc[0]
-                full = dd["method"].iloc[0] == "full"
+                full = is_dense(dd["method"].iloc[0])
                 dodge = 2 ** (0.03 * (i - (len(order) - 1) / 2))
                 ax.plot([x * dodge for x in m.index], m["score"], marker=MARKERS.get(name, "o"),
                         color="black" if full else f"C{i}", ls="--" if full else "-",
@@ -509,7 +513,7 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
 
 def ds_fig1_ppl(df, out: Path) -> list[Path]:
     runs = run_rows(df, "wikitext")
-    ds = runs[runs["method"] == "double_sparsity"].copy()
+    ds = runs[runs["method"] == DoubleSparsity.name].copy()
     if ds.empty:
         raise Skip("no double_sparsity runs on wikitext")
     lv = [ds_levels(r) for _, r in ds.iterrows()]
@@ -529,14 +533,15 @@ def ds_fig1_ppl(df, out: Path) -> list[Path]:
         for i, ((ct, off), dd) in enumerate(groups):
             m = _score_points(dd, "tok").sort_index(ascending=False)
             seeds = dd["seed"].nunique()
-            lab = f"{'DS-Offload' if off else 'DS'}, {ct} channels" + (f" (mean of {seeds} seeds)" if ct == "random" and seeds > 1 else "")
+            lab = f"{DoubleSparsity.display({'offload': off})}, {ct} channels" + (
+                f" (mean of {seeds} seeds)" if ct == "random" and seeds > 1 else "")
             if len(m) == 1:
                 lab += f" (1/{1 / m.index[0]:g} only)"
             line = ax.plot([1 / x for x in m.index], m["score"], marker=shapes.get(ct, "o"), ls="-" if len(m) > 1 else "none",
                            markersize=max(4.0, 9.0 - 1.5 * i), mfc="none" if i else None, zorder=3 + i, label=lab)
             drawn |= _error_bars(ax, [1 / x for x in m.index], m["score"], m["lo"], m["hi"],
                                  color=line[0].get_color(), zorder=2.5 + i)
-        full = runs[(runs["model"] == model) & (runs["method"] == "full")]
+        full = reference_rows(runs[runs["model"] == model])
         drawn |= _full_line(ax, full)
         ax.set_xscale("log", base=2)
         _frac_ticks(ax)
@@ -683,13 +688,9 @@ def pareto(df, out: Path) -> list[Path]:
 
 
 def _short_config(r) -> str:
-    """A point's label: DS at token = channel sparsity as its level (1/16), other methods' config as is."""
-    if r["method"] == "double_sparsity":
-        tok, chan = ds_levels(r)
-        if tok is not None and chan is not None and math.isclose(tok, min(chan, 1.0), rel_tol=1e-6):
-            ct = param(r, "channel_type")
-            return _frac_label(tok) + ("" if ct in (None, "qk") else f" {ct}")
-    return str(r["config"])
+    """A point's label: the method's short form (``Method.point_label``: DS at token = channel sparsity as its
+    level, 1/16), else its config."""
+    return point_label(r)
 
 
 FIGURES: dict[str, Callable[[Any, Path], list[Path]]] = {

@@ -4,9 +4,11 @@
 method with its parameters × task × subtask × length × protocol; ``subtask`` "all" = the whole run when it has
 several subtasks, None when it has none) plus a few derived columns the tables and figures use:
 
-  method_name  display name: Full, TopK, Oracle sampling, MagicPIG, Quest, DS, DS-Offload
-  config       the paper's config notation: (K,L) for MagicPIG, (page size, budget) for Quest, the budget for
-               TopK / oracle sampling, "α=…, β=…, b-bit, <channels>" for Double Sparsity, "–" for Full
+  method_name  display name, the method's (``Method.display``): Full, TopK, Oracle sampling, MagicPIG, Quest, DS,
+               DS-Offload
+  config       the paper's config notation, the method's (``Method.label``): (K,L) for MagicPIG, (page size,
+               budget) for Quest, the budget for TopK / oracle sampling, "α=…, β=…, b-bit, <channels>" for Double
+               Sparsity, "–" for Full
   cost_total   cost1 + cost2 (MagicPIG §5.1)
   setting      protocol, static keys and dense layers, e.g. "A, sink 4 + local 64, dense 0,16"
 """
@@ -18,8 +20,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-METHOD_NAMES = {"full": "Full", "topk": "TopK", "oracle": "Oracle sampling", "magicpig": "MagicPIG",
-                "quest": "Quest", "double_sparsity": "DS"}
+from ..methods import METHODS, is_dense
+
 TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
 
 
@@ -84,54 +86,68 @@ def param(row: Any, name: str) -> Any:
     return _num(row.get(f"method.{name}")) if hasattr(row, "get") else None
 
 
-def _fmt_budget(b: Any) -> str:
-    """A ratio of the context (<= 1) as is; a token count (> 1; ints may come back as floats from a CSV)."""
-    if b is None:
-        return "?"
-    return f"{float(b):g}" if float(b) <= 1.0 else f"{int(b)} tok"
+def method_params(row: Any) -> dict[str, Any]:
+    """A row's method config {field: value} from its ``method.<field>`` columns (missing values left out)."""
+    items = row.items() if hasattr(row, "items") else ()
+    out = {str(k)[len("method."):]: _num(v) for k, v in items if str(k).startswith("method.")}
+    return {k: v for k, v in out.items() if v is not None}
 
 
-def _int(v: Any) -> Any:
-    return int(v) if isinstance(v, float) and v.is_integer() else v
+def keys_per_row(row: Any) -> float | None:
+    """The keys of an average row of a run, the denominator of a budget given as a token count: half the window
+    for perplexity windows (a causal window of W tokens has W / 2 keys per row on average), else the task's
+    length; None when the row has neither."""
+    tc = task_config(row)
+    if tc.get("window"):
+        return tc["window"] / 2.0
+    n = _num(row.get("length")) if hasattr(row, "get") else None
+    return float(n) if n else None
+
+
+def _method(row: Any):
+    """The registered class of a row's method, None for a method this process does not know (a user's plugin
+    that is not loaded): the report then writes its name and config as they are."""
+    return METHODS.get(row["method"])
 
 
 def config_label(row: Any) -> str:
-    m = row["method"]
-    if m == "full":
-        return "–"
-    if m == "magicpig":
-        lab = f"({_int(param(row, 'K'))},{_int(param(row, 'L'))})"
-        extra = []
-        if param(row, "center") is False:
-            extra.append("no centering")
-        mc = param(row, "min_collisions")
-        if mc not in (None, 2):
-            extra.append(f"≥{mc} coll.")
-        if param(row, "mips"):
-            extra.append("MIPS")
-        return lab + (" " + ", ".join(extra) if extra else "")
-    if m == "quest":
-        return f"({_int(param(row, 'page_size'))},{_fmt_budget(param(row, 'budget'))})"
-    if m in ("topk", "oracle"):
-        return _fmt_budget(param(row, "budget"))
-    if m == "double_sparsity":
-        a, b = param(row, "alpha"), param(row, "beta")
-        bits, ch = _int(param(row, "label_bits")), param(row, "channel_type")
-        return f"α={a:g}, β={_fmt_budget(b)}, {bits}-bit, {ch}"
-    return str(row.get("method_config", m))
+    cls = _method(row)
+    lab = cls.label(method_params(row)) if cls is not None else None
+    return lab if lab is not None else str(row.get("method_config", row["method"]))
 
 
 def method_display(row: Any) -> str:
-    m = row["method"]
-    if m == "double_sparsity" and param(row, "offload"):
-        return "DS-Offload"
-    return METHOD_NAMES.get(m, m)
+    cls = _method(row)
+    return cls.display(method_params(row)) if cls is not None else row["method"]
+
+
+def is_reference(row: Any) -> bool:
+    """Whether the row's method is the dense reference (full attention): ``Method.dense``."""
+    return is_dense(row["method"])
+
+
+def reference_rows(df):
+    """The rows of the dense reference (``is_reference``)."""
+    return df[df["method"].map(is_dense).astype(bool)]
+
+
+def method_level(row: Any) -> float | None:
+    """The row's sparsity level by its method (``Method.level``), None for a method without one."""
+    cls = _method(row)
+    return cls.level(method_params(row), keys_per_row(row)) if cls is not None else None
+
+
+def point_label(row: Any) -> str:
+    """A figure point's label: the method's short form (``Method.point_label``) or its config label."""
+    cls = _method(row)
+    lab = cls.point_label(method_params(row), keys_per_row(row)) if cls is not None else None
+    return lab if lab is not None else str(row["config"])
 
 
 def setting_label(row: Any) -> str:
     parts = [str(row.get("protocol") or "?")]
     sink, local = _num(row.get("sink")), _num(row.get("local"))
-    if row["method"] != "full":
+    if not is_reference(row):
         parts.append(f"sink {sink} + local {local}" if (sink or local) else "no static keys")
         dl = row.get("dense_layers")
         parts.append(f"dense {dl}" if isinstance(dl, str) and dl else "no dense layers")

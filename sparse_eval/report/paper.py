@@ -36,8 +36,12 @@ class PaperRow:
 MAGICPIG_PAPER_SETTINGS = {"min_collisions": 2, "center": True, "mips": False}
 
 
+# a paper's settings its rows leave unsaid, by method (a row's own parameters win)
+PAPER_SETTINGS = {"magicpig": MAGICPIG_PAPER_SETTINGS}
+
+
 def _with_settings(method: str, params: dict[str, Any]) -> dict[str, Any]:
-    return {**MAGICPIG_PAPER_SETTINGS, **params} if method == "magicpig" else dict(params)
+    return {**PAPER_SETTINGS.get(method, {}), **params}
 
 
 def _rows(table: str, model: str, spec: list[tuple[str, dict[str, Any], list[float | None]]], cols: list[str]) -> list[PaperRow]:

@@ -17,8 +17,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..methods.double_sparsity import DoubleSparsity
+from ..methods.magicpig import MagicPIG, sampling_probability
 from . import paper as P
-from .load import config_label, method_display, run_rows, subtask_rows
+from .load import (config_label, is_reference, keys_per_row, method_display, method_params, reference_rows, run_rows,
+                   subtask_rows)
 
 KEY_COLS = ["Model", "Method", "Config"]
 PARAM_NAMES = ("K", "L", "page_size", "budget", "offload", "channel_type", "center", "min_collisions", "mips",
@@ -260,7 +263,7 @@ def _magicpig_kl(df, name: str, title: str, keep: Callable[[int, int], bool], pa
     from .load import param
 
     runs = run_rows(df)
-    runs = runs[runs["method"] == "magicpig"]
+    runs = runs[runs["method"] == MagicPIG.name]
     if with_score:
         runs = runs[runs["task"] == "ruler"]
         if (runs["length"] == PAPER_RULER_LENGTH).any():
@@ -270,7 +273,6 @@ def _magicpig_kl(df, name: str, title: str, keep: Callable[[int, int], bool], pa
     runs = runs[np.array([keep(param(r, "K"), param(r, "L")) for _, r in runs.iterrows()], dtype=bool)]
     if runs.empty:
         raise Skip("no magicpig runs with the table's (K, L)")
-    from ..methods.magicpig import sampling_probability
 
     rows, papers, sources = [], [], []
     gcols = ["model", "task", "length", "config", "setting"]
@@ -283,7 +285,7 @@ def _magicpig_kl(df, name: str, title: str, keep: Callable[[int, int], bool], pa
                "u(p=1/2)": float(sampling_probability(0.5, int(K), int(L), int(mc)))}
         if with_score:
             row["Score"] = _mean(grp["score"])
-        pr = P.lookup(paper_table, key[0], "magicpig", _params(first))
+        pr = P.lookup(paper_table, key[0], MagicPIG.name, _params(first))
         pv = dict(pr.values) if pr else {}
         if with_score:  # the paper's RULER numbers are 16K ones
             pv = {"Score": pv.get("16K"), "Cost2": pv.get("Cost2")} if length == PAPER_RULER_LENGTH else {}
@@ -339,30 +341,15 @@ def _level_label(x: float | None) -> str | None:
 
 
 def ds_levels(row: Any) -> tuple[float | None, float | None]:
-    """(token sparsity, channel sparsity) of a Double Sparsity row.
-
-    token: a float β is the ratio of the context; an int β (the authors' heavy_const) is β / (window / 2) for
-    WikiText-2 windows (a row of a causal window of W tokens has W / 2 keys on average), else β / length.
-    channel: α · label_bits / 16, the label cache's size relative to the K cache (DS §4.2).
-    """
-    from .load import param, task_config
-
-    a, b, bits = param(row, "alpha"), param(row, "beta"), param(row, "label_bits")
-    chan = None if a is None or bits is None else float(a) * float(bits) / 16.0
-    tok = None
-    if b is not None:
-        if float(b) <= 1.0:
-            tok = float(b)
-        else:
-            tc = task_config(row)
-            ctx = (tc.get("window") / 2.0) if tc.get("window") else (row.get("length") or None)
-            tok = float(b) / float(ctx) if ctx else None
-    return tok, chan
+    """(token sparsity, channel sparsity) of a Double Sparsity row (``DoubleSparsity.levels``): an int β (the
+    authors' heavy_const) counts over the keys of an average row (``load.keys_per_row``: W / 2 for WikiText-2
+    windows of W tokens, else the length)."""
+    return DoubleSparsity.levels(method_params(row), keys_per_row(row))
 
 
 def ds_table2(df) -> Table:
     runs = run_rows(df, "wikitext")
-    ds = runs[runs["method"] == "double_sparsity"]
+    ds = runs[runs["method"] == DoubleSparsity.name]
     if ds.empty:
         raise Skip("no double_sparsity runs on wikitext")
     from .load import param
@@ -383,7 +370,7 @@ def ds_table2(df) -> Table:
     import pandas as pd
 
     d = pd.DataFrame(recs)
-    full = runs[runs["method"] == "full"]
+    full = reference_rows(runs)
     rows, papers, sources = [], [], []
     cols = ["1"] + sorted({c for c in d["col"] if c and c != "1"}, key=lambda s: -_frac(s))
     for key, grp in d.groupby(["model", "Variant", "Channels", "Channel sparsity", "setting"], sort=False):
@@ -393,7 +380,7 @@ def ds_table2(df) -> Table:
         f = full[full["model"] == key[0]]
         if row["1"] is None and not f.empty:
             row["1"] = _mean(f["score"])  # level 1 = the dense model
-        pr = P.lookup("DS Table 2", key[0], "double_sparsity",
+        pr = P.lookup("DS Table 2", key[0], DoubleSparsity.name,
                       {"offload": bool(grp["offload"].iloc[0]), "channel_type": key[2]}) if key[3] == "= token" else None
         rows.append(row)
         papers.append(dict(pr.values) if pr else {})
@@ -431,7 +418,7 @@ def ds_table3(df) -> Table:
 
     runs = run_rows(df, "wikitext")
     not_off = [not param(r, "offload") for _, r in runs.iterrows()]
-    ds = runs[(runs["method"] == "double_sparsity").to_numpy() & np.array(not_off, dtype=bool)]
+    ds = runs[(runs["method"] == DoubleSparsity.name).to_numpy() & np.array(not_off, dtype=bool)]
     sel = []
     for _, r in ds.iterrows():
         tok, chan = ds_levels(r)
@@ -440,7 +427,7 @@ def ds_table3(df) -> Table:
             sel.append(r)
     if not sel:
         raise Skip("no double_sparsity wikitext runs at token and channel sparsity 1/16")
-    full = runs[runs["method"] == "full"]
+    full = reference_rows(runs)
     rows, papers, sources = [], [], []
     seeds: dict[str, set] = {}
     for model in sorted({r["model"] for r in sel}):
@@ -452,7 +439,7 @@ def ds_table3(df) -> Table:
             row[ct] = _mean([r["score"] for r in these])
             if ct == "random" and these:
                 seeds[model] = {param(r, "seed") for r in these}
-        pr = P.lookup("DS Table 3", model, "double_sparsity", {})
+        pr = P.lookup("DS Table 3", model, DoubleSparsity.name, {})
         rows.append(row)
         papers.append(dict(pr.values) if pr else {})
         sources.append(pr.table if pr else None)
@@ -519,7 +506,7 @@ def score_intervals(df) -> Table:
         n = g("pooled_n", "samples")
         diff, sig = g("pooled_diff", "diff_vs_full"), g("pooled_significant", "significant")
         dlo, dhi, npair = g("pooled_diff_lo", "diff_lo"), g("pooled_diff_hi", "diff_hi"), g("pooled_n_paired", "n_paired")
-        has_diff = r.get("method") != "full" and _present(diff)
+        has_diff = not is_reference(r) and _present(diff)
         stochastic = _num_bool(r.get("stochastic")) if "stochastic" in runs.columns else None
         single |= stochastic is True and int(r.get("seeds") or 1) == 1
         config = config_label(r)

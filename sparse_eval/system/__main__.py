@@ -61,6 +61,7 @@ def _prompts(tok: Any, context: int, batch: int) -> torch.Tensor:
 def run(cfg: Any) -> dict[str, Any]:
     from ..models.loading import load_model, max_context, resolve_device
     from . import SYSTEM_LAYERS, DecodeOptions, decode
+    from .layers import layer_class
     from .models import SHAPES, random_model
 
     for what in ("context", "batch", "repeat_batch", "new_tokens"):
@@ -69,12 +70,7 @@ def run(cfg: Any) -> dict[str, Any]:
     opts = to_plain(cfg.method)
     if opts["name"] not in SYSTEM_LAYERS:
         raise ValueError(f"method={opts['name']!r} has no system path; valid: {list(SYSTEM_LAYERS)}")
-    if opts["name"] == "double_sparsity":
-        from ..kernels.ds import LABEL_BITS
-
-        if opts.get("label_bits") not in LABEL_BITS:
-            raise ValueError(f"method.label_bits={opts.get('label_bits')!r}: the system path's label cache packs "
-                             f"{list(LABEL_BITS)} bits (the accuracy path, python -m sparse_eval, takes 1..8 and 16)")
+    layer_class(opts["name"]).check_options(opts)  # what the system path's layer of the method cannot run
     method = build_method(make_config(opts["name"], opts))
     tok = None
     if cfg.random_shape:

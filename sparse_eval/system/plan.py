@@ -6,12 +6,9 @@ sink/local rows stay on the GPU).  The largest batch is therefore bounded by GPU
 by host memory for the offloaded ones; this module computes the bytes per row of each and the batch that fits.
 ``benchmarks/bench_system_decode.py`` plans its runs with it (``--plan-only`` prints the plan without a GPU).
 
-Bytes per row, context ``n`` = prompt + decode steps, ``hkv`` KV heads of dim ``d``, bf16:
-    KV per layer          2 · hkv · d · 2 · n
-    Quest page metadata   2 · hkv · d · 2 · ceil(n / page)        (min and max per page, sparse layers)
-    DS labels             hkv · n · (r / 2 + 4)                   (4-bit codes of r = α·d channels + fp16 scale/zero)
-    MagicPIG tables       hkv · L · (4 n + 4 (2^K + 1) + 2 n)      (key ids sorted by code, bucket offsets, codes)
-    MagicPIG GPU part     2 · hkv · d · 2 · (local + steps + sink) (the static rows, sparse layers)
+Bytes per row, context ``n`` = prompt + decode steps, ``hkv`` KV heads of dim ``d``, bf16: each dense layer's KV
+cache, 2 · hkv · d · 2 · n, on the GPU, and in each sparse layer what its layer kind keeps where, by its own
+``row_bytes`` (``system.layers``: Quest's page metadata, DS's label cache, MagicPIG's hash tables in host memory).
 """
 
 from __future__ import annotations
@@ -52,34 +49,30 @@ def weight_bytes(shape: dict[str, Any], num_layers: int | None = None, bytes_per
     return sum(p.numel() for p in model.parameters()) * bytes_per_param
 
 
-def bytes_per_row(name: str, cfg: dict[str, Any], context: int, steps: int, shape: dict[str, Any],
+def bytes_per_row(cfg: dict[str, Any], context: int, steps: int, shape: dict[str, Any],
                   num_layers: int) -> tuple[int, int]:
-    """(GPU bytes, host bytes) of one row's caches for method ``name`` (full, ds, ds_offload, quest or
-    magicpig_<K>_<L>) with settings ``cfg`` at ``context`` prompt tokens plus ``steps`` decode steps."""
+    """(GPU bytes, host bytes) of one row's caches for the method config ``cfg`` (with its ``name``) at ``context``
+    prompt tokens plus ``steps`` decode steps: the dense layers' KV caches on the GPU (every layer of a dense method)
+    and, in each sparse layer, what its layer kind keeps where (``FullLayer.row_bytes`` and its overrides)."""
+    from ..methods import is_dense
+    from .layers import FullLayer, layer_class
+
     hkv, d = shape["num_key_value_heads"], shape["head_dim"]
     n = context + steps
-    kv_layer = 2 * hkv * d * 2 * n
-    dense = set(range(num_layers)) if name == "full" else set(cfg.get("dense_layers", []))
-    sparse = num_layers - len(dense)
-    on_gpu = name in ("full", "ds", "quest")
-    gpu = num_layers * kv_layer if on_gpu else len(dense) * kv_layer
-    cpu = 0 if on_gpu else sparse * kv_layer
-    if name == "quest":
-        gpu += sparse * 2 * hkv * d * 2 * (-(-n // cfg["page_size"]))
-    if name in ("ds", "ds_offload"):
-        r = int(cfg.get("alpha", 0.25) * d)
-        gpu += sparse * hkv * n * (r // 2 + 4)
-    if name.startswith("magicpig"):
-        cpu += sparse * hkv * cfg["L"] * (4 * n + 4 * ((1 << cfg["K"]) + 1) + 2 * n)
-        gpu += sparse * 2 * hkv * d * 2 * (cfg.get("local", 64) + steps + cfg.get("sink", 4))
+    dense = num_layers if is_dense(cfg["name"]) else len(set(cfg.get("dense_layers", [])))
+    sparse = num_layers - dense
+    gpu, cpu = dense * FullLayer.row_bytes(cfg, n, steps, hkv, d)[0], 0
+    if sparse:
+        g, c = layer_class(cfg["name"]).variant(cfg).row_bytes(cfg, n, steps, hkv, d)
+        gpu, cpu = gpu + sparse * g, cpu + sparse * c
     return int(gpu), int(cpu)
 
 
-def plan_batch(name: str, cfg: dict[str, Any], context: int, steps: int, shape: dict[str, Any], num_layers: int,
+def plan_batch(cfg: dict[str, Any], context: int, steps: int, shape: dict[str, Any], num_layers: int,
                gpu_free: float, cpu_free: float, max_batch: int) -> tuple[int, dict[str, int]]:
     """The largest batch (at most ``max_batch``) whose caches fit ``gpu_free`` and ``cpu_free`` bytes, with the
     bytes per row and the batch each memory alone would allow."""
-    gpu, cpu = bytes_per_row(name, cfg, context, steps, shape, num_layers)
+    gpu, cpu = bytes_per_row(cfg, context, steps, shape, num_layers)
     b_gpu = int(gpu_free // gpu) if gpu else max_batch
     b_cpu = int(cpu_free // cpu) if cpu else max_batch
     return max(0, min(max_batch, b_gpu, b_cpu)), {"gpu_bytes_per_row": gpu, "cpu_bytes_per_row": cpu,

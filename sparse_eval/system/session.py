@@ -31,7 +31,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention.plugin import attention_modules, attention_window, layer_plan, sliding_layers
 from ..methods.base import Method
-from .layers import DSOffloadLayer, FullLayer, LayerOptions, build_layer, layer_class
+from ..methods import is_dense
+from .layers import FullLayer, LayerOptions, build_layer, layer_class
 
 ATTENTION_NAME = "sparse_eval_system"
 _ATTR = "_sparse_eval_system"
@@ -83,7 +84,7 @@ def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype
         raise ValueError(f"{type(model).__name__} attends within a {window}-token sliding window, which the system "
                          f"path's cache layers do not apply: {capacity} tokens (prompt + new tokens) exceed it; "
                          f"run at most {window} tokens here, or use the accuracy path (python -m sparse_eval)")
-    dense = layer_plan(method, n_layers, sliding_layers(model))[0] if method.name != "full" else set(range(n_layers))
+    dense = set(range(n_layers)) if is_dense(method.name) else layer_plan(method, n_layers, sliding_layers(model))[0]
     if label_scale_dtype is None:
         label_scale_dtype = torch.float16 if next(model.parameters()).is_cuda else torch.float32
     opts = LayerOptions(capacity=capacity, hq=hq, hkv=hkv, d=d, label_scale_dtype=label_scale_dtype,
@@ -134,21 +135,20 @@ class SystemSession:
         self.pending: dict[int, dict] = {}
         self.stats: collections.Counter = collections.Counter()
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        offload = any(isinstance(x, DSOffloadLayer) for x in layers)
-        self.keeps_inputs = offload
+        prefetch = any(x.prefetched for x in layers)  # DS-Offload: a layer's keys gathered during the previous one
+        self.keeps_inputs = prefetch
         cuda = next(model.parameters()).is_cuda
-        self.side_stream = torch.cuda.Stream() if offload and cuda else None
+        self.side_stream = torch.cuda.Stream() if prefetch and cuda else None
         self.cuda = cuda
         self.pieces = None  # a ``capture.Pieces`` while a static step is captured in pieces
-        if offload and method.config.offload_input == "residual" and not method.has_input_norms:
-            raise ValueError("DS-Offload with offload_input='residual' needs method.setup(model, ...) first (it finds "
-                             "each layer's input norm)")
+        for kind in dict.fromkeys(type(x) for x in layers):
+            kind.check_ready(method)
 
     # -- attention --------------------------------------------------------------------------------------
     def attention(self, module, q, k, v, scaling):
         i = module.layer_idx
         layer = self.layers[i]
-        if q.shape[2] == 1 and i + 1 < len(self.layers) and isinstance(self.layers[i + 1], DSOffloadLayer):
+        if q.shape[2] == 1 and i + 1 < len(self.layers) and self.layers[i + 1].prefetched:
             self._predict(i)  # issue layer i+1's gather first, so it overlaps this layer's work
         out = layer.attend(self, module, q, k, v, scaling)
         return out.transpose(1, 2).contiguous(), None

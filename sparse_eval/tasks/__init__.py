@@ -1,16 +1,11 @@
-"""Tasks: each module registers one task class."""
+"""Tasks: each module registers one task class; every module of this folder is imported here
+(``sparse_eval.discovery``), so a new task is one new module."""
 
 from __future__ import annotations
 
-import importlib
-
+from ..discovery import import_package_modules
 from .base import TASKS, Sample, Task, TaskConfig, build_task, register_task, task_class
 
-for _mod in ("wikitext", "ruler", "kv_retrieval", "longbench", "lm_eval_task"):
-    try:
-        importlib.import_module(f"{__name__}.{_mod}")
-    except ModuleNotFoundError as _e:  # only while a task module is absent
-        if _e.name != f"{__name__}.{_mod}":
-            raise
+import_package_modules(__name__, skip=("base",))
 
 __all__ = ["TASKS", "Sample", "Task", "TaskConfig", "build_task", "register_task", "task_class"]

@@ -2,7 +2,8 @@
 
 The accuracy path (``attention.plugin``) keeps every key on one device and computes dense scores to check
 each selection; the system path stores keys where the method's system stores them and touches only what the
-method reads.  One module per method, each registering its layer under the method's name (``registry``):
+method reads.  One module per method, each registering its layer under the method's name (``registry``); every
+module of this folder is imported here (``sparse_eval.discovery``), so a new layer is one new module:
 
 * ``full.FullLayer``: KV cache on the GPU, dense sdpa decode (the baseline; also every method's dense layers,
   and the storage the other layers extend).
@@ -23,13 +24,18 @@ generated tokens are sparse) and then decode one token per call.  Shapes: B batc
 N tokens, D head dim, T tokens of the call.
 """
 
-from . import ds, full, magicpig, quest  # noqa: F401  (registration)
+from ...discovery import import_package_modules
 from .base import StaticStep
-from .ds import DSLayer, DSOffloadLayer
-from .full import FullLayer
-from .magicpig import MagicPIGLayer
-from .quest import QuestLayer
 from .registry import SYSTEM_LAYERS, LayerOptions, build_layer, layer_class, register_layer
+
+# every module of this folder registers its layer (``@register_layer``): a new layer is one new module here
+import_package_modules(__name__, skip=("base", "registry"))
+
+# the built-in layers by name, for callers that import them so (registration needs none of this)
+from .ds import DSLayer, DSOffloadLayer  # noqa: E402
+from .full import FullLayer  # noqa: E402
+from .magicpig import MagicPIGLayer  # noqa: E402
+from .quest import QuestLayer  # noqa: E402
 
 __all__ = ["FullLayer", "DSLayer", "DSOffloadLayer", "MagicPIGLayer", "QuestLayer", "StaticStep",
            "SYSTEM_LAYERS", "LayerOptions", "build_layer", "layer_class", "register_layer"]

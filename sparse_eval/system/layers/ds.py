@@ -191,6 +191,30 @@ class DSLayer(SelectsTopK, FullLayer):
 
 
     @classmethod
+    def variant(cls, cfg):
+        return DSOffloadLayer if cfg.get("offload") else DSLayer
+
+    @classmethod
+    def check_options(cls, cfg):
+        if cfg.get("label_bits") not in kds.LABEL_BITS:
+            raise ValueError(f"method.label_bits={cfg.get('label_bits')!r}: the system path's label cache packs "
+                             f"{list(kds.LABEL_BITS)} bits (the accuracy path, python -m sparse_eval, takes 1..8 and "
+                             f"16)")
+
+    @classmethod
+    def label_bytes(cls, cfg: dict[str, Any], n: int, hkv: int, d: int) -> int:
+        """The label cache of one row and layer: hkv · n · (r / 2 + 4), 4-bit codes of r = α·d channels and an fp16
+        scale and zero."""
+        r = int(cfg.get("alpha", 0.25) * d)
+        return hkv * n * (r // 2 + 4)
+
+    @classmethod
+    def row_bytes(cls, cfg, n, steps, hkv, d):
+        """The KV cache and the label cache, on the GPU."""
+        gpu, cpu = super().row_bytes(cfg, n, steps, hkv, d)
+        return gpu + cls.label_bytes(cfg, n, hkv, d), cpu
+
+    @classmethod
     def from_method(cls, layer_idx: int, method: Any, opts: LayerOptions) -> "DSLayer":
         """A ``DSLayer``, or a ``DSOffloadLayer`` with ``method.offload``, with the layer's channels per label head
         (``DoubleSparsity.label_channels``)."""
@@ -198,7 +222,7 @@ class DSLayer(SelectsTopK, FullLayer):
         if c.sink or c.local:
             raise ValueError(f"method.sink={c.sink}, method.local={c.local}: the DS system layers keep no static "
                              f"keys (the paper's setting); set both to 0")
-        layer_cls = DSOffloadLayer if c.offload else DSLayer
+        layer_cls = cls.variant({"offload": c.offload})
         return layer_cls(layer_idx, opts.capacity, method.label_channels(layer_idx, opts.hq, opts.hkv, opts.d),
                          hq=opts.hq, beta=c.beta, bits=c.label_bits, quantize_query=c.quantize_query, gqa=c.gqa,
                          scale_dtype=opts.label_scale_dtype, backend=opts.backend_gpu, topk=opts.topk)
@@ -210,6 +234,19 @@ class DSOffloadLayer(DSLayer):
     the previous layer's input and gathers the top rows into a GPU buffer on a side stream."""
 
     kind = "ds_offload"
+    prefetched = True  # the session predicts this layer's keys and gathers them during the previous layer
+
+    @classmethod
+    def check_ready(cls, method):
+        if method.config.offload_input == "residual" and not method.has_input_norms:
+            raise ValueError("DS-Offload with offload_input='residual' needs method.setup(model, ...) first (it finds "
+                             "each layer's input norm)")
+
+    @classmethod
+    def row_bytes(cls, cfg, n, steps, hkv, d):
+        """The KV cache in pinned host memory, the label cache on the GPU."""
+        kv, _ = FullLayer.row_bytes(cfg, n, steps, hkv, d)
+        return cls.label_bytes(cfg, n, hkv, d), kv
 
     def __init__(self, *args: Any, **kwargs: Any):
         kwargs["kv_device"] = "cpu"

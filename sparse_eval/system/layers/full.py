@@ -22,6 +22,9 @@ class FullLayer(CacheLayerMixin):
     kind = "full"
     is_sliding = False
     is_compileable = False
+    # a layer whose keys are chosen and gathered while the previous layer computes (DS-Offload §5.1): the session
+    # then keeps each layer's input and calls ``predict`` on the next layer from the current one
+    prefetched = False
 
     def __init__(self, layer_idx: int, capacity: int, kv_device: torch.device | str | None = None, pin: bool = True,
                  backend: str = "auto"):
@@ -131,3 +134,23 @@ class FullLayer(CacheLayerMixin):
     def from_method(cls, layer_idx: int, method: Any, opts: LayerOptions) -> "FullLayer":
         """The layer of a sparse layer of ``method`` (here: every layer of ``method=full``)."""
         return cls(layer_idx, opts.capacity, backend=opts.backend_gpu)
+
+    # -- what generic code asks a layer kind (the session, ``system.plan``), from the method's config ---------
+    @classmethod
+    def variant(cls, cfg: dict[str, Any]) -> type:
+        """The layer class ``from_method`` builds for method config ``cfg`` (DS-Offload for DS with offload)."""
+        return cls
+
+    @classmethod
+    def check_options(cls, cfg: dict[str, Any]) -> None:
+        """Refuse, at start, a method option the system path cannot run (raises ValueError).  Default: none."""
+
+    @classmethod
+    def check_ready(cls, method: Any) -> None:
+        """Refuse a session whose ``method`` is not set up as this layer needs (raises ValueError).  Default: none."""
+
+    @classmethod
+    def row_bytes(cls, cfg: dict[str, Any], n: int, steps: int, hkv: int, d: int) -> tuple[int, int]:
+        """(GPU bytes, host bytes) of one row's caches in one layer of this kind, at ``n`` tokens after ``steps``
+        decode steps, ``hkv`` KV heads of dim ``d``, bf16: the KV cache, 2 · hkv · d · 2 · n, on the GPU."""
+        return 2 * hkv * d * 2 * n, 0

@@ -346,5 +346,14 @@ class MagicPIGLayer(FullLayer):
 
 
     @classmethod
+    def row_bytes(cls, cfg, n, steps, hkv, d):
+        """The KV cache and the hash tables in host memory, the tables hkv · L · (4 n + 4 (2^K + 1) + 2 n) (key ids
+        sorted by code, bucket offsets, codes); on the GPU the static rows, 2 · hkv · d · 2 · (local + steps +
+        sink)."""
+        kv, _ = super().row_bytes(cfg, n, steps, hkv, d)
+        tables = hkv * cfg["L"] * (4 * n + 4 * ((1 << cfg["K"]) + 1) + 2 * n)
+        return 2 * hkv * d * 2 * (cfg.get("local", 64) + steps + cfg.get("sink", 4)), kv + tables
+
+    @classmethod
     def from_method(cls, layer_idx: int, method: Any, opts: LayerOptions) -> "MagicPIGLayer":
         return cls(layer_idx, opts.capacity, method, backend_gpu=opts.backend_gpu, backend_cpu=opts.backend_cpu)

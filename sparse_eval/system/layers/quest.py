@@ -128,6 +128,12 @@ class QuestLayer(SelectsTopK, FullLayer):
 
 
     @classmethod
+    def row_bytes(cls, cfg, n, steps, hkv, d):
+        """The KV cache plus the page metadata, 2 · hkv · d · 2 · ceil(n / page) (min and max per page), on the GPU."""
+        gpu, cpu = super().row_bytes(cfg, n, steps, hkv, d)
+        return gpu + 2 * hkv * d * 2 * (-(-n // cfg["page_size"])), cpu
+
+    @classmethod
     def from_method(cls, layer_idx: int, method: Any, opts: LayerOptions) -> "QuestLayer":
         c = method.config
         if not c.update_pages:
