@@ -17,7 +17,8 @@ import hydra
 from . import sweep
 from .cli import EXIT_FAILED, EXIT_USAGE, check_choices, check_compare, fail, hydra_entry
 from .config import register_configs
-from .runner import CONF_DIR, run
+from .launch import run
+from .runner import CONF_DIR
 
 register_configs()
 

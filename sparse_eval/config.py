@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -17,6 +18,7 @@ from .methods import METHODS
 from .models.loading import ModelConfig
 from .tasks import TASKS
 
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the Hydra configs (``conf/``)
 
 
 @dataclass
