@@ -15,11 +15,13 @@ import sys
 import hydra
 
 from . import sweep
-from .cli import EXIT_FAILED, EXIT_USAGE, check_choices, check_compare, fail, hydra_entry
-from .config import register_configs
-from .runner import CONF_DIR, run
+from .cli import EXIT_FAILED, EXIT_USAGE, check_choices, check_compare, fail, hydra_entry, names_a_method
+from .config import CONF_DIR, register_configs
+from .launch import run
 
-register_configs()
+# the methods' schemas import torch: registered unless the command line cannot compose a method (``--help``,
+# the default experiment, whose ``compare`` list is composed later), so those start without torch
+register_configs(methods=names_a_method(sys.argv[1:]))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -102,7 +102,7 @@ def register_resolvers() -> None:
 
 
 def _yaml_choices(group: str) -> list[str]:
-    from .runner import CONF_DIR
+    from .config import CONF_DIR
 
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
@@ -135,6 +135,14 @@ def check_compare(cfg: Any) -> None:
                          "add ~method to run the compare list, or drop compare=")
 
 
+def names_a_method(argv: list[str]) -> bool:
+    """Whether a command line may compose a method config (so the methods' schemas must be registered first): an
+    argument that mentions ``method`` or ``experiment``, or another primary config (``--config-name``, ...).
+    Guessing yes only costs importing torch; a wrong no fails composition with one error line."""
+    return any("method" in a or "experiment" in a or a.startswith(("-cn", "-cp", "-cd", "--config", "--info"))
+               for a in argv)
+
+
 def _argv_overrides() -> list[str]:
     return [a for a in sys.argv[1:] if not a.startswith("-")]
 
@@ -165,7 +173,7 @@ def missing_config_message(msg: str, group: str, name: str) -> str:
     the closest names."""
     import difflib
 
-    from .runner import CONF_DIR
+    from .config import CONF_DIR
 
     listed = []
     for line in msg.split("Available options in", 1)[1].splitlines()[1:]:

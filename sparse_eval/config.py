@@ -16,11 +16,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from .methods import METHODS
 from .models.loading import ModelConfig
-from .tasks import TASKS
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the Hydra configs (``conf/``)
+
 
 @dataclass
 class EvalConfig:
@@ -78,18 +77,24 @@ class Config:
     preflight: bool = True
 
 
-def register_configs() -> None:
+def register_configs(methods: bool = True) -> None:
+    """The schemas in Hydra's ConfigStore.  ``methods=False`` leaves out the methods' (their modules import torch):
+    enough to compose a config that names no method (``--help``)."""
     from .cli import register_resolvers
+    from .tasks import TASKS
 
     register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="logger", name="logger_schema", node=LoggerConfig)
-    for name, cls in METHODS.items():
-        cs.store(group="method", name=f"{name}_schema", node=cls.config_class)
-        if not (CONF_DIR / "method" / f"{name}.yaml").is_file():  # a plugin's method: its defaults as its config
-            cs.store(group="method", name=name, node=cls.config_class(name=name))
+    if methods:
+        from .methods import METHODS
+
+        for name, cls in METHODS.items():
+            cs.store(group="method", name=f"{name}_schema", node=cls.config_class)
+            if not (CONF_DIR / "method" / f"{name}.yaml").is_file():  # a plugin's method: its defaults as its config
+                cs.store(group="method", name=name, node=cls.config_class(name=name))
     for name, cls in TASKS.items():
         cs.store(group="task", name=f"{name}_schema", node=cls.config_class)
 

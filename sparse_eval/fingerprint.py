@@ -4,17 +4,39 @@ Hashing a multi-GB checkpoint on every run would cost minutes, so a file's sha25
 ``<user cache>/sha256.json`` under its absolute path with its size and modification time: a file rewritten in
 place (new size or mtime) is hashed again.  ``SPARSE_EVAL_CACHE_DIR`` sets the cache folder (default
 ``$XDG_CACHE_HOME/sparse_eval``, else ``~/.cache/sparse_eval``); an unwritable cache only costs the re-hash.
+
+``recording()`` collects every file fingerprinted while it is open, with its size, mtime and sha256: the launch
+cache (``sparse_eval.launch``) keeps them to tell, without loading anything, that a run's inputs are unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 CACHE_ENV = "SPARSE_EVAL_CACHE_DIR"
+_RECORDINGS: list[dict[str, dict[str, object]]] = []  # open ``recording()`` blocks, innermost last
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[dict[str, dict[str, object]]]:
+    """Within the block: {absolute path: {size, mtime_ns, sha256}} of every file ``file_sha256`` fingerprinted
+    (the stamp the digest was taken or cached under)."""
+    seen: dict[str, dict[str, object]] = {}
+    _RECORDINGS.append(seen)
+    try:
+        yield seen
+    finally:
+        _RECORDINGS.remove(seen)
+
+
+def _note(path: str, size: int, mtime_ns: int, digest: str) -> None:
+    for seen in _RECORDINGS:
+        seen[path] = {"size": size, "mtime_ns": mtime_ns, "sha256": digest}
 
 
 def user_cache_dir() -> Path:
@@ -54,6 +76,7 @@ def file_sha256(path: str | Path) -> str:
     cache = _read_cache()
     hit = cache.get(key)
     if hit and hit[:2] == stamp:
+        _note(key, *stamp, hit[2])
         return hit[2]
     h = hashlib.sha256()
     with open(p, "rb") as f:
@@ -63,6 +86,7 @@ def file_sha256(path: str | Path) -> str:
     cache = _read_cache()  # re-read: another process may have added entries meanwhile
     cache[key] = [*stamp, digest]
     _write_cache(cache)
+    _note(key, *stamp, digest)
     return digest
 
 

@@ -129,6 +129,7 @@ def check_sweep(config: DictConfig) -> list[tuple[str, list[int], int]]:
     from hydra import compose
     from hydra.core.global_hydra import GlobalHydra
 
+    from .launch import lookup
     from .sweep import sweep_jobs
 
     jobs = sweep_jobs(OmegaConf.select(config, "hydra.sweeper.params"), list(config.hydra.overrides.task))
@@ -140,6 +141,8 @@ def check_sweep(config: DictConfig) -> list[tuple[str, list[int], int]]:
     for num, job in enumerate(jobs):
         try:
             cfg = compose(config_name="config", overrides=list(job))
+            if lookup(cfg) is not None:  # finished, inputs unchanged: the job is answered from its saved results
+                continue
             found = job_errors(cfg, models, local)
         except Exception as exc:  # noqa: BLE001 - a composition error of one job (Hydra's, OmegaConf's)
             found = [f"{type(exc).__name__}: {_first_line(exc)}"]

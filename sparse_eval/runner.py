@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 import traceback
 from pathlib import Path
@@ -15,22 +14,24 @@ import torch
 from tqdm.auto import tqdm
 
 from .attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan, sliding_layers
-from .config import CONF_DIR, to_plain
+from .config import CONF_DIR, to_plain  # noqa: F401 (CONF_DIR re-exported)
 from .engine import Engine
 from .estimate import check_long
 from .fingerprint import file_sha256
 from .memory import auto_batch_cap, check_batch
-from .methods import METHODS, MethodConfig, build_method, compare_names, is_dense, make_config
+from .methods import MethodConfig, build_method, compare_names, make_config
 from .methods.base import resolve_dense_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
 from .ordering import ORDER_WINDOW_BATCHES, length_windows, sample_stratum, stratified_order
 from .overlap import check_method as check_calibration_overlap
 from .preflight import check_sparse_layers
+from .results_table import (INCOMPLETE_MARK, NO_VALUE, SINGLE_SEED_MARK,  # noqa: F401 (re-exported)
+                            format_table, plural, pool_seeds, print_results, reuse_note, short_config)
 from .seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds, seeded_configs
 from .statistics import bootstrap_ci
 from .status import run_state
 from .store import (SAMPLES_FILE, SUMMARY_FILE, RunsDirError, SampleLog, check_writable, clear_failure, record_start,
-                    read_samples, run_dir_for, run_lock, write_failure, write_progress, write_summary)
+                    run_dir_for, run_lock, write_failure, write_progress, write_summary)
 from .tasks import build_task
 
 log = logging.getLogger("sparse_eval")
@@ -38,37 +39,36 @@ log = logging.getLogger("sparse_eval")
 RECORD_STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass", "topk_recall")
 EMPTY_SELECTION_WARN = 0.05  # a run whose rows select no key of their own more often than this is flagged
 AUTO_BATCH_START = 128  # eval.batch_size=auto tries min(samples, this) first, then halves on out-of-memory
-NO_VALUE = "–"  # a table cell without a value (full attention's own "vs full", a statistic a run did not have)
 
 
 def method_options(name: str) -> dict[str, Any]:
     """The options of the method config ``conf/method/<name>.yaml``, composed by Hydra (so its schema checks
     them; used for the methods listed in ``compare``)."""
+    return methods_options([name])[0]
+
+
+def methods_options(names: list[str]) -> list[dict[str, Any]]:
+    """``method_options`` of several names in one composition (each under its own key of ``method``: the same
+    options, composed once instead of once per name, about 0.2 s each)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import MissingConfigException
 
     from .config import register_configs
 
-    from hydra.errors import MissingConfigException
-
     register_configs()
+    overrides = [f"+method@method._m{i}={name}" for i, name in enumerate(names)]
     try:
         if GlobalHydra.instance().is_initialized():  # inside the Hydra app (or a test's initialize context)
-            cfg = compose(config_name="config", overrides=[f"method={name}"])
+            cfg = compose(config_name="config", overrides=overrides)
         else:
             with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-                cfg = compose(config_name="config", overrides=[f"method={name}"])
+                cfg = compose(config_name="config", overrides=overrides)
     except MissingConfigException:
         valid = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
+        name = next((n for n in names if not (CONF_DIR / "method" / f"{n}.yaml").is_file()), names[0])
         raise ValueError(f"no method config {name!r} (conf/method/{name}.yaml); valid: {valid}") from None
-    return to_plain(cfg.method)
-
-
-def short_config(method: dict[str, Any]) -> str:
-    """The method options a reader tells configs apart by (the method's ``headline_options``), e.g. ``K=10, L=150``."""
-    cls = METHODS.get(method.get("name"))
-    keys = cls.headline_options if cls is not None else ()
-    return ", ".join(f"{k}={v}" for k, v in method.items() if k in keys)
+    return [to_plain(cfg.method[f"_m{i}"]) for i in range(len(names))]
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -102,14 +102,11 @@ class Experiment:
         if self.cfg.method is not None:
             opts = [to_plain(self.cfg.method)]
         else:
-            opts = []
-            compare = self.cfg.compare if self.cfg.get("compare") is not None else compare_names()
-            for entry in compare:
-                entry = to_plain(entry)
-                if isinstance(entry, str):
-                    opts.append(method_options(entry))
-                else:
-                    opts.append(method_options(entry["name"]) | {k: v for k, v in entry.items() if k != "name"})
+            entries = [to_plain(e) for e in (self.cfg.compare if self.cfg.get("compare") is not None
+                                             else compare_names())]
+            names = [e if isinstance(e, str) else e["name"] for e in entries]
+            opts = [o if isinstance(e, str) else o | {k: v for k, v in e.items() if k != "name"}
+                    for e, o in zip(entries, methods_options(names) if names else [])]
         return [c for o in opts for c in seeded_configs(o, self.cfg.seed)]
 
     def load(self) -> None:
@@ -474,141 +471,6 @@ def short_label(method: dict[str, Any]) -> str:
     return f"{method['name']} {short_config(method)}".strip()
 
 
-def _interval_text(ci: dict[str, Any] | None) -> str | None:
-    """``[lo, hi]`` of a summary's ``score_ci`` (4 significant digits), None without one."""
-    if not ci or ci.get("lo") is None or ci.get("hi") is None:
-        return None
-    return f"[{ci['lo']:.4g}, {ci['hi']:.4g}]"
-
-
-def pool_seeds(task: Any, summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The printed table's rows: one per method config of this call, over its seeds (``seed=[0,1,2]`` runs a
-    stochastic method once per seed).  Each row has the mean over seeds of the score on the samples every seed
-    finished with its two-level interval over prompts and seeds (``statistics.seed_pooled_ci``), the per-seed
-    spread, and, when full attention is among them, the paired difference against it on the samples both finished
-    (``vs_full``, with ``n``; ``significant`` only between complete runs).  ``collect`` records the same for any
-    set of runs."""
-    from .statistics import seed_pooled_ci, seed_pooled_difference, seed_spread
-
-    def terms(summary: dict[str, Any]):
-        recs = read_samples(Path(summary["run_dir"]) / SAMPLES_FILE).values()
-        return task.score_terms([r for r in recs if r.get("status") == "ok"])
-
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for s in summaries:
-        key = json.dumps({k: v for k, v in s["method_config"].items() if k != "seed"}, sort_keys=True, default=str)
-        groups.setdefault(key, []).append(s)
-    full = next((g for g in groups.values() if is_dense(g[0]["method"])), None)
-    ref = terms(full[0]) if full else None
-    rows = []
-    for group in groups.values():
-        ts = [terms(s) for s in group]
-        complete = all(s.get("complete", s["failed"] == 0 and s["samples"] >= s["expected_samples"]) for s in group)
-        row = {"summaries": group, "method": group[0]["method"], "method_config": group[0]["method_config"],
-               "metric": group[0]["metric"], "seeds": [s.get("seed") for s in group],
-               "stochastic": bool(group[0]["stochastic"] if "stochastic" in group[0]
-                                  else is_stochastic(group[0]["method_config"])), "complete": complete,
-               "expected_samples": group[0]["expected_samples"], "failed": sum(s["failed"] for s in group),
-               "time_s": sum(s["time_s"] for s in group), "ci": None, "spread": None, "vs_full": None}
-        for key in ("cost1", "cost2", "static_frac", "est_error"):
-            vals = [s[key] for s in group if s.get(key) is not None]
-            row[key] = sum(vals) / len(vals) if vals else None
-        if all(t is not None for t in ts):
-            row["ci"] = seed_pooled_ci(ts)
-            row["spread"] = seed_spread(row["ci"].get("per_seed") or [])
-            if ref is not None and group is not full:
-                d = seed_pooled_difference(ts, ref)
-                if not (complete and full[0].get("complete", True)):
-                    d["significant"] = None  # no claim from an incomplete run (or reference)
-                row["vs_full"] = d
-        score = row["ci"]["score"] if row["ci"] else group[0]["score"]
-        row["score"], row["samples"] = score, row["ci"]["n"] if row["ci"] else group[0]["samples"]
-        rows.append(row)
-    return rows
-
-
-def _difference_text(d: dict[str, Any] | None) -> str | None:
-    """``+d [lo, hi]`` with `` *`` when the interval excludes 0."""
-    if not d or d.get("diff") is None or d.get("lo") is None:
-        return None
-    return f"{d['diff']:+.3g} [{d['lo']:.3g}, {d['hi']:.3g}]{' *' if d.get('significant') else ''}"
-
-
-SINGLE_SEED_MARK, INCOMPLETE_MARK = "†", "!"
-
-
-def _seeds_text(row: dict[str, Any]) -> str:
-    """Deterministic: "–"; a stochastic method: its seed count (``†`` for one: the interval omits the seed
-    variation) and the standard deviation of its per-seed scores."""
-    if not row["stochastic"]:
-        return NO_VALUE
-    n = len(row["seeds"])
-    if n == 1:
-        return f"1 {SINGLE_SEED_MARK}"
-    std = (row.get("spread") or {}).get("std")
-    return f"{n} (sd {std:.3g})" if std is not None else str(n)
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """The rows of ``pool_seeds`` as a table."""
-    import pandas as pd
-
-    out = []
-    for r in rows:
-        vs = r.get("vs_full")
-        out.append({
-            "method": r["method"],
-            "config": short_config(r["method_config"]),
-            r["metric"]: r["score"],
-            "95% CI": _interval_text(r.get("ci")),
-            **({"vs full [95% CI]": _difference_text(vs), "n_paired": vs.get("n") if vs else None}
-               if any(x.get("vs_full") for x in rows) else {}),
-            "seeds": _seeds_text(r),
-            "Cost1": r["cost1"],
-            "Cost2": r["cost2"],
-            "static": r["static_frac"],
-            "est_error": r["est_error"],
-            "samples": r["samples"] if r["complete"] else f"{r['samples']}/{r['expected_samples']} {INCOMPLETE_MARK}",
-            "failed": r["failed"],
-            "time_s": r["time_s"],
-        })
-    df = pd.DataFrame(out)
-    if "vs full [95% CI]" in df:  # full attention's own row (and a row without a difference): a dash, not None
-        df["vs full [95% CI]"] = df["vs full [95% CI]"].map(lambda v: NO_VALUE if v is None else v)
-    if "n_paired" in df:
-        df["n_paired"] = [str(int(v)) if v is not None and v == v else NO_VALUE for v in df["n_paired"]]
-    text = df.to_string(index=False, float_format=lambda x: f"{x:.4g}" if not math.isnan(x) else NO_VALUE,
-                        na_rep=NO_VALUE)
-    notes = []
-    if any(r["stochastic"] and len(r["seeds"]) == 1 for r in rows):
-        notes.append(f"{SINGLE_SEED_MARK} one seed of a stochastic method: its interval omits the seed-to-seed "
-                     "variation (seed=[0,1,2] runs it over three seeds)")
-    if any(not r["complete"] for r in rows):
-        notes.append(f"{INCOMPLETE_MARK} incomplete (failed or missing samples): scored over the samples it finished, "
-                     "compared over the samples both finished (n_paired), never marked significant; the same command "
-                     "retries the failed samples")
-    return "\n".join([text, *notes])
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def reuse_note(summaries: list[dict[str, Any]], reused: list[tuple[int, int]]) -> str:
-    """What a run took from saved results: `` (reused the saved results of full, topk: nothing recomputed)``, or
-    which runs resumed where; "" when everything was computed now.  ``reused``: per summary, (samples already
-    written at its start, samples expected)."""
-    whole = [s["method"] for s, (done, exp) in zip(summaries, reused) if exp and done >= exp]
-    part = [f"{s['method']} at sample {done + 1} of {exp}" for s, (done, exp) in zip(summaries, reused)
-            if exp and 0 < done < exp]
-    notes = []
-    if whole:
-        notes.append(("all results were already saved there: reused, nothing recomputed" if len(whole) == len(summaries)
-                      else f"reused the saved results of {', '.join(whole)}"))
-    if part:
-        notes.append(f"resumed {', '.join(part)}")
-    return f" ({'; '.join(notes)})" if notes else ""
-
-
 def _reused(run_dir: Path) -> tuple[int, int]:
     """(samples already written when the run (re)started, samples expected), from its progress.json."""
     from .store import PROGRESS_FILE, read_json
@@ -617,15 +479,38 @@ def _reused(run_dir: Path) -> tuple[int, int]:
     return int(p.get("done_at_start") or 0), int(p.get("expected_samples") or 0)
 
 
-def run(cfg: Any) -> list[dict[str, Any]]:
+def run(cfg: Any, use_cache: bool = True) -> list[dict[str, Any]]:
+    """Run every method of ``cfg`` (or read back the finished ones) and print the table; returns the summaries.
+    A launch whose runs all finished before is answered from the launch cache (``sparse_eval.launch``) without
+    loading the model; ``use_cache=False`` skips that lookup (the caller made it).  After a launch whose every
+    run finished, its cache entry is written."""
+    from . import launch
+    from .fingerprint import recording
+    from .tasks.base import HUB_READS
+
+    if use_cache:
+        hit = launch.reuse(cfg)
+        if hit is not None:
+            return hit
+    started_ns, hub_reads = time.time_ns(), HUB_READS[0]
+    with recording() as files:
+        summaries, identities = _run(cfg)
+    launch.record(cfg, identities, summaries, files, HUB_READS[0] - hub_reads, started_ns)
+    return summaries
+
+
+def _run(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``run`` the normal way: loads the model and the samples, runs or reads back each method's run; returns
+    (summaries, identities)."""
     exp = Experiment(cfg)
     methods = [exp.preflight(m) for m in exp.method_configs()]  # a run that cannot start writes nothing
     check_batch(exp, methods, exp.samples())  # memory (MagicPIG's tables; on the CPU, the batch): refused here
     check_long(exp, methods, log)  # on the CPU, over an hour: refused unless eval.allow_long=true
-    summaries = []
+    summaries, identities = [], []
     reused: list[tuple[int, int]] = []  # per run: (samples already saved at its start, expected)
     for m in methods:
-        _, run_dir = exp.run_dir(m)
+        identity, run_dir = exp.run_dir(m)
+        identities.append(identity)
         unwritable = check_writable(run_dir)
         if unwritable:  # a read-only store: a finished run is read back, anything else is refused
             state = run_state(run_dir)["state"]
@@ -654,13 +539,5 @@ def run(cfg: Any) -> list[dict[str, Any]]:
                 pass
             raise
     if cfg.print_table:
-        first = summaries[0]
-        print(f"\nmodel={first['model']} task={first['task']} protocol={first['protocol']} "
-              f"({plural(first['expected_samples'], 'sample')}; 95% CI: percentile bootstrap over samples, and over seeds "
-              f"for a stochastic method run with several (two-level); vs full: paired difference with full attention on "
-              f"the n_paired samples both finished, * where its interval excludes 0 (claimed from 8 samples); seeds: "
-              f"a stochastic method's seeds and the sd of its per-seed scores; Cost1/Cost2/static/est_error: means "
-              f"over sparse layers, heads and query rows)")
-        print(format_table(pool_seeds(exp.task, summaries)))
-        print(f"results: {Path(first['run_dir']).parent}{reuse_note(summaries, reused)}")
-    return summaries
+        print_results(exp.task, summaries, reused)
+    return summaries, identities

@@ -23,7 +23,6 @@ table.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import hashlib
 import json
@@ -46,6 +45,9 @@ SUMMARY_CSV = "summary.csv"
 PROGRESS_FILE = "progress.json"
 FAILED_FILE = "failed.json"
 LOCK_FILE = ".lock"
+# the fields every method config shares (``methods.base.MethodConfig``; a test keeps them equal), left out of a
+# run's label: spelled out here so that ``status`` and ``collect`` import no torch
+BASE_METHOD_FIELDS = ("name", "sink", "local", "dense_layers", "sliding_layers", "gqa", "seed")
 
 
 # -- layout ----------------------------------------------------------------------------------------------------
@@ -65,9 +67,7 @@ def _short(v: Any) -> str:
 
 def method_label(method: dict[str, Any]) -> str:
     """name plus the method's own parameters (not the shared sink/local/dense/gqa/seed), e.g. ``magicpig-K=10-L=150``."""
-    from .methods.base import MethodConfig
-
-    base = {f.name for f in dataclasses.fields(MethodConfig)}
+    base = set(BASE_METHOD_FIELDS)
     parts = [f"{k}={_short(v)}" for k, v in method.items() if k not in base and v is not None and not isinstance(v, dict)]
     return "-".join([method["name"], *parts])
 

@@ -10,9 +10,10 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 log = logging.getLogger("sparse_eval")
 
@@ -22,7 +23,7 @@ MODEL_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
 MODEL_FILE_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model",
                        "tokenizer_config.json", "special_tokens_map.json", "*.safetensors", "*.bin")
 BUILTIN_PREFIX = "builtin:"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # model.dtype besides auto (torch dtypes of the same names)
 
 
 @dataclass
@@ -40,7 +41,9 @@ class ModelConfig:
     how_to_get: str = ""  # shown when a local path is missing
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> "torch.device":
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     valid = ["auto", "cpu"] + (["cuda", "cuda:N"] if torch.cuda.is_available() else [])
@@ -59,13 +62,14 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: "torch.device") -> "torch.dtype":
+    import torch
+
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"model.dtype={dtype!r}; valid: {['auto', *DTYPES]}") from None
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype={dtype!r}; valid: {['auto', *DTYPES]}")
+    return getattr(torch, dtype)
 
 
 def resolve_path(cfg: ModelConfig) -> str:

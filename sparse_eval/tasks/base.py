@@ -24,12 +24,15 @@ class DataNotFoundError(FileNotFoundError):
 
 
 _HUB_MODULES = ("datasets", "huggingface_hub", "requests", "urllib3", "fsspec", "aiohttp", "httpx")
+HUB_READS = [0]  # how many times this process fetched task data from the hub (``from_hub``; the launch cache)
 
 
 @contextlib.contextmanager
 def from_hub(what: str, hub: str, expected: Path | str | None, fix: str = "") -> Iterator[None]:
     """Wraps a hub download of ``what``: a failure (no network, no ``datasets``, an unknown id) becomes one
-    ``DataNotFoundError`` naming the local file expected under ``paths.data_dir`` and the alternatives ``fix``."""
+    ``DataNotFoundError`` naming the local file expected under ``paths.data_dir`` and the alternatives ``fix``.
+    Counted in ``HUB_READS``: a launch that read hub data is not cached (``sparse_eval.launch``)."""
+    HUB_READS[0] += 1
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - only the hub's own errors are translated, others re-raised
