@@ -7,11 +7,12 @@ finished the normal way costs a model load and the samples.  After a launch whos
 writes ``<runs_dir>/.launch/<key>.json`` holding the run directories it produced and every file whose content
 entered an identity (the model's files, the task's data files, a method's external inputs such as Double
 Sparsity's calibration file: whatever ``fingerprint.file_sha256`` hashed during the launch), each with its size
-and mtime, plus the folders those files lie in (a file added there could change which files are read).
+and mtime, plus the folders those files lie in, ``paths.data_dir`` and its subfolders, and Double Sparsity's
+calibration folders, stamped or marked absent (a file added there could change which files are read).
 
 ``key`` is the sha256 of what else decides the identities: the whole composed config (less the output-only
 ``print_table``), the package's source and ``conf/`` (any edit there is a new key), the versions of Python and the
-libraries that load the model, and, where ``model.dtype=auto`` picks by device, whether CUDA is available.  A
+libraries that load the model, the environment variables that say where inputs are looked for, and, where ``model.dtype=auto`` picks by device, whether CUDA is available.  A
 relaunch reuses the entry only when every recorded file and folder has its recorded size and mtime and every run
 directory is ``done`` (``status.run_state``); anything else (a changed or missing file, a deleted run directory,
 an incomplete, failed or running run, an unreadable entry) takes the normal path, which finds the same results by
@@ -45,6 +46,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR.parent / "conf"  # as config.CONF_DIR (config imports the schemas)
 VERSIONED = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "numpy", "hydra-core", "omegaconf")
 GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+# environment that decides where inputs are looked for (Double Sparsity's user calibration folder first)
+ENV_KEYS = ("SPARSE_EVAL_CALIBRATION_DIR", "XDG_DATA_HOME", "HOME")
 _SOURCE_SHA: str | None = None
 
 
@@ -97,7 +100,7 @@ def launch_key(plain: dict[str, Any]) -> str | None:
         return None
     config = {k: v for k, v in plain.items() if k not in OUTPUT_ONLY_KEYS}
     parts: dict[str, Any] = {"entry_version": ENTRY_VERSION, "config": config, "source": source_sha256(),
-                             "versions": _versions()}
+                             "versions": _versions(), "env": {k: os.environ.get(k) for k in ENV_KEYS}}
     if model.get("dtype", "auto") == "auto" and model.get("device", "auto") == "auto":
         parts["cuda"] = cuda_available()
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
@@ -130,12 +133,24 @@ def _stamp(path: str | Path) -> dict[str, Any] | None:
 
 
 def _unchanged(stamps: Iterable[dict[str, Any]]) -> str | None:
-    """None when every stamp matches the file or folder now; else the first that does not."""
+    """None when every stamp matches the file or folder now (one stamped ``absent`` must still be absent); else
+    the first that does not."""
     for s in stamps:
         now = _stamp(s["path"])
-        if now is None or (now["size"], now["mtime_ns"]) != (s["size"], s["mtime_ns"]):
+        if s.get("absent"):
+            if now is not None:
+                return s["path"]
+        elif now is None or (now["size"], now["mtime_ns"]) != (s["size"], s["mtime_ns"]):
             return s["path"]
     return None
+
+
+def search_dirs() -> list[str]:
+    """Folders searched for inputs by name, where a file appearing changes what a run reads: Double Sparsity's
+    calibration folders (the user's before the shipped one)."""
+    from .methods.double_sparsity import calibration_dirs
+
+    return [str(d) for d in calibration_dirs()]
 
 
 def watched_dirs(files: Iterable[str], data_dir: str | None) -> list[str]:
@@ -241,8 +256,9 @@ def record(cfg: Any, identities: list[dict[str, Any]], summaries: list[dict[str,
         return None
     stamps = [dict(path=p, size=f["size"], mtime_ns=f["mtime_ns"]) for p, f in sorted(files.items())]
     dirs = [s for s in (_stamp(d) for d in watched_dirs(files, plain["paths"].get("data_dir"))) if s]
+    dirs += [_stamp(d) or {"path": d, "absent": True} for d in search_dirs() if d not in {x["path"] for x in dirs}]
     changed = _unchanged(stamps)
-    moved = [s["path"] for s in stamps + dirs if started_ns is not None and s["mtime_ns"] >= started_ns]
+    moved = [s["path"] for s in stamps + dirs if started_ns is not None and s.get("mtime_ns", 0) >= started_ns]
     if changed is not None or moved:
         log.info("launch cache: not recorded (%s changed during the launch)", changed or moved[0])
         return None

@@ -141,3 +141,22 @@ def test_unwritable_entry_and_torn_entry_are_misses(setup, monkeypatch):
     made = _loads(monkeypatch)
     runner.run(cfg())
     assert made and json.loads(entry.read_text())["key"] == entry.stem  # rewritten whole
+
+
+def test_a_calibration_file_appearing_in_the_user_folder_is_a_miss(tmp_path, monkeypatch):
+    """Double Sparsity reads the user's calibration folder before the shipped file: a file written there (by
+    ``calibrate``) after the launch gives a new run, never the cached one."""
+    user = tmp_path / "user_calibration"  # absent at the first launch
+    monkeypatch.setenv("SPARSE_EVAL_CALIBRATION_DIR", str(user))
+
+    def cfg():
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+            return compose(config_name="config", overrides=[f"paths.runs_dir={tmp_path / 'runs'}", "task.window=64",
+                                                            "task.num_samples=1", "method=double_sparsity"])
+    (first,) = runner.run(cfg())
+    assert _entries(cfg())
+    user.mkdir()
+    (user / "stories260k.json").write_text(SHIPPED_CAL.read_text() + " ")
+    made = _loads(monkeypatch)
+    (again,) = runner.run(cfg())
+    assert made and again["run_dir"] != first["run_dir"]
