@@ -206,6 +206,25 @@ class DoubleSparsity(Method):
             self._channels_source = f"random (seed {config.seed}, per layer and KV head)"
 
     # -- configuration -------------------------------------------------------------------------
+    @classmethod
+    def contract_configs(cls):
+        """Random channels (Table 3's baseline: no calibration file) throughout: β = 8 tokens (the end-to-end checks'
+        config), the same with DS-Offload's prediction (in a model: from layer l−1's input; on bare tensors it falls
+        back to the layer's own query), and a ratio β per KV group with unquantized labels."""
+        plain = {"beta": 8, "channel_type": "random"}
+        return [plain, plain | {"offload": True},
+                {"beta": 0.1, "channel_type": "random", "gqa": "kv_head", "label_bits": 16, "quantize_query": False}]
+
+    @classmethod
+    def model_contract_configs(cls):
+        """Plain DS and DS-Offload: the prediction from the previous layer's input only exists in a model."""
+        return cls.contract_configs()[:2]
+
+    @classmethod
+    def keep_all_options(cls, n):
+        """β = 1.0: ⌊1.0·n⌋ = n tokens, every key."""
+        return {"beta": 1.0}
+
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
         c = self.config

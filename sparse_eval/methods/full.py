@@ -22,6 +22,11 @@ class Full(Method):
     config_class = FullConfig
     dense = True
 
+    @classmethod
+    def keep_all_options(cls, n):
+        """Every valid key, always."""
+        return {}
+
     def select(self, ctx: AttentionContext) -> Selection:
         return Selection(keep=ctx.valid.expand_as(ctx.scores))
 

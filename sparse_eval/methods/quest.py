@@ -159,6 +159,18 @@ class Quest(Method):
     config_class = QuestConfig
     index_reads_keys = False
 
+    @classmethod
+    def contract_configs(cls):
+        """Pages of 4 in a small static window (the end-to-end checks' config), pages of 8 selected per KV group
+        with the Quest repo's floor of 3 pages, and the defaults (pages of 16)."""
+        return [{"page_size": 4, "budget": 8, "local": 8},
+                {"page_size": 8, "budget": 0.1, "gqa": "kv_head", "min_pages": 3}, {}]
+
+    @classmethod
+    def keep_all_options(cls, n):
+        """At least n pages: every page of a row of n keys (the last one partial), so every candidate."""
+        return {"budget": 1.0, "min_pages": n}
+
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
         ps = self.config.page_size
