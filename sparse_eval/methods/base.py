@@ -246,6 +246,20 @@ class Method:
         return cls.contract_configs()[:1]
 
     @classmethod
+    def system_contract_configs(cls) -> dict[str, dict[str, Any]]:
+        """For a method with a system layer (``sparse_eval.system.layers``): labelled configs (each with its
+        ``name``) whose greedy tokens the system path must reproduce from the accuracy path on the test model's
+        260-token prompts, eagerly and with the static step of ``cuda_graph=true`` (tests/test_system.py); chosen
+        so that they differ from full attention's tokens (equality is then not trivial).  Default: none."""
+        return {}
+
+    @classmethod
+    def static_step_contract_configs(cls) -> dict[str, dict[str, Any]]:
+        """Further labelled configs the static step alone is checked under (its device-side budgets and fallbacks),
+        besides ``system_contract_configs``.  Default: none."""
+        return {}
+
+    @classmethod
     def keep_all_options(cls, n: int) -> dict[str, Any] | None:
         """Options under which the method keeps every valid key of any row of at most ``n`` keys, with no logit
         correction, so that its output must equal full attention's (the contract's exactness check).  None: the

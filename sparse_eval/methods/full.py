@@ -23,6 +23,11 @@ class Full(Method):
     dense = True
 
     @classmethod
+    def static_step_contract_configs(cls):
+        """Full attention's own static step (its eager decode: tests/test_system.py's full-attention test)."""
+        return {"full": {"name": "full"}}
+
+    @classmethod
     def keep_all_options(cls, n):
         """Every valid key, always."""
         return {}
