@@ -23,23 +23,12 @@ from sparse_eval.kernels import invariant as kinv
 from sparse_eval.kernels._common import triton_available
 from sparse_eval.methods import METHODS, build_method, make_config
 
-# small budgets and static windows so that every method selects within short prompts; one entry per registered
-# method (a method added to the registry without an entry here fails ``test_every_method_is_covered``)
-CONFIGS = {
-    "full": {},
-    "topk": {"budget": 8, "local": 8},
-    "oracle": {"budget": 8, "local": 8},
-    "magicpig": {"K": 4, "L": 20, "local": 8, "dense_layers": [0]},
-    "quest": {"page_size": 4, "budget": 8, "local": 8},
-    "double_sparsity": {"beta": 8},
-    "double_sparsity-offload": {"beta": 8, "offload": True},  # predicts layer l's keys from layer l-1's input
-}
+# every registered method under the configs it declares for the end-to-end checks (``Method.model_contract_configs``:
+# small budgets and static windows, so that it selects within short prompts), e.g. "double_sparsity-1" (DS-Offload)
+CONFIGS = {f"{name}-{i}": (name, opts) for name in sorted(METHODS)
+           for i, opts in enumerate(METHODS[name].model_contract_configs())}
 STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass", "topk_recall", "sparse_rows",
          "empty_selections")
-
-
-def test_every_method_is_covered():
-    assert sorted({name.split("-")[0] for name in CONFIGS}) == sorted(METHODS)
 
 
 # -- the property the CPU reference relies on: MKL's products, measured ------------------------------------------
@@ -257,8 +246,8 @@ def _prompts(n: int, seed: int, lo: int = 20, hi: int = 64, multiple: int | None
     return [[1] + torch.randint(3, 500, (m - 1,), generator=g).tolist() for m in lengths]
 
 
-def _engine(model, tok, name, protocol, chunk=None, invariant=True):
-    method = build_method(make_config(name.split("-")[0], CONFIGS[name]))
+def _engine(model, tok, config, protocol, chunk=None, invariant=True):
+    method = build_method(make_config(*CONFIGS[config]))
     method.setup(model, "stories260k")
     if hasattr(method, "element_budget"):  # small chunks: chunk boundaries must not depend on the batch either
         method.element_budget = 1 << 16
@@ -284,10 +273,10 @@ def _records(session, engine, requests, size, check=False):
     return out
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("protocol,chunk", [("A", None), ("B", None), ("S", 16)])
 @torch.inference_mode()
-def test_records_do_not_depend_on_the_batch(stories, name, protocol, chunk):
+def test_records_do_not_depend_on_the_batch(stories, config, protocol, chunk):
     """Generation and NLL records at batch 50, in batches of 7 and alone are identical to the bit (the batched run
     under the checker: no order-dependent operator on the path)."""
     model, tok = stories
@@ -295,7 +284,7 @@ def test_records_do_not_depend_on_the_batch(stories, name, protocol, chunk):
     gen = [GenerationRequest(p, max_new_tokens=3 + i % 4, context_len=len(p) - 4 - i % 5, key=f"g{i}")
            for i, p in enumerate(prompts)]
     nll = [LoglikelihoodRequest(p, key=f"w{i}") for i, p in enumerate(prompts[:21])]
-    session, engine = _engine(model, tok, name, protocol, chunk)
+    session, engine = _engine(model, tok, config, protocol, chunk)
     try:
         for reqs in (gen, nll):
             b50 = _records(session, engine, reqs, 50, check=reqs is gen)
@@ -309,16 +298,16 @@ def test_records_do_not_depend_on_the_batch(stories, name, protocol, chunk):
         detach(model)
 
 
-@pytest.mark.parametrize("name", ["full", "magicpig"])
+@pytest.mark.parametrize("config", ["full-0", "magicpig-0"])
 @torch.inference_mode()
-def test_a_chunked_prefill_gives_the_records_it_gives_alone(stories, name):
+def test_a_chunked_prefill_gives_the_records_it_gives_alone(stories, config):
     """Protocol A with ``prefill_chunk`` (the RULER experiments' 1024): chunk boundaries are laid from the longest
     row's first token, so a row alone and in a batch is cut elsewhere; dense attention laid from each row's first
     key gives its queries the same results either way."""
     model, tok = stories
     prompts = _prompts(9, seed=9, lo=20, hi=70)
     reqs = [GenerationRequest(p, max_new_tokens=4, key=f"c{i}") for i, p in enumerate(prompts)]
-    session, engine = _engine(model, tok, name, "A", chunk=16)
+    session, engine = _engine(model, tok, config, "A", chunk=16)
     try:
         batch = _records(session, engine, reqs, 9)
         for i in (0, 4, 8):
@@ -333,12 +322,12 @@ def test_the_fast_path_stays_close(stories):
     model, tok = stories
     prompts = _prompts(9, seed=8)
     reqs = [GenerationRequest(p, max_new_tokens=4, key=f"f{i}") for i, p in enumerate(prompts)]
-    session, engine = _engine(model, tok, "topk", "A", invariant=False)
+    session, engine = _engine(model, tok, "topk-0", "A", invariant=False)
     try:
         fast = _records(session, engine, reqs, 9)
     finally:
         detach(model)
-    session, engine = _engine(model, tok, "topk", "A")
+    session, engine = _engine(model, tok, "topk-0", "A")
     try:
         inv = _records(session, engine, reqs, 9)
     finally:

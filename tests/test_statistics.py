@@ -80,6 +80,35 @@ def test_paired_difference_uses_only_shared_samples():
     assert paired_difference(a, ScoreTerms(["q"], [1.0], [1], [0]))["n"] == 0
 
 
+def test_interval_end_points_are_the_resampled_quantiles():
+    """bootstrap_ci and paired_difference, 95 %: the end points are the 2.5 % and 97.5 % quantiles of the score over
+    the resamples, drawn here as the module docstring says (fixed seed) and scored by plain loops."""
+    rng = np.random.default_rng(21)
+    n, n_boot, seed = 23, 300, 4
+    group = np.array([0] * 9 + [1] * 14)
+    ids = [f"x{i}" for i in range(n)]
+    a = ScoreTerms(ids, rng.normal(50, 20, n), np.ones(n), group)
+    b = ScoreTerms(ids, a.num + rng.normal(-3, 5, n), np.ones(n), group)
+    gen = np.random.default_rng(seed)
+    counts = np.zeros((n_boot, n), dtype=np.int64)
+    for g in (0, 1):
+        idx = np.flatnonzero(group == g)
+        counts[:, idx] = gen.multinomial(len(idx), [1.0 / len(idx)] * len(idx), size=n_boot)
+
+    def score(t, r):  # the macro average over the groups of the resampled list r
+        return np.mean([sum(t.num[i] * counts[r, i] for i in np.flatnonzero(group == g)) / (group == g).sum()
+                        for g in (0, 1)])
+
+    lo, hi = np.quantile([score(a, r) for r in range(n_boot)], [0.025, 0.975])
+    ci = bootstrap_ci(a, n_boot=n_boot, seed=seed)
+    assert ci["level"] == 0.95
+    assert ci["lo"] == pytest.approx(lo, rel=1e-12) and ci["hi"] == pytest.approx(hi, rel=1e-12)
+    lo, hi = np.quantile([score(b, r) - score(a, r) for r in range(n_boot)], [0.025, 0.975])
+    d = paired_difference(b, a, n_boot=n_boot, seed=seed)
+    assert d["level"] == 0.95
+    assert d["lo"] == pytest.approx(lo, rel=1e-12) and d["hi"] == pytest.approx(hi, rel=1e-12)
+
+
 def test_intervals_are_seeded_and_empty_is_none():
     t = _mean_terms(np.arange(20.0))
     assert bootstrap_ci(t, seed=5) == bootstrap_ci(t, seed=5)

@@ -5,6 +5,7 @@ and the step captured in a CUDA graph on CUDA."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -12,8 +13,10 @@ import torch
 
 from sparse_eval.attention.plugin import Runtime, attach, detach
 from sparse_eval.engine import Engine
+from sparse_eval.methods import METHODS
 from sparse_eval.methods.registry import build_method
 from sparse_eval.system import DecodeOptions, decode
+from sparse_eval.system.layers import SYSTEM_LAYERS
 
 NEW = 16
 CUDA = torch.cuda.is_available()
@@ -44,17 +47,28 @@ def _system(model, cfg, ids, **kw):
     return decode(model, m, torch.tensor(ids), NEW, DecodeOptions(**kw))
 
 
-# configs whose tokens differ from full attention on these prompts, so that equality is not trivial
-CONFIGS = {
-    "ds": dict(name="double_sparsity", beta=0.02),
-    "ds_offload": dict(name="double_sparsity", beta=0.02, offload=True),
-    "ds_offload_attn_input": dict(name="double_sparsity", beta=0.05, offload=True, offload_input="attn_input",
-                                  dense_layers=[0]),
-    "magicpig": dict(name="magicpig", K=10, L=20, local=16, dense_layers=[0]),
-    "magicpig_default": dict(name="magicpig", dense_layers=[0, 2]),
-    "quest": dict(name="quest", budget=0.1, page_size=8, local=16, dense_layers=[0]),
-    "quest_kv_head_tokens": dict(name="quest", gqa="kv_head", budget=40, page_size=4, sink=2, local=8, dense_layers=[0]),
-}
+def _labelled(hook: str) -> dict[str, dict]:
+    """The labelled configs ``hook`` (a ``Method`` classmethod) gives for every method with a system layer."""
+    out: dict[str, dict] = {}
+    for name in SYSTEM_LAYERS:
+        for label, cfg in getattr(METHODS[name], hook)().items():
+            assert label not in out and cfg["name"] == name, (label, cfg)
+            out[label] = cfg
+    return out
+
+
+# every method with a system layer, under the configs it declares (``Method.system_contract_configs``: tokens that
+# differ from full attention on these prompts, so that equality is not trivial) ...
+CONFIGS = _labelled("system_contract_configs")
+# ... and for the static step those and its own edge cases (``Method.static_step_contract_configs``)
+GRAPH_CONFIGS = CONFIGS | _labelled("static_step_contract_configs")
+
+
+@pytest.fixture(scope="module")
+def full_tokens(stories, prompts):
+    """Full attention's greedy tokens of prompt 0 on the accuracy path."""
+    model, tok = stories
+    return _accuracy_tokens(model, tok, dict(name="full"), prompts[0])
 
 
 def test_full_equals_accuracy_path(stories, prompts):
@@ -65,23 +79,28 @@ def test_full_equals_accuracy_path(stories, prompts):
     assert len(got.step_ms) == NEW - 1 and got.batch == 1 and got.context == len(prompts[0])
 
 
+def test_every_system_layer_is_covered():
+    """Each method with a system layer declares configs for the parity checks below."""
+    for name in SYSTEM_LAYERS:
+        assert name in {cfg["name"] for cfg in GRAPH_CONFIGS.values()}, name
+
+
 @pytest.mark.parametrize("which", sorted(CONFIGS))
-def test_same_tokens_as_accuracy_path(stories, prompts, which):
+def test_same_tokens_as_accuracy_path(stories, prompts, full_tokens, which):
     """Greedy tokens of the system layers (label cache, predicted prefetch, hash tables + CPU kernel + LSE merge)
-    equal the accuracy path's for the same method and seed, for each row of a batch."""
+    equal the accuracy path's for the same method and seed, for each row of a batch, and differ from full
+    attention's (so the check can fail)."""
     model, tok = stories
     cfg = CONFIGS[which]
     got = _system(model, cfg, prompts, backend_gpu="torch")
     for row, ids in enumerate(prompts):
         ref = _accuracy_tokens(model, tok, cfg, ids)
         assert got.tokens[row].tolist() == ref, f"row {row}"
-    if which in ("ds", "magicpig", "quest"):
-        full = _accuracy_tokens(model, tok, dict(name="full"), prompts[0])
-        assert got.tokens[0].tolist() != full  # the check above can fail
-    if which.startswith("ds_offload"):
+    assert got.tokens[0].tolist() != full_tokens
+    if cfg.get("offload"):
         # dense predecessor layers: every sparse layer used a predicted query, no own-query fallback
         assert got.stats.get("offload_own_query", 0) == 0
-    if which.startswith("magicpig"):
+    if "sampled" in got.stats:  # a sampling layer sampled some of its candidates
         assert 0 < got.stats["sampled"] < got.stats["candidates"]
 
 
@@ -121,8 +140,19 @@ def test_repeat_batch_tiles_rows(stories, prompts):
         assert three.tokens[row].tolist() == one.tokens[0].tolist()
 
 
+# a registered method without a system layer (None when every method has one)
+NO_SYSTEM_PATH = next((name for name in sorted(METHODS) if name not in SYSTEM_LAYERS), None)
+
+
+def test_a_method_without_a_system_path_fails_naming_the_valid_ones(stories, prompts):
+    if NO_SYSTEM_PATH is None:
+        pytest.skip("every registered method has a system layer")
+    model, _ = stories
+    with pytest.raises(ValueError, match=re.escape(f"has no system path; valid: {list(SYSTEM_LAYERS)}")):
+        _system(model, dict(name=NO_SYSTEM_PATH), [prompts[0][:80]])
+
+
 @pytest.mark.parametrize("cfg, match", [
-    (dict(name="topk"), "valid: \\['full', 'double_sparsity', 'magicpig', 'quest'\\]"),
     (dict(name="quest", update_pages=False), "update_pages=false"),
     (dict(name="magicpig", u_offset=1e-4, dense_layers=[0]), "u_offset"),
     (dict(name="magicpig", mips=True, dense_layers=[0]), "mips"),
@@ -143,57 +173,34 @@ def test_capacity_and_input_errors(stories, prompts):
         decode(model, build_method(dict(name="full")), torch.tensor(prompts[0]), 4)
 
 
-GRAPH_CONFIGS = {
-    "full": dict(name="full"),
-    "ds": CONFIGS["ds"],
-    "ds_kv_head_8bit": dict(name="double_sparsity", beta=0.03, gqa="kv_head", label_bits=8, dense_layers=[0]),
-    "ds_token_budget": dict(name="double_sparsity", beta=7, dense_layers=[1]),
-    # β·n crosses 7 while n runs over 261..276: budget(n) < budget(capacity) = k_cap in the first steps
-    "ds_budget_grows": dict(name="double_sparsity", beta=0.0266, gqa="kv_head", label_bits=8, dense_layers=[0]),
-    "quest": CONFIGS["quest"],
-    "quest_kv_head_tokens": CONFIGS["quest_kv_head_tokens"],
-    # pages of 4: ⌊0.105·n⌋ // 4 grows from 6 to 7 pages at n = 267 (n = 261..276 here), so the device count is
-    # below k_cap = 7 in the first steps; a sink and a local window that do not end on page boundaries
-    "quest_budget_grows": dict(name="quest", budget=0.105, page_size=4, sink=5, local=7, dense_layers=[1]),
-    # the step in pieces around the CPU part: window ring, the leaving key's codes, host buffers
-    "magicpig": CONFIGS["magicpig"],
-    "magicpig_default": CONFIGS["magicpig_default"],
-    # the predicted top keys gathered from the host cache (radix select with device counts, the lowest selected
-    # score displaced by a better new key); with dense_layers=[] layer 0 has no predecessor and uses its own query
-    "ds_offload": CONFIGS["ds_offload"],
-    "ds_offload_attn_input": CONFIGS["ds_offload_attn_input"],
-    "ds_offload_own_query": dict(name="double_sparsity", beta=0.05, offload=True, dense_layers=[]),
-}
-
-
 @pytest.mark.parametrize("which", sorted(GRAPH_CONFIGS))
-def test_static_step_gives_the_same_tokens(stories, prompts, which):
+def test_static_step_gives_the_same_tokens(stories, prompts, full_tokens, which):
     """The static-shape step of ``cuda_graph=true`` (write at a device position, attend over the capacity with
     length masks, device-side budgets, top-k_cap then ``count``) decodes the same tokens as the eager layers, and
-    so as the accuracy path, on every row, with either top-k; with repeat_batch the tiled rows repeat the first
-    row."""
+    so as the accuracy path, on every row, with either top-k (a sparse method's tokens differing from full
+    attention's); with repeat_batch the tiled rows repeat the first row."""
     model, tok = stories
     cfg = GRAPH_CONFIGS[which]
+    dense = METHODS[cfg["name"]].dense
     eager = _system(model, cfg, prompts, backend_gpu="torch")
     static = _system(model, cfg, prompts, backend_gpu="torch", cuda_graph=True)
     assert static.tokens.tolist() == eager.tokens.tolist()
-    if which != "full":  # the sorted torch.topk of k_cap, first budget(n) kept
+    if not dense:  # the sorted torch.topk of k_cap, first budget(n) kept
         by_sort = _system(model, cfg, prompts, backend_gpu="torch", cuda_graph=True, topk="torch")
         assert by_sort.tokens.tolist() == eager.tokens.tolist()
     assert len(static.step_ms) == NEW - 1
     assert static.tokens[0].tolist() == _accuracy_tokens(model, tok, cfg, prompts[0])
-    if which.startswith("magicpig"):  # every static step sampled, as the eager ones did
+    assert (static.tokens[0].tolist() == full_tokens) == dense
+    if "sampled" in eager.stats:  # every static step sampled, as the eager ones did
         assert static.stats["sampled"] == eager.stats["sampled"] > 0
         assert static.stats["candidates"] == eager.stats["candidates"]
         # one timed host part per sparse layer and static step (all but the prefill's token and the eager first step)
         sparse = model.config.num_hidden_layers - len(cfg["dense_layers"])
         assert static.stats["host_parts"] == (NEW - 2) * sparse
         assert static.stats["host_sample_ms"] > 0 and static.stats["host_attention_ms"] > 0
-    if which.startswith("ds_offload"):  # the same layers predicted or fell back to their own query
+    if cfg.get("offload"):  # the same layers predicted or fell back to their own query (layer 0 when it is sparse)
         assert static.stats.get("offload_own_query", 0) == eager.stats.get("offload_own_query", 0)
-        assert (static.stats.get("offload_own_query", 0) > 0) == (which == "ds_offload_own_query")
-    if which == "ds":
-        assert static.tokens[0].tolist() != _accuracy_tokens(model, tok, dict(name="full"), prompts[0])
+        assert (static.stats.get("offload_own_query", 0) > 0) == (0 not in build_method(cfg).config.dense_layers)
     tiled = _system(model, cfg, [prompts[1]], backend_gpu="torch", cuda_graph=True, repeat_batch=2)
     assert tiled.tokens.tolist() == [eager.tokens[1].tolist()] * 2
 
@@ -582,9 +589,11 @@ def test_cli_static_step(tmp_path):
 
 
 def test_cli_rejects_a_method_without_system_path(tmp_path):
-    res = _cli(tmp_path, "method=oracle", "new_tokens=2")
+    if NO_SYSTEM_PATH is None:
+        pytest.skip("every registered method has a system layer")
+    res = _cli(tmp_path, f"method={NO_SYSTEM_PATH}", "new_tokens=2")
     assert res.returncode == 2
-    assert "method='oracle' has no system path; valid: ['full', 'double_sparsity', 'magicpig', 'quest']" in res.stderr
+    assert f"method={NO_SYSTEM_PATH!r} has no system path; valid: {list(SYSTEM_LAYERS)}" in res.stderr
 
 
 @pytest.mark.parametrize("backend_cpu", ["auto", "torch"])
@@ -627,19 +636,20 @@ def test_magicpig_layer_sample_equals_brute_force(backend_cpu):
 
 
 def test_system_layers_are_registered_by_method_name():
-    """Each method with a system path has one layer class registered under its name (``methods.METHODS``' names);
-    a second class for a name, or one without ``from_method``, is refused; an unknown name lists the valid ones."""
-    from sparse_eval.methods import METHODS
-    from sparse_eval.system.layers import (SYSTEM_LAYERS, DSLayer, FullLayer, MagicPIGLayer, QuestLayer, layer_class,
-                                           register_layer)
+    """Each method with a system path has one layer class registered under its name (``methods.METHODS``' names),
+    with a ``from_method``; a second class for a name, or one without ``from_method``, is refused; an unknown name
+    lists the valid ones."""
+    from sparse_eval.system.layers import layer_class, register_layer
 
-    assert SYSTEM_LAYERS == {"full": FullLayer, "double_sparsity": DSLayer, "magicpig": MagicPIGLayer,
-                             "quest": QuestLayer}
-    assert set(SYSTEM_LAYERS) <= set(METHODS)
+    assert SYSTEM_LAYERS and set(SYSTEM_LAYERS) <= set(METHODS)
+    for name, cls in SYSTEM_LAYERS.items():
+        assert layer_class(name) is cls and callable(cls.from_method)
+    first, other = list(SYSTEM_LAYERS)[0], list(SYSTEM_LAYERS.values())[-1]
     with pytest.raises(ValueError, match="registered twice"):
-        register_layer("quest")(DSLayer)
+        register_layer(first)(type("Other", (other,), {}))
     with pytest.raises(TypeError, match="from_method"):
         register_layer("no_such_method")(object)
-    with pytest.raises(ValueError, match=r"method 'topk' has no system path; valid: \['full', 'double_sparsity'"):
-        layer_class("topk")
+    with pytest.raises(ValueError, match=re.escape(f"method 'no_such_method' has no system path; valid: "
+                                                   f"{list(SYSTEM_LAYERS)}")):
+        layer_class("no_such_method")
     assert "no_such_method" not in SYSTEM_LAYERS

@@ -245,6 +245,44 @@ class Method:
         self.config = config
         self.validate()
 
+    # -- what the contract suite checks (tests/test_method_contract.py) --------------------------------------------
+    @classmethod
+    def contract_configs(cls) -> list[dict[str, Any]]:
+        """The option sets the contract suite checks this method under (config fields over the defaults), on
+        synthetic tensors of ~100 keys: causal masks, left padding, several query rows.  List every option that
+        changes how the method selects or weights keys; each must run without a model's files (no calibration).
+        Default: the defaults, [{}]."""
+        return [{}]
+
+    @classmethod
+    def model_contract_configs(cls) -> list[dict[str, Any]]:
+        """The configs the contract's end-to-end checks run on the shipped test model (stories260K, 5 layers,
+        prompts of 20-160 tokens): causality under protocols S and B, batch invariance, resume after a kill.  Each
+        costs seconds to a minute of CI, so: few, with budgets and a static window small enough that the method
+        selects within short prompts.  Default: the first of ``contract_configs``."""
+        return cls.contract_configs()[:1]
+
+    @classmethod
+    def system_contract_configs(cls) -> dict[str, dict[str, Any]]:
+        """For a method with a system layer (``sparse_eval.system.layers``): labelled configs (each with its
+        ``name``) whose greedy tokens the system path must reproduce from the accuracy path on the test model's
+        260-token prompts, eagerly and with the static step of ``cuda_graph=true`` (tests/test_system.py); chosen
+        so that they differ from full attention's tokens (equality is then not trivial).  Default: none."""
+        return {}
+
+    @classmethod
+    def static_step_contract_configs(cls) -> dict[str, dict[str, Any]]:
+        """Further labelled configs the static step alone is checked under (its device-side budgets and fallbacks),
+        besides ``system_contract_configs``.  Default: none."""
+        return {}
+
+    @classmethod
+    def keep_all_options(cls, n: int) -> dict[str, Any] | None:
+        """Options under which the method keeps every valid key of any row of at most ``n`` keys, with no logit
+        correction, so that its output must equal full attention's (the contract's exactness check).  None: the
+        method has no such budget (say why in the override's docstring).  Default: None."""
+        return None
+
     # -- configuration -------------------------------------------------------------------------
     def validate(self, num_layers: int | None = None, context: int | None = None) -> None:
         c = self.config

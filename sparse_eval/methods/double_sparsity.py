@@ -209,6 +209,48 @@ class DoubleSparsity(Method):
             self._channels_source = f"random (seed {config.seed}, per layer and KV head)"
 
     # -- configuration -------------------------------------------------------------------------
+    @classmethod
+    def contract_configs(cls):
+        """Random channels (Table 3's baseline: no calibration file) throughout: β = 8 tokens (the end-to-end checks'
+        config), the same with DS-Offload's prediction (in a model: from layer l−1's input; on bare tensors it falls
+        back to the layer's own query), and a ratio β per KV group with unquantized labels."""
+        plain = {"beta": 8, "channel_type": "random"}
+        return [plain, plain | {"offload": True},
+                {"beta": 0.1, "channel_type": "random", "gqa": "kv_head", "label_bits": 16, "quantize_query": False}]
+
+    @classmethod
+    def model_contract_configs(cls):
+        """Plain DS and DS-Offload: the prediction from the previous layer's input only exists in a model."""
+        return cls.contract_configs()[:2]
+
+    @classmethod
+    def system_contract_configs(cls):
+        """The label cache (calibrated channels), DS-Offload's predicted prefetch, and it from layer l−1's attention
+        input."""
+        return {
+            "ds": dict(name=cls.name, beta=0.02),
+            "ds_offload": dict(name=cls.name, beta=0.02, offload=True),
+            "ds_offload_attn_input": dict(name=cls.name, beta=0.05, offload=True, offload_input="attn_input",
+                                          dense_layers=[0]),
+        }
+
+    @classmethod
+    def static_step_contract_configs(cls):
+        """Label scores per KV group in 8 bits, a token count, a budget that grows while decoding (β·n crosses 7
+        while n runs over 261..276: budget(n) < budget(capacity) = k_cap in the first steps), and DS-Offload with
+        no dense layer (layer 0 has no predecessor: its own query)."""
+        return {
+            "ds_kv_head_8bit": dict(name=cls.name, beta=0.03, gqa="kv_head", label_bits=8, dense_layers=[0]),
+            "ds_token_budget": dict(name=cls.name, beta=7, dense_layers=[1]),
+            "ds_budget_grows": dict(name=cls.name, beta=0.0266, gqa="kv_head", label_bits=8, dense_layers=[0]),
+            "ds_offload_own_query": dict(name=cls.name, beta=0.05, offload=True, dense_layers=[]),
+        }
+
+    @classmethod
+    def keep_all_options(cls, n):
+        """β = 1.0: ⌊1.0·n⌋ = n tokens, every key."""
+        return {"beta": 1.0}
+
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
         c = self.config

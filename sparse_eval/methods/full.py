@@ -27,6 +27,16 @@ class Full(Method):
     def label(cls, params):
         return "–"  # no config of its own
 
+    @classmethod
+    def static_step_contract_configs(cls):
+        """Full attention's own static step (its eager decode: tests/test_system.py's full-attention test)."""
+        return {"full": {"name": "full"}}
+
+    @classmethod
+    def keep_all_options(cls, n):
+        """Every valid key, always."""
+        return {}
+
     def select(self, ctx: AttentionContext) -> Selection:
         return Selection(keep=ctx.valid.expand_as(ctx.scores))
 

@@ -237,6 +237,25 @@ class MagicPIG(Method):
         super().__init__(config)
         self._proj: dict[tuple, torch.Tensor] = {}
 
+    @classmethod
+    def contract_configs(cls):
+        """A small (K, L) in a small static window (the end-to-end checks' config), the textbook rule without
+        centering under the eq. 8 transform, and the defaults (K, L) = (10, 150)."""
+        return [{"K": 4, "L": 20, "local": 8, "dense_layers": [0]},
+                {"K": 3, "L": 12, "min_collisions": 1, "center": False, "mips": True}, {}]
+
+    @classmethod
+    def system_contract_configs(cls):
+        """A small (K, L) in a small static window (hash tables, CPU kernel and LSE merge), and the defaults."""
+        return {"magicpig": dict(name=cls.name, K=10, L=20, local=16, dense_layers=[0]),
+                "magicpig_default": dict(name=cls.name, dense_layers=[0, 2])}
+
+    @classmethod
+    def keep_all_options(cls, n):
+        """None: a sampled key's logit is corrected by −log u_i (eq. 11) with u_i < 1 its sampling probability
+        (eq. 10), so even with every key sampled the weights are ∝ e^{s_i} / u_i, not the true attention."""
+        return None
+
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
         c = self.config

@@ -46,6 +46,17 @@ class OracleSampling(Method):
     headline_options = ("budget",)
     supported_gqa = ("query_head",)
 
+    @classmethod
+    def contract_configs(cls):
+        """B = 8 draws in a small static window (the end-to-end checks' config), and the defaults."""
+        return [{"budget": 8, "local": 8}, {}]
+
+    @classmethod
+    def keep_all_options(cls, n):
+        """None: a sampled key is weighted by its share of the draws f_i / B (eq. 5), a random estimate of its
+        attention w_i, so no budget makes the output exact."""
+        return None
+
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
         check_budget(self.config.budget, "method.budget", context)

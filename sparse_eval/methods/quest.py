@@ -164,6 +164,32 @@ class Quest(Method):
     budget_field = "budget"
     headline_options = ("page_size", "budget")
 
+    @classmethod
+    def contract_configs(cls):
+        """Pages of 4 in a small static window (the end-to-end checks' config), pages of 8 selected per KV group
+        with the Quest repo's floor of 3 pages, and the defaults (pages of 16)."""
+        return [{"page_size": 4, "budget": 8, "local": 8},
+                {"page_size": 8, "budget": 0.1, "gqa": "kv_head", "min_pages": 3}, {}]
+
+    @classmethod
+    def system_contract_configs(cls):
+        """A ratio budget over pages of 8, and a token count over pages of 4 per KV group."""
+        return {"quest": dict(name=cls.name, budget=0.1, page_size=8, local=16, dense_layers=[0]),
+                "quest_kv_head_tokens": dict(name=cls.name, gqa="kv_head", budget=40, page_size=4, sink=2, local=8,
+                                             dense_layers=[0])}
+
+    @classmethod
+    def static_step_contract_configs(cls):
+        """A budget that grows while decoding: pages of 4, ⌊0.105·n⌋ // 4 grows from 6 to 7 pages at n = 267 (n runs
+        over 261..276), so the device count is below k_cap = 7 in the first steps; a sink and a local window that do
+        not end on page boundaries."""
+        return {"quest_budget_grows": dict(name=cls.name, budget=0.105, page_size=4, sink=5, local=7, dense_layers=[1])}
+
+    @classmethod
+    def keep_all_options(cls, n):
+        """At least n pages: every page of a row of n keys (the last one partial), so every candidate."""
+        return {"budget": 1.0, "min_pages": n}
+
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
         ps = self.config.page_size

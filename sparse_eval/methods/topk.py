@@ -47,6 +47,17 @@ class TopK(Method):
     budget_field = "budget"
     headline_options = ("budget",)
 
+    @classmethod
+    def contract_configs(cls):
+        """A token budget in a small static window (the end-to-end checks' config), a ratio with per-group
+        selection, and the defaults."""
+        return [{"budget": 8, "local": 8}, {"budget": 0.1, "sink": 2, "local": 8, "gqa": "kv_head"}, {}]
+
+    @classmethod
+    def keep_all_options(cls, n):
+        """budget = 1.0: ⌊1.0·n⌋ = n keys, every candidate."""
+        return {"budget": 1.0}
+
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
         check_budget(self.config.budget, "method.budget", context)
