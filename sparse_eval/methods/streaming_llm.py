@@ -41,6 +41,11 @@ class StreamingLLM(Method):
     selects_static_only = True  # a row keeping no candidate is the method, not an empty selection
     index_reads_keys = False  # no index: the kept keys' K and V rows are all it reads
 
+    @classmethod
+    def keep_all_options(cls, n):
+        """local = n: the recent window covers every key of a row of at most n keys."""
+        return {"local": n}
+
     def select(self, ctx: AttentionContext) -> Selection:
         return Selection(keep=ctx.static.expand_as(ctx.scores))  # [B, Hq, Q, N]: the static keys, nothing else
 
