@@ -263,7 +263,7 @@ PAIR_KEYS = ("model", "model_path", "model_gguf_file", "model_fingerprint", "tas
 def _references(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
     """Full attention's row per ``PAIR_KEYS`` (the first found; full attention has no randomness): the rows of the
     dense reference method (``Method.dense``)."""
-    from .methods import is_dense  # torch, only when runs are collected
+    from .method_facts import is_dense  # torch-free for the shipped methods
 
     refs: dict[tuple, dict[str, Any]] = {}
     for r in rows:

@@ -65,7 +65,7 @@ def run_name(identity: dict[str, Any] | None, run_dir: Path) -> str:
     ``magicpig-K=10-L=150-dense=0,2-length=4096-1a2b3c4d5e``: runs that differ in those show different names."""
     if not identity or not isinstance(identity.get("method"), dict):
         return run_dir.name
-    from .methods import is_dense  # torch, only when a run is named
+    from .method_facts import is_dense  # torch-free for the shipped methods
 
     method, task = identity["method"], identity.get("task") or {}
     parts = [method_label(method)]

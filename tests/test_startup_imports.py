@@ -57,3 +57,12 @@ def test_base_method_fields_match_the_method_config():
 
     assert BASE_METHOD_FIELDS == tuple(f.name for f in dataclasses.fields(MethodConfig)), \
         "update store.BASE_METHOD_FIELDS to the fields of methods.base.MethodConfig"
+
+
+def test_static_dense_flags_match_the_registry():
+    """``method_facts`` reads the shipped methods' ``dense`` from their source: it must agree with the classes."""
+    from sparse_eval.method_facts import shipped_dense_flags
+    from sparse_eval.methods import METHODS
+
+    shipped = {name: cls.dense for name, cls in METHODS.items() if cls.__module__.startswith("sparse_eval.methods.")}
+    assert shipped_dense_flags() == shipped  # (a user's plugin method, registered by other tests, is not shipped)
