@@ -33,6 +33,7 @@ CONFIGS = {
     "quest": {"page_size": 4, "budget": 8, "local": 8},
     "double_sparsity": {"beta": 8},
     "double_sparsity-offload": {"beta": 8, "offload": True},  # predicts layer l's keys from layer l-1's input
+    "streaming_llm": {"local": 8},
 }
 STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass", "topk_recall", "sparse_rows",
          "empty_selections")
