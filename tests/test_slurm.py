@@ -21,7 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "slurm_local.sh"
 SAMPLES = 6
-pytestmark = pytest.mark.slow
+
 
 
 def _free_port_pair() -> int:

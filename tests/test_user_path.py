@@ -359,6 +359,7 @@ def readme_commands() -> list[str]:
 
 # how each README command runs in the test: (tiny overrides appended, or a skip reason)
 TINY = {
+    "python -m pytest -q -m slow": "the slow checks themselves (minutes), run by hand",
     "python -m sparse_eval": "run and checked by tests/test_runner.py::test_default_command_end_to_end",
     "python -m sparse_eval method=magicpig method.K=9 method.L=120": [],
     "python -m sparse_eval -m method=topk method.budget=0.02,0.06,0.1": ["task.num_samples=1"],
@@ -412,7 +413,6 @@ def one_run(tmp_path_factory):
     return root / "runs"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("cmd", [c for c in TINY if c != "python -m pytest -q"])
 def test_readme_command_runs(tmp_path, cmd, request):
     how = TINY[cmd]
