@@ -318,3 +318,12 @@ def test_incomplete_runs_are_marked_in_the_paper_tables(df):
     assert "Rows marked incomplete" in t3.caption
     t3_ok = {t.name: t for t in build_tables(df)[0]}["magicpig_table3_ruler"]
     assert "Rows marked incomplete" not in t3_ok.caption
+
+
+def test_labels_see_the_shared_static_key_counts():
+    """``sink``/``local`` are columns of their own in collect's table (every method shares them); a method whose
+    label is its static keys (StreamingLLM) still reads them, as numbers."""
+    from sparse_eval.report.load import config_label
+
+    row = {"method": "streaming_llm", "method_config": "streaming_llm", "sink": 4, "local": 64}
+    assert config_label(row) == "4 sink + 64 recent"

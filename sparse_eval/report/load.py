@@ -87,9 +87,11 @@ def param(row: Any, name: str) -> Any:
 
 
 def method_params(row: Any) -> dict[str, Any]:
-    """A row's method config {field: value} from its ``method.<field>`` columns (missing values left out)."""
-    items = row.items() if hasattr(row, "items") else ()
+    """A row's method config {field: value} from its ``method.<field>`` columns and the static-key counts every
+    method shares (``sink``, ``local``: columns of their own in ``collect``'s table); missing values left out."""
+    items = list(row.items()) if hasattr(row, "items") else []
     out = {str(k)[len("method."):]: _num(v) for k, v in items if str(k).startswith("method.")}
+    out.update({k: _num(v) for k, v in items if k in ("sink", "local") and f"method.{k}" not in out})
     return {k: v for k, v in out.items() if v is not None}
 
 
