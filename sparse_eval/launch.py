@@ -13,8 +13,9 @@ calibration folders, stamped or marked absent (a file added there could change w
 ``key`` is the sha256 of what else decides the identities: the whole composed config (less the output-only
 ``print_table``), the package's source and ``conf/`` (any edit there is a new key), the versions of Python and the
 libraries that load the model, the environment variables that say where inputs are looked for, and, where ``model.dtype=auto`` picks by device, whether CUDA is available.  A
-relaunch reuses the entry only when every recorded file and folder has its recorded size and mtime and every run
-directory is ``done`` (``status.run_state``); anything else (a changed or missing file, a deleted run directory,
+relaunch reuses the entry only when every recorded file and folder is unchanged (its recorded size and mtime, or,
+where the mtime moved as a copy or checkout moves it, its recorded sha256 (a file) or entry names (a folder)) and
+every run directory is ``done`` (``status.run_state``); anything else (a changed or missing file, a deleted run directory,
 an incomplete, failed or running run, an unreadable entry) takes the normal path, which finds the same results by
 their identity.  Being conservative costs a cache miss, never a wrong skip.
 
@@ -132,15 +133,48 @@ def _stamp(path: str | Path) -> dict[str, Any] | None:
     return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def _sha256(path: str | Path) -> str | None:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def _listing(path: str | Path) -> str | None:
+    """sha256 of a folder's sorted entry names: what decides which files a launch finds there."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return None
+    return hashlib.sha256("\0".join(names).encode()).hexdigest()
+
+
+def _same_content(s: dict[str, Any], now: dict[str, Any]) -> bool:
+    """A file or folder whose mtime moved (a copy, a checkout, a sync to another machine) but whose content did
+    not: a file of the recorded size and sha256, a folder with the recorded entry names."""
+    if "sha256" in s:
+        return now["size"] == s["size"] and _sha256(s["path"]) == s["sha256"]
+    if "listing" in s:
+        return _listing(s["path"]) == s["listing"]
+    return False
+
+
 def _unchanged(stamps: Iterable[dict[str, Any]]) -> str | None:
     """None when every stamp matches the file or folder now (one stamped ``absent`` must still be absent); else
-    the first that does not."""
+    the first that does not.  Size and mtime are the fast test; where they moved, the content recorded beside
+    them (a file's sha256, a folder's listing) decides."""
     for s in stamps:
         now = _stamp(s["path"])
         if s.get("absent"):
             if now is not None:
                 return s["path"]
-        elif now is None or (now["size"], now["mtime_ns"]) != (s["size"], s["mtime_ns"]):
+        elif now is None:
+            return s["path"]
+        elif (now["size"], now["mtime_ns"]) != (s["size"], s["mtime_ns"]) and not _same_content(s, now):
             return s["path"]
     return None
 
@@ -254,9 +288,12 @@ def record(cfg: Any, identities: list[dict[str, Any]], summaries: list[dict[str,
     run_dirs = [s["run_dir"] for s in summaries]
     if finished(run_dirs) is None:  # a run with failed samples: the next launch retries them
         return None
-    stamps = [dict(path=p, size=f["size"], mtime_ns=f["mtime_ns"]) for p, f in sorted(files.items())]
+    stamps = [dict(path=p, size=f["size"], mtime_ns=f["mtime_ns"], sha256=f["sha256"]) for p, f in sorted(files.items())]
     dirs = [s for s in (_stamp(d) for d in watched_dirs(files, plain["paths"].get("data_dir"))) if s]
     dirs += [_stamp(d) or {"path": d, "absent": True} for d in search_dirs() if d not in {x["path"] for x in dirs}]
+    for d in dirs:
+        if not d.get("absent"):
+            d["listing"] = _listing(d["path"])
     changed = _unchanged(stamps)
     moved = [s["path"] for s in stamps + dirs if started_ns is not None and s.get("mtime_ns", 0) >= started_ns]
     if changed is not None or moved:

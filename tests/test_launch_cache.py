@@ -90,9 +90,11 @@ def test_anything_changed_takes_the_normal_path(setup, monkeypatch, change):
     first = runner.run(cfg())
     run_dir = Path(first[1]["run_dir"])  # double_sparsity's
     overrides = []
-    if change == "model_file":
-        st = (model / "model.safetensors").stat()
-        os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    if change == "model_file":  # the same size, one byte changed: the fingerprint differs, a new run directory
+        f = model / "model.safetensors"
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 1
+        f.write_bytes(bytes(data))
     elif change == "calibration_file":
         cal.write_text(cal.read_text() + " ")  # same channels, new bytes: a new run directory
     elif change == "run_dir_deleted":
@@ -111,14 +113,38 @@ def test_anything_changed_takes_the_normal_path(setup, monkeypatch, change):
     made = _loads(monkeypatch)
     again = runner.run(cfg(*overrides))
     assert made, "a changed launch was answered from the cache"
-    if change == "calibration_file":
-        assert again[1]["run_dir"] != str(run_dir)
+    if change in ("calibration_file", "model_file"):
+        assert again[-1]["run_dir"] != str(run_dir)
     else:
         assert [s["run_dir"] for s in again] == [s["run_dir"] for s in first]
     assert all(s["complete"] for s in again)
     made.clear()
     runner.run(cfg(*overrides))  # the normal path wrote a fresh entry: now answered at once
     assert not made
+
+
+def test_moved_mtimes_with_the_same_content_still_hit(setup, monkeypatch):
+    """A copy that moves every mtime (a checkout, a sync to another machine) but keeps the bytes: the recorded
+    sha256 of each file and the entry names of each folder decide, and the launch is still answered at once."""
+    model, cal, cfg = setup
+    first = runner.run(cfg())
+    (entry,) = _entries(cfg())
+    rec = json.loads(entry.read_text())
+    assert all("sha256" in f for f in rec["files"]) and all("listing" in d for d in rec["dirs"] if not d.get("absent"))
+    for p in [*model.iterdir(), model, cal, cal.parent]:
+        st = p.stat()
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    _forbid_loading(monkeypatch)
+    assert [s["run_dir"] for s in launch.run(cfg())] == [s["run_dir"] for s in first]
+
+
+def test_a_file_added_to_a_watched_folder_is_a_miss(setup, monkeypatch):
+    model, cal, cfg = setup
+    runner.run(cfg())
+    (cal.parent / "other.json").write_text("{}")  # the folder's listing changed
+    made = _loads(monkeypatch)
+    runner.run(cfg())
+    assert made
 
 
 def test_no_entry_without_files_to_stamp():
