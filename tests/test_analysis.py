@@ -91,6 +91,36 @@ def test_geometry_measures(stories):
     assert ((table["sink_cos_min"] <= table["sink_cos_mean"] + 1e-6) & (table["kavg_cos_min"] <= 1 + 1e-6)).all()
 
 
+def test_geometry_over_passages(stories):
+    """passages=N: Fig. 2's top-x% mass is the mean over N passages of each passage's own value (a one-passage
+    run on that window), with a band over them; cos(k_sink, k_avg) has a band over the windows."""
+    import unittest.mock as mock
+
+    model, tok = stories
+    kw = dict(num_random=2, random_len=2, num_sentences=4, sentence_len=16, length=40, num_queries=2,
+              fractions=[0.05, 0.5, 1.0])
+    res = geometry.measure(model, tok, 512, geometry.GeometryOptions(**kw, passages=3), show=False)
+    text, _ = common.load_text("bundled")
+    windows = common.token_windows
+    singles = []
+    for p in range(3):
+        def one(tok_, text_, length, count, add_bos=True, skip=0, p=p):
+            if length == 40:  # the passages: window p of the three-passage run
+                return windows(tok_, text_, length, 3, add_bos, skip)[p:p + 1]
+            return windows(tok_, text_, length, count, add_bos, skip)
+        with mock.patch.object(common, "token_windows", one):
+            singles.append(geometry.measure(model, tok, 512, geometry.GeometryOptions(**kw), show=False))
+    for l in (0, 3):
+        per = torch.stack([torch.as_tensor(r["top_mass"]["with_sink"][l]).double() for r in singles])  # [3, F]
+        assert torch.allclose(torch.as_tensor(res["top_mass"]["with_sink"][l]).double(), per.mean(0), atol=1e-12)
+        lo, hi = (torch.as_tensor(res["top_mass"][f"with_sink_{e}"][l]) for e in ("lo", "hi"))
+        assert (lo <= per.mean(0) + 1e-12).all() and (per.mean(0) <= hi + 1e-12).all()
+        assert (lo >= per.min(0).values - 1e-12).all() and (hi <= per.max(0).values + 1e-12).all()
+        assert res["sink_avg_cos"]["lo"][l] <= float(torch.as_tensor(res["sink_avg_cos"]["mean"][l]).mean()) + 1e-9
+    table = geometry.per_layer_table(res)
+    assert {"sink_avg_cos_lo", "top5%_mass_lo", "top5%_mass_no_sink_hi"} <= set(table.columns)
+
+
 def test_geometry_figures_written(stories, tmp_path):
     model, tok = stories
     opts = geometry.GeometryOptions(num_random=2, random_len=2, num_sentences=2, sentence_len=8, length=24,
@@ -98,7 +128,7 @@ def test_geometry_figures_written(stories, tmp_path):
     res = geometry.measure(model, tok, 512, opts)
     paths = geometry.figures(res, tmp_path, "stories260k", opts)
     pngs = [p for p in paths if p.suffix == ".png"]
-    assert len(pngs) == 4 and all(p.stat().st_size > 10_000 for p in pngs)
+    assert len(pngs) == 5 and all(p.stat().st_size > 10_000 for p in pngs)
     assert all(p.exists() for p in paths if p.suffix == ".pdf")
 
 
@@ -124,6 +154,41 @@ def test_error_vs_budget(stories, tmp_path):
     assert {p.name for p in paths if p.suffix == ".png"} == {
         "fig6_error_vs_budget.png", "fig4_topk_error_per_layer.png", "thm33_oracle_unique_samples.png"}
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_error_vs_budget_over_passages(stories, tmp_path):
+    """passages=N measures N consecutive windows; passage p's records are those of a one-passage run on window p
+    alone; the summary's error is the mean over passages (of the mean over seeds) and its band the percentile
+    bootstrap of that mean over the passages."""
+    import numpy as np
+
+    from sparse_eval.analysis import common
+    from sparse_eval.statistics import N_BOOT
+
+    model, tok = stories
+    opts = error_vs_budget.ErrorOptions(length=48, num_queries=2, layers=[2], budgets=[0.1, 1.0], magicpig=[[4, 8]],
+                                        repeats=2, passages=3, methods=["topk", "oracle"])
+    recs = error_vs_budget.measure(model, tok, 512, opts)
+    assert sorted({r["passage"] for r in recs}) == [0, 1, 2]
+    text, _ = common.load_text("bundled")
+    ids = common.token_windows(tok, text, 48, 3)
+    one = error_vs_budget.ErrorOptions(**{**opts.__dict__, "passages": 1})
+    import unittest.mock as mock
+    with mock.patch.object(common, "token_windows", lambda *a, **k: ids[2:3]):
+        alone = error_vs_budget.measure(model, tok, 512, one)
+    third = [r for r in recs if r["passage"] == 2]
+    assert [r["error"] for r in third] == [r["error"] for r in alone]
+    summary = error_vs_budget.summarize(recs)
+    row = summary[(summary["layer"] == 2) & (summary["method"] == "oracle") & (summary["budget"] == 0.1)].iloc[0]
+    per = [np.mean([r["error"] for r in recs if r["passage"] == p and r["method"] == "oracle" and r["budget"] == 0.1])
+           for p in range(3)]
+    assert row["error"] == pytest.approx(np.mean(per)) and row["passages"] == 3
+    rng = np.random.default_rng(0)  # the bootstrap by hand: resample the 3 passages, 2000 times
+    means = rng.multinomial(3, [1 / 3] * 3, size=N_BOOT) @ np.array(per) / 3
+    assert (row["error_lo"], row["error_hi"]) == pytest.approx(tuple(np.quantile(means, [0.025, 0.975])))
+    assert row["error_lo"] <= row["error"] <= row["error_hi"]
+    paths = error_vs_budget.figures(summary, tmp_path, "stories260k", opts, 5)
+    assert any(p.name == "fig6_error_vs_budget.png" for p in paths)
 
 
 def test_ds_online_scores_brute_force():

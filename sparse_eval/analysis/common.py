@@ -83,6 +83,21 @@ def token_windows(tokenizer: Any, text: str, length: int, count: int, add_bos: b
     return torch.tensor(rows, dtype=torch.long)
 
 
+def passage_band(values: Any, seed: int = 0) -> tuple[float, float, float, int]:
+    """(mean, lo, hi, n) of per-passage values: the mean and its 95 % percentile-bootstrap interval over the
+    passages (``statistics.bootstrap_ci``, passages resampled); one passage: lo = hi = the value."""
+    import numpy as np
+
+    from ..statistics import ScoreTerms, bootstrap_ci
+
+    v = np.asarray(list(values), dtype=np.float64)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return math.nan, math.nan, math.nan, 0
+    ci = bootstrap_ci(ScoreTerms([str(i) for i in range(v.size)], v, np.ones_like(v), np.zeros(v.size)), seed=seed)
+    return float(ci["score"]), float(ci["lo"]), float(ci["hi"]), int(v.size)
+
+
 def random_tokens(tokenizer: Any, vocab_size: int, count: int, length: int, seed: int) -> torch.Tensor:
     """``count`` sequences of ``length`` tokens drawn uniformly from the vocabulary minus special tokens."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])

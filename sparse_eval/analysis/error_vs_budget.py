@@ -43,6 +43,7 @@ METHOD_NAMES = (TopK.name, OracleSampling.name, MagicPIG.name)
 @dataclass
 class ErrorOptions:
     length: int | None = None  # context (tokens, BOS included); null: min(model context, 16384) (paper: 16K)
+    passages: int = 1  # consecutive non-overlapping windows of the text; means and 95 % bands over them
     num_queries: int = 4  # decoding steps: the passage's last query rows
     layers: Any = None  # null: all; an int or a list (negative from the end)
     methods: list[str] = field(default_factory=lambda: list(METHOD_NAMES))
@@ -70,8 +71,9 @@ class ErrorOptions:
         for kl in self.magicpig:
             if not (isinstance(kl, (list, tuple)) and len(kl) == 2 and all(isinstance(x, int) and x >= 1 for x in kl)):
                 raise ValueError(f"magicpig={self.magicpig!r}: give a list of [K, L] pairs of positive ints, e.g. [[10,150],[8,75]]")
-        if self.num_queries < 1 or self.repeats < 1:
-            raise ValueError(f"num_queries={self.num_queries}, repeats={self.repeats}: both must be >= 1")
+        if self.num_queries < 1 or self.repeats < 1 or self.passages < 1:
+            raise ValueError(f"num_queries={self.num_queries}, repeats={self.repeats}, passages={self.passages}: "
+                             "each must be >= 1")
         if self.sink < 0 or self.local < 0:
             raise ValueError(f"sink={self.sink}, local={self.local}: must be >= 0")
 
@@ -103,13 +105,26 @@ def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progre
     if opts.num_queries >= length:
         raise ValueError(f"num_queries={opts.num_queries} must be smaller than length={length}")
     text, origin = common.load_text(opts.text, opts.data_dir, opts.text_path)
-    ids = common.token_windows(tokenizer, text, length, 1)
+    ids = common.token_windows(tokenizer, text, length, opts.passages)  # [passages, length]
     n_min = length - opts.num_queries + 1  # keys of the first query row
     seeds = [opts.seed + r for r in range(opts.repeats)]
     kept = [b for b in opts.budgets if not (math.floor(float(b) * (n_min - opts.sink - opts.local)) < 1 and b < 1.0)]
     per_layer = len(kept) * ((TopK.name in opts.methods) + len(seeds) * (OracleSampling.name in opts.methods)) \
         + len(opts.magicpig) * len(seeds) * (MagicPIG.name in opts.methods)
-    with common.progress(1, f"error_vs_budget: {length}-token forward", "forward", progress) as fwd:
+    records: list[dict[str, Any]] = []
+    for p in range(opts.passages):
+        part = _measure_passage(model, ids[p:p + 1], layers, n_min, seeds, per_layer, opts,
+                                progress, f" (passage {p + 1}/{opts.passages})" if opts.passages > 1 else "")
+        records += [dict(r, passage=p) for r in part]
+    for r in records:
+        r["length"] = length
+        r["text"] = origin
+    return records
+
+
+def _measure_passage(model, ids, layers, n_min, seeds, per_layer, opts, progress, tag) -> list[dict[str, Any]]:
+    """One passage's records (ids [1, length]): every layer, method, setting and seed."""
+    with common.progress(1, f"error_vs_budget: {ids.shape[1]}-token forward{tag}", "forward", progress) as fwd:
         cap = capture_qkv(model, ids, layers=layers, query_rows=opts.num_queries)
         fwd.update()
     # the estimates' own bar: its rate (and so the time left) is not skewed by the forward's one long step
@@ -117,7 +132,7 @@ def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progre
     common_opts = {"sink": opts.sink, "local": opts.local}
     records: list[dict[str, Any]] = []
     for li, l in enumerate(layers):
-        bar.set_description(f"error_vs_budget: layer {l} ({li + 1}/{len(layers)})")
+        bar.set_description(f"error_vs_budget: layer {l} ({li + 1}/{len(layers)}){tag}")
         c = cap[l]
         q, k, v = c.q, c.k, c.v
         dev_k = dict(layer_idx=l, scaling=c.scaling)
@@ -157,9 +172,6 @@ def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progre
                              center=opts.center)
                     records.append(_record(l, MagicPIG.name, st, K=int(K), L=int(L), seed=s))
     bar.close()
-    for r in records:
-        r["length"] = length
-        r["text"] = origin
     return records
 
 
@@ -176,17 +188,29 @@ def _record(layer: int, method: str, st: dict[str, Any], **extra: Any) -> dict[s
 
 
 def summarize(records: list[dict[str, Any]]):
-    """Mean over seeds: one row per (layer, method, budget | K, L); plus 'mean' layer rows (mean over layers)."""
+    """One row per (layer, method, budget | K, L), plus 'mean' layer rows (mean over layers): each value the mean
+    over seeds within a passage, then over passages; ``error_lo``/``error_hi`` the 95 % bootstrap band of the
+    error over passages (``common.passage_band``; equal to the error for one passage), ``passages`` their count."""
     import pandas as pd
 
     df = pd.DataFrame(records)
+    if "passage" not in df:
+        df["passage"] = 0
     keys = ["method", "budget", "K", "L"]
     val = [c for c in ("error", "error_max", "cost2", "static_frac", "unique", "bound", "draws", "unique_le_bound") if c in df]
-    g = df.groupby(["layer", *keys], dropna=False)[val].mean().reset_index()
-    m = g.groupby(keys, dropna=False)[val].mean().reset_index()
-    m.insert(0, "layer", "mean")
-    out = pd.concat([g.astype({"layer": object}), m], ignore_index=True)
-    return out
+    per = df.groupby(["passage", "layer", *keys], dropna=False)[val].mean().reset_index()  # mean over seeds
+    per_mean = per.groupby(["passage", *keys], dropna=False)[val].mean().reset_index()  # mean over layers
+    per_mean.insert(1, "layer", "mean")
+    per = pd.concat([per.astype({"layer": object}), per_mean], ignore_index=True)
+    rows = []
+    for (layer, *key), g in per.groupby(["layer", *keys], dropna=False, sort=False):
+        row = dict(zip(["layer", *keys], [layer, *key]))
+        row.update(g[val].mean().to_dict())
+        _, row["error_lo"], row["error_hi"], row["passages"] = common.passage_band(g["error"])
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    order = out["layer"].map(lambda x: (1, 0) if x == "mean" else (0, x))
+    return out.iloc[sorted(range(len(out)), key=lambda i: order.iloc[i])].reset_index(drop=True)
 
 
 def _default_plot_layers(layers: list[int], num_layers: int) -> list[int]:
@@ -204,6 +228,10 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
     layers = sorted(x for x in summary["layer"].unique() if x != "mean")
     length = opts.length
     settings = f"{model_name}, context {summary.attrs.get('length', length)} tokens, last {opts.num_queries} query rows"
+    n_passages = int(summary["passages"].max()) if "passages" in summary and len(summary) else 1
+    banded = n_passages > 1 and "error_lo" in summary
+    if banded:
+        settings += f", {n_passages} passages (band: 95 % bootstrap over passages)"
     if opts.sink or opts.local:
         settings += f", sink {opts.sink} + local {opts.local} static"
     plot_layers = (common.pick_layers(opts.plot_layers, num_layers) if opts.plot_layers is not None
@@ -221,9 +249,14 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
             dm = d[d["method"] == method].sort_values("budget")
             if len(dm):
                 ax.plot(dm["budget"], dm["error"], label=label, ms=4, **style)
+                if banded:
+                    ax.fill_between(dm["budget"], dm["error_lo"], dm["error_hi"], color=style["color"], alpha=0.2, lw=0)
         dm = d[d["method"] == MagicPIG.name]
         if len(dm):
             ax.scatter(dm["cost2"], dm["error"], color="C2", marker="^", zorder=3, label="MagicPIG (x = measured Cost2)")
+            if banded:
+                ax.errorbar(dm["cost2"], dm["error"], yerr=[dm["error"] - dm["error_lo"], dm["error_hi"] - dm["error"]],
+                            fmt="none", ecolor="C2", alpha=0.6)
         ax.set_xscale("log")
         plain_log_x(ax)
         if len(dm):

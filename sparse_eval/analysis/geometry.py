@@ -11,13 +11,15 @@ What is measured (keys and queries post-RoPE, exactly as attention uses them; K/
 * Fig. 5b, ``kavg_cos``: k_avg = (1/n) Σ_i k_i over all n positions of a text window (BOS first, as the model
   reads text), for ``num_sentences`` windows of ``sentence_len`` tokens of WikiText-2; mutual cosine similarity
   (mean, minimum).  The paper: 50 sentences, > 0.9.
-* Fig. 5c, ``sink_avg_cos``: cos(k_sink, k_avg) of each window, averaged over the windows.  The paper: −0.9 … −0.8.
-* Fig. 2a/b, ``top_mass``: for the last ``num_queries`` query rows of one passage of ``length`` tokens, the share
+* Fig. 5c, ``sink_avg_cos``: cos(k_sink, k_avg) of each window, averaged over the windows (``lo``/``hi``: the 95 %
+  bootstrap band over the windows of the mean over KV heads).  The paper: −0.9 … −0.8.
+* Fig. 2a/b, ``top_mass``: for the last ``num_queries`` query rows of each of ``passages`` consecutive passages of
+  ``length`` tokens (mean over them, ``_lo``/``_hi`` their 95 % bootstrap band), the share
   of the attention mass w = softmax(q Kᵀ/√d) held by the top x % of the row's keys (x in ``fractions``; the count
   is ceil(x·n), at least 1), with the sink, and without it (the first ``sink_tokens`` keys dropped and w
   renormalized over the rest, Fig. 2b).  Mean over query rows (and heads, for the per-layer curve).
 * Fig. 11, ``value_norms``: ‖v_i‖ by position i, mean over the windows and KV heads.
-* Fig. 10, ``score_spread``: in one decoding step (the passage's last query row), the spread over the keys i of
+* Fig. 10, ``score_spread``: in one decoding step (the first passage's last query row), the spread over the keys i of
   s_i = q·k_i/√d and of log‖v_i − o‖ with o the exact attention output: standard deviation and range
   (max − min) per query head.
 """
@@ -45,6 +47,7 @@ class GeometryOptions:
     num_sentences: int = 50  # Fig. 5b: text windows (paper: 50 sentences)
     sentence_len: int = 128  # tokens per window, BOS included
     length: int | None = None  # passage for Fig. 2 / 10; null: min(model context, 4096)
+    passages: int = 1  # Fig. 2: consecutive passages of `length` tokens; mean and 95 % band over them
     num_queries: int = 16  # last query rows of the passage used for Fig. 2 (Fig. 10 uses the last one)
     fractions: list[float] = field(default_factory=lambda: list(DEFAULT_FRACTIONS))  # top-x of the keys (0, 1]
     sink_tokens: int = 1  # keys dropped for "without the sink" (Fig. 2b)
@@ -57,7 +60,7 @@ class GeometryOptions:
     out: str | None = None  # output folder; null: analysis/geometry/<model>
 
     def validate(self) -> None:
-        for name in ("num_random", "random_len", "num_sentences", "num_queries", "batch"):
+        for name in ("num_random", "random_len", "num_sentences", "num_queries", "batch", "passages"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
         if self.num_random < 2 or self.num_sentences < 2:
@@ -165,7 +168,7 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, sho
     # Fig. 5a: k_0 across inputs of random tokens
     rnd = common.random_tokens(tokenizer, shape["vocab_size"], opts.num_random, opts.random_len, opts.seed)
     win = common.token_windows(tokenizer, text, opts.sentence_len, opts.num_sentences)
-    steps = -(-rnd.shape[0] // opts.batch) + -(-win.shape[0] // opts.batch) + 1 + nl
+    steps = -(-rnd.shape[0] // opts.batch) + -(-win.shape[0] // opts.batch) + opts.passages * (1 + nl)
     bar = common.progress(steps, "geometry: random inputs", show=show)
     k0: dict[int, list[torch.Tensor]] = {}
     for cap in _batched(model, rnd, opts.batch, 1):
@@ -187,35 +190,58 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, sho
             norms = c.v.norm(dim=-1).sum(0)  # [Hkv, T]
             vnorm[l] = vnorm[l] + norms if l in vnorm else norms
     avg_mean, avg_min = zip(*(pairwise_cos(torch.cat(kavg[l])) for l in range(nl)))
-    sink_avg = [cosine(torch.cat(ksink[l]), torch.cat(kavg[l])).mean(0) for l in range(nl)]  # [Hkv]
+    sink_avg_win = [cosine(torch.cat(ksink[l]), torch.cat(kavg[l])) for l in range(nl)]  # [W, Hkv]
+    sink_avg = [x.mean(0) for x in sink_avg_win]  # [Hkv]
+    sink_avg_band = [common.passage_band(x.mean(1).tolist())[1:3] for x in sink_avg_win]  # over windows
     vnorm = {l: vnorm[l] / opts.num_sentences for l in vnorm}
 
-    # Fig. 2 and Fig. 10: one passage of `length` tokens (taken after the windows used above when the text allows)
+    # Fig. 2 and Fig. 10: `passages` passages of `length` tokens (after the windows used above when the text allows)
     try:
-        passage = common.token_windows(tokenizer, text, length, 1,
-                                       skip=(opts.num_sentences * (opts.sentence_len - 1)) // max(length - 1, 1) + 1)
+        passages = common.token_windows(tokenizer, text, length, opts.passages,
+                                        skip=(opts.num_sentences * (opts.sentence_len - 1)) // max(length - 1, 1) + 1)
     except ValueError:
-        passage = common.token_windows(tokenizer, text, length, 1)
-    bar.set_description(f"geometry: {length}-token passage")
-    cap = capture_qkv(model, passage, query_rows=opts.num_queries)
-    bar.update()
-    bar.set_description("geometry: per layer")
+        passages = common.token_windows(tokenizer, text, length, opts.passages)
     fr = [float(f) for f in opts.fractions]
-    mass, mass_ns, mass_head, mass_ns_head, spread = [], [], [], [], []
-    for l in range(nl):
+    mass_p, mass_ns_p, mass_head_p, mass_ns_head_p = [], [], [], []  # [P][L][F], [P][L][Hq][F]
+    spread = []
+    for pi in range(opts.passages):
+        tag = f" {pi + 1}/{opts.passages}" if opts.passages > 1 else ""
+        bar.set_description(f"geometry: {length}-token passage{tag}")
+        cap = capture_qkv(model, passages[pi:pi + 1], query_rows=opts.num_queries)
         bar.update()
-        c = cap[l]
-        p = attention_probs(c.q, c.k, c.scaling)  # [1, Hq, Q, N]
-        valid = key_validity(None, 1, c.q.shape[2], c.k.shape[2], p.device)  # [1, 1, Q, N]
-        m = top_mass(p, valid, fr)  # [1, Hq, Q, F]
-        pn, vn = drop_sink(p, valid, opts.sink_tokens)
-        mn = top_mass(pn, vn, fr)
-        mass_head.append(m[0].mean(1))  # [Hq, F]
-        mass_ns_head.append(mn[0].mean(1))
-        mass.append(m[0].mean((0, 1)))
-        mass_ns.append(mn[0].mean((0, 1)))
-        spread.append(score_spread(c.q[:, :, -1:], c.k, c.v, c.scaling))
+        bar.set_description(f"geometry: per layer{tag}")
+        mass, mass_ns, mass_head, mass_ns_head = [], [], [], []
+        for l in range(nl):
+            bar.update()
+            c = cap[l]
+            p = attention_probs(c.q, c.k, c.scaling)  # [1, Hq, Q, N]
+            valid = key_validity(None, 1, c.q.shape[2], c.k.shape[2], p.device)  # [1, 1, Q, N]
+            m = top_mass(p, valid, fr)  # [1, Hq, Q, F]
+            pn, vn = drop_sink(p, valid, opts.sink_tokens)
+            mn = top_mass(pn, vn, fr)
+            mass_head.append(m[0].mean(1))  # [Hq, F]
+            mass_ns_head.append(mn[0].mean(1))
+            mass.append(m[0].mean((0, 1)))  # [F]
+            mass_ns.append(mn[0].mean((0, 1)))
+            if pi == 0:  # Fig. 10: one decoding step, the first passage's last query row
+                spread.append(score_spread(c.q[:, :, -1:], c.k, c.v, c.scaling))
+        mass_p.append(torch.stack(mass))
+        mass_ns_p.append(torch.stack(mass_ns))
+        mass_head_p.append(torch.stack(mass_head))
+        mass_ns_head_p.append(torch.stack(mass_ns_head))
+        del cap
     bar.close()
+
+    def band(per_passage: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """[P][L, F] -> [mean, lo, hi], each [L][F]: over the passages (``common.passage_band``)."""
+        x = torch.stack(per_passage).double()  # [P, L, F]
+        cells = [[common.passage_band(x[:, l, f].tolist()) for f in range(x.shape[2])] for l in range(x.shape[1])]
+        return [[torch.tensor([c[i] for c in row]) for row in cells] for i in range(3)]
+
+    mass, mass_lo, mass_hi = band(mass_p)
+    mass_ns, mass_ns_lo, mass_ns_hi = band(mass_ns_p)
+    mass_head = list(torch.stack(mass_head_p).mean(0))  # [L][Hq, F]
+    mass_ns_head = list(torch.stack(mass_ns_head_p).mean(0))
     spread_layer = nl // 2 if opts.spread_layer is None else common.pick_layers(opts.spread_layer, nl)[0]
 
     return {
@@ -225,8 +251,12 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, sho
         "fractions": fr,
         "sink_cos": {"mean": list(sink_mean), "min": list(sink_min)},  # [L][Hkv]
         "kavg_cos": {"mean": list(avg_mean), "min": list(avg_min)},
-        "sink_avg_cos": {"mean": sink_avg},
-        "top_mass": {"with_sink": mass, "without_sink": mass_ns,  # [L][F]
+        "sink_avg_cos": {"mean": sink_avg,  # [L][Hkv]
+                         "lo": [b[0] for b in sink_avg_band], "hi": [b[1] for b in sink_avg_band]},  # [L], over windows
+        "passages": opts.passages,
+        "top_mass": {"with_sink": mass, "without_sink": mass_ns,  # [L][F]: mean over passages
+                     "with_sink_lo": mass_lo, "with_sink_hi": mass_hi,  # [L][F]: 95 % band over passages
+                     "without_sink_lo": mass_ns_lo, "without_sink_hi": mass_ns_hi,
                      "with_sink_per_head": mass_head, "without_sink_per_head": mass_ns_head},  # [L][Hq][F]
         "value_norms": {"mean": [vnorm[l].mean(0) for l in range(nl)],  # [L][T]
                         "per_head": [vnorm[l] for l in range(nl)]},
@@ -252,6 +282,8 @@ def per_layer_table(res: dict[str, Any]):
             "kavg_cos_min": float(torch.as_tensor(res["kavg_cos"]["min"][l]).min()),
             "kavg_cos_mean": float(torch.as_tensor(res["kavg_cos"]["mean"][l]).mean()),
             "sink_avg_cos_mean": float(torch.as_tensor(res["sink_avg_cos"]["mean"][l]).mean()),
+            "sink_avg_cos_lo": float(res["sink_avg_cos"]["lo"][l]),  # 95 % band over the windows
+            "sink_avg_cos_hi": float(res["sink_avg_cos"]["hi"][l]),
             "v0_norm_over_median": float(vn[0] / vn[1:].median()) if vn.numel() > 1 else float("nan"),
             "score_std": float(torch.as_tensor(res["score_spread"]["score_std"][l]).mean()),
             "logdev_std": float(torch.as_tensor(res["score_spread"]["logdev_std"][l]).mean()),
@@ -261,6 +293,10 @@ def per_layer_table(res: dict[str, Any]):
         for i, x in enumerate(fr):
             row[f"top{x * 100:g}%_mass"] = float(torch.as_tensor(res["top_mass"]["with_sink"][l])[i])
             row[f"top{x * 100:g}%_mass_no_sink"] = float(torch.as_tensor(res["top_mass"]["without_sink"][l])[i])
+            for end in ("lo", "hi"):  # 95 % band over the passages
+                row[f"top{x * 100:g}%_mass_{end}"] = float(torch.as_tensor(res["top_mass"][f"with_sink_{end}"][l])[i])
+                row[f"top{x * 100:g}%_mass_no_sink_{end}"] = float(
+                    torch.as_tensor(res["top_mass"][f"without_sink_{end}"][l])[i])
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -335,10 +371,42 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
                  f"; last {opts.num_queries} query rows of a {res['length']}-token passage, mean over heads", fontsize=11)
     paths += common.save_figure(fig, out, "fig2_top_mass")
 
+    # per layer with bands: the smallest top-x% mass (Fig. 2, over passages) and cos(k_sink, k_avg) (Fig. 5c, over
+    # the text windows)
+    layers = np.arange(nl)
+    tm = res["top_mass"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for key, label, color in (("with_sink", "all keys", "C0"), ("without_sink", "without the sink", "C1")):
+        mid = np.array([float(torch.as_tensor(tm[key][l])[0]) for l in range(nl)])
+        lo = np.array([float(torch.as_tensor(tm[f"{key}_lo"][l])[0]) for l in range(nl)])
+        hi = np.array([float(torch.as_tensor(tm[f"{key}_hi"][l])[0]) for l in range(nl)])
+        axes[0].plot(layers, mid, marker="o", ms=3, color=color, label=label)
+        axes[0].fill_between(layers, lo, hi, color=color, alpha=0.2, lw=0)
+    axes[0].set_ylim(0, 1.02)
+    axes[0].set_xlabel("layer")
+    axes[0].set_ylabel(f"attention mass of the top {res['fractions'][0] * 100:g} % of keys")
+    axes[0].set_title(f"(Fig. 2) mean over {res['passages']} passage(s) of {res['length']} tokens, 95 % band",
+                      fontsize=10)
+    axes[0].legend(fontsize=8)
+    sc = res["sink_avg_cos"]
+    mid = np.array([float(torch.as_tensor(sc["mean"][l]).mean()) for l in range(nl)])
+    axes[1].plot(layers, mid, marker="o", ms=3, color="C2")
+    axes[1].fill_between(layers, np.array(sc["lo"], dtype=float), np.array(sc["hi"], dtype=float), color="C2",
+                         alpha=0.2, lw=0)
+    axes[1].axhline(0, color="grey", lw=0.8)
+    axes[1].set_ylim(-1.02, 1.02)
+    axes[1].set_xlabel("layer")
+    axes[1].set_ylabel("cos(k_sink, k_avg), mean over KV heads")
+    axes[1].set_title(f"(Fig. 5c) mean over {opts.num_sentences} windows of {opts.sentence_len} tokens, 95 % band",
+                      fontsize=10)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(_title(res, model_name, "Per layer, with bands (MagicPIG Fig. 2, 5c)"), fontsize=11)
+    paths += common.save_figure(fig, out, "fig2_5c_per_layer_bands")
+
     # Fig. 10: spread of q·k/√d vs log‖v − o‖
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     ss = res["score_spread"]
-    layers = np.arange(nl)
     w = 0.38
     axes[0].bar(layers - w / 2, [float(torch.as_tensor(ss["score_range"][l]).mean()) for l in range(nl)], w,
                 label=r"$q k_i^T/\sqrt{d}$")
