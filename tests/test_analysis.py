@@ -271,3 +271,31 @@ def test_app_prints_a_summary_and_names_the_full_table(tmp_path):
     sink_min = res["table"]["sink_cos_min"]
     row = next(line.split() for line in lines if line.split()[:1] == ["sink_cos_min"])
     assert float(row[2]) == pytest.approx(float(sink_min.min()), rel=1e-3, abs=1e-4)
+
+
+def test_magicpig_kl_expectation_and_search(stories):
+    """The expected Cost2 of (K, L) is eq. 10 summed by hand; the chosen L is the smallest reaching the target; the
+    method's measured Cost2 at that (K, L) is recorded beside it."""
+    import math
+
+    from sparse_eval.analysis import magicpig_kl as mk
+
+    model, tok = stories
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 2, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
+    p, n_static = mk.bit_agreement(q, k, sink=2, local=4)
+    # by hand: row r (of 2, the last rows of 40 keys) has 39 + r keys, 2 + 4 static, the rest candidates
+    kc = k[0].double() - k[0, :, 2:35].double().mean(1, keepdim=True)  # μ over the first row's candidates
+    cos = torch.nn.functional.cosine_similarity(q[0, 0, 1].double()[None], kc[0, 2:36], dim=-1)
+    want = 1 - torch.arccos(cos) / math.pi
+    assert torch.allclose(p[0, 1, 2:36], want) and p[0, 1, :2].isnan().all() and p[0, 1, 36:].isnan().all()
+    u = lambda x: sum(math.comb(6, j) * x ** (3 * j) * (1 - x ** 3) ** (6 - j) for j in range(2, 7))  # K=3, L=6
+    rows = [(6 + sum(u(float(x)) for x in p[h, r][~p[h, r].isnan()])) / (39 + r) for h in range(4) for r in range(2)]
+    assert mk.expected_cost2([(p, n_static)], 3, 6, 2) == pytest.approx(sum(rows) / 8, rel=1e-9)
+    target = mk.expected_cost2([(p, n_static)], 3, 6, 2)
+    assert mk.smallest_L([(p, n_static)], 3, target, 2, 50) == 6
+    opts = mk.MagicPIGKLOptions(Ks=[4], length=200, layers=[2], target_cost2=0.5, sink=2, local=8, repeats=1)
+    (rec,) = mk.measure(model, tok, 512, opts)
+    assert rec["L"] is not None and rec["expected_cost2"] >= 0.5 and 0 < rec["measured_cost2"] <= 1
+    with pytest.raises(ValueError, match="static keys"):
+        mk.measure(model, tok, 512, mk.MagicPIGKLOptions(length=64, layers=[2], target_cost2=0.02))
