@@ -133,7 +133,7 @@ def channel_statistics(model: Any, blocks: list[torch.Tensor], rope: str = "auth
     """
     from tqdm.auto import tqdm
 
-    from .attention.plugin import attention_modules
+    from .models.inspection import attention_modules
 
     if rope not in ROPE_MODES:
         raise ValueError(f"rope={rope!r}; valid: {list(ROPE_MODES)}")

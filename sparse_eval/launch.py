@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from .hydra_support import CONF_DIR
 from .store import SUMMARY_FILE, read_json, write_json
 
 log = logging.getLogger("sparse_eval")
@@ -43,7 +44,6 @@ LAUNCH_DIR = ".launch"  # under paths.runs_dir
 ENTRY_VERSION = 1
 OUTPUT_ONLY_KEYS = ("print_table", "hydra")  # settings that change what is printed, never a result
 PACKAGE_DIR = Path(__file__).resolve().parent
-CONF_DIR = PACKAGE_DIR.parent / "conf"  # as config.CONF_DIR (config imports the schemas)
 VERSIONED = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "numpy", "hydra-core", "omegaconf")
 GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
 # environment that decides where inputs are looked for (Double Sparsity's user calibration folder first)
@@ -271,14 +271,3 @@ def record(cfg: Any, identities: list[dict[str, Any]], summaries: list[dict[str,
         log.info("launch cache: could not write %s (%s)", path, exc)
         return None
     return path
-
-
-def run(cfg: Any) -> list[dict[str, Any]]:
-    """A launch (``python -m sparse_eval``, each multirun job): the saved results when the cache answers, else
-    ``runner.run`` (which records the entry when every run finishes)."""
-    hit = reuse(cfg)
-    if hit is not None:
-        return hit
-    from .runner import run as run_all
-
-    return run_all(cfg, use_cache=False)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan, sliding_layers
+from .attention.plugin import PROTOCOLS, Runtime, attach, check_sparse_layers, detach, layer_plan
 from .config import CONF_DIR, to_plain  # noqa: F401 (CONF_DIR re-exported)
 from .engine import Engine
 from .estimate import check_long
@@ -21,10 +21,10 @@ from .fingerprint import file_sha256
 from .memory import auto_batch_cap, check_batch
 from .methods import MethodConfig, build_method, compare_names, make_config
 from .methods.base import resolve_dense_layers
+from .models.inspection import sliding_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
 from .ordering import ORDER_WINDOW_BATCHES, length_windows, sample_stratum, stratified_order
 from .overlap import check_method as check_calibration_overlap
-from .preflight import check_sparse_layers
 from .results_table import (INCOMPLETE_MARK, NO_VALUE, SINGLE_SEED_MARK,  # noqa: F401 (re-exported)
                             format_table, plural, pool_seeds, print_results, reuse_note, short_config)
 from .seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds, seeded_configs

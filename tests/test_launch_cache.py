@@ -73,7 +73,7 @@ def test_finished_launch_is_answered_without_loading(setup, monkeypatch, capsys)
     assert all({"path", "size", "mtime_ns"} <= set(f) for f in rec["files"])
     normal = capsys.readouterr().out
     _forbid_loading(monkeypatch)
-    again = launch.run(cfg())
+    again = runner.run(cfg())
     out = capsys.readouterr().out
     assert [s["run_dir"] for s in again] == [s["run_dir"] for s in first]
     assert [s["score"] for s in again] == [s["score"] for s in first]

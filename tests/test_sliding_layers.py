@@ -11,7 +11,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from sparse_eval.attention.plugin import Runtime, attach, attention_window, detach, layer_plan, make_cache, sliding_layers
+from sparse_eval.attention.plugin import Runtime, attach, detach, layer_plan, make_cache
+from sparse_eval.models.inspection import attention_window, sliding_layers
 from sparse_eval.config import register_configs
 from sparse_eval.methods import build_method, make_config
 from sparse_eval.store import run_dir_for

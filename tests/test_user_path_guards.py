@@ -298,10 +298,10 @@ def test_a_refusal_removes_the_hydra_folder_it_made(tmp_path, monkeypatch):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from sparse_eval import cli
+    from sparse_eval import cli, hydra_support
 
     runs = tmp_path / "runs"
-    cli.writable_or_tmp(str(runs))
+    hydra_support.writable_or_tmp(str(runs))
     out = runs / ".hydra" / "2026-12-02_00-00-00-000000"
     (out / ".hydra").mkdir(parents=True)
     (out / "__main__.log").write_text("")
