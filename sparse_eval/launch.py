@@ -1,7 +1,7 @@
 """The launch cache: a relaunch whose runs are all finished is answered from their saved results at once, before
 the model is loaded or the task's samples are made.
 
-A run's directory is named by its identity (``runner.Experiment.identity``), which needs the loaded model (its
+A run's directory is named by its identity (``experiment.Experiment.identity``), which needs the loaded model (its
 file fingerprints, dtype, depth) and the data files the task read while building samples: deciding that a run is
 finished the normal way costs a model load and the samples.  After a launch whose every run finished, this module
 writes ``<runs_dir>/.launch/<key>.json`` holding the run directories it produced and every file whose content

@@ -78,11 +78,9 @@ def check_job(cfg: Any, models: dict, local: bool, model_checked: bool = True) -
     """Everything a job's run checks at its start that needs neither the model's weights nor its tokenizer;
     raises the single run's error (ValueError / FileNotFoundError).  Without a readable model config
     (``model_checked`` false) only what does not depend on the model."""
-    from .attention.plugin import check_sparse_layers, layer_plan
+    from .experiment import Experiment
     from .memory import Shape, check_index_fits
-    from .methods import build_method
-    from .methods.base import resolve_dense_layers
-    from .runner import Experiment
+    from .run_config import check_method
 
     exp = Experiment(cfg)  # the task (options, data files), protocol, prefill chunk, batch size
     methods = exp.method_configs()  # every method's options
@@ -99,11 +97,7 @@ def check_job(cfg: Any, models: dict, local: bool, model_checked: bool = True) -
         key = "task.length" if "length" in exp.task_opts else "task.window"
         raise ValueError(f"{key}={length} exceeds the model's context ({context} tokens); use {key} <= {context}")
     for m in methods:
-        resolved = dataclasses.replace(m, dense_layers=resolve_dense_layers(m.dense_layers, num_layers))
-        method = build_method(resolved)
-        method.validate(num_layers=num_layers, context=context)
-        dense, _ = layer_plan(method, num_layers, sliding)
-        check_sparse_layers(method, num_layers, dense, exp.model_cfg.name)
+        resolved, _ = check_method(m, num_layers, context, sliding, exp.model_cfg.name)
         if local:  # the jobs run here: MagicPIG's tables against this machine's memory
             n = int(length) if isinstance(length, int) else context
             check_index_fits(resolved, Shape.from_config(config), n, device, building_rows=exp.protocol in ("S", "B"))

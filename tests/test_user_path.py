@@ -19,7 +19,8 @@ from hydra import compose, initialize_config_dir
 
 from sparse_eval.config import register_configs
 from sparse_eval.methods.base import resolve_dense_layers
-from sparse_eval.runner import CONF_DIR, run
+from sparse_eval.config import CONF_DIR
+from sparse_eval.runner import run
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -199,13 +200,13 @@ def test_read_only_store_prints_finished_runs_and_refuses_new_ones(tmp_path, mon
 # -- 6: Ctrl-C, status, names, progress labels, the CPU estimate ------------------------------------------------
 
 def test_interrupt_says_where_the_run_stopped(tmp_path, monkeypatch, capsys):
-    import sparse_eval.runner as runner
+    import sparse_eval.experiment as experiment
     from sparse_eval.cli import EXIT_INTERRUPTED, interrupted
 
-    def stop(self, m, run_dir=None):
+    def stop(self, m, run_dir=None, identity=None):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner.Experiment, "run_method", stop)
+    monkeypatch.setattr(experiment.Experiment, "run_method", stop)
     with pytest.raises(KeyboardInterrupt) as err:
         run(cfg_for(tmp_path, "method=full", "task.num_samples=1", "task.window=64"))
     assert err.value.run_dir and not (Path(err.value.run_dir) / "failed.json").exists()
@@ -275,7 +276,7 @@ def test_status_tells_killed_from_running_and_names_differ(tmp_path):
 
 
 def test_progress_label_is_short():
-    from sparse_eval.runner import short_label
+    from sparse_eval.results_table import short_label
 
     assert short_label({"name": "magicpig", "K": 10, "L": 150, "sink": 4, "local": 64, "dense_layers": [0, 2],
                         "center": True, "u_offset": 0.0}) == "magicpig K=10, L=150"
