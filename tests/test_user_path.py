@@ -307,15 +307,15 @@ def test_point_labels_stay_inside_the_axes_and_apart(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from sparse_eval.report.figures import _annotate_spread, _plain_log_x
+    from sparse_eval.report.figures.plotting import annotate_spread, plain_log_x
 
     fig, ax = plt.subplots(figsize=(4, 3))
     xs = [0.002, 0.01, 0.1, 0.1, 0.1, 1.0]
     ys = [1.0, 0.5, 0.30, 0.31, 0.32, 0.0]
     ax.scatter(xs, ys)
     ax.set_xscale("log")
-    _plain_log_x(ax)
-    _annotate_spread(ax, [(x, y, f"Cost2 label {i}") for i, (x, y) in enumerate(zip(xs, ys))])
+    plain_log_x(ax)
+    annotate_spread(ax, [(x, y, f"Cost2 label {i}") for i, (x, y) in enumerate(zip(xs, ys))])
     fig.canvas.draw()
     frame = ax.get_window_extent()
     from matplotlib.text import Text
@@ -332,10 +332,10 @@ def test_point_labels_stay_inside_the_axes_and_apart(tmp_path):
 def test_shared_labels_get_what_tells_them_apart():
     import pandas as pd
 
-    from sparse_eval.report.figures import _distinct_labels
+    from sparse_eval.report.figures.plotting import distinct_labels
 
     rows = [pd.Series({"method.seed": s, "method.alpha": 0.25}) for s in (0, 1)] + [pd.Series({"method.seed": 0})]
-    assert _distinct_labels(rows, ["1/16 random", "1/16 random", "1/16"]) == [
+    assert distinct_labels(rows, ["1/16 random", "1/16 random", "1/16"]) == [
         "1/16 random seed=0", "1/16 random seed=1", "1/16"]
 
 
