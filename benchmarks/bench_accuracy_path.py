@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, make_cache  # noqa: E402
 from sparse_eval.methods import build_method, make_config  # noqa: E402
 from sparse_eval.provenance import hardware, versions  # noqa: E402
-from sparse_eval.runner import method_options  # noqa: E402
+from sparse_eval.run_config import method_options  # noqa: E402
 
 LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,

@@ -34,7 +34,10 @@ sys.path.insert(0, str(REPO))
 
 from sparse_eval.config import register_configs  # noqa: E402
 from sparse_eval.provenance import provenance  # noqa: E402
-from sparse_eval.runner import CONF_DIR, Experiment, method_options, short_config  # noqa: E402
+from sparse_eval.config import CONF_DIR  # noqa: E402
+from sparse_eval.experiment import Experiment  # noqa: E402
+from sparse_eval.results_table import short_config  # noqa: E402
+from sparse_eval.run_config import method_options  # noqa: E402
 from sparse_eval.methods import make_config  # noqa: E402
 from sparse_eval.tasks import ruler_data as rd  # noqa: E402
 
@@ -147,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     warmed = set()
     for name in names:
         opts = method_options(name)
-        mcfg = exp.preflight(make_config(opts["name"], opts))  # dense layers resolved for this model, as a run does
+        mcfg = exp.preflight(make_config(opts["name"], opts)).config  # dense layers resolved for this model, as a run does
         for invariant in modes:
             exp.cfg.eval.batch_invariant = invariant
             if invariant not in warmed:  # Triton compiles the invariant kernels at their first use: not timed

@@ -44,10 +44,9 @@ import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 
-from .config import PathsConfig, register_configs, to_plain
+from .config import CONF_DIR, PathsConfig, register_configs, to_plain
 from .methods.double_sparsity import calibration_dirs, user_calibration_dir
 from .models.loading import ModelConfig, load_model, max_context
-from .runner import CONF_DIR
 
 FORMAT = "sparse_eval.double_sparsity.channels/1"
 VALIDATION = "wikitext2_validation"  # the default calibration text
@@ -133,7 +132,7 @@ def channel_statistics(model: Any, blocks: list[torch.Tensor], rope: str = "auth
     """
     from tqdm.auto import tqdm
 
-    from .attention.plugin import attention_modules
+    from .models.inspection import attention_modules
 
     if rope not in ROPE_MODES:
         raise ValueError(f"rope={rope!r}; valid: {list(ROPE_MODES)}")

@@ -20,14 +20,14 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
+
+from .hydra_support import CONF_DIR, MADE
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 SCHEMA_SUFFIX = "_schema"
 _APP_STARTED = False  # set by ``check_choices`` when Hydra has called the app: an OSError before it is Hydra's
-_MADE: list[Path] = []  # folders ``writable_or_tmp`` created for Hydra's output (removed again on a refusal)
 
 
 class Terminated(KeyboardInterrupt):
@@ -48,7 +48,7 @@ def fail(message: str, code: int = EXIT_USAGE) -> None:
 
 def forget_hydra_output() -> None:
     """Remove the output folder Hydra made for this single run (``hydra.run.dir``: its log and config copies) and
-    the folders ``writable_or_tmp`` made only to hold it, when they are empty: a refused command leaves nothing
+    the folders ``hydra_support.writable_or_tmp`` made only to hold it, when they are empty: a refused command leaves nothing
     under ``paths.runs_dir``."""
     import logging
 
@@ -68,42 +68,14 @@ def forget_hydra_output() -> None:
             h.close()
     if out.is_dir() and out.parent.name == ".hydra":
         shutil.rmtree(out, ignore_errors=True)
-    for d in sorted(_MADE, key=lambda p: len(p.parts), reverse=True):
+    for d in sorted(MADE, key=lambda p: len(p.parts), reverse=True):
         try:
             d.rmdir()  # only when empty
         except OSError:
             pass
 
 
-def writable_or_tmp(runs_dir: str) -> str:
-    """Hydra's output folder for a single run: under ``runs_dir`` when it can be written, else under the temp dir
-    (so a finished run can be printed from a read-only store, and an impossible ``runs_dir`` reaches the runner's
-    one-line error instead of a Hydra traceback)."""
-    path = Path(str(runs_dir)).expanduser()
-    try:
-        for d in (path / ".hydra", *(path / ".hydra").parents):
-            if d.exists():
-                break
-            if d not in _MADE:
-                _MADE.append(d)
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return str(path)
-    except OSError:
-        pass
-    return str(Path(tempfile.gettempdir()) / "sparse_eval_hydra")
-
-
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("writable_or_tmp"):
-        OmegaConf.register_new_resolver("writable_or_tmp", writable_or_tmp)
-
-
 def _yaml_choices(group: str) -> list[str]:
-    from .config import CONF_DIR
-
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
@@ -172,8 +144,6 @@ def missing_config_message(msg: str, group: str, name: str) -> str:
     those in subfolders too (``smoke/ruler_magicpig``, which Hydra's listing leaves out), without the schemas, and
     the closest names."""
     import difflib
-
-    from .config import CONF_DIR
 
     listed = []
     for line in msg.split("Available options in", 1)[1].splitlines()[1:]:

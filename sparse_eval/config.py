@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from .hydra_support import CONF_DIR, register_resolvers
 from .models.loading import ModelConfig
-
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the Hydra configs (``conf/``)
 
 
 @dataclass
@@ -80,7 +78,6 @@ class Config:
 def register_configs(methods: bool = True) -> None:
     """The schemas in Hydra's ConfigStore.  ``methods=False`` leaves out the methods' (their modules import torch):
     enough to compose a config that names no method (``--help``)."""
-    from .cli import register_resolvers
     from .tasks import TASKS
 
     register_resolvers()

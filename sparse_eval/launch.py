@@ -1,7 +1,7 @@
 """The launch cache: a relaunch whose runs are all finished is answered from their saved results at once, before
 the model is loaded or the task's samples are made.
 
-A run's directory is named by its identity (``runner.Experiment.identity``), which needs the loaded model (its
+A run's directory is named by its identity (``experiment.Experiment.identity``), which needs the loaded model (its
 file fingerprints, dtype, depth) and the data files the task read while building samples: deciding that a run is
 finished the normal way costs a model load and the samples.  After a launch whose every run finished, this module
 writes ``<runs_dir>/.launch/<key>.json`` holding the run directories it produced and every file whose content
@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from .hydra_support import CONF_DIR
 from .store import SUMMARY_FILE, read_json, write_json
 
 log = logging.getLogger("sparse_eval")
@@ -44,7 +45,6 @@ LAUNCH_DIR = ".launch"  # under paths.runs_dir
 ENTRY_VERSION = 1
 OUTPUT_ONLY_KEYS = ("print_table", "hydra")  # settings that change what is printed, never a result
 PACKAGE_DIR = Path(__file__).resolve().parent
-CONF_DIR = PACKAGE_DIR.parent / "conf"  # as config.CONF_DIR (config imports the schemas)
 VERSIONED = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "numpy", "hydra-core", "omegaconf")
 GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
 # environment that decides where inputs are looked for (Double Sparsity's user calibration folder first)
@@ -308,14 +308,3 @@ def record(cfg: Any, identities: list[dict[str, Any]], summaries: list[dict[str,
         log.info("launch cache: could not write %s (%s)", path, exc)
         return None
     return path
-
-
-def run(cfg: Any) -> list[dict[str, Any]]:
-    """A launch (``python -m sparse_eval``, each multirun job): the saved results when the cache answers, else
-    ``runner.run`` (which records the entry when every run finishes)."""
-    hit = reuse(cfg)
-    if hit is not None:
-        return hit
-    from .runner import run as run_all
-
-    return run_all(cfg, use_cache=False)

@@ -1,5 +1,4 @@
-"""Checks made before anything runs: a method left with no sparse layer (``check_sparse_layers``, every run) and a
-whole multirun sweep (``SweepPreflight``, a Hydra callback in ``conf/config.yaml``).
+"""Checks made before a multirun sweep runs (``SweepPreflight``, a Hydra callback in ``conf/config.yaml``).
 
 A sweep is checked once, before the launcher starts a job (or submits one to Slurm): each distinct model is found
 and its config read (not its weights: ``models.loading.load_config``), each job's config is composed and checked
@@ -14,25 +13,12 @@ status 2.  ``preflight=false`` launches without the check (each job then fails a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 PREFLIGHT_KEY = "preflight"
-
-
-def check_sparse_layers(method: Any, num_layers: int, dense: set[int] | Sequence[int], model_name: str = "the model") -> None:
-    """Refuses a sparse method whose dense layers (``method.dense_layers`` resolved, plus sliding layers left
-    dense) cover every layer of the model: it would run in no layer and report full attention's results as its
-    own, with no Cost1, Cost2 or estimation error."""
-    if method.dense or len(set(dense)) < num_layers:
-        return
-    listed = method.config.dense_layers
-    raise ValueError(
-        f"method.dense_layers={list(listed)} leaves no sparse layer: all {num_layers} layers of {model_name} would run "
-        f"dense, so method={method.name} would compute full attention; leave at least one layer out (e.g. "
-        f"method.dense_layers=[0,1]), or use method=full")
 
 
 # -- the sweep ---------------------------------------------------------------------------------------------------
@@ -92,11 +78,9 @@ def check_job(cfg: Any, models: dict, local: bool, model_checked: bool = True) -
     """Everything a job's run checks at its start that needs neither the model's weights nor its tokenizer;
     raises the single run's error (ValueError / FileNotFoundError).  Without a readable model config
     (``model_checked`` false) only what does not depend on the model."""
-    from .attention.plugin import layer_plan
+    from .experiment import Experiment
     from .memory import Shape, check_index_fits
-    from .methods import build_method
-    from .methods.base import resolve_dense_layers
-    from .runner import Experiment
+    from .run_config import check_method
 
     exp = Experiment(cfg)  # the task (options, data files), protocol, prefill chunk, batch size
     methods = exp.method_configs()  # every method's options
@@ -113,11 +97,7 @@ def check_job(cfg: Any, models: dict, local: bool, model_checked: bool = True) -
         key = "task.length" if "length" in exp.task_opts else "task.window"
         raise ValueError(f"{key}={length} exceeds the model's context ({context} tokens); use {key} <= {context}")
     for m in methods:
-        resolved = dataclasses.replace(m, dense_layers=resolve_dense_layers(m.dense_layers, num_layers))
-        method = build_method(resolved)
-        method.validate(num_layers=num_layers, context=context)
-        dense, _ = layer_plan(method, num_layers, sliding)
-        check_sparse_layers(method, num_layers, dense, exp.model_cfg.name)
+        resolved, _ = check_method(m, num_layers, context, sliding, exp.model_cfg.name)
         if local:  # the jobs run here: MagicPIG's tables against this machine's memory
             n = int(length) if isinstance(length, int) else context
             check_index_fits(resolved, Shape.from_config(config), n, device, building_rows=exp.protocol in ("S", "B"))

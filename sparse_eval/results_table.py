@@ -174,3 +174,8 @@ def print_results(task: Any, summaries: list[dict[str, Any]], reused: list[tuple
           f"over sparse layers, heads and query rows)")
     print(format_table(pool_seeds(task, summaries)))
     print(f"results: {Path(first['run_dir']).parent}{reuse_note(summaries, reused)}")
+
+
+def short_label(method: dict[str, Any]) -> str:
+    """The progress bar's label: the method and its headline options, e.g. ``magicpig K=10, L=150``."""
+    return f"{method['name']} {short_config(method)}".strip()

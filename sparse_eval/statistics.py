@@ -230,3 +230,13 @@ def seed_pooled_difference(runs: Sequence[ScoreTerms], reference: ScoreTerms, n_
     significant = None if math.isnan(lo) or len(ids) < MIN_SIGNIFICANCE_N else bool(lo > 0 or hi < 0)
     return {"diff": float(np.mean([t.score() for t in subs])) - ref.score(), "lo": lo, "hi": hi, "n": len(ids),
             "seeds": len(runs), "level": level, "significant": significant}
+
+
+def score_interval(task: Any, records: list[dict[str, Any]], seed: int = 0) -> dict[str, Any] | None:
+    """The score's 95 % bootstrap interval over the finished samples (``sparse_eval.statistics``): {lo, hi, n,
+    level, n_boot}; None where the task's samples are not units an interval can be drawn over."""
+    terms = task.score_terms(records)
+    if terms is None:
+        return None
+    ci = bootstrap_ci(terms, seed=seed)
+    return {k: ci[k] for k in ("lo", "hi", "n", "level", "n_boot")}

@@ -1,7 +1,7 @@
 """The run store: one directory per run, derived from its identity (so a re-launch finds its own results), and
 every file in it -- its layout, writing and reading, the lock, progress and failure records.
 
-A run's identity (``runner.Experiment.identity``) is everything that can change its result: the model as loaded
+A run's identity (``experiment.Experiment.identity``) is everything that can change its result: the model as loaded
 (``models.loading.model_identity``: source, revision, GGUF file, dtype, config and file sha256s), the method's
 config, the sha256 of the files the method reads (``inputs``), the task, the evaluation settings and the seed.
 ``<model>`` below is the loaded model's label (``models.loading.model_label``), not a key of the identity.

@@ -56,7 +56,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     """One multirun job.  Returns its record (also written to ``job_status.json``); errors are recorded, not raised."""
     from hydra.core.hydra_config import HydraConfig
 
-    from .launch import run  # the launch cache first: a finished job is answered without loading its model
+    from .runner import run  # the launch cache first: a finished job is answered without loading its model
 
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)

@@ -223,7 +223,7 @@ def test_ds_checks_measure(stories):
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
-    from sparse_eval.runner import CONF_DIR
+    from sparse_eval.config import CONF_DIR
 
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
         return compose(config_name="analysis", overrides=overrides)

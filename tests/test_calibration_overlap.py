@@ -23,7 +23,8 @@ from hydra import compose, initialize_config_dir
 from sparse_eval.config import register_configs
 from sparse_eval.overlap import (KEEP_ONE_IN, MIN_SHARED, SHINGLE_WORDS, CalibrationOverlapError, CalibrationText,
                                  check_method, fingerprint, shared_shingles, words)
-from sparse_eval.runner import CONF_DIR, Experiment
+from sparse_eval.config import CONF_DIR
+from sparse_eval.experiment import Experiment
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "sparse_eval" / "calibration"
@@ -101,7 +102,7 @@ def test_a_calibration_on_validation_text_runs(tmp_path, stories, shared_data):
     valid = (shared_data / "wikitext-2-tokenized" / "valid.txt").read_text(encoding="utf-8")
     cal = _calibration_file(stories, valid[:60_000], tmp_path / "on_valid.json", "file:valid.txt")
     exp = _experiment(tmp_path, "method=double_sparsity", f"method.channels_file={cal}")
-    m = exp.preflight(exp.method_configs()[0])
+    m = exp.preflight(exp.method_configs()[0]).config
     from sparse_eval.methods import build_method
 
     method = build_method(m)

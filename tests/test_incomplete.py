@@ -138,10 +138,10 @@ def test_every_prefix_of_the_order_holds_each_subtasks_share():
 
 
 def test_batches_keep_the_strata_at_window_boundaries_and_length_inside():
-    """The runner's order (``_Batcher``): stratified at every window of ORDER_WINDOW_BATCHES batches, each window
+    """The runner's order (``Batcher``): stratified at every window of ORDER_WINDOW_BATCHES batches, each window
     sorted by prompt length, longest first; a resumed run keeps the same order for what is left."""
     from sparse_eval.ordering import ORDER_WINDOW_BATCHES
-    from sparse_eval.runner import _Batcher
+    from sparse_eval.batching import Batcher
 
     sizes = {"a": 24, "b": 12, "c": 12}
     samples = [SimpleNamespace(id=f"{g}-{i:02d}", data={"subtask": g, "n": 100 + (7 * i + 3 * len(g)) % 41})
@@ -149,7 +149,7 @@ def test_batches_keep_the_strata_at_window_boundaries_and_length_inside():
     task = SimpleNamespace(request=lambda s: SimpleNamespace(input_ids=[0] * s.data["n"]))
     exp = SimpleNamespace(samples=lambda: samples, cfg=SimpleNamespace(eval=SimpleNamespace(prefill_chunk=None)),
                           protocol="A")
-    b = _Batcher.__new__(_Batcher)
+    b = Batcher.__new__(Batcher)
     b.exp, b.task, b.size = exp, task, 4
     order = b._order(samples)
     window = b.size * ORDER_WINDOW_BATCHES

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from sparse_eval import launch, runner
+from sparse_eval import experiment, launch, runner
 from sparse_eval.config import CONF_DIR, register_configs
 from sparse_eval.store import SAMPLES_FILE, SUMMARY_FILE
 
@@ -51,14 +51,14 @@ def _entries(cfg):
 def _forbid_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded for a finished launch")
-    monkeypatch.setattr(runner.Experiment, "__init__", refuse)
+    monkeypatch.setattr(experiment.Experiment, "__init__", refuse)
 
 
 def _loads(monkeypatch):
     """Counts the Experiments made (each is a normal-path launch)."""
     made = []
-    orig = runner.Experiment.__init__
-    monkeypatch.setattr(runner.Experiment, "__init__", lambda self, cfg: made.append(1) or orig(self, cfg))
+    orig = experiment.Experiment.__init__
+    monkeypatch.setattr(experiment.Experiment, "__init__", lambda self, cfg: made.append(1) or orig(self, cfg))
     return made
 
 
@@ -73,7 +73,7 @@ def test_finished_launch_is_answered_without_loading(setup, monkeypatch, capsys)
     assert all({"path", "size", "mtime_ns"} <= set(f) for f in rec["files"])
     normal = capsys.readouterr().out
     _forbid_loading(monkeypatch)
-    again = launch.run(cfg())
+    again = runner.run(cfg())
     out = capsys.readouterr().out
     assert [s["run_dir"] for s in again] == [s["run_dir"] for s in first]
     assert [s["score"] for s in again] == [s["score"] for s in first]

@@ -357,7 +357,7 @@ def test_hydra_config_file():
     from hydra import compose, initialize_config_dir
 
     from sparse_eval.config import register_configs
-    from sparse_eval.runner import CONF_DIR
+    from sparse_eval.config import CONF_DIR
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -431,8 +431,8 @@ def test_high_empty_selection_rate_warns_once_and_is_recorded(tmp_path, caplog):
 
     from hydra import compose, initialize_config_dir
 
-    from sparse_eval.config import register_configs
-    from sparse_eval.runner import CONF_DIR, run
+    from sparse_eval.config import CONF_DIR, register_configs
+    from sparse_eval.runner import run
 
     register_configs()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):

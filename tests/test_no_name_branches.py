@@ -9,7 +9,7 @@ The package's syntax trees are searched for
 * a module constant bound to such a literal (``REFERENCE = "full"``), the way to compare with it unseen.
 
 A method's own module and the system layers' modules may name themselves; the registries hold the names by
-design.  Code specific to one paper's table or figure (``report/tables.py``, ``report/figures.py``) selects that
+design.  Code specific to one paper's table or figure (``report/tables.py``, ``report/figures/``) selects that
 method's runs by its class's ``name`` attribute (``MagicPIG.name``), which this search does not flag: such a line
 names the class it depends on, and renaming the method moves it.
 

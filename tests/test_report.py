@@ -199,13 +199,14 @@ def test_fig9_grid_uses_the_qk_channels_only(df, tmp_path, monkeypatch):
     import pandas as pd
 
     from sparse_eval.report import figures
+    from sparse_eval.report.figures import ds as ds_figures
 
     ds = df[(df["task"] == "wikitext") & (df["method"] == "double_sparsity")]
     extra = ds[ds["method.channel_type"] == "qk"].head(1).copy()
     extra["method.channel_type"], extra["score"] = "random", 1e4
     seen = []
     real = figures.ppl_grid
-    monkeypatch.setattr(figures, "ppl_grid", lambda d: seen.append(d) or real(d))
+    monkeypatch.setattr(ds_figures, "ppl_grid", lambda d: seen.append(d) or real(d))
     paths = figures.ds_fig1_ppl(pd.concat([df, extra], ignore_index=True), tmp_path)
     assert any(p.name == "ds_fig9_ppl_grid.png" for p in paths) and seen
     for d in seen:
@@ -215,15 +216,16 @@ def test_fig9_grid_uses_the_qk_channels_only(df, tmp_path, monkeypatch):
 
 def test_pareto_has_a_panel_per_length_and_per_single_subtask(df, tmp_path, monkeypatch):
     from sparse_eval.report import figures
+    from sparse_eval.report.figures import tradeoff
 
     panels = {}
-    real = figures._panels
+    real = figures.plotting.panels
 
     def spy(n, *a, **k):
         panels[len(panels)] = n
         return real(n, *a, **k)
 
-    monkeypatch.setattr(figures, "_panels", spy)
+    monkeypatch.setattr(tradeoff, "panels", spy)
     kv = df[df["task"] == "kv_retrieval"]
     figures.pareto(kv, tmp_path)
     assert panels == {0: kv["length"].nunique()}  # 1K, 2K, 4K
@@ -258,9 +260,12 @@ def test_writers_escape_and_align():
 
 
 def _drawn_figures(monkeypatch, figures):
-    """Spy on ``figures._save``: the figures a call would write, kept open for inspection."""
+    """Spy on ``save`` of every figure family: the figures a call would write, kept open for inspection."""
+    from sparse_eval.report.figures import ds, magicpig, tradeoff
+
     seen = []
-    monkeypatch.setattr(figures, "_save", lambda fig, out, stem: seen.append((stem, fig)) or [])
+    for family in (ds, magicpig, tradeoff):
+        monkeypatch.setattr(family, "save", lambda fig, out, stem: seen.append((stem, fig)) or [])
     return seen
 
 

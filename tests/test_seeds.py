@@ -14,7 +14,8 @@ import torch
 from test_runner import cfg_for
 
 from sparse_eval.methods import METHODS, attend, build_method, make_config
-from sparse_eval.runner import Experiment, run
+from sparse_eval.experiment import Experiment
+from sparse_eval.runner import run
 
 VOLATILE = {"time_s"}
 

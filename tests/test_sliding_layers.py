@@ -11,11 +11,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from sparse_eval.attention.plugin import Runtime, attach, attention_window, detach, layer_plan, make_cache, sliding_layers
+from sparse_eval.attention.plugin import Runtime, attach, detach, layer_plan, make_cache
+from sparse_eval.models.inspection import attention_window, sliding_layers
 from sparse_eval.config import register_configs
 from sparse_eval.methods import build_method, make_config
 from sparse_eval.store import run_dir_for
-from sparse_eval.runner import CONF_DIR, Experiment, run
+from sparse_eval.config import CONF_DIR
+from sparse_eval.experiment import Experiment
+from sparse_eval.runner import run
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "sparse_eval" / "models" / "stories260K"

@@ -19,7 +19,8 @@ from hydra import compose, initialize_config_dir
 
 from sparse_eval.config import register_configs
 from sparse_eval.methods.base import resolve_dense_layers
-from sparse_eval.runner import CONF_DIR, run
+from sparse_eval.config import CONF_DIR
+from sparse_eval.runner import run
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -199,13 +200,13 @@ def test_read_only_store_prints_finished_runs_and_refuses_new_ones(tmp_path, mon
 # -- 6: Ctrl-C, status, names, progress labels, the CPU estimate ------------------------------------------------
 
 def test_interrupt_says_where_the_run_stopped(tmp_path, monkeypatch, capsys):
-    import sparse_eval.runner as runner
+    import sparse_eval.experiment as experiment
     from sparse_eval.cli import EXIT_INTERRUPTED, interrupted
 
-    def stop(self, m, run_dir=None):
+    def stop(self, m, run_dir=None, identity=None):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner.Experiment, "run_method", stop)
+    monkeypatch.setattr(experiment.Experiment, "run_method", stop)
     with pytest.raises(KeyboardInterrupt) as err:
         run(cfg_for(tmp_path, "method=full", "task.num_samples=1", "task.window=64"))
     assert err.value.run_dir and not (Path(err.value.run_dir) / "failed.json").exists()
@@ -275,7 +276,7 @@ def test_status_tells_killed_from_running_and_names_differ(tmp_path):
 
 
 def test_progress_label_is_short():
-    from sparse_eval.runner import short_label
+    from sparse_eval.results_table import short_label
 
     assert short_label({"name": "magicpig", "K": 10, "L": 150, "sink": 4, "local": 64, "dense_layers": [0, 2],
                         "center": True, "u_offset": 0.0}) == "magicpig K=10, L=150"
@@ -306,15 +307,15 @@ def test_point_labels_stay_inside_the_axes_and_apart(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from sparse_eval.report.figures import _annotate_spread, _plain_log_x
+    from sparse_eval.report.figures.plotting import annotate_spread, plain_log_x
 
     fig, ax = plt.subplots(figsize=(4, 3))
     xs = [0.002, 0.01, 0.1, 0.1, 0.1, 1.0]
     ys = [1.0, 0.5, 0.30, 0.31, 0.32, 0.0]
     ax.scatter(xs, ys)
     ax.set_xscale("log")
-    _plain_log_x(ax)
-    _annotate_spread(ax, [(x, y, f"Cost2 label {i}") for i, (x, y) in enumerate(zip(xs, ys))])
+    plain_log_x(ax)
+    annotate_spread(ax, [(x, y, f"Cost2 label {i}") for i, (x, y) in enumerate(zip(xs, ys))])
     fig.canvas.draw()
     frame = ax.get_window_extent()
     from matplotlib.text import Text
@@ -331,10 +332,10 @@ def test_point_labels_stay_inside_the_axes_and_apart(tmp_path):
 def test_shared_labels_get_what_tells_them_apart():
     import pandas as pd
 
-    from sparse_eval.report.figures import _distinct_labels
+    from sparse_eval.report.figures.plotting import distinct_labels
 
     rows = [pd.Series({"method.seed": s, "method.alpha": 0.25}) for s in (0, 1)] + [pd.Series({"method.seed": 0})]
-    assert _distinct_labels(rows, ["1/16 random", "1/16 random", "1/16"]) == [
+    assert distinct_labels(rows, ["1/16 random", "1/16 random", "1/16"]) == [
         "1/16 random seed=0", "1/16 random seed=1", "1/16"]
 
 

@@ -19,7 +19,9 @@ from hydra import compose, initialize_config_dir
 
 from sparse_eval import memory
 from sparse_eval.config import register_configs
-from sparse_eval.runner import CONF_DIR, Experiment, run
+from sparse_eval.config import CONF_DIR
+from sparse_eval.experiment import Experiment
+from sparse_eval.runner import run
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "sparse_eval" / "models" / "stories260K"
@@ -43,7 +45,7 @@ def _mock_memory(monkeypatch, available: float) -> None:
 
 def _per_row(exp: Experiment) -> float:
     (m,) = exp.method_configs()
-    m = exp.preflight(m)
+    m = exp.preflight(m).config
     return memory.run_row_bytes(exp, m, exp.samples())[0]
 
 
@@ -63,6 +65,7 @@ def test_auto_batch_is_sized_to_the_host_memory_on_the_cpu(tmp_path, monkeypatch
     monkeypatch.setattr(exp.task, "run_batch", spy)
     (m,) = exp.method_configs()
     summary = exp.run_method(exp.preflight(m))
+    m = summary["method_config"]
     assert sizes == [2, 2, 1] and summary["batch_size"] == 2 and summary["samples"] == 5
     # plenty of memory: the usual start, min(samples, 128)
     _mock_memory(monkeypatch, 1e15)
@@ -255,18 +258,18 @@ def test_a_failed_write_leaves_no_temporary_file_and_a_rerun_removes_stale_ones(
 
 
 def test_sigterm_stops_a_run_like_ctrl_c(tmp_path, monkeypatch, capsys):
-    import sparse_eval.runner as runner
+    import sparse_eval.experiment as experiment
     from sparse_eval import cli
 
     previous = signal.signal(signal.SIGTERM, cli._on_sigterm)  # as hydra_entry installs it
     try:
-        orig = runner.Experiment.run_method
+        orig = experiment.Experiment.run_method
 
-        def slurm_time_limit(self, m, run_dir=None):
+        def slurm_time_limit(self, m, run_dir=None, identity=None):
             os.kill(os.getpid(), signal.SIGTERM)
-            return orig(self, m, run_dir)
+            return orig(self, m, run_dir, identity)
 
-        monkeypatch.setattr(runner.Experiment, "run_method", slurm_time_limit)
+        monkeypatch.setattr(experiment.Experiment, "run_method", slurm_time_limit)
         with pytest.raises(cli.Terminated) as err:
             run(cfg_for(tmp_path, "method=full", "task.num_samples=2", "task.window=64"))
     finally:
@@ -298,10 +301,10 @@ def test_a_refusal_removes_the_hydra_folder_it_made(tmp_path, monkeypatch):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from sparse_eval import cli
+    from sparse_eval import cli, hydra_support
 
     runs = tmp_path / "runs"
-    cli.writable_or_tmp(str(runs))
+    hydra_support.writable_or_tmp(str(runs))
     out = runs / ".hydra" / "2026-12-02_00-00-00-000000"
     (out / ".hydra").mkdir(parents=True)
     (out / "__main__.log").write_text("")
@@ -334,7 +337,7 @@ def test_table_wording_and_reuse(tmp_path, capsys):
 
 
 def test_reuse_note_tells_reused_from_resumed():
-    from sparse_eval.runner import reuse_note
+    from sparse_eval.results_table import reuse_note
 
     s = [{"method": "full"}, {"method": "topk"}]
     assert reuse_note(s, [(0, 4), (0, 4)]) == ""

@@ -20,9 +20,8 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from ..config import PathsConfig, register_configs, to_plain
+from ..config import CONF_DIR, PathsConfig, register_configs, to_plain
 from ..models.loading import ModelConfig
-from ..runner import CONF_DIR
 from . import ANALYSES
 
 

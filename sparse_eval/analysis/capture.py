@@ -69,7 +69,7 @@ AttentionMaskInterface.register(CAPTURE_NAME, sdpa_mask)
 def capturing(model: torch.nn.Module, layers: Sequence[int] | None = None, query_rows: int | None = None,
               dtype: torch.dtype | None = torch.float32, device: str | None = "cpu") -> Iterator[_Store]:
     """Inside the block, every forward of ``model`` records the attention inputs of ``layers`` (all: None)."""
-    from ..attention.plugin import attention_modules
+    from ..models.inspection import attention_modules
 
     mods = attention_modules(model)
     wanted = None if layers is None else {int(i) for i in layers}
@@ -112,7 +112,7 @@ def capture_qkv(model: torch.nn.Module, input_ids: torch.Tensor, layers: Sequenc
 def capture_layer_inputs(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
     """Per decoder layer: ``hidden`` (its residual-stream input x_l [B, T, H]) and ``attn_input`` (the
     attention module's input h_l = input_layernorm(x_l)), float32 on the CPU."""
-    from ..attention.plugin import attention_modules
+    from ..models.inspection import attention_modules
 
     mods = sorted(attention_modules(model), key=lambda m: m.layer_idx)
     parents = decoder_layers(model)
@@ -146,7 +146,7 @@ def capture_layer_inputs(model: torch.nn.Module, input_ids: torch.Tensor) -> dic
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers (the parents of the attention modules), in layer order."""
-    from ..attention.plugin import attention_modules
+    from ..models.inspection import attention_modules
 
     mods = {id(m): m for m in attention_modules(model)}
     found = {}

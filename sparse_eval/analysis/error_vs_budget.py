@@ -222,7 +222,7 @@ def _default_plot_layers(layers: list[int], num_layers: int) -> list[int]:
 def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers: int) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    from ..report.figures import _annotate_spread as annotate_spread, _plain_log_x as plain_log_x
+    from ..report.figures.plotting import annotate_spread, plain_log_x
 
     paths: list[Path] = []
     layers = sorted(x for x in summary["layer"].unique() if x != "mean")

@@ -14,15 +14,15 @@ Which calls are sparse (the evaluation protocol, recorded with every result):
      context phase with ``session.phase("dense")`` and the rest with ``session.phase("sparse")``);
   S: every query position attends sparsely, prefill included.
 Layers in ``method.dense_layers`` are always dense, and so are the layers that attend within a sliding window of
-their own (``sliding_layers``) unless ``method.sliding_layers="sparse"`` (``layer_plan``).  A sliding layer keeps its
-window either way: transformers' mask brings it, and the sparse path selects only among the keys it allows.
+their own (``models.inspection.sliding_layers``) unless ``method.sliding_layers="sparse"`` (``layer_plan``).  A
+sliding layer keeps its window either way: transformers' mask brings it, and the sparse path selects only among the keys it allows.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -34,6 +34,7 @@ from .. import invariance
 from ..kernels import invariant as kinv
 from ..methods.base import Method
 from ..methods.core import PassMasks, dense_attention, key_validity, pass_masks, sparse_attention, static_keys
+from ..models.inspection import attention_modules, sliding_layers
 from .recorder import StatsRecorder
 
 ATTENTION_NAME = "sparse_eval"
@@ -106,39 +107,6 @@ def _layer_state(cache: Any, layer_idx: int) -> dict[str, Any]:
     return state
 
 
-def sliding_layers(model: torch.nn.Module) -> dict[int, int]:
-    """{layer index: window} of the layers that attend within a sliding window of their own (window: the keys a
-    query row may see, itself included).
-
-    A layer slides where the model declares it per layer: ``config.layer_types[i] == "sliding_attention"``
-    (Gemma 3: 5 of every 6 layers, 512 keys; Qwen2 with ``use_sliding_window``) or an attention module carrying a
-    ``sliding_window``.  A config with one ``sliding_window`` for all layers and no layer types (Mistral-7B-v0.1,
-    4096) declares no sliding layers: its layers are all alike and run as the method says (the window still
-    applies through the mask; ``attention_window`` covers it)."""
-    cfg = model.config.get_text_config()
-    types = getattr(cfg, "layer_types", None)
-    window = getattr(cfg, "sliding_window", None)
-    out: dict[int, int] = {}
-    for m in attention_modules(model):
-        i = m.layer_idx
-        w = getattr(m, "sliding_window", None)
-        if w is None and types is not None and i < len(types) and types[i] == "sliding_attention":
-            w = window
-        if w is not None:
-            out[i] = int(w)
-    return dict(sorted(out.items()))
-
-
-def attention_window(model: torch.nn.Module) -> int | None:
-    """The smallest window any layer of ``model`` attends within (None: every layer sees every earlier key): a
-    sliding layer's (``sliding_layers``) or the one ``sliding_window`` a config without layer types sets for all."""
-    cfg = model.config.get_text_config()
-    windows = list(sliding_layers(model).values())
-    if getattr(cfg, "layer_types", None) is None and getattr(cfg, "sliding_window", None) is not None:
-        windows.append(int(cfg.sliding_window))
-    return min(windows) if windows else None
-
-
 def layer_plan(method: Method, num_layers: int, sliding: dict[int, int] | list[int]) -> tuple[set[int], list[int]]:
     """(the layers ``method`` leaves dense, those of them dense only because they slide) in a model of
     ``num_layers`` layers whose sliding layers are ``sliding`` (``sliding_layers``).  The dense layers are
@@ -153,6 +121,19 @@ def layer_plan(method: Method, num_layers: int, sliding: dict[int, int] | list[i
             f"{slide_dense} attend within a sliding window (method.sliding_layers='dense'); set "
             f"method.sliding_layers=sparse to run the method in the sliding layers too, within their window")
     return both, slide_dense
+
+
+def check_sparse_layers(method: Any, num_layers: int, dense: set[int] | Sequence[int], model_name: str = "the model") -> None:
+    """Refuses a sparse method whose dense layers (``method.dense_layers`` resolved, plus sliding layers left
+    dense) cover every layer of the model: it would run in no layer and report full attention's results as its
+    own, with no Cost1, Cost2 or estimation error."""
+    if method.dense or len(set(dense)) < num_layers:
+        return
+    listed = method.config.dense_layers
+    raise ValueError(
+        f"method.dense_layers={list(listed)} leaves no sparse layer: all {num_layers} layers of {model_name} would run "
+        f"dense, so method={method.name} would compute full attention; leave at least one layer out (e.g. "
+        f"method.dense_layers=[0,1]), or use method=full")
 
 
 class SparseSession:
@@ -320,15 +301,6 @@ def sparse_eval_attention(module, query, key, value, attention_mask, scaling=Non
 
 AttentionInterface.register(ATTENTION_NAME, sparse_eval_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-
-
-def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The self-attention modules of a decoder (Llama, Mistral, Qwen2/3, ...): they carry ``layer_idx`` and
-    ``num_key_value_groups`` and are called through the attention interface."""
-    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups") and hasattr(m, "scaling")]
-    if not mods:
-        raise ValueError(f"found no attention modules with layer_idx/num_key_value_groups in {type(model).__name__}")
-    return mods
 
 
 def _grab_cache(module, args, kwargs):

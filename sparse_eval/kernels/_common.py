@@ -1,4 +1,4 @@
-"""Backend choice shared by the kernel modules.
+"""Backend choice and launch helpers (``split_plan``) shared by the kernel modules.
 
 GPU kernels are written in Triton and run on CUDA tensors; under ``TRITON_INTERPRET=1`` the same kernels run
 on CPU tensors through Triton's interpreter (slow, for tests only).  CPU kernels are numba.  Every public
@@ -118,3 +118,13 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     madv_hugepage = 14
     return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), madv_hugepage) == 0
+
+
+def split_plan(rows: int, s_len: int, block_n: int, n_sm: int = 132, waves: int = 4) -> tuple[int, int]:
+    """(number of splits, tokens per split): enough programs to fill ``waves`` × SMs, each a whole number of
+    BLOCK_N tiles."""
+    blocks = max(1, -(-s_len // block_n))
+    want = max(1, -(-(waves * n_sm) // max(rows, 1)))
+    splits = min(blocks, want)
+    per = -(-blocks // splits) * block_n
+    return -(-s_len // per) if s_len else 1, per

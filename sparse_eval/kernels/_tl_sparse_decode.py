@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, triton_interpret
-from .sparse_decode import split_plan
+from ._common import next_pow2, split_plan, triton_interpret
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453

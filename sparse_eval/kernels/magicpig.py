@@ -15,7 +15,7 @@ Sampling probability (eq. 10), with p_i = 1 − arccos(cos(q, k̄_i))/π (eq. 11
     u_i = P[key i collides with q in ≥ m of the L tables] = 1 − Σ_{j<m} C(L, j) a^j (1 − a)^{L−j}
 
 m = ``min_collisions`` = 2 in the paper (u = 1 − (1−a)^L − L a (1−a)^{L−1}).  The attention logit of a sampled
-key is q·k_i/√d − log u_i (eq. 11).  u has one home, ``sparse_eval.methods.magicpig.log_sampling_probability``
+key is q·k_i/√d − log u_i (eq. 11).  u has one home, ``sparse_eval.simhash_probability.log_sampling_probability``
 (float64, in log space, without cancellation); ``collision_probability`` and ``collision_probability_from_cos``
 are its forms in a and in cos, and the CPU kernel tabulates it (``magicpig_cpu.logu_table``).
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from ..simhash_probability import collision_probability as bit_agreement, log_sampling_probability
 from ._common import check_heads, resolve_gpu_backend
 
 __all__ = [
@@ -86,8 +87,6 @@ def hash_codes(x: torch.Tensor, w: torch.Tensor, k_bits: int, n_tables: int, *, 
 
 def collision_probability(a: torch.Tensor, n_tables: int, min_collisions: int = 2) -> torch.Tensor:
     """u = P[Binomial(L, a) ≥ m] in float64, a = p^K (eq. 10 for m = 2): ``log_sampling_probability`` with K = 1."""
-    from ..methods.magicpig import log_sampling_probability
-
     m = int(min_collisions)
     n = int(n_tables)
     if not 1 <= m <= n:
@@ -98,8 +97,6 @@ def collision_probability(a: torch.Tensor, n_tables: int, min_collisions: int = 
 def collision_probability_from_cos(cos: torch.Tensor, k_bits: int, n_tables: int, min_collisions: int = 2) -> torch.Tensor:
     """u_i from cos(q, k̄_i): p = 1 − arccos(cos)/π (eq. 11), u = P[Binomial(L, p^K) ≥ m] by
     ``log_sampling_probability``."""
-    from ..methods.magicpig import collision_probability as bit_agreement, log_sampling_probability
-
     return torch.exp(log_sampling_probability(bit_agreement(cos), int(k_bits), int(n_tables), int(min_collisions)))
 
 

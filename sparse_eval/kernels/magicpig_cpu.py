@@ -363,11 +363,11 @@ LOGU_NODES = 1 << 16
 
 @functools.lru_cache(maxsize=64)
 def logu_table(k_bits: int, n_tables: int, min_collisions: int, nodes: int = LOGU_NODES) -> np.ndarray:
-    """log u (eq. 10) at p = j / nodes, j = 0..nodes, float64, from ``methods.magicpig.log_sampling_probability``;
+    """log u (eq. 10) at p = j / nodes, j = 0..nodes, float64, from ``simhash_probability.log_sampling_probability``;
     the kernel interpolates linearly in p (p itself from the exact arccos, eq. 11).  With 2^16 intervals the
     interpolation error of log u is < 1e-7 for p ≥ 0.2 (|d² log u / dp²| ≲ mK/p²), far below bf16 rounding;
     log u(0) = −inf is stored as log(1e-300)."""
-    from ..methods.magicpig import log_sampling_probability
+    from ..simhash_probability import log_sampling_probability
 
     p = torch.arange(nodes + 1, dtype=torch.float64) / nodes
     return log_sampling_probability(p, k_bits, n_tables, min_collisions).clamp_min(math.log(1e-300)).numpy()

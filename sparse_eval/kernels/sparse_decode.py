@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ._common import check_heads, resolve_gpu_backend
+from ._common import check_heads, resolve_gpu_backend, split_plan
 
 __all__ = ["attention", "attention_reference", "dense_attention", "dense_attention_reference", "split_plan"]
 
@@ -89,16 +89,6 @@ def attention_reference(
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
     o = torch.einsum("bhs,bhsd->bhd", p, vs)
     return o.to(out_dtype or q.dtype), lse
-
-
-def split_plan(rows: int, s_len: int, block_n: int, n_sm: int = 132, waves: int = 4) -> tuple[int, int]:
-    """(number of splits, tokens per split): enough programs to fill ``waves`` × SMs, each a whole number of
-    BLOCK_N tiles."""
-    blocks = max(1, -(-s_len // block_n))
-    want = max(1, -(-(waves * n_sm) // max(rows, 1)))
-    splits = min(blocks, want)
-    per = -(-blocks // splits) * block_n
-    return -(-s_len // per) if s_len else 1, per
 
 
 def attention(

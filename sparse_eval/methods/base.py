@@ -44,7 +44,7 @@ class MethodConfig:
     # layers that attend within a sliding window of their own (Gemma 3: 5 of every 6, 512 keys) keep it either way;
     # "dense": they run dense attention over their window, "sparse": the method runs in them, within the window.
     # A method field beside dense_layers (not an eval setting): it says in which layers the method runs
-    # (``attention.plugin.sliding_layers`` finds them, ``layer_plan`` applies it on both paths)
+    # (``models.inspection.sliding_layers`` finds them, ``attention.plugin.layer_plan`` applies it on both paths)
     sliding_layers: str = "dense"
     # selection per query head (paper setting for all methods) or shared per KV group
     gqa: str = "query_head"

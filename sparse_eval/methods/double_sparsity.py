@@ -368,7 +368,7 @@ class DoubleSparsity(Method):
     def setup(self, model: Any, model_name: str) -> None:
         """Loads the model's calibrated channels (unless given directly) and, for offload, finds each layer's
         attention module and input norm."""
-        from ..attention.plugin import attention_modules
+        from ..models.inspection import attention_modules
 
         cfg = model.config.get_text_config()
         num_layers, hq = cfg.num_hidden_layers, cfg.num_attention_heads

@@ -43,7 +43,6 @@ Differences from the authors' RULER reference code (``evaluations/RULER/pred/cac
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +50,8 @@ from typing import Any
 import torch
 
 from ..kernels.magicpig import collision_counts  # Alg. 1 line 2: the one count, Triton on CUDA
+from ..simhash_probability import (upper_terms, collision_probability, log_sampling_probability,  # eq. 10
+                                   sampling_probability)
 from .base import AttentionContext, Method, MethodConfig, Selection
 from .core import static_keys
 from .labels import count_label
@@ -93,67 +94,6 @@ class MagicPIGConfig(MethodConfig):
 
 
 # -- analytic quantities ---------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _upper_terms(m: int, L: int, tol: float = 1e-20) -> int:
-    """Terms j = m, m+1, … of the upper tail needed when the pmf decreases from j = m (mode ≤ m): there
-    pmf(j+1)/pmf(j) < (m+1)/(j+1), so pmf(m+T)/pmf(m) < (m+1)^T m!/(m+T)!; stop once that is below ``tol``."""
-    t = 1
-    while t < L - m + 1 and t * math.log(m + 1) + math.lgamma(m + 1) - math.lgamma(m + t + 1) > math.log(tol):
-        t += 1
-    return min(t + 1, L - m + 1)
-
-
-def log_sampling_probability(p: torch.Tensor, K: int, L: int, min_collisions: int,
-                             element_budget: int = 1 << 24) -> torch.Tensor:
-    """log u, u = P[Binomial(L, p^K) ≥ min_collisions] (eq. 10 for min_collisions = 2), elementwise in float64.
-
-    Exact in log space without cancellation: when the binomial's mode (⌊(L+1)·p^K⌋) exceeds m, u ≥ 1/2 and
-    u = 1 − P[X < m] (m terms); otherwise the pmf decreases from j = m and the upper tail is summed over the
-    terms that matter (relative error < 1e-20, ``_upper_terms``), so tiny u stays exact.  p = 1 gives 0, p = 0
-    gives −inf (clamp p first where −inf must not occur).  At most ``element_budget`` (element, term) pairs
-    exist at once.
-    """
-    p = p.to(torch.float64).clamp(0.0, 1.0)
-    m = int(min_collisions)
-    if m <= 0:
-        return torch.zeros_like(p)
-    if m > L:
-        return torch.full_like(p, -math.inf)
-    dev = p.device
-
-    def log_pmf(j: torch.Tensor, log_r: torch.Tensor, log_1mr: torch.Tensor) -> torch.Tensor:
-        log_c = math.lgamma(L + 1) - torch.lgamma(j + 1) - torch.lgamma(L - j + 1)
-        rest = L - j
-        fail = torch.where(rest > 0, rest * log_1mr, torch.zeros_like(log_1mr))  # 0·(−inf) := 0
-        return log_c + torch.where(j > 0, j * log_r, torch.zeros_like(log_r)) + fail
-
-    j_lo = torch.arange(0, m, dtype=torch.float64, device=dev)  # [m]
-    j_hi = torch.arange(m, m + _upper_terms(m, L), dtype=torch.float64, device=dev)  # [T]
-    flat = p.reshape(-1)
-    out = torch.empty_like(flat)
-    step = max(1, element_budget // (m + j_hi.numel()))
-    for s in range(0, flat.numel(), step):
-        pc = flat[s:s + step, None]
-        log_r = K * torch.log(pc)  # log p^K (−inf at p = 0)
-        log_1mr = torch.log1p(-torch.exp(log_r))  # log(1 − p^K) (−inf at p = 1)
-        upper = torch.logsumexp(log_pmf(j_hi, log_r, log_1mr), dim=-1)
-        lower = torch.logsumexp(log_pmf(j_lo, log_r, log_1mr), dim=-1).clamp_max(0.0)
-        complement = torch.log(-torch.expm1(lower))  # log(1 − P[X < m])
-        big = torch.floor((L + 1) * torch.exp(log_r[:, 0])) > m
-        out[s:s + step] = torch.where(big, complement, upper).clamp_max(0.0)
-    return out.reshape(p.shape)
-
-
-def sampling_probability(p: torch.Tensor | float, K: int, L: int, min_collisions: int = 2) -> torch.Tensor:
-    """u(p) = P[key sampled] for per-table bit agreement p (eq. 10 generalised), float64."""
-    return torch.exp(log_sampling_probability(torch.as_tensor(p, dtype=torch.float64), K, L, min_collisions))
-
-
-def collision_probability(cos: torch.Tensor) -> torch.Tensor:
-    """SimHash per-bit agreement p = 1 − arccos(cos)/π (eq. 10), float64."""
-    return 1.0 - torch.arccos(cos.to(torch.float64).clamp(-1.0, 1.0)) / math.pi
 
 
 def expected_sampling_rate(K: int, L: int, min_collisions: int = 2, p: float = 0.5) -> float:
@@ -626,7 +566,7 @@ class MagicPIG(Method):
             counts = collision_counts(q_codes, st["codes"][:, :, :n], backend=self.collision_backend,
                                       element_budget=self.element_budget)  # [B, Hq, Q, N] int16
         keep = (counts >= c.min_collisions) & ctx.candidates
-        terms = c.min_collisions + _upper_terms(c.min_collisions, c.L)  # eq. 10's terms per (row, key)
+        terms = c.min_collisions + upper_terms(c.min_collisions, c.L)  # eq. 10's terms per (row, key)
         if st.get("row_center") is None and b * hq * ql * n * terms <= self.dense_bias_elements:
             bias = self._bias_dense(q, k, st["mean"], st["r"] if c.mips else None, keep, terms)
         else:

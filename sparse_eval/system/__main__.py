@@ -18,10 +18,9 @@ import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 
-from ..config import PathsConfig, register_configs, to_plain
+from ..config import CONF_DIR, PathsConfig, register_configs, to_plain
 from ..methods import build_method, make_config
 from ..models.loading import ModelConfig
-from ..runner import CONF_DIR
 
 
 @dataclass

@@ -29,7 +29,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..attention.plugin import attention_modules, attention_window, layer_plan, sliding_layers
+from ..attention.plugin import layer_plan
+from ..models.inspection import attention_modules, attention_window, sliding_layers
 from ..methods.base import Method
 from ..methods import is_dense
 from .layers import FullLayer, LayerOptions, build_layer, layer_class

@@ -1,0 +1,81 @@
+"""A run's config composed and checked before anything runs: the methods it asks for (``method_configs``: ``method``
+or the ``compare`` list, each composed from ``conf/method/`` by Hydra so its schema checks it, one per seed), a
+method against the model (``check_method``) and ``eval.batch_size``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .attention.plugin import check_sparse_layers, layer_plan
+from .config import CONF_DIR, to_plain
+from .methods import Method, MethodConfig, build_method, compare_names
+from .methods.base import resolve_dense_layers
+from .seeds import seeded_configs
+
+
+def method_options(name: str) -> dict[str, Any]:
+    """The options of the method config ``conf/method/<name>.yaml``, composed by Hydra (so its schema checks
+    them; used for the methods listed in ``compare``)."""
+    return methods_options([name])[0]
+
+
+def methods_options(names: list[str]) -> list[dict[str, Any]]:
+    """``method_options`` of several names in one composition (each under its own key of ``method``: the same
+    options, composed once instead of once per name, about 0.2 s each)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import MissingConfigException
+
+    from .config import register_configs
+
+    register_configs()
+    overrides = [f"+method@method._m{i}={name}" for i, name in enumerate(names)]
+    try:
+        if GlobalHydra.instance().is_initialized():  # inside the Hydra app (or a test's initialize context)
+            cfg = compose(config_name="config", overrides=overrides)
+        else:
+            with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+                cfg = compose(config_name="config", overrides=overrides)
+    except MissingConfigException:
+        valid = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
+        name = next((n for n in names if not (CONF_DIR / "method" / f"{n}.yaml").is_file()), names[0])
+        raise ValueError(f"no method config {name!r} (conf/method/{name}.yaml); valid: {valid}") from None
+    return [to_plain(cfg.method[f"_m{i}"]) for i in range(len(names))]
+
+
+def method_configs(cfg: Any) -> list[MethodConfig]:
+    """The methods a run's config asks for, as config dataclasses, each built once to check its values before any
+    work (a bad value fails at start, naming it): ``method``, or else every entry of ``compare`` (every registered
+    method when it is null), one per seed of ``seed`` for a stochastic method, one for a deterministic one
+    (``seeds.seeded_configs``)."""
+    if cfg.method is not None:
+        opts = [to_plain(cfg.method)]
+    else:
+        entries = [to_plain(e) for e in (cfg.compare if cfg.get("compare") is not None else compare_names())]
+        names = [e if isinstance(e, str) else e["name"] for e in entries]
+        opts = [o if isinstance(e, str) else o | {k: v for k, v in e.items() if k != "name"}
+                for e, o in zip(entries, methods_options(names) if names else [])]
+    return [c for o in opts for c in seeded_configs(o, cfg.seed)]
+
+
+def check_method(method_cfg: MethodConfig, num_layers: int, context: int, sliding: dict[int, int] | list[int],
+                 model_name: str) -> tuple[MethodConfig, Method]:
+    """(the config with ``dense_layers`` resolved for a model of ``num_layers`` layers, the method built from it),
+    checked against the model: its values against the depth and the context (``Method.validate``), and a sparse
+    method left with no sparse layer by its dense layers or the sliding ones (``layer_plan``,
+    ``check_sparse_layers``).  Shared by a run's start and the sweep's preflight."""
+    resolved = dataclasses.replace(method_cfg, dense_layers=resolve_dense_layers(method_cfg.dense_layers, num_layers))
+    method = build_method(resolved)
+    method.validate(num_layers=num_layers, context=context)
+    dense, _ = layer_plan(method, num_layers, sliding)  # refuses one left no layer by sliding ones
+    check_sparse_layers(method, num_layers, dense, model_name)  # and by its dense_layers
+    return resolved, method
+
+
+def check_batch_size(value: Any) -> int | str:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"eval.batch_size={value!r}: give an integer >= 1 or 'auto' (the largest batch that fits)")
+    return value
