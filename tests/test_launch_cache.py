@@ -135,7 +135,7 @@ def test_moved_mtimes_with_the_same_content_still_hit(setup, monkeypatch):
         st = p.stat()
         os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     _forbid_loading(monkeypatch)
-    assert [s["run_dir"] for s in launch.run(cfg())] == [s["run_dir"] for s in first]
+    assert [s["run_dir"] for s in runner.run(cfg())] == [s["run_dir"] for s in first]
 
 
 def test_a_file_added_to_a_watched_folder_is_a_miss(setup, monkeypatch):

@@ -69,7 +69,7 @@ class MagicPIGKLOptions:
 
 def sparse_layers(model: Any, num_layers: int) -> list[int]:
     """The layers MagicPIG (its defaults) runs sparse on ``model``: not its dense layers, not a sliding-window layer."""
-    from ..attention.plugin import sliding_layers
+    from ..models.inspection import sliding_layers
 
     dense = build_method(make_config(MagicPIG.name, {})).dense_layer_set(num_layers)
     sliding = set(sliding_layers(model))
