@@ -247,7 +247,14 @@ class SparseSession:
         per_row = sparse if torch.is_tensor(sparse) else None  # bool [B, Q]
         starts = self.row_starts
         if per_row is None and not sparse:
-            return dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
+            out = dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
+            if self.method.observes_dense and layer_idx not in self.dense_layers:
+                masks = self._masks(attention_mask, b, q_len, key.shape[2], query.device)
+                valid = masks.valid if masks is not None else key_validity(attention_mask, b, q_len, key.shape[2],
+                                                                          query.device)
+                state = _layer_state(getattr(module, _CACHE_ATTR, None), layer_idx)
+                self.method.observe_dense(state, query, key, valid, scaling, layer_idx)
+            return out
         if self.method.dense:  # dense attention; the recorded statistics depend only on the pass's masks
             out = dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
             self.recorder.add_sums(layer_idx, *self._full_sums(attention_mask, b, hq, q_len, key.shape[2],
@@ -263,7 +270,7 @@ class SparseSession:
         out, stats = sparse_attention(
             self.method, query, key, value, valid, scaling, state, layer_idx,
             compute_error=self.runtime.compute_error, query_chunk=self.runtime.query_chunk, masks=masks,
-            row_seeds=seeds, layer_inputs=self.layer_inputs,
+            row_seeds=seeds, layer_inputs=self.layer_inputs, sparse_rows=per_row,
         )
         self.recorder.add(layer_idx, stats, counted)
         out = out.transpose(1, 2)  # [B, Q, Hq, D]

@@ -95,6 +95,11 @@ class AttentionContext:
     # layer of a forward pass); else computed here, once per context
     candidate_mask: torch.Tensor | None = None
     not_candidate_mask: torch.Tensor | None = None
+    # bool [B, 1, Q, 1]: the rows whose sparse output the session uses; None: every row.  A call of a per-row phase
+    # (protocol B, a padded batch whose rows' contexts end at different columns) runs the method over every row and
+    # keeps the dense output where this is False: a method whose state follows the rows (``observes_dense``) treats
+    # those rows as it treats the rows ``observe_dense`` is given
+    sparse_rows: torch.Tensor | None = None
 
     @property
     def groups(self) -> int:
@@ -238,6 +243,10 @@ class Method:
     # a method whose selection is its static keys alone (StreamingLLM: attention sinks + a recent window): a row
     # that keeps none of its candidates is the method, not an empty selection (``core`` counts no ``empty`` row)
     selects_static_only: ClassVar[bool] = False
+    # a method whose state needs the attention of the rows that run dense in the layers it runs in (the prompt under
+    # protocol A, the context under B: e.g. scores accumulated over the dense prompt, as an eviction policy that keeps
+    # the keys the prompt attended most) sets this; the session then calls ``observe_dense`` on each such call
+    observes_dense: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig):
         if config.seed is None:  # outside a run (attend(), the system path): seed 0
@@ -334,6 +343,15 @@ class Method:
         """Bring the method's per-layer index up to date with the keys k [B, Hkv, N, D] (called once per
         attention call before any selection; with ``prepare_with_valid`` also ``valid=`` bool [B, 1, Q, N]).
         Default: nothing to index."""
+
+    def observe_dense(self, state: dict[str, Any], q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor,
+                      scaling: float, layer_idx: int) -> None:
+        """With ``observes_dense``: called by the session for every attention call that runs dense in a layer the
+        method runs in (a layer outside ``dense_layers`` that is dense only because of the protocol or phase), after
+        the dense attention, with the call's query rows q [B, Hq, Q, D], the layer's keys k [B, Hkv, N, D] (the whole
+        cache, as ``select`` sees them), valid bool [B, 1, Q, N] (causal and not padding) and the layer's ``state``
+        (the dict ``select`` gets as ``ctx.state``).  Never called for a layer in ``dense_layers``.
+        Default: nothing."""
 
     # -- selection ------------------------------------------------------------------------------
     def select(self, ctx: AttentionContext) -> Selection:  # pragma: no cover - abstract

@@ -212,6 +212,7 @@ def sparse_attention(
     masks: PassMasks | None = None,
     row_seeds: torch.Tensor | None = None,
     layer_inputs: dict[int, tuple] | None = None,
+    sparse_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One attention call of a sparse layer.
 
@@ -224,7 +225,8 @@ def sparse_attention(
     local)`` when the caller has it already (the same for every layer of a pass).  ``row_seeds`` long [B]: each
     row's seed (its sample id; sampling methods draw from (method seed, layer, row seed), so a row draws the
     same in any batch).  ``layer_inputs``: the session's per-layer (hidden_states, position_embeddings) of the
-    current pass (DS-Offload's prediction from the previous layer).
+    current pass (DS-Offload's prediction from the previous layer).  ``sparse_rows`` bool [B, Q]: the rows whose
+    output the caller uses (a per-row phase; None: all), handed to the method as ``ctx.sparse_rows``.
     """
     cfg = method.config
     if method.prepare_with_valid:  # every row's valid keys: an index built in this call must stay causal
@@ -245,6 +247,7 @@ def sparse_attention(
             q=qc, k=k, v=v, scores=scores, valid=vc, static=m.static, n_valid=n_valid, scaling=scaling,
             layer_idx=layer_idx, state=state, generator_seed=hash((cfg.seed, layer_idx)) & 0x7FFFFFFF,
             row_seeds=row_seeds, layer_inputs=layer_inputs, query_offset=start, candidate_mask=m.candidates, not_candidate_mask=m.not_candidates,
+            sparse_rows=None if sparse_rows is None else sparse_rows[:, None, start:stop, None],
         )
         sel: Selection = method.select(ctx)
         own = sel.keep & m.candidates
