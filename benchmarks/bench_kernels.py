@@ -339,7 +339,7 @@ def tune_label_scores(args, device, gen, rows):
         nbytes = cache.nbytes() + b * HKV * n * 4
         for bn, nw in LABEL_CONFIGS:
             try:
-                ms = time_graph_per_call(lambda: ds.label_scores(ql, cache, reduce=True, lengths=lengths, block_n=bn,
+                ms = time_graph_per_call(lambda: ds.label_scores(ql, cache, reduce=True, lengths=lengths, block_n=bn,  # noqa: F821 (deleted after use)
                                                                  num_warps=nw), args)
             except Exception as e:  # a configuration the compiler rejects: recorded
                 rows.append({"kind": "label_tune", "batch": b, "context": n, "r": r, "bits": bits, "block_n": bn,

@@ -5,7 +5,6 @@ alone: the rows a pass does not count (padding, other rows, a stopped row) carry
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch

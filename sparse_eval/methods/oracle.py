@@ -12,7 +12,6 @@ keys (Z_c = Σ_{i∉static} e^{s_i}).  The computation cost is |S| (Theorem 3.3:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
