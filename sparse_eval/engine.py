@@ -215,7 +215,7 @@ class Engine:
                 counted = torch.tensor(live, dtype=torch.bool, device=self.device)[:, None]
             n += 1
             pos = pos + 1
-            with self.session.phase("sparse"), self.session.counting(counted):
+            with self.session.phase("sparse"), self.session.counting(counted), self.session.generation():
                 logits = self.model(input_ids=tok, attention_mask=mask[:, :n], position_ids=pos, use_cache=True,
                                     **kw).logits[:, -1]
         results = []

@@ -13,6 +13,8 @@ Which calls are sparse (the evaluation protocol, recorded with every result):
   B: the context is prefilled densely and the question and the generation are sparse (the engine marks the
      context phase with ``session.phase("dense")`` and the rest with ``session.phase("sparse")``);
   S: every query position attends sparsely, prefill included.
+Each sparse call says whether its rows are generated tokens after a finished prompt (``AttentionContext.generating``:
+protocol A's sparse calls, and the engine's decode steps, which it runs inside ``session.generation()``).
 Layers in ``method.dense_layers`` are always dense, and so are the layers that attend within a sliding window of
 their own (``models.inspection.sliding_layers``) unless ``method.sliding_layers="sparse"`` (``layer_plan``).  A
 sliding layer keeps its window either way: transformers' mask brings it, and the sparse path selects only among the keys it allows.
@@ -152,6 +154,7 @@ class SparseSession:
         self.recorder = StatsRecorder(num_layers, num_heads)
         self._phase: str | torch.Tensor | None = None
         self._counted: torch.Tensor | None = None  # bool [B, Q] of the current pass: query rows whose stats count
+        self._generating = False  # inside ``generation()``: the passes are decode steps after a finished prompt
         self.row_seeds: torch.Tensor | None = None  # long [B]: each row's seed (its sample id), for sampling methods
         self.row_starts: torch.Tensor | None = None  # long [B]: each row's first column (left padding), from the engine
         self.layer_inputs: dict[int, tuple] = {}  # per layer: (hidden_states, position_embeddings) of the last call
@@ -181,6 +184,21 @@ class SparseSession:
             yield
         finally:
             self._counted = old
+
+    @contextlib.contextmanager
+    def generation(self) -> Iterator[None]:
+        """The passes inside are generated tokens that extend a finished prompt (the engine's decode steps), which
+        a method reads as ``AttentionContext.generating``; under protocol A every sparse call is one anyway."""
+        old, self._generating = self._generating, True
+        try:
+            yield
+        finally:
+            self._generating = old
+
+    def generating(self) -> bool:
+        """Whether the current pass's sparse rows are generated tokens (``generation()``, or protocol A, whose
+        sparse calls are exactly its decode steps)."""
+        return self._generating or self.runtime.protocol == "A"
 
     def _count_mask(self, b: int, q_len: int, sparse_rows: torch.Tensor | None) -> torch.Tensor | None:
         """bool [B, 1, Q] of the rows to record (None: all)."""
@@ -271,6 +289,7 @@ class SparseSession:
             self.method, query, key, value, valid, scaling, state, layer_idx,
             compute_error=self.runtime.compute_error, query_chunk=self.runtime.query_chunk, masks=masks,
             row_seeds=seeds, layer_inputs=self.layer_inputs, sparse_rows=per_row,
+            generating=self.generating(),
         )
         self.recorder.add(layer_idx, stats, counted)
         out = out.transpose(1, 2)  # [B, Q, Hq, D]

@@ -100,6 +100,10 @@ class AttentionContext:
     # keeps the dense output where this is False: a method whose state follows the rows (``observes_dense``) treats
     # those rows as it treats the rows ``observe_dense`` is given
     sparse_rows: torch.Tensor | None = None
+    # the query rows are generated tokens that extend a finished prompt (decode steps), not prompt rows: every
+    # sparse call under protocol A, and under S and B the engine's decode steps (``SparseSession.generation``).
+    # A method whose rule differs between a prompt and its continuation reads it; False outside a session
+    generating: bool = False
 
     @property
     def groups(self) -> int:

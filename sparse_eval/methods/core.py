@@ -213,6 +213,7 @@ def sparse_attention(
     row_seeds: torch.Tensor | None = None,
     layer_inputs: dict[int, tuple] | None = None,
     sparse_rows: torch.Tensor | None = None,
+    generating: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One attention call of a sparse layer.
 
@@ -226,7 +227,8 @@ def sparse_attention(
     row's seed (its sample id; sampling methods draw from (method seed, layer, row seed), so a row draws the
     same in any batch).  ``layer_inputs``: the session's per-layer (hidden_states, position_embeddings) of the
     current pass (DS-Offload's prediction from the previous layer).  ``sparse_rows`` bool [B, Q]: the rows whose
-    output the caller uses (a per-row phase; None: all), handed to the method as ``ctx.sparse_rows``.
+    output the caller uses (a per-row phase; None: all), handed to the method as ``ctx.sparse_rows``.  ``generating``: the rows are generated tokens after a finished
+    prompt (``AttentionContext.generating``).
     """
     cfg = method.config
     if method.prepare_with_valid:  # every row's valid keys: an index built in this call must stay causal
@@ -248,6 +250,7 @@ def sparse_attention(
             layer_idx=layer_idx, state=state, generator_seed=hash((cfg.seed, layer_idx)) & 0x7FFFFFFF,
             row_seeds=row_seeds, layer_inputs=layer_inputs, query_offset=start, candidate_mask=m.candidates, not_candidate_mask=m.not_candidates,
             sparse_rows=None if sparse_rows is None else sparse_rows[:, None, start:stop, None],
+            generating=generating,
         )
         sel: Selection = method.select(ctx)
         own = sel.keep & m.candidates
