@@ -8,7 +8,7 @@ precise by the authors' code, which is what was read here (the paper's body was 
 formula below is cited from the code): ``FasterDecoding/SnapKV`` at ``e216ddc``,
 ``snapkv/monkeypatch/snapkv_utils.py`` (``SnapKVCluster.update_kv``, lines 38-70), whose LongBench configs reproduce
 the paper's LongBench results ("You should be able to reproduce the results shown on our report",
-``experiments/LongBench/README.md``).  For a prompt of L tokens, window w, capacity C, kernel k, per head:
+SnapKV's ``LongBench/README.md`` in its experiments folder).  For a prompt of L tokens, window w, capacity C, kernel k, per head:
 
     W   = softmax_rows(Q[L-w:] Kᵀ/√d, causal)          [w, L]   the window's attention rows   (lines 45-54)
     v_j = Σ_{i ∈ window} W[i, j]          j < L - w      [L - w]  votes of the prefix keys      (line 55)
