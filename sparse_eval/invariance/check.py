@@ -132,7 +132,7 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
         "dtype": str(next(lm.parameters()).dtype), "torch": torch.__version__, "lengths": list(lengths),
         "samples": n, "alone": len(alone_ids), "max_new_tokens": max_new_tokens,
         "subtasks": sorted({s.data.get("subtask", "") for _, s, _ in pool}),
-        "haystack": pool[0][0].config.haystack or "RULER's per subtask" if pool else None,
+        "haystack": (pool[0][0].config.haystack or "RULER's per subtask") if pool else None,
         "setup_s": round(time.perf_counter() - t0, 1), "methods": {}, "mismatches": [], "fast_path": {},
         "provenance": provenance(),
     }
