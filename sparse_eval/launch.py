@@ -134,14 +134,13 @@ def _stamp(path: str | Path) -> dict[str, Any] | None:
 
 
 def _sha256(path: str | Path) -> str | None:
-    h = hashlib.sha256()
+    """The file's sha256 (``fingerprint.file_sha256``: hashed once per new mtime, then cached), None if unreadable."""
+    from .fingerprint import file_sha256
+
     try:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
+        return file_sha256(path)
     except OSError:
         return None
-    return h.hexdigest()
 
 
 def _listing(path: str | Path) -> str | None:

@@ -208,9 +208,7 @@ def summarize(records: list[dict[str, Any]]):
         row.update(g[val].mean().to_dict())
         _, row["error_lo"], row["error_hi"], row["passages"] = common.passage_band(g["error"])
         rows.append(row)
-    out = pd.DataFrame(rows)
-    order = out["layer"].map(lambda x: (1, 0) if x == "mean" else (0, x))
-    return out.iloc[sorted(range(len(out)), key=lambda i: order.iloc[i])].reset_index(drop=True)
+    return pd.DataFrame(rows)  # layers in order, then "mean" (groupby(sort=False) keeps the order of `per`)
 
 
 def _default_plot_layers(layers: list[int], num_layers: int) -> list[int]:
