@@ -352,3 +352,21 @@ def test_records_do_not_depend_on_the_batch_on_the_gpu(tmp_path):
     out = os.environ.get("SPARSE_EVAL_INVARIANCE_OUT")
     report = run_check(device="cuda", out=Path(out) if out else tmp_path / "invariance.json")
     assert report["all_identical"], json.dumps(report["mismatches"], indent=1)[:4000]
+
+
+def test_the_real_model_check_covers_every_registered_method(tmp_path):
+    """The check the GPU test runs (``sparse_eval.invariance.check``) takes its runs from the registry: every
+    registered method under its ``paper_configs`` (a method added as one file is checked with no list to edit).  Two
+    of them run here on the shipped model on the CPU (every method's CPU invariance: the tests above); an unknown
+    label is refused."""
+    from sparse_eval.invariance.check import method_runs, run_check
+
+    labels = [label for label, _, _ in method_runs()]
+    assert {name for _, name, _ in method_runs()} == set(METHODS)
+    assert "double_sparsity-offload" in labels and labels[0] == "full"
+    report = run_check(device="cpu", out=tmp_path / "invariance.json", model="stories260k", per_length=1, alone=1,
+                       max_new_tokens=3, methods=("snapkv", "h2o"), fast_path=())
+    assert list(report["methods"]) == ["h2o", "snapkv"]
+    assert report["all_identical"], json.dumps(report["mismatches"], indent=1)[:4000]
+    with pytest.raises(ValueError, match="not a label of the check"):
+        run_check(device="cpu", out=tmp_path / "x.json", model="stories260k", methods=("nope",))

@@ -4,8 +4,8 @@
 
 The model is SmolLM2-135M-Instruct when its GGUF is where ``conf/model/smollm2_135m.yaml`` looks (else the shipped
 stories260K), on CUDA when there is one, in its default dtype (bf16 on CUDA).  The samples are RULER prompts at two
-lengths mixed in one pool, so every batch is left-padded.  For each method (its paper defaults; DS also with
-DS-Offload's predicted keys) the pool runs with ``eval.batch_invariant`` on as one batch of 50, in batches of 7
+lengths mixed in one pool, so every batch is left-padded.  For each registered method (the configs its ``paper_configs`` declares:
+its paper defaults; DS also with DS-Offload's predicted keys) the pool runs with ``eval.batch_invariant`` on as one batch of 50, in batches of 7
 and, for ``--alone`` samples, one at a time; a sample's record (greedy tokens, stop reason, its score and every
 recorded statistic, per layer and head) must be the same in all three.  With ``--fast-path`` the same comparison
 is made with the stock kernels for a few methods, to show what the mode removes.  ``tests/test_invariance.py``
@@ -26,10 +26,17 @@ import torch
 
 STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass", "topk_recall", "sparse_rows",
          "empty_selections")
-# (label, method, options): each registered method at its paper defaults, DS also offloaded
-METHOD_RUNS = (("full", "full", {}), ("topk", "topk", {}), ("oracle", "oracle", {}), ("magicpig", "magicpig", {}),
-               ("quest", "quest", {}), ("double_sparsity", "double_sparsity", {}),
-               ("double_sparsity-offload", "double_sparsity", {"offload": True}))
+
+
+def method_runs() -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, method, options): every registered method under the configs it declares (``Method.paper_configs``:
+    its paper defaults; DS also offloaded), full attention first."""
+    from ..methods import METHODS
+
+    names = sorted(METHODS, key=lambda n: (not METHODS[n].dense, n))
+    return [(label, name, dict(opts)) for name in names for label, opts in METHODS[name].paper_configs().items()]
+
+
 SUBTASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue", "vt")
 SHORT_SUBTASKS = ("niah_single_1", "niah_single_2")  # the ones that fit a 512-token context (stories260K)
 
@@ -116,6 +123,10 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
     from ..models.loading import load_model, max_context
     from ..provenance import provenance
 
+    runs = method_runs()
+    if methods and set(methods) - {r[0] for r in runs}:
+        raise ValueError(f"--methods {sorted(set(methods) - {r[0] for r in runs})}: not a label of the check; valid: "
+                         f"{[r[0] for r in runs]}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = model or default_model()
     data_dir = data_dir or os.environ.get("SPARSE_EVAL_DATA_DIR")
@@ -158,7 +169,7 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(report, indent=1) + "\n")
 
-    for label, name, opts in METHOD_RUNS:
+    for label, name, opts in runs:
         if methods and label not in methods:
             continue
         res = run(label, name, opts, True, (n, 7, 1))
@@ -175,7 +186,7 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
         print(f"{label}: {'identical' if not bad else f'{len(bad)} mismatches'} {report['methods'][label]['seconds']}",
               flush=True)
         save()
-    for label, name, opts in METHOD_RUNS:
+    for label, name, opts in runs:
         if label not in fast_path or (methods and label not in methods):
             continue
         res = run(label, name, opts, False, (n, 1))

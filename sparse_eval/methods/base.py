@@ -290,6 +290,13 @@ class Method:
         return {}
 
     @classmethod
+    def paper_configs(cls) -> dict[str, dict[str, Any]]:
+        """Labelled option sets (over the defaults) that the real-model batch-invariance check
+        (``sparse_eval.invariance.check``, on the GPU in ``tests/test_invariance.py``) runs at the paper's settings on
+        RULER prompts of 2-4K tokens.  Default: the defaults alone, labelled with the method's name."""
+        return {cls.name: {}}
+
+    @classmethod
     def keep_all_options(cls, n: int) -> dict[str, Any] | None:
         """Options under which the method keeps every valid key of any row of at most ``n`` keys, with no logit
         correction, so that its output must equal full attention's (the contract's exactness check).  None: the

@@ -224,6 +224,11 @@ class DoubleSparsity(Method):
         return cls.contract_configs()[:2]
 
     @classmethod
+    def paper_configs(cls):
+        """The paper's defaults, and DS-Offload (the next layer's keys predicted and prefetched: a second path)."""
+        return {cls.name: {}, f"{cls.name}-offload": {"offload": True}}
+
+    @classmethod
     def system_contract_configs(cls):
         """The label cache (calibrated channels), DS-Offload's predicted prefetch, and it from layer l−1's attention
         input."""
