@@ -11,11 +11,13 @@ independent computation here (float64, plain torch):
 * Cost1 and Cost2 in [0, 1], Cost2 = kept keys / valid keys per row, the static keys (sink + local) always kept;
 * a budget that keeps every key gives full attention's output (where the method has one: ``keep_all_options``);
 * causality under protocols S and B on the shipped 5-layer model (changing later tokens moves no earlier logit);
-* the engine's NLL under full attention is the model's own ``labels=`` loss.
+* the engine's NLL under full attention is the model's own ``labels=`` loss;
+* resume after a kill: a generation run killed in its second batch, started again, gives every record of a run never
+  killed (a planted per-batch sampling seed in ``Engine`` is caught: oracle sampling's records move).
 
 Elsewhere, registry-driven too: batch invariance (``test_invariance.test_records_do_not_depend_on_the_batch``, over
-``model_contract_configs``), the system path's token parity (``test_system``, over the system-layer registry), resume
-after a kill (``test_runner.test_resume_after_interrupted_run``: the store and the runner know no method).
+``model_contract_configs``), the system path's token parity (``test_system``, over the system-layer registry), the
+store's side of resuming (``test_runner.test_resume_after_interrupted_run``, ``test_batching``).
 """
 
 from __future__ import annotations
@@ -313,3 +315,49 @@ def test_nll_is_the_models_own_loss_under_full_attention(stories):
                 assert r.nll_sum == pytest.approx(ref, rel=1e-5), chunk
     finally:
         detach(model)
+
+
+@pytest.mark.parametrize("name,opts", MODEL_CASES)
+def test_a_run_killed_in_a_batch_resumes_to_the_records_of_an_unbroken_run(tmp_path, monkeypatch, name, opts):
+    """Resume after a kill: a key-value retrieval run on the shipped model (generation, so whatever a method keeps
+    between decode steps is exercised) killed while its second batch is scored keeps only its first batch; the same run started
+    again finishes the rest, and every record equals that of a run never killed (wall times apart)."""
+    import json
+    from pathlib import Path
+
+    from test_runner import cfg_for
+
+    from sparse_eval.experiment import Experiment
+
+    over = ("method=full", "task=kv_retrieval", "task.num_keys=2", "task.num_samples=3", "task.max_new_tokens=6",
+            "eval.batch_size=2", "print_table=false")
+
+    def records(run_dir):
+        lines = Path(run_dir, "samples.jsonl").read_text().splitlines()
+        return {r["id"]: {k: v for k, v in r.items() if k != "time_s"} for r in map(json.loads, lines)}
+
+    killed = Experiment(cfg_for(tmp_path / "killed", *over))
+    score, scored = killed.task.score, []
+
+    def dying(sample, result):
+        if len(scored) == 2:  # the first sample of the second batch
+            raise KeyboardInterrupt
+        scored.append(sample.id)
+        return score(sample, result)
+
+    monkeypatch.setattr(killed.task, "score", dying)
+    with pytest.raises(KeyboardInterrupt):
+        killed.run_method(make_config(name, opts))
+    _, run_dir = killed.run_dir(make_config(name, opts))
+    assert len(records(run_dir)) == 2  # the first batch is stored; nothing of the killed one
+    monkeypatch.undo()
+
+    resumed = Experiment(cfg_for(tmp_path / "killed", *over))
+    assert resumed.run_method(make_config(name, opts))["samples"] == 3
+    unbroken = Experiment(cfg_for(tmp_path / "unbroken", *over))
+    unbroken.run_method(make_config(name, opts))
+    _, ref_dir = unbroken.run_dir(make_config(name, opts))
+    got, want = records(run_dir), records(ref_dir)
+    assert sorted(got) == sorted(want) and len(want) == 3
+    for key in want:
+        assert got[key] == want[key], (key, sorted(k for k in want[key] if got[key].get(k) != want[key][k]))
