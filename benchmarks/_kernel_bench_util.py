@@ -62,9 +62,15 @@ def l3_bytes() -> int | None:
 
 def hardware() -> dict[str, Any]:
     info: dict[str, Any] = {
-        "hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "cpu_model": cpu_model(), "logical_cpus": os.cpu_count(),
-        "physical_cores": physical_cores(), "l3_bytes_per_socket": l3_bytes(), "torch_threads": torch.get_num_threads(),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_model": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "physical_cores": physical_cores(),
+        "l3_bytes_per_socket": l3_bytes(),
+        "torch_threads": torch.get_num_threads(),
     }
     try:
         info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
@@ -72,8 +78,13 @@ def hardware() -> dict[str, Any]:
         pass
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        info.update(gpu_name=p.name, gpu_count=torch.cuda.device_count(), gpu_memory_bytes=p.total_memory,
-                    gpu_sms=p.multi_processor_count, cuda=torch.version.cuda)
+        info.update(
+            gpu_name=p.name,
+            gpu_count=torch.cuda.device_count(),
+            gpu_memory_bytes=p.total_memory,
+            gpu_sms=p.multi_processor_count,
+            cuda=torch.version.cuda,
+        )
     for mod in ("triton", "numba"):
         try:
             info[mod] = __import__(mod).__version__
@@ -82,7 +93,9 @@ def hardware() -> dict[str, Any]:
     return info
 
 
-def time_cpu(fn: Callable[[], Any], warmup: int, reps: int, before: Callable[[], Any] | None = None) -> dict[str, float]:
+def time_cpu(
+    fn: Callable[[], Any], warmup: int, reps: int, before: Callable[[], Any] | None = None
+) -> dict[str, float]:
     """Median / min / max wall time in ms of ``fn`` (``before`` runs untimed ahead of each call, e.g. a cache
     flush)."""
     for _ in range(warmup):
@@ -99,7 +112,9 @@ def time_cpu(fn: Callable[[], Any], warmup: int, reps: int, before: Callable[[],
     return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "reps": reps}
 
 
-def time_cuda(fn: Callable[[], Any], warmup: int, reps: int, before: Callable[[], Any] | None = None) -> dict[str, float]:
+def time_cuda(
+    fn: Callable[[], Any], warmup: int, reps: int, before: Callable[[], Any] | None = None
+) -> dict[str, float]:
     """Median / min / max in ms with CUDA events around each call (``before`` runs untimed ahead of it)."""
     for _ in range(warmup):
         if before:

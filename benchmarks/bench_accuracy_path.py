@@ -32,9 +32,18 @@ from sparse_eval.methods import build_method, make_config  # noqa: E402
 from sparse_eval.provenance import hardware, versions  # noqa: E402
 from sparse_eval.run_config import method_options  # noqa: E402
 
-LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                  rope_theta=500000.0, rms_norm_eps=1e-5)
+LLAMA31_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+)
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype, layers: int | None):
@@ -83,15 +92,21 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=None, help="override the number of layers (random models)")
-    ap.add_argument("--methods", default="stock,full,topk,oracle,magicpig,quest,double_sparsity",
-                    help="conf/method names; 'stock' = transformers' own attention, no plug-in")
+    ap.add_argument(
+        "--methods",
+        default="stock,full,topk,oracle,magicpig,quest,double_sparsity",
+        help="conf/method names; 'stock' = transformers' own attention, no plug-in",
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = {
+        "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+    }[args.dtype]
     model = build_model(args.model, device, dtype, args.layers)
     n_layers = model.config.num_hidden_layers
     vocab = model.config.vocab_size
@@ -107,7 +122,9 @@ def main(argv=None) -> int:
         sync(device)
         prefill_ms.append((time.perf_counter() - t0) * 1000.0)
     first = logits.argmax(-1, keepdim=True)
-    print(f"prefill {args.batch} x {args.context}: {statistics.median(prefill_ms):.1f} ms (median of {len(prefill_ms)})")
+    print(
+        f"prefill {args.batch} x {args.context}: {statistics.median(prefill_ms):.1f} ms (median of {len(prefill_ms)})"
+    )
 
     methods = []
     for name in [m for m in args.methods.split(",") if m]:
@@ -120,7 +137,9 @@ def main(argv=None) -> int:
             opts["dense_layers"] = [0, n_layers // 2]
         if opts["name"] == "double_sparsity" and args.model != "stories260k":
             # a random-weight model has no calibration file: give every head channels 0..d-1 in order
-            head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+            head_dim = (
+                getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+            )
             opts["channels"] = [list(range(head_dim))] * model.config.num_attention_heads
         try:
             method = build_method(make_config(opts["name"], opts))
@@ -135,22 +154,34 @@ def main(argv=None) -> int:
     stats: dict[tuple[str, bool], dict] = {}
     for rep in range(args.repeats):
         for name, method in methods:
-            for err in ((False,) if method is None else (True, False)):
+            for err in (False,) if method is None else (True, False):
                 session = None if method is None else attach(model, method, Runtime(protocol="A", compute_error=err))
                 if rep == 0:
                     time_decode(model, cache, args.context, first, 2, device)  # warm-up
                 if session is not None:
                     session.recorder.reset()
-                times.setdefault((name, err), []).append(time_decode(model, cache, args.context, first, args.steps, device))
+                times.setdefault((name, err), []).append(
+                    time_decode(model, cache, args.context, first, args.steps, device)
+                )
                 stats[(name, err)] = session.recorder.summary() if session is not None else {}
                 if session is not None:
                     detach(model)
     rows = []
     for (name, err), ts in times.items():
         summ = stats[(name, err)]
-        rows.append({"method": name, "est_error_on": err, "ms_per_step": statistics.median(ts), "all_ms": ts,
-                     "cost2": summ.get("cost2"), "est_error": summ.get("est_error")})
-        print(f"{name:16s} error={'on ' if err else 'off'} {statistics.median(ts):9.3f} ms/step  cost2={summ.get('cost2')}")
+        rows.append(
+            {
+                "method": name,
+                "est_error_on": err,
+                "ms_per_step": statistics.median(ts),
+                "all_ms": ts,
+                "cost2": summ.get("cost2"),
+                "est_error": summ.get("est_error"),
+            }
+        )
+        print(
+            f"{name:16s} error={'on ' if err else 'off'} {statistics.median(ts):9.3f} ms/step  cost2={summ.get('cost2')}"
+        )
     base = {r["est_error_on"]: r["ms_per_step"] for r in rows if r["method"] == "full"}
     for r in rows:
         r["ratio_vs_full"] = r["ms_per_step"] / base[r["est_error_on"]] if base else None
@@ -158,15 +189,28 @@ def main(argv=None) -> int:
     for name in dict.fromkeys(r["method"] for r in rows):
         on = next((r for r in rows if r["method"] == name and r["est_error_on"]), None)
         off = next((r for r in rows if r["method"] == name and not r["est_error_on"]), None)
-        print(f"{name:16s}  {on['ratio_vs_full']:.2f}x / {off['ratio_vs_full']:.2f}x" if on else
-              f"{name:16s}  - / {off['ratio_vs_full']:.2f}x")
-    record = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "args": vars(args),
-              "device": str(device), "dtype": str(dtype), "hardware": hardware(), "versions": versions(),
-              "prefill_ms": statistics.median(prefill_ms), "prefill_all_ms": prefill_ms, "rows": rows}
+        print(
+            f"{name:16s}  {on['ratio_vs_full']:.2f}x / {off['ratio_vs_full']:.2f}x"
+            if on
+            else f"{name:16s}  - / {off['ratio_vs_full']:.2f}x"
+        )
+    record = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "args": vars(args),
+        "device": str(device),
+        "dtype": str(dtype),
+        "hardware": hardware(),
+        "versions": versions(),
+        "prefill_ms": statistics.median(prefill_ms),
+        "prefill_all_ms": prefill_ms,
+        "rows": rows,
+    }
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"accuracy_path_{args.model}_{args.context}_b{args.batch}.json").write_text(json.dumps(record, indent=2) + "\n")
+        (out / f"accuracy_path_{args.model}_{args.context}_b{args.batch}.json").write_text(
+            json.dumps(record, indent=2) + "\n"
+        )
     return 0
 
 

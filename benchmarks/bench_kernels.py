@@ -49,8 +49,13 @@ def parse_args(argv=None):
     ap.add_argument("--beta", type=float, default=1 / 16, help="DS token ratio k / N")
     ap.add_argument("--label-bits", type=int, nargs="+", default=None)
     ap.add_argument("--gqa", nargs="+", default=["kv_head", "query_head"], choices=["kv_head", "query_head"])
-    ap.add_argument("--quest", type=str, nargs="+", default=None,
-                    help="Quest budgets 'page_size,token_fraction' (MagicPIG Table 3: 16,0.04 32,0.06 64,0.08)")
+    ap.add_argument(
+        "--quest",
+        type=str,
+        nargs="+",
+        default=None,
+        help="Quest budgets 'page_size,token_fraction' (MagicPIG Table 3: 16,0.04 32,0.06 64,0.08)",
+    )
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--no-graph", action="store_true", help="time eager launches only")
@@ -65,8 +70,12 @@ def parse_args(argv=None):
     a.long_batches = a.long_batches or ([] if q else [1, 4])
     a.long_contexts = a.long_contexts or ([] if q else [32768, 65536, 131072])
     a.label_bits = a.label_bits or ([4] if q else [16, 8, 4])
-    a.quest = [(int(p), float(f)) for p, f in (s.split(",") for s in (a.quest or (["16,0.0625"] if q else
-                                                                                 ["16,0.0625", "16,0.04", "32,0.06", "64,0.08"])))]
+    a.quest = [
+        (int(p), float(f))
+        for p, f in (
+            s.split(",") for s in (a.quest or (["16,0.0625"] if q else ["16,0.0625", "16,0.04", "32,0.06", "64,0.08"]))
+        )
+    ]
     a.reps = a.reps or (3 if q else 50)
     a.warmup = a.warmup or (1 if q else 10)
     return a
@@ -113,8 +122,11 @@ def copy_bandwidth(device) -> dict | None:
     x = torch.empty(int(2e9) // 2, dtype=torch.bfloat16, device=device).normal_()
     y = torch.empty_like(x)
     t = time_cuda(lambda: y.copy_(x), 3, 20)
-    return {"bytes_read_plus_written": 2 * x.numel() * 2, "median_ms": t["median_ms"],
-            "gbps": 2 * x.numel() * 2 / (t["median_ms"] * 1e-3) / 1e9}
+    return {
+        "bytes_read_plus_written": 2 * x.numel() * 2,
+        "median_ms": t["median_ms"],
+        "gbps": 2 * x.numel() * 2 / (t["median_ms"] * 1e-3) / 1e9,
+    }
 
 
 def sdpa_decode(q, k, v):
@@ -170,12 +182,20 @@ def bench_shape(b, n, args, device, timer, gen, rows):
     # the dense decode of the system path: Triton split-K over a preallocated cache with per-row lengths (what a
     # captured step runs), and sdpa on a [:, :, :n] slice of a preallocated cache, as the eager FullLayer calls it
     lengths = torch.full((b,), n, dtype=torch.int32, device=device)
-    rec = record("dense_triton", [lambda s=s: sparse_decode.dense_attention(s["q"], s["k"], s["v"], lengths, backend=be)
-                                  for s in sets[:1]], kv_bytes)
+    rec = record(
+        "dense_triton",
+        [lambda s=s: sparse_decode.dense_attention(s["q"], s["k"], s["v"], lengths, backend=be) for s in sets[:1]],
+        kv_bytes,
+    )
     rec["speedup_vs_sdpa"] = dense["ms_best"] / rec["ms_best"]
-    rec = record("dense_triton_w8", [lambda s=s: sparse_decode.dense_attention(s["q"], s["k"], s["v"], lengths,
-                                                                               backend=be, num_warps=8)
-                                     for s in sets[:1]], kv_bytes)
+    rec = record(
+        "dense_triton_w8",
+        [
+            lambda s=s: sparse_decode.dense_attention(s["q"], s["k"], s["v"], lengths, backend=be, num_warps=8)
+            for s in sets[:1]
+        ],
+        kv_bytes,
+    )
     rec["speedup_vs_sdpa"] = dense["ms_best"] / rec["ms_best"]
     padded = []
     for s in sets[:1]:
@@ -194,11 +214,20 @@ def bench_shape(b, n, args, device, timer, gen, rows):
     # Copies rotate until they exceed --rotate-bytes, so these reads come from HBM as well.
     sel_bytes = b * HKV * budget * D * 2 * 2
     n_sel_copies = 1 if device.type != "cuda" else max(1, min(64, math.ceil(args.rotate_bytes / sel_bytes)))
-    sel_sets = [(sets[i % len(sets)]["q"], torch.randn(b, HKV, budget, D, generator=gen, device=device).to(s0["k"].dtype),
-                 torch.randn(b, HKV, budget, D, generator=gen, device=device).to(s0["v"].dtype))
-                for i in range(n_sel_copies)]
-    floor = record("floor_sdpa_budget_keys", [lambda s=s: sdpa_decode(*s) for s in sel_sets], sel_bytes,
-                   {"budget": budget, "copies": n_sel_copies})
+    sel_sets = [
+        (
+            sets[i % len(sets)]["q"],
+            torch.randn(b, HKV, budget, D, generator=gen, device=device).to(s0["k"].dtype),
+            torch.randn(b, HKV, budget, D, generator=gen, device=device).to(s0["v"].dtype),
+        )
+        for i in range(n_sel_copies)
+    ]
+    floor = record(
+        "floor_sdpa_budget_keys",
+        [lambda s=s: sdpa_decode(*s) for s in sel_sets],
+        sel_bytes,
+        {"budget": budget, "copies": n_sel_copies},
+    )
     floor["speedup_vs_sdpa"] = dense["ms_best"] / floor["ms_best"]
     del sel_sets
     r = s0["channels"].shape[1]
@@ -208,8 +237,12 @@ def bench_shape(b, n, args, device, timer, gen, rows):
         for gqa in args.gqa:
             hi = HKV if gqa == "kv_head" else HQ
             gathered = b * hi * budget * D * 2 * 2
-            fns = [lambda s=s, c=c, gqa=gqa: ds.decode(s["q"], s["k"], s["v"], c, s["channels"], budget, gqa=gqa,
-                                                       backend=be) for s, c in zip(sets, caches)]
+            fns = [
+                lambda s=s, c=c, gqa=gqa: ds.decode(
+                    s["q"], s["k"], s["v"], c, s["channels"], budget, gqa=gqa, backend=be
+                )
+                for s, c in zip(sets, caches)
+            ]
             # stages on precomputed inputs
             ql = ds.gather_query_channels(s0["q"], s0["channels"])
             qs = ql.view(b, HKV, G, r).sum(2) if gqa == "kv_head" else ql
@@ -224,10 +257,22 @@ def bench_shape(b, n, args, device, timer, gen, rows):
             }
             o, lse, sel = ds.decode(s0["q"], s0["k"], s0["v"], caches[0], s0["channels"], budget, gqa=gqa, backend=be)
             o_ref, _ = sparse_decode.attention_reference(s0["q"], s0["k"], s0["v"], sel, out_dtype=torch.float32)
-            rec = record(f"ds_{bits}bit_{gqa}", fns, label_bytes + gathered,
-                         {"label_bits": bits, "gqa": gqa, "alpha": r / D, "beta": budget / n, "budget": budget,
-                          "label_bytes": label_bytes, "gathered_bytes": gathered, "rel_err_vs_reference": rel_err(o, o_ref)},
-                         stages)
+            rec = record(
+                f"ds_{bits}bit_{gqa}",
+                fns,
+                label_bytes + gathered,
+                {
+                    "label_bits": bits,
+                    "gqa": gqa,
+                    "alpha": r / D,
+                    "beta": budget / n,
+                    "budget": budget,
+                    "label_bytes": label_bytes,
+                    "gathered_bytes": gathered,
+                    "rel_err_vs_reference": rel_err(o, o_ref),
+                },
+                stages,
+            )
             rec["speedup_vs_sdpa"] = dense["ms_best"] / rec["ms_best"]
             rec["goal_12x"] = rec["speedup_vs_sdpa"] >= 12.0
             if gqa == "kv_head":  # bound with a free top-k and gather: these label scores + the floor above
@@ -235,11 +280,25 @@ def bench_shape(b, n, args, device, timer, gen, rows):
                 rec["bound_ms"] = st["label_scores"] + floor["ms_best"]
                 rec["bound_speedup_vs_sdpa"] = dense["ms_best"] / rec["bound_ms"]
             if device.type == "cuda" and be != "torch":  # the same step with torch.topk
-                fns_t = [lambda s=s, c=c, gqa=gqa: ds.decode(s["q"], s["k"], s["v"], c, s["channels"], budget, gqa=gqa,
-                                                             backend=be, topk="torch") for s, c in zip(sets, caches)]
-                rec_t = record(f"ds_{bits}bit_{gqa}_torch_topk", fns_t, label_bytes + gathered,
-                               {"label_bits": bits, "gqa": gqa, "alpha": r / D, "beta": budget / n, "budget": budget,
-                                "topk": "torch"})
+                fns_t = [
+                    lambda s=s, c=c, gqa=gqa: ds.decode(
+                        s["q"], s["k"], s["v"], c, s["channels"], budget, gqa=gqa, backend=be, topk="torch"
+                    )
+                    for s, c in zip(sets, caches)
+                ]
+                rec_t = record(
+                    f"ds_{bits}bit_{gqa}_torch_topk",
+                    fns_t,
+                    label_bytes + gathered,
+                    {
+                        "label_bits": bits,
+                        "gqa": gqa,
+                        "alpha": r / D,
+                        "beta": budget / n,
+                        "budget": budget,
+                        "topk": "torch",
+                    },
+                )
                 rec_t["speedup_vs_sdpa"] = dense["ms_best"] / rec_t["ms_best"]
     for ps, frac in args.quest:
         n_sel = max(1, round(frac * n / ps))
@@ -249,8 +308,12 @@ def bench_shape(b, n, args, device, timer, gen, rows):
         for gqa in args.gqa:
             hi = HKV if gqa == "kv_head" else HQ
             gathered = b * hi * min(n, n_sel * ps) * D * 2 * 2
-            fns = [lambda s=s, m=m, gqa=gqa: quest.decode(s["q"], s["k"], s["v"], m[0], m[1], ps, n_sel, gqa=gqa,
-                                                          backend=be) for s, m in zip(sets, meta)]
+            fns = [
+                lambda s=s, m=m, gqa=gqa: quest.decode(
+                    s["q"], s["k"], s["v"], m[0], m[1], ps, n_sel, gqa=gqa, backend=be
+                )
+                for s, m in zip(sets, meta)
+            ]
             pscores = quest.page_scores(s0["q"], *meta[0], reduce=gqa == "kv_head", backend=be)
             pages = quest.top_pages(pscores, n_sel)
             tok = quest.pages_to_tokens(pages, ps, n)
@@ -262,10 +325,21 @@ def bench_shape(b, n, args, device, timer, gen, rows):
             }
             o, lse, sel = quest.decode(s0["q"], s0["k"], s0["v"], *meta[0], ps, n_sel, gqa=gqa, backend=be)
             o_ref, _ = sparse_decode.attention_reference(s0["q"], s0["k"], s0["v"], sel, out_dtype=torch.float32)
-            rec = record(f"quest_p{ps}_{frac:g}_{gqa}", fns, meta_bytes + gathered,
-                         {"page_size": ps, "token_fraction": frac, "pages_selected": n_sel, "gqa": gqa,
-                          "meta_bytes": meta_bytes, "gathered_bytes": gathered, "rel_err_vs_reference": rel_err(o, o_ref)},
-                         stages)
+            rec = record(
+                f"quest_p{ps}_{frac:g}_{gqa}",
+                fns,
+                meta_bytes + gathered,
+                {
+                    "page_size": ps,
+                    "token_fraction": frac,
+                    "pages_selected": n_sel,
+                    "gqa": gqa,
+                    "meta_bytes": meta_bytes,
+                    "gathered_bytes": gathered,
+                    "rel_err_vs_reference": rel_err(o, o_ref),
+                },
+                stages,
+            )
             rec["speedup_vs_sdpa"] = dense["ms_best"] / rec["ms_best"]
     rows.extend(out)
     del sets
@@ -275,8 +349,16 @@ def bench_shape(b, n, args, device, timer, gen, rows):
 
 
 TUNE_CONFIGS = [  # (BLOCK_N, num_warps, num_stages, split multiplier)
-    (64, 4, None, 1), (64, 4, 2, 1), (64, 4, 4, 1), (64, 8, 3, 1), (32, 4, 3, 1), (32, 4, 2, 1), (128, 8, 3, 1),
-    (16, 4, 3, 1), (64, 4, None, 2), (64, 4, None, 0.5),
+    (64, 4, None, 1),
+    (64, 4, 2, 1),
+    (64, 4, 4, 1),
+    (64, 8, 3, 1),
+    (32, 4, 3, 1),
+    (32, 4, 2, 1),
+    (128, 8, 3, 1),
+    (16, 4, 3, 1),
+    (64, 4, None, 2),
+    (64, 4, None, 0.5),
 ]
 
 
@@ -286,26 +368,66 @@ def tune_attention(b, n, args, device, gen, rows):
     sets, _ = make_inputs(b, n, args, device, gen)
     s_len = max(1, round(args.beta * n))
     for hi, mode in ((HKV, "kv_head"), (HQ, "query_head")):
-        idxs = [torch.stack([torch.randperm(n, device=device, generator=gen)[:s_len] for _ in range(b * hi)])
-                .view(b, hi, s_len).to(torch.int32) for _ in sets]
+        idxs = [
+            torch.stack([torch.randperm(n, device=device, generator=gen)[:s_len] for _ in range(b * hi)])
+            .view(b, hi, s_len)
+            .to(torch.int32)
+            for _ in sets
+        ]
         nbytes = b * hi * s_len * D * 2 * 2
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         base_splits, _ = sparse_decode.split_plan(b * hi, s_len, 64, sms)
         for bn, nw, ns, mult in TUNE_CONFIGS:
             splits = max(1, int(round(base_splits * mult)))
-            fns = [lambda s=s, ix=ix: sparse_decode.attention(s["q"], s["k"], s["v"], ix, block_n=bn, num_warps=nw,
-                                                              num_stages=ns, num_splits=splits if mult != 1 else None)
-                   for s, ix in zip(sets, idxs)]
+            fns = [
+                lambda s=s, ix=ix: sparse_decode.attention(
+                    s["q"],
+                    s["k"],
+                    s["v"],
+                    ix,
+                    block_n=bn,
+                    num_warps=nw,
+                    num_stages=ns,
+                    num_splits=splits if mult != 1 else None,
+                )
+                for s, ix in zip(sets, idxs)
+            ]
             try:
-                t = (time_cuda if device.type == "cuda" else time_cpu)(lambda: [f() for f in fns], args.warmup, args.reps)
+                t = (time_cuda if device.type == "cuda" else time_cpu)(
+                    lambda: [f() for f in fns], args.warmup, args.reps
+                )
             except Exception as e:  # a configuration the compiler rejects: record and go on
-                rows.append({"kind": "tune", "batch": b, "context": n, "gqa": mode, "block_n": bn, "num_warps": nw,
-                             "num_stages": ns, "split_mult": mult, "error": str(e)[:300]})
+                rows.append(
+                    {
+                        "kind": "tune",
+                        "batch": b,
+                        "context": n,
+                        "gqa": mode,
+                        "block_n": bn,
+                        "num_warps": nw,
+                        "num_stages": ns,
+                        "split_mult": mult,
+                        "error": str(e)[:300],
+                    }
+                )
                 continue
             ms = t["median_ms"] / len(fns)
-            rows.append({"kind": "tune", "batch": b, "context": n, "gqa": mode, "block_n": bn, "num_warps": nw,
-                         "num_stages": ns, "split_mult": mult, "splits": splits if mult != 1 else base_splits,
-                         "ms": ms, "bytes": nbytes, "gbps": nbytes / (ms * 1e-3) / 1e9})
+            rows.append(
+                {
+                    "kind": "tune",
+                    "batch": b,
+                    "context": n,
+                    "gqa": mode,
+                    "block_n": bn,
+                    "num_warps": nw,
+                    "num_stages": ns,
+                    "split_mult": mult,
+                    "splits": splits if mult != 1 else base_splits,
+                    "ms": ms,
+                    "bytes": nbytes,
+                    "gbps": nbytes / (ms * 1e-3) / 1e9,
+                }
+            )
     del sets
 
 
@@ -324,7 +446,10 @@ def time_graph_per_call(fn, args, calls: int = 20) -> float:
 
 
 LABEL_SHAPES = [  # (B, N, r, bits): the end-to-end DS run (α = 1/4, 4-bit) at 16K, and the kernel benchmark's
-    (45, 16384, 32, 4), (32, 16384, 8, 4), (7, 98304, 32, 4)]
+    (45, 16384, 32, 4),
+    (32, 16384, 8, 4),
+    (7, 98304, 32, 4),
+]
 LABEL_CONFIGS = [(bn, nw) for bn in (128, 256, 512, 1024, 2048) for nw in (2, 4, 8)]
 
 
@@ -339,14 +464,45 @@ def tune_label_scores(args, device, gen, rows):
         nbytes = cache.nbytes() + b * HKV * n * 4
         for bn, nw in LABEL_CONFIGS:
             try:
-                ms = time_graph_per_call(lambda: ds.label_scores(ql, cache, reduce=True, lengths=lengths, block_n=bn,  # noqa: F821 (deleted after use)
-                                                                 num_warps=nw), args)
+                ms = time_graph_per_call(
+                    lambda: ds.label_scores(
+                        ql,
+                        cache,  # noqa: F821 (deleted after use)
+                        reduce=True,
+                        lengths=lengths,
+                        block_n=bn,  # noqa: F821 (deleted after use)
+                        num_warps=nw,
+                    ),
+                    args,
+                )
             except Exception as e:  # a configuration the compiler rejects: recorded
-                rows.append({"kind": "label_tune", "batch": b, "context": n, "r": r, "bits": bits, "block_n": bn,
-                             "num_warps": nw, "error": str(e)[:300]})
+                rows.append(
+                    {
+                        "kind": "label_tune",
+                        "batch": b,
+                        "context": n,
+                        "r": r,
+                        "bits": bits,
+                        "block_n": bn,
+                        "num_warps": nw,
+                        "error": str(e)[:300],
+                    }
+                )
                 continue
-            rows.append({"kind": "label_tune", "batch": b, "context": n, "r": r, "bits": bits, "block_n": bn,
-                         "num_warps": nw, "ms": ms, "bytes": nbytes, "gbps": nbytes / (ms * 1e-3) / 1e9})
+            rows.append(
+                {
+                    "kind": "label_tune",
+                    "batch": b,
+                    "context": n,
+                    "r": r,
+                    "bits": bits,
+                    "block_n": bn,
+                    "num_warps": nw,
+                    "ms": ms,
+                    "bytes": nbytes,
+                    "gbps": nbytes / (ms * 1e-3) / 1e9,
+                }
+            )
         del x, cache
 
 
@@ -369,8 +525,15 @@ def tune_topk(b, n, args, device, gen, rows):
         t = timer.graphed([fn]) or timer.eager([fn])
         return t["median_ms"]
 
-    rows.append({"kind": "topk_tune", "batch": b, "context": n, "impl": "torch.topk",
-                 "ms": timed(lambda: torch.topk(scores, k, dim=-1, sorted=False))})
+    rows.append(
+        {
+            "kind": "topk_tune",
+            "batch": b,
+            "context": n,
+            "impl": "torch.topk",
+            "ms": timed(lambda: torch.topk(scores, k, dim=-1, sorted=False)),
+        }
+    )
     for rb, bn, nw, af in TOPK_CONFIGS:
         cfg = {"radix_bits": rb, "block_n": bn, "num_warps": nw, "atomic_from": af}
         try:
@@ -423,8 +586,9 @@ def main(argv=None):
         print(f"device-to-device copy: {bw['gbps']:.0f} GB/s (read + write)")
     gen = torch.Generator(device=device).manual_seed(0)
     rows: list[dict] = []
-    shapes = [(b, n) for b in args.batches for n in args.contexts] + \
-             [(b, n) for b in args.long_batches for n in args.long_contexts]
+    shapes = [(b, n) for b in args.batches for n in args.contexts] + [
+        (b, n) for b in args.long_batches for n in args.long_contexts
+    ]
     for b, n in shapes:
         try:
             bench_shape(b, n, args, device, timer, gen, rows)
@@ -445,36 +609,99 @@ def main(argv=None):
     label_rows = [r for r in tune_rows if r.get("kind") == "label_tune"]
     tune_rows = [r for r in tune_rows if r.get("kind") not in ("topk_tune", "label_tune")]
     for r in rows + tune_rows:
-        r["hardware"] = {"gpu_name": hw.get("gpu_name"), "cpu_model": hw.get("cpu_model"),
-                         "logical_cpus": hw.get("logical_cpus")}
+        r["hardware"] = {
+            "gpu_name": hw.get("gpu_name"),
+            "cpu_model": hw.get("cpu_model"),
+            "logical_cpus": hw.get("logical_cpus"),
+        }
         r["copy_gbps"] = bw["gbps"] if bw else None
         if bw and "gbps" in r:
             r["frac_of_copy_bw"] = r["gbps"] / bw["gbps"]
-    payload = {"hardware": hw, "copy_bandwidth": bw, "args": {k: str(v) for k, v in vars(args).items()},
-               "records": rows, "tune": tune_rows, "topk_tune": topk_rows, "label_tune": label_rows}
+    payload = {
+        "hardware": hw,
+        "copy_bandwidth": bw,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "records": rows,
+        "tune": tune_rows,
+        "topk_tune": topk_rows,
+        "label_tune": label_rows,
+    }
     path = write_json(args.out, "kernels.json", payload)
     png = plot(rows, args.out)
-    table = print_table(rows, [
-        ("batch", "B", ""), ("context", "N", ""), ("impl", "impl", ""), ("ms", "eager ms", ".4f"),
-        ("ms_graph", "graph ms", ".4f"), ("gbps", "GB/s", ".0f"), ("speedup_vs_sdpa", "x sdpa", ".2f"),
-        ("rel_err_vs_reference", "rel err", ".1e"), ("bound_speedup_vs_sdpa", "bound x sdpa", ".2f")])
-    stage_rows = [{"batch": r["batch"], "context": r["context"], "impl": r["impl"], **r["stages_graph_ms"]}
-                  for r in rows if r.get("stages_graph_ms") and r["impl"].startswith("ds_")]
+    table = print_table(
+        rows,
+        [
+            ("batch", "B", ""),
+            ("context", "N", ""),
+            ("impl", "impl", ""),
+            ("ms", "eager ms", ".4f"),
+            ("ms_graph", "graph ms", ".4f"),
+            ("gbps", "GB/s", ".0f"),
+            ("speedup_vs_sdpa", "x sdpa", ".2f"),
+            ("rel_err_vs_reference", "rel err", ".1e"),
+            ("bound_speedup_vs_sdpa", "bound x sdpa", ".2f"),
+        ],
+    )
+    stage_rows = [
+        {"batch": r["batch"], "context": r["context"], "impl": r["impl"], **r["stages_graph_ms"]}
+        for r in rows
+        if r.get("stages_graph_ms") and r["impl"].startswith("ds_")
+    ]
     shape = [("batch", "B", ""), ("context", "N", "")]
     sections = [
-        (stage_rows, "DS stages, CUDA-graph timed (topk: kernels.topk; topk_torch: torch.topk):", shape + [
-            ("impl", "impl", ""), ("label_scores", "scores ms", ".4f"), ("topk", "topk ms", ".4f"),
-            ("topk_torch", "torch.topk ms", ".4f"), ("topk_sorted", "sorted ms", ".4f"),
-            ("attention", "attention ms", ".4f")]),
-        (label_rows, "label scores (GQA-summed, row lengths) by launch configuration, CUDA-graph timed:", shape + [
-            ("r", "r", ""), ("bits", "bits", ""), ("block_n", "BLOCK_N", ""), ("num_warps", "warps", ""),
-            ("ms", "ms", ".4f"), ("gbps", "GB/s", ".0f")]),
-        (topk_rows, "top-k of N/16 per row, rows [B, 8, N] fp32:", shape + [
-            ("impl", "impl", ""), ("radix_bits", "radix bits", ""), ("block_n", "BLOCK_N", ""),
-            ("num_warps", "warps", ""), ("atomic_from", "atomics from pass", ""), ("ms", "ms", ".4f")]),
-        (tune_rows, "sparse attention launch configurations (N/16 random indices):", shape + [
-            ("gqa", "selection", ""), ("block_n", "BLOCK_N", ""), ("num_warps", "warps", ""),
-            ("num_stages", "stages", ""), ("splits", "splits", ""), ("ms", "ms", ".4f"), ("gbps", "GB/s", ".0f")]),
+        (
+            stage_rows,
+            "DS stages, CUDA-graph timed (topk: kernels.topk; topk_torch: torch.topk):",
+            shape
+            + [
+                ("impl", "impl", ""),
+                ("label_scores", "scores ms", ".4f"),
+                ("topk", "topk ms", ".4f"),
+                ("topk_torch", "torch.topk ms", ".4f"),
+                ("topk_sorted", "sorted ms", ".4f"),
+                ("attention", "attention ms", ".4f"),
+            ],
+        ),
+        (
+            label_rows,
+            "label scores (GQA-summed, row lengths) by launch configuration, CUDA-graph timed:",
+            shape
+            + [
+                ("r", "r", ""),
+                ("bits", "bits", ""),
+                ("block_n", "BLOCK_N", ""),
+                ("num_warps", "warps", ""),
+                ("ms", "ms", ".4f"),
+                ("gbps", "GB/s", ".0f"),
+            ],
+        ),
+        (
+            topk_rows,
+            "top-k of N/16 per row, rows [B, 8, N] fp32:",
+            shape
+            + [
+                ("impl", "impl", ""),
+                ("radix_bits", "radix bits", ""),
+                ("block_n", "BLOCK_N", ""),
+                ("num_warps", "warps", ""),
+                ("atomic_from", "atomics from pass", ""),
+                ("ms", "ms", ".4f"),
+            ],
+        ),
+        (
+            tune_rows,
+            "sparse attention launch configurations (N/16 random indices):",
+            shape
+            + [
+                ("gqa", "selection", ""),
+                ("block_n", "BLOCK_N", ""),
+                ("num_warps", "warps", ""),
+                ("num_stages", "stages", ""),
+                ("splits", "splits", ""),
+                ("ms", "ms", ".4f"),
+                ("gbps", "GB/s", ".0f"),
+            ],
+        ),
     ]
     for sec_rows, title, cols in sections:
         if sec_rows:

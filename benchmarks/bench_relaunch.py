@@ -49,12 +49,21 @@ def main() -> None:
     ap.add_argument("--runs-dir", required=True, type=Path)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", default=MULTIRUN_METHODS, help="the multirun's method list")
-    ap.add_argument("--repo", type=Path, default=REPO, help="the checkout to launch from (e.g. an older commit "
-                                                            "unpacked with git archive)")
+    ap.add_argument(
+        "--repo",
+        type=Path,
+        default=REPO,
+        help="the checkout to launch from (e.g. an older commit unpacked with git archive)",
+    )
     ap.add_argument("--only", choices=["default", "multirun"], help="time one of the two commands")
     args = ap.parse_args()
-    env = dict(os.environ, SPARSE_EVAL_RUNS_DIR=str(args.runs_dir), HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
-               PYTHONPATH=str(args.repo.resolve()))
+    env = dict(
+        os.environ,
+        SPARSE_EVAL_RUNS_DIR=str(args.runs_dir),
+        HF_HUB_OFFLINE="1",
+        WANDB_MODE="disabled",
+        PYTHONPATH=str(args.repo.resolve()),
+    )
     py = [sys.executable, "-m", "sparse_eval"]
     commands = {"default": py, "multirun": py + ["-m", f"method={args.methods}"]}
     out = {}
@@ -69,10 +78,15 @@ def main() -> None:
             times.append(dt)
             if name == "multirun":
                 jobs.append(job_times(args.runs_dir))
-        out[name] = {"command": " ".join(["python", "-m", "sparse_eval", *cmd[3:]]), "repo": str(args.repo),
-                     "first_launch_s": round(first, 2),
-                     "relaunch_s": [round(t, 2) for t in times], "median_s": round(statistics.median(times), 2),
-                     "cpu_s": [round(c, 2) for c in CPU_S], "median_cpu_s": round(statistics.median(CPU_S), 2)}
+        out[name] = {
+            "command": " ".join(["python", "-m", "sparse_eval", *cmd[3:]]),
+            "repo": str(args.repo),
+            "first_launch_s": round(first, 2),
+            "relaunch_s": [round(t, 2) for t in times],
+            "median_s": round(statistics.median(times), 2),
+            "cpu_s": [round(c, 2) for c in CPU_S],
+            "median_cpu_s": round(statistics.median(CPU_S), 2),
+        }
         if jobs:
             out[name]["job_s_after_imports"] = [[round(t, 3) for t in j] for j in jobs]
             out[name]["max_job_s"] = round(max(max(j) for j in jobs), 3)

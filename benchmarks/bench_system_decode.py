@@ -48,30 +48,44 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama3_1_8b", choices=sorted(SHAPES))
     ap.add_argument("--contexts", default="16384,32768,98304")
-    ap.add_argument("--methods", default="full,full_graph,ds,ds_graph,ds_offload,magicpig_10_150,magicpig_8_75",
-                    help="a _graph suffix decodes with static shapes captured in one CUDA graph (magicpig_K_L_graph "
-                         "in pieces cut at its CPU parts); a "
-                         "_torchtopk suffix (ds, quest) takes torch.topk instead of kernels.topk; a _halves suffix "
-                         "(with _graph) decodes the batch as two halves whose captured steps run interleaved (MagicPIG: "
-                         "one half's GPU pieces during the other's CPU parts; prefill_ms_batch1 is then the two "
-                         "prefills'); name@B runs batch B "
-                         "instead of the planned one (e.g. full_graph@10 past the GPU's capacity: an OOM is recorded)")
+    ap.add_argument(
+        "--methods",
+        default="full,full_graph,ds,ds_graph,ds_offload,magicpig_10_150,magicpig_8_75",
+        help="a _graph suffix decodes with static shapes captured in one CUDA graph (magicpig_K_L_graph "
+        "in pieces cut at its CPU parts); a "
+        "_torchtopk suffix (ds, quest) takes torch.topk instead of kernels.topk; a _halves suffix "
+        "(with _graph) decodes the batch as two halves whose captured steps run interleaved (MagicPIG: "
+        "one half's GPU pieces during the other's CPU parts; prefill_ms_batch1 is then the two "
+        "prefills'); name@B runs batch B "
+        "instead of the planned one (e.g. full_graph@10 past the GPU's capacity: an OOM is recorded)",
+    )
     ap.add_argument("--steps", type=int, default=12, help="decode steps per run (warm-up included)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--gpu-reserve-gib", type=float, default=24.0, help="GPU memory kept free of caches")
-    ap.add_argument("--cpu-budget-gib", type=float, default=None, help="host memory for offloaded caches "
-                    "(default: 60%% of MemAvailable)")
+    ap.add_argument(
+        "--cpu-budget-gib",
+        type=float,
+        default=None,
+        help="host memory for offloaded caches (default: 60%% of MemAvailable)",
+    )
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--batch", type=int, default=None, help="use this batch for every run instead of the plan")
     ap.add_argument("--time-budget-s", type=float, default=480.0, help="skip remaining runs after this")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="numba threads of MagicPIG's CPU part (default: the cores this process may use)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="numba threads of MagicPIG's CPU part (default: the cores this process may use)",
+    )
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="2 layers, contexts 2K, batch 2 (checks the plumbing)")
     ap.add_argument("--replot", default=None, help="redraw the figure of this system_decode.json and exit")
-    ap.add_argument("--plan-only", action="store_true",
-                    help="print each run's planned batch (GPU and host bytes per row) for this machine and exit; "
-                         "needs no GPU (--gpu-gib gives the GPU's memory then)")
+    ap.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print each run's planned batch (GPU and host bytes per row) for this machine and exit; "
+        "needs no GPU (--gpu-gib gives the GPU's memory then)",
+    )
     ap.add_argument("--gpu-gib", type=float, default=None, help="GPU memory for --plan-only without a GPU")
     ap.add_argument("--out", default=os.environ.get("OUT", "experiments/system_decode_throughput"))
     a = ap.parse_args(argv)
@@ -100,9 +114,19 @@ def method_config(name: str, num_layers: int, hkv: int, d: int, seed: int = 0) -
         return {"name": "magicpig", "K": int(k), "L": int(l_), "dense_layers": dense}
     if name in ("ds", "ds_offload"):
         gen = torch.Generator().manual_seed(seed)
-        ch = torch.stack([torch.stack([torch.randperm(d, generator=gen) for _ in range(hkv)]) for _ in range(num_layers)])
-        return {"name": "double_sparsity", "alpha": 0.25, "beta": 0.0625, "label_bits": 4, "gqa": "kv_head",
-                "channels": ch, "offload": name == "ds_offload", "dense_layers": [0, 1] if num_layers > 2 else [0]}
+        ch = torch.stack(
+            [torch.stack([torch.randperm(d, generator=gen) for _ in range(hkv)]) for _ in range(num_layers)]
+        )
+        return {
+            "name": "double_sparsity",
+            "alpha": 0.25,
+            "beta": 0.0625,
+            "label_bits": 4,
+            "gqa": "kv_head",
+            "channels": ch,
+            "offload": name == "ds_offload",
+            "dense_layers": [0, 1] if num_layers > 2 else [0],
+        }
     if name == "quest":  # MagicPIG §5.1's Quest baseline settings at β = 1/16: pages of 16, sink 4 + local 64
         return {"name": "quest", "page_size": 16, "budget": 0.0625, "dense_layers": [0, 1] if num_layers > 2 else [0]}
     raise ValueError(f"method {name!r}; valid: full, ds, ds_offload, quest, magicpig_<K>_<L>")
@@ -115,8 +139,10 @@ def bandwidths(dev) -> dict:
         x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
         y = torch.empty_like(x)
         h = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-        for name, fn, nbytes in (("gpu_copy_gbps", lambda: y.copy_(x), 2 << 30),
-                                 ("h2d_pinned_gbps", lambda: y.copy_(h, non_blocking=True), 1 << 30)):
+        for name, fn, nbytes in (
+            ("gpu_copy_gbps", lambda: y.copy_(x), 2 << 30),
+            ("h2d_pinned_gbps", lambda: y.copy_(h, non_blocking=True), 1 << 30),
+        ):
             fn()
             torch.cuda.synchronize()
             ts = []
@@ -165,8 +191,14 @@ def plot(records: list[dict], path: Path, title: str) -> None:
             bars = ax.bar(xs, ys, w, label=m)
             if key == "tokens_per_s":
                 for bar, lab in zip(bars, labels):
-                    ax.annotate(lab, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                                fontsize=6, rotation=90)
+                    ax.annotate(
+                        lab,
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center",
+                        va="bottom",
+                        fontsize=6,
+                        rotation=90,
+                    )
     for ax, ylabel in zip(axes, ("throughput (generated tokens/s, whole batch)", "latency per decode step (ms)")):
         ax.set_yscale("log")  # MagicPIG's CPU part and full attention differ by 100x
         ax.set_xticks(range(len(ctxs)))
@@ -177,8 +209,15 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     lo, hi = axes[0].get_ylim()
     axes[0].set_ylim(lo, hi * 3)  # room for the batch labels
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8,
-               title="methods (_graph: the decode step captured once in a CUDA graph)", title_fontsize=8)
+    fig.legend(
+        handles,
+        labels,
+        loc="lower center",
+        ncol=len(labels),
+        fontsize=8,
+        title="methods (_graph: the decode step captured once in a CUDA graph)",
+        title_fontsize=8,
+    )
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
@@ -201,11 +240,15 @@ def print_plan(a, shape: dict, cpu_free: float, threads: int) -> int:
     else:
         raise SystemExit("--plan-only without a GPU needs --gpu-gib (e.g. --gpu-gib 139 for an H200)")
     gpu_free = max(0.0, gpu_total - weights - a.gpu_reserve_gib * GiB)
-    print(f"{a.shape} ({n_layers} layers, weights {weights / GiB:.1f} GiB); GPU {gpu_total / GiB:.0f} GiB, "
-          f"{gpu_free / GiB:.1f} GiB for caches; host {cpu_free / GiB:.1f} GiB for caches; MagicPIG CPU threads "
-          f"{threads}")
-    print(f"{'context':>8s} {'method':22s} {'batch':>5s} {'GPU MiB/row':>12s} {'host MiB/row':>13s} {'fit GPU':>8s} "
-          f"{'fit host':>8s}")
+    print(
+        f"{a.shape} ({n_layers} layers, weights {weights / GiB:.1f} GiB); GPU {gpu_total / GiB:.0f} GiB, "
+        f"{gpu_free / GiB:.1f} GiB for caches; host {cpu_free / GiB:.1f} GiB for caches; MagicPIG CPU threads "
+        f"{threads}"
+    )
+    print(
+        f"{'context':>8s} {'method':22s} {'batch':>5s} {'GPU MiB/row':>12s} {'host MiB/row':>13s} {'fit GPU':>8s} "
+        f"{'fit host':>8s}"
+    )
     for ctx in a.contexts:
         for spec in a.methods:
             name, _, forced = spec.partition("@")
@@ -213,8 +256,10 @@ def print_plan(a, shape: dict, cpu_free: float, threads: int) -> int:
             cfg = method_config(base, n_layers, shape["num_key_value_heads"], shape["head_dim"])
             batch, plan = plan_batch(cfg, ctx, a.steps, shape, n_layers, gpu_free, cpu_free, a.max_batch)
             batch = int(forced) if forced else (a.batch or batch)
-            print(f"{ctx:8d} {name:22s} {batch:5d} {plan['gpu_bytes_per_row'] / 2**20:12.1f} "
-                  f"{plan['cpu_bytes_per_row'] / 2**20:13.1f} {plan['fit_gpu']:8d} {plan['fit_cpu']:8d}")
+            print(
+                f"{ctx:8d} {name:22s} {batch:5d} {plan['gpu_bytes_per_row'] / 2**20:12.1f} "
+                f"{plan['cpu_bytes_per_row'] / 2**20:13.1f} {plan['fit_gpu']:8d} {plan['fit_cpu']:8d}"
+            )
     return 0
 
 
@@ -243,10 +288,20 @@ def main(argv=None) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     gpu_total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 0
     gpu_free = max(0.0, gpu_total - weights - a.gpu_reserve_gib * GiB) if dev.type == "cuda" else 64 * GiB
-    meta = {"magicpig_cpu_threads": threads, "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-            "hardware": hardware(), "bandwidths": bandwidths(dev), "shape": a.shape, "num_layers": n_layers,
-            "weights_bytes": weights, "gpu_free_for_caches": gpu_free, "cpu_free_for_caches": cpu_free,
-            "steps": a.steps, "warmup": a.warmup, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = {
+        "magicpig_cpu_threads": threads,
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "hardware": hardware(),
+        "bandwidths": bandwidths(dev),
+        "shape": a.shape,
+        "num_layers": n_layers,
+        "weights_bytes": weights,
+        "gpu_free_for_caches": gpu_free,
+        "cpu_free_for_caches": cpu_free,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     print(json.dumps({k: v for k, v in meta.items() if k != "hardware"}, default=str), flush=True)
     records: list[dict] = []
     path = out / "system_decode.json"
@@ -268,9 +323,15 @@ def main(argv=None) -> int:
             cfg = method_config(base, n_layers, shape["num_key_value_heads"], shape["head_dim"])
             batch, plan = plan_batch(cfg, ctx, a.steps, shape, n_layers, gpu_free, cpu_free, a.max_batch)
             batch = int(forced) if forced else (a.batch or batch)
-            rec.update(batch=batch, batch_forced=bool(forced or a.batch), plan=plan, cuda_graph=graph, topk=topk,
-                       interleave=interleave,
-                       method_config={k: v for k, v in cfg.items() if k != "channels"})
+            rec.update(
+                batch=batch,
+                batch_forced=bool(forced or a.batch),
+                plan=plan,
+                cuda_graph=graph,
+                topk=topk,
+                interleave=interleave,
+                method_config={k: v for k, v in cfg.items() if k != "channels"},
+            )
             if batch < 1:
                 rec["skipped"] = "does not fit one row"
                 records.append(rec)
@@ -279,13 +340,26 @@ def main(argv=None) -> int:
                 method = build_method(cfg)
                 method.setup(model, a.shape)
                 t0 = time.time()
-                res = decode(model, method, ids, a.steps, DecodeOptions(repeat_batch=batch, cuda_graph=graph,
-                                                                        topk=topk, interleave=interleave))
-                steps = res.step_ms[a.warmup:] or res.step_ms  # step_ms has steps - 1 entries
+                res = decode(
+                    model,
+                    method,
+                    ids,
+                    a.steps,
+                    DecodeOptions(repeat_batch=batch, cuda_graph=graph, topk=topk, interleave=interleave),
+                )
+                steps = res.step_ms[a.warmup :] or res.step_ms  # step_ms has steps - 1 entries
                 med = statistics.median(steps)
-                rec.update(ms_per_step=med, ms_min=min(steps), ms_max=max(steps), timed_steps=len(steps),
-                           tokens_per_s=batch * 1e3 / med, prefill_ms_batch1=res.prefill_ms,
-                           first_steps_ms=res.step_ms[: a.warmup], memory=res.memory, wall_s=time.time() - t0)
+                rec.update(
+                    ms_per_step=med,
+                    ms_min=min(steps),
+                    ms_max=max(steps),
+                    timed_steps=len(steps),
+                    tokens_per_s=batch * 1e3 / med,
+                    prefill_ms_batch1=res.prefill_ms,
+                    first_steps_ms=res.step_ms[: a.warmup],
+                    memory=res.memory,
+                    wall_s=time.time() - t0,
+                )
                 if res.stats.get("sample_rows"):
                     rec["sampled_fraction_of_candidates"] = res.stats["sampled"] / max(1, res.stats["candidates"])
                 for key in ("graph_capture_ms", "host_wait_ms_per_step", "host_part_ms_per_step"):

@@ -45,11 +45,13 @@ def make_method(name: str, model, model_name: str, dense_layers: list[int] | Non
 
 def _op_names(prof) -> collections.Counter:
     """The top-level aten ops of a profile (not called from inside another aten op), by name."""
+
     def top(e):
         p = e.cpu_parent
         while p is not None and not p.name.startswith("aten::"):
             p = p.cpu_parent
         return p is None
+
     return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::") and top(e))
 
 
@@ -102,8 +104,8 @@ def loop_vs_generate(model, batch: int, prompt: int, new: int, repeats: int, dev
     ids = torch.zeros(batch, max(lens), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, -len(p):] = torch.tensor(p)
-        mask[i, -len(p):] = 1
+        ids[i, -len(p) :] = torch.tensor(p)
+        mask[i, -len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     t_gen = []
@@ -128,8 +130,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--error", choices=("on", "off"), default="on")
-    ap.add_argument("--dense-layers", default=None,
-                    help="comma-separated dense layers for every method (default: each method's config, capped to the model)")
+    ap.add_argument(
+        "--dense-layers",
+        default=None,
+        help="comma-separated dense layers for every method (default: each method's config, capped to the model)",
+    )
     ap.add_argument("--top", type=int, default=0, help="print the N most frequent ops per method")
     ap.add_argument("--loop-batch", type=int, default=16, help="batch of the Engine-vs-generate comparison (0: skip)")
     ap.add_argument("--loop-prompt", type=int, default=128)
@@ -138,10 +143,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32, args.layers)
-    ids = torch.randint(3, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.randint(3, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0)).to(
+        device
+    )
     cache = make_cache(model)
     with torch.inference_mode():
-        first = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
+        first = (
+            model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
+        )
     print(f"{args.model} layers={model.config.num_hidden_layers} context={args.context} est_error={args.error}")
     print(f"{'method':18s} {'aten ops/step':>14s} {'ms/step':>9s}")
     rows = [("stock sdpa", None)] + [(m, m) for m in args.methods.split(",") if m]
@@ -151,7 +160,11 @@ def main(argv=None) -> int:
             model.set_attn_implementation("sdpa")
         else:
             dense = [int(i) for i in args.dense_layers.split(",")] if args.dense_layers else None
-            attach(model, make_method(name, model, args.model, dense), Runtime(protocol="A", compute_error=args.error == "on"))
+            attach(
+                model,
+                make_method(name, model, args.model, dense),
+                Runtime(protocol="A", compute_error=args.error == "on"),
+            )
         ms = step_times(model, cache, args.context, first, args.steps, args.repeats, device)
         ops, names = count_ops(model, cache, args.context, first, 4, device)
         print(f"{label:18s} {ops:14.0f} {ms:9.3f}", flush=True)
@@ -161,10 +174,12 @@ def main(argv=None) -> int:
         detach(model)
     if args.loop_batch:
         r = loop_vs_generate(model, args.loop_batch, args.loop_prompt, args.loop_new, args.repeats, device)
-        print(f"batch {args.loop_batch}, prompt ~{args.loop_prompt}, {args.loop_new} new tokens: Engine (full) "
-              f"{r['engine_ms_per_step']:.2f} ms/step, model.generate {r['generate_ms_per_step']:.2f} ms/step "
-              f"(generate / Engine = {r['generate_ms_per_step'] / r['engine_ms_per_step']:.2f}x); aten ops per token "
-              f"(prefill included): Engine {r['engine_ops_per_token']:.0f}, generate {r['generate_ops_per_token']:.0f}")
+        print(
+            f"batch {args.loop_batch}, prompt ~{args.loop_prompt}, {args.loop_new} new tokens: Engine (full) "
+            f"{r['engine_ms_per_step']:.2f} ms/step, model.generate {r['generate_ms_per_step']:.2f} ms/step "
+            f"(generate / Engine = {r['generate_ms_per_step'] / r['engine_ms_per_step']:.2f}x); aten ops per token "
+            f"(prefill included): Engine {r['engine_ops_per_token']:.0f}, generate {r['generate_ops_per_token']:.0f}"
+        )
     return 0
 
 

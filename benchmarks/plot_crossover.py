@@ -44,12 +44,19 @@ def plot(records: list[dict], context: int, path: Path) -> None:
     for i, r in enumerate(records):
         ok = "tokens_per_s" in r
         colour = "tab:blue" if r["method"].startswith("full") else "tab:orange"
-        ax.bar(i, r["tokens_per_s"] if ok else floor * 2, color=colour if ok else "white", edgecolor=colour,
-               hatch=None if ok else "//")
+        ax.bar(
+            i,
+            r["tokens_per_s"] if ok else floor * 2,
+            color=colour if ok else "white",
+            edgecolor=colour,
+            hatch=None if ok else "//",
+        )
         if ok:
             mem = r.get("memory", {})
-            text = (f"{r['tokens_per_s']:.0f} tok/s\nGPU cache {mem.get('cache_gpu', 0) / GiB:.0f} GiB\n"
-                    f"host cache {mem.get('cache_cpu', 0) / GiB:.0f} GiB")
+            text = (
+                f"{r['tokens_per_s']:.0f} tok/s\nGPU cache {mem.get('cache_gpu', 0) / GiB:.0f} GiB\n"
+                f"host cache {mem.get('cache_cpu', 0) / GiB:.0f} GiB"
+            )
             ax.annotate(text, (i, r["tokens_per_s"]), ha="center", va="bottom", fontsize=6)
         else:
             ax.annotate("OOM" if "OOM" in r["error"] else "error", (i, floor * 2), ha="center", va="bottom", fontsize=7)
@@ -59,8 +66,11 @@ def plot(records: list[dict], context: int, path: Path) -> None:
     ax.set_ylim(floor, max(r.get("tokens_per_s", floor) for r in records) * 8)
     ax.set_ylabel("throughput (generated tokens/s, whole batch)")
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title(f"capacity at {context // 1024}K context: full attention on the GPU (blue; hatched = out of GPU "
-                 f"memory) vs KV cache in host memory (orange)", fontsize=9)
+    ax.set_title(
+        f"capacity at {context // 1024}K context: full attention on the GPU (blue; hatched = out of GPU "
+        f"memory) vs KV cache in host memory (orange)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -77,8 +87,11 @@ def main(argv=None) -> int:
         print(f"no records at context {a.context} in {[str(f) for f in a.files]}")
         return 1
     for r in records:
-        print(f"{r['method']:>16s} B={r['batch']:>2d}  " + (f"{r['tokens_per_s']:8.1f} tok/s" if "tokens_per_s" in r
-                                                            else r["error"][:60]) + f"  ({r['host']}, {r['file']})")
+        print(
+            f"{r['method']:>16s} B={r['batch']:>2d}  "
+            + (f"{r['tokens_per_s']:8.1f} tok/s" if "tokens_per_s" in r else r["error"][:60])
+            + f"  ({r['host']}, {r['file']})"
+        )
     plot(records, a.context, a.out)
     print(f"wrote {a.out}")
     return 0

@@ -1,6 +1,6 @@
 """Where a method's accuracy path spends its time: torch.profiler over a few decode steps.
 
-    python benchmarks/profile_method.py --model llama3_8b_random --context 16384 --method magicpig
+python benchmarks/profile_method.py --model llama3_8b_random --context 16384 --method magicpig
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ def main() -> None:
     ids = torch.randint(3, model.config.vocab_size, (1, args.context)).to(device)
     cache = make_cache(model)
     with torch.inference_mode():
-        first = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
+        first = (
+            model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
+        )
     for name in [m for m in args.method.split(",") if m]:
         profile_one(name, model, cache, first, args, device)
 
@@ -50,7 +52,9 @@ def profile_one(name, model, cache, first, args, device) -> None:
     method.setup(model, args.model)
     attach(model, method, Runtime(protocol="A", compute_error=args.error))
     time_decode(model, cache, args.context, first, 2, device)
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+    )
     with torch.profiler.profile(activities=acts) as prof:
         ms = time_decode(model, cache, args.context, first, args.steps, device)
     detach(model)
@@ -62,6 +66,7 @@ def profile_one(name, model, cache, first, args, device) -> None:
         line += f"; GPU busy {busy:.2f} ms/step in {len(dev) / args.steps:.0f} kernels/copies per step"
     print(line)
     print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
+
 
 if __name__ == "__main__":
     main()

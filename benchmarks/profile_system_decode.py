@@ -61,8 +61,10 @@ def _phases(model, method, ids, batch, steps, label) -> None:
     ms = {k: v / n for k, v in timed.stats["phase_ms"].items()}
     step_plain = statistics.median(plain.step_ms[1:])
     step_timed = statistics.median(timed.step_ms[1:])
-    print(f"== {label}: ms per step (median of {len(plain.step_ms) - 1} steady steps) {step_plain:.1f} untimed, "
-          f"{step_timed:.1f} with the phase brackets")
+    print(
+        f"== {label}: ms per step (median of {len(plain.step_ms) - 1} steady steps) {step_plain:.1f} untimed, "
+        f"{step_timed:.1f} with the phase brackets"
+    )
     for k, v in sorted(ms.items(), key=lambda kv: -kv[1]):
         print(f"  {k:40s} {v:8.2f} ms  {100 * v / step_timed:5.1f} %")
     rest = step_timed - sum(ms.values())
@@ -79,17 +81,27 @@ def main(argv=None) -> int:
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--rows", type=int, default=14)
     ap.add_argument("--cuda-graph", action="store_true", help="decode with the captured static step")
-    ap.add_argument("--phases", action="store_true", help="print the per-step wall time of the phases a layer brackets "
-                    "(MagicPIG: GPU part, codes to the host, CPU sampling, CPU attention, merge; decode(phase_times="
-                    "True)) and the rest of the step, instead of profiling")
-    ap.add_argument("--sync-debug", action="store_true", help="print where a decode step synchronises with the GPU "
-                    "(torch.cuda.set_sync_debug_mode) instead of profiling")
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="print the per-step wall time of the phases a layer brackets "
+        "(MagicPIG: GPU part, codes to the host, CPU sampling, CPU attention, merge; decode(phase_times="
+        "True)) and the rest of the step, instead of profiling",
+    )
+    ap.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="print where a decode step synchronises with the GPU "
+        "(torch.cuda.set_sync_debug_mode) instead of profiling",
+    )
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = random_model(a.shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, num_layers=a.num_layers)
     shape = SHAPES[a.shape]
     ids = torch.randint(0, shape["vocab_size"], (1, a.context), generator=torch.Generator().manual_seed(0))
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else []
+    )
     for name in a.methods.split(","):
         for b in (int(x) for x in a.batches.split(",")):
             cfg = method_config(name, model.config.num_hidden_layers, shape["num_key_value_heads"], shape["head_dim"])

@@ -52,11 +52,23 @@ def main(argv=None) -> int:
         s = torch.randn(b, 8, n, generator=gen, device=dev)
         k = max(1, n // 16)
         cfgs = [("torch.topk", lambda: torch.topk(s, k, dim=-1, sorted=False))]
-        for rb, bn, nw, af in ((8, 2048, 4, 2), (8, 2048, 4, 9), (8, 4096, 4, 2), (8, 4096, 8, 2), (8, 8192, 8, 2),
-                               (4, 4096, 4, 4), (8, 2048, 4, 1)):
-            cfgs.append((f"radix bits={rb} block_n={bn} warps={nw} atomic_from={af}",
-                         lambda rb=rb, bn=bn, nw=nw, af=af: topk.select(s, k, radix_bits=rb, block_n=bn, num_warps=nw,
-                                                                        atomic_from=af)))
+        for rb, bn, nw, af in (
+            (8, 2048, 4, 2),
+            (8, 2048, 4, 9),
+            (8, 4096, 4, 2),
+            (8, 4096, 8, 2),
+            (8, 8192, 8, 2),
+            (4, 4096, 4, 4),
+            (8, 2048, 4, 1),
+        ):
+            cfgs.append(
+                (
+                    f"radix bits={rb} block_n={bn} warps={nw} atomic_from={af}",
+                    lambda rb=rb, bn=bn, nw=nw, af=af: topk.select(
+                        s, k, radix_bits=rb, block_n=bn, num_warps=nw, atomic_from=af
+                    ),
+                )
+            )
         for name, fn in cfgs:
             rows = kernel_times(fn, a.calls)
             total = sum(t for _, t, _ in rows)

@@ -32,8 +32,15 @@ sys.path.insert(0, str(REPO))
 from sparse_eval.tasks import ruler_data as rd  # noqa: E402
 
 # MagicPIG Table 3: the rows (conf/method names) and lengths; experiments' conf/experiment/ruler_magicpig.yaml
-TABLE3_ROWS = ["full", "magicpig_k10_l150", "magicpig_k9_l120", "magicpig_k8_l75", "quest_p16_4pct",
-               "quest_p32_6pct", "quest_p64_8pct"]
+TABLE3_ROWS = [
+    "full",
+    "magicpig_k10_l150",
+    "magicpig_k9_l120",
+    "magicpig_k8_l75",
+    "quest_p16_4pct",
+    "quest_p32_6pct",
+    "quest_p64_8pct",
+]
 TABLE3_LENGTHS = [16384, 32768, 65536, 98304]
 SAMPLES_PER_TASK = 50
 
@@ -61,8 +68,12 @@ def load(paths: list[Path]) -> tuple[int, dict[int, dict]]:
 
 
 def fit_step(recs: dict[int, dict], method: str) -> tuple[float, float] | None:
-    pts = [(n, row["ms_per_step"]) for n, r in recs.items() for row in r["rows"]
-           if row["method"] == method and row["est_error_on"]]
+    pts = [
+        (n, row["ms_per_step"])
+        for n, r in recs.items()
+        for row in r["rows"]
+        if row["method"] == method and row["est_error_on"]
+    ]
     if len(pts) < 2:
         return None
     n, t = np.array(pts, dtype=float).T
@@ -103,8 +114,15 @@ def project(batch: int, recs: dict[int, dict]) -> list[dict]:
             step_s = (a + b * n) / 1000.0
             total = sum(batches * (prefill_s + rd.tokens_to_generate(s) * step_s) for s in rd.SUBTASK_NAMES)
             hours[n] = total / 3600.0
-        out.append({"row": row, "measured_as": used, "step_ms_16k": a + b * 16384, "hours": hours,
-                    "total_hours": sum(hours.values())})
+        out.append(
+            {
+                "row": row,
+                "measured_as": used,
+                "step_ms_16k": a + b * 16384,
+                "hours": hours,
+                "total_hours": sum(hours.values()),
+            }
+        )
     return out
 
 
@@ -129,8 +147,20 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(r.get("total_hours", 0.0) for r in rows)
     print(f"all rows: {total:.1f} hours on {dev} at batch {batch}")
     if args.out:
-        args.out.write_text(json.dumps({"device": dev, "batch": batch, "contexts": sorted(recs), "prefill_fit_ms": [c, d],
-                                        "rows": rows, "total_hours": total}, indent=2) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "device": dev,
+                    "batch": batch,
+                    "contexts": sorted(recs),
+                    "prefill_fit_ms": [c, d],
+                    "rows": rows,
+                    "total_hours": total,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -66,8 +66,10 @@ def load_tokenizer(path: Path):
     try:
         import google.protobuf  # noqa: F401
     except ModuleNotFoundError:
-        sys.exit("this benchmark reads Llama-2's tokenizer.model through transformers, which needs protobuf: "
-                 "pip install protobuf")
+        sys.exit(
+            "this benchmark reads Llama-2's tokenizer.model through transformers, which needs protobuf: "
+            "pip install protobuf"
+        )
     return LlamaTokenizer.from_pretrained(str(path))
 
 
@@ -113,36 +115,55 @@ def main() -> None:
         budget = args.length - rd.tokens_to_generate(sub)
         short = [budget - len(g.input_ids) for g in gen]
         assert min(short) >= 0, f"{sub}: a prompt exceeds the budget"
-        rows.append({
-            "subtask": sub, "seconds": round(dt, 3), "samples": len(gen),
-            "prompt_tokens_mean": round(statistics.mean(len(g.input_ids) for g in gen), 1),
-            "tokens_left_min": min(short), "tokens_left_max": max(short),
-            "tokens_left_mean": round(statistics.mean(short), 1),
-            "step_tokens": round(gen[0].step_tokens, 1), "unit": gen[0].unit,
-            "units_mean": round(statistics.mean(g.units for g in gen), 1),
-            "tokenize_batches": stats["calls"], "tokenized_chars": stats["chars"],
-            "tokenized_chars_per_sample": round(stats["chars"] / len(gen)),
-        })
+        rows.append(
+            {
+                "subtask": sub,
+                "seconds": round(dt, 3),
+                "samples": len(gen),
+                "prompt_tokens_mean": round(statistics.mean(len(g.input_ids) for g in gen), 1),
+                "tokens_left_min": min(short),
+                "tokens_left_max": max(short),
+                "tokens_left_mean": round(statistics.mean(short), 1),
+                "step_tokens": round(gen[0].step_tokens, 1),
+                "unit": gen[0].unit,
+                "units_mean": round(statistics.mean(g.units for g in gen), 1),
+                "tokenize_batches": stats["calls"],
+                "tokenized_chars": stats["chars"],
+                "tokenized_chars_per_sample": round(stats["chars"] / len(gen)),
+            }
+        )
         r = rows[-1]
-        print(f"{sub:16s} {dt:6.2f} s  prompt {r['prompt_tokens_mean']:8.1f} tok  left {r['tokens_left_min']:4d}.."
-              f"{r['tokens_left_max']:<5d} (step {r['step_tokens']:.0f} tok)  tokenized {stats['chars'] / 1e6:5.2f} MB "
-              f"in {stats['calls']} batches", flush=True)
+        print(
+            f"{sub:16s} {dt:6.2f} s  prompt {r['prompt_tokens_mean']:8.1f} tok  left {r['tokens_left_min']:4d}.."
+            f"{r['tokens_left_max']:<5d} (step {r['step_tokens']:.0f} tok)  tokenized {stats['chars'] / 1e6:5.2f} MB "
+            f"in {stats['calls']} batches",
+            flush=True,
+        )
     t_gen = time.perf_counter() - t_gen
     total = time.perf_counter() - t_start
     n = sum(r["samples"] for r in rows)
-    print(f"\n{n} samples ({len(rows)} subtasks x {args.num_samples}) at {args.length} tokens: generation {t_gen:.1f} s "
-          f"(+ tokenizer load {t_tok:.1f} s) = {total:.1f} s wall;  {t_gen / n * 1000:.0f} ms per sample")
+    print(
+        f"\n{n} samples ({len(rows)} subtasks x {args.num_samples}) at {args.length} tokens: generation {t_gen:.1f} s "
+        f"(+ tokenizer load {t_tok:.1f} s) = {total:.1f} s wall;  {t_gen / n * 1000:.0f} ms per sample"
+    )
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     hw = hardware()
     result = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-        "length": args.length, "num_samples": args.num_samples, "seed": args.seed,
+        "length": args.length,
+        "num_samples": args.num_samples,
+        "seed": args.seed,
         "tokenizer": "Llama-2 SentencePiece tokenizer.model via transformers LlamaTokenizer (no chat template)",
-        "generation_seconds": round(t_gen, 2), "tokenizer_load_seconds": round(t_tok, 2),
-        "total_seconds": round(total, 2), "ms_per_sample": round(t_gen / n * 1000, 1),
-        "subtasks": rows, "hardware": hw, "versions": versions(), "git_commit": git_commit(),
+        "generation_seconds": round(t_gen, 2),
+        "tokenizer_load_seconds": round(t_tok, 2),
+        "total_seconds": round(total, 2),
+        "ms_per_sample": round(t_gen / n * 1000, 1),
+        "subtasks": rows,
+        "hardware": hw,
+        "versions": versions(),
+        "git_commit": git_commit(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     stem = out / f"results_{args.length}"
@@ -162,12 +183,18 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['subtask']} | {r['seconds']:.2f} | {r['prompt_tokens_mean']:.0f} | {r['tokens_left_min']}.."
-                     f"{r['tokens_left_max']} | {r['step_tokens']:.0f} ({r['unit']}) | {r['tokenized_chars'] / 1e6:.2f} | "
-                     f"{r['tokenize_batches']} |")
-    lines += ["", "Tokens left = length - tokens_to_generate - prompt tokens (BOS included); a sample stops short by "
-              "less than one haystack step or max(32, 0.05% of the length) tokens, or its next larger haystack was seen "
-              "not to fit.", ""]
+        lines.append(
+            f"| {r['subtask']} | {r['seconds']:.2f} | {r['prompt_tokens_mean']:.0f} | {r['tokens_left_min']}.."
+            f"{r['tokens_left_max']} | {r['step_tokens']:.0f} ({r['unit']}) | {r['tokenized_chars'] / 1e6:.2f} | "
+            f"{r['tokenize_batches']} |"
+        )
+    lines += [
+        "",
+        "Tokens left = length - tokens_to_generate - prompt tokens (BOS included); a sample stops short by "
+        "less than one haystack step or max(32, 0.05% of the length) tokens, or its next larger haystack was seen "
+        "not to fit.",
+        "",
+    ]
     stem.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
     print(f"wrote {stem}.json and {stem}.md")
 

@@ -37,11 +37,17 @@ CPU_S: list[float] = []
 
 def _first_sample_s(repo: Path, overrides: list[str], timeout: float) -> float:
     with tempfile.TemporaryDirectory() as runs:
-        env = dict(os.environ, SPARSE_EVAL_RUNS_DIR=runs, HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
-                   PYTHONPATH=str(repo))
+        env = dict(
+            os.environ, SPARSE_EVAL_RUNS_DIR=runs, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", PYTHONPATH=str(repo)
+        )
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "sparse_eval", *overrides], cwd=repo, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sparse_eval", *overrides],
+            cwd=repo,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             while time.perf_counter() - t0 < timeout:
                 if any(p.stat().st_size > 0 for p in Path(runs).rglob("samples.jsonl")):
@@ -62,9 +68,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args, overrides = ap.parse_known_args()
     times = [first_sample_s(args.repo.resolve(), overrides) for _ in range(args.repeats)]
-    print(f"time to first sample: median {statistics.median(times):.2f} s of {[round(t, 2) for t in times]}; CPU "
-          f"(user + system, to the process's end) median {statistics.median(CPU_S):.2f} s of "
-          f"{[round(c, 2) for c in CPU_S]} ({args.repo})")
+    print(
+        f"time to first sample: median {statistics.median(times):.2f} s of {[round(t, 2) for t in times]}; CPU "
+        f"(user + system, to the process's end) median {statistics.median(CPU_S):.2f} s of "
+        f"{[round(c, 2) for c in CPU_S]} ({args.repo})"
+    )
 
 
 if __name__ == "__main__":

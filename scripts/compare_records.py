@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     for d in diffs:
         print(d)
     shared = [d for d in diffs if not d.startswith("only in")]
-    print(f"{runs} runs in both, {samples} sample records compared: "
-          f"{'identical' if not shared else f'{len(shared)} differences'}")
+    print(
+        f"{runs} runs in both, {samples} sample records compared: "
+        f"{'identical' if not shared else f'{len(shared)} differences'}"
+    )
     return 1 if shared else 0
 
 

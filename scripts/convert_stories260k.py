@@ -153,9 +153,7 @@ def read_llama2c_checkpoint(path: Path) -> tuple[Llama2cConfig, dict[str, torch.
     header_size = 7 * 4
     if len(raw) < header_size:
         raise SystemExit(f"{path}: file too small to be a llama2.c checkpoint ({len(raw)} bytes)")
-    dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len = struct.unpack(
-        "<7i", raw[:header_size]
-    )
+    dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len = struct.unpack("<7i", raw[:header_size])
     cfg = Llama2cConfig(
         dim=dim,
         hidden_dim=hidden_dim,
@@ -223,9 +221,7 @@ def interleaved_to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """
     out_dim, in_dim = w.shape
     head_dim = out_dim // n_heads
-    return (
-        w.reshape(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim).contiguous()
-    )
+    return w.reshape(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim).contiguous()
 
 
 def to_hf_state_dict(cfg: Llama2cConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -328,9 +324,7 @@ def build_backend_tokenizer(pieces: list[str], scores: list[float]):
         )
     )
     tok.normalizer = None
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement=SPIECE_UNDERLINE, prepend_scheme="first", split=False
-    )
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPIECE_UNDERLINE, prepend_scheme="first", split=False)
     tok.decoder = decoders.Sequence(
         [
             decoders.Replace(SPIECE_UNDERLINE, " "),
@@ -339,9 +333,7 @@ def build_backend_tokenizer(pieces: list[str], scores: list[float]):
             decoders.Strip(content=" ", left=1, right=0),
         ]
     )
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")]
-    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A",
         pair="<s>:0 $A:0 <s>:1 $B:1",
@@ -489,9 +481,7 @@ def convert(src: Path, out: Path, *, n_sample_tokens: int = 60, log=print) -> di
 
     rope_err = check_rope_tables(cfg, tensors)
     if rope_err > 1e-4:
-        raise SystemExit(
-            f"{model_path}: stored RoPE tables do not match theta={ROPE_THETA} (max err {rope_err:.3g})"
-        )
+        raise SystemExit(f"{model_path}: stored RoPE tables do not match theta={ROPE_THETA} (max err {rope_err:.3g})")
 
     pieces, scores = read_llama2c_tokenizer(tok_path, cfg.vocab_size)
 

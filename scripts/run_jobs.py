@@ -50,16 +50,26 @@ def run(jobs: list[tuple[str, str]], workers: int, deadline: float, grace: float
         proc, start, fh = running.pop(name)
         fh.close()
         cmd = next(c for n, c in jobs if n == name)
-        done.append({"name": name, "command": cmd, "rc": rc, "status": status,
-                     "start_s": round(start - t0, 1), "wall_s": round(time.monotonic() - start, 1)})
+        done.append(
+            {
+                "name": name,
+                "command": cmd,
+                "rc": rc,
+                "status": status,
+                "start_s": round(start - t0, 1),
+                "wall_s": round(time.monotonic() - start, 1),
+            }
+        )
         print(f"[{time.monotonic() - t0:7.1f} s] {name}: {status} (rc {rc}, {done[-1]['wall_s']} s)", flush=True)
 
     while pending or running:
         now = time.monotonic() - t0
         if not stopping and now >= deadline:
             stopping = True
-            print(f"[{now:7.1f} s] deadline: interrupting {sorted(running)}; not started: "
-                  f"{[n for n, _ in pending]}", flush=True)
+            print(
+                f"[{now:7.1f} s] deadline: interrupting {sorted(running)}; not started: {[n for n, _ in pending]}",
+                flush=True,
+            )
             for proc, _, _ in running.values():
                 os.killpg(proc.pid, signal.SIGINT)
             for name, cmd in pending:
@@ -96,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--workers {args.workers}: must be at least 1")
     done = run(read_jobs(args.jobs), args.workers, args.deadline, args.grace, args.log_dir)
     bad = [d["name"] for d in done if d["status"] == "failed"]
-    print(f"{sum(d['status'] == 'ok' for d in done)} ok, {len(bad)} failed {bad}, "
-          f"{sum(d['status'] in ('interrupted', 'not started') for d in done)} interrupted or not started")
+    print(
+        f"{sum(d['status'] == 'ok' for d in done)} ok, {len(bad)} failed {bad}, "
+        f"{sum(d['status'] in ('interrupted', 'not started') for d in done)} interrupted or not started"
+    )
     return 1 if bad else 0
 
 

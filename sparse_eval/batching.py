@@ -22,7 +22,8 @@ AUTO_BATCH_START = 128  # eval.batch_size=auto tries min(samples, this) first, t
 
 def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and ("out of memory" in str(exc) or "can't allocate memory" in str(exc)))
+        isinstance(exc, RuntimeError) and ("out of memory" in str(exc) or "can't allocate memory" in str(exc))
+    )
 
 
 class Batcher:
@@ -50,16 +51,18 @@ class Batcher:
         resumed run continues the same order), then sorted by length within windows of batches."""
         everything = self.exp.samples()
         want = {s.id for s in todo}
-        ranked = [everything[i] for i in stratified_order([s.id for s in everything],
-                                                          [sample_stratum(s) for s in everything])]
+        ranked = [
+            everything[i] for i in stratified_order([s.id for s in everything], [sample_stratum(s) for s in everything])
+        ]
         order = [s for s in ranked if s.id in want]
         if self.size == 1:
             return order
         lengths = {s.id: len(self.task.request(s).input_ids) for s in order}
         chunk = self.exp.cfg.eval.prefill_chunk
         group = (lambda n: n % chunk) if chunk and self.exp.protocol == "S" else (lambda n: 0)
-        return length_windows(order, self.size * ORDER_WINDOW_BATCHES,
-                              key=lambda s: (group(lengths[s.id]), -lengths[s.id]))
+        return length_windows(
+            order, self.size * ORDER_WINDOW_BATCHES, key=lambda s: (group(lengths[s.id]), -lengths[s.id])
+        )
 
     def __iter__(self):
         i = 0
@@ -93,7 +96,8 @@ class Batcher:
                     raise RuntimeError(
                         f"out of memory running one sample alone (eval.batch_size={self.exp.batch_size}); the run "
                         "stopped with its finished samples kept. Free the device (other processes?) or shorten the "
-                        "task, then run the same command to resume") from exc
+                        "task, then run the same command to resume"
+                    ) from exc
             self.used = max(self.used or 0, len(batch))
             i += len(batch)
             yield recs
@@ -102,7 +106,7 @@ class Batcher:
         """The next batch: up to ``size`` samples, cut where the prefill chunks of a sparse phase would not
         coincide with the rows' own (``Engine`` lays them from the first row's start, or under protocol B from the
         first context end)."""
-        batch = self.todo[i:i + self.size]
+        batch = self.todo[i : i + self.size]
         chunk = self.exp.cfg.eval.prefill_chunk
         if not chunk or len(batch) == 1:
             return batch
@@ -147,8 +151,13 @@ class Batcher:
         if is_out_of_memory(exc):  # a property of the machine's state, not of the sample: never recorded
             return {"id": sample.id, "oom": True}
         log.warning("sample %s failed: %r", sample.id, exc)
-        return {"id": sample.id, "status": "error", "error": repr(exc), "traceback": traceback.format_exc(limit=8),
-                "time_s": 0.0}
+        return {
+            "id": sample.id,
+            "status": "error",
+            "error": repr(exc),
+            "traceback": traceback.format_exc(limit=8),
+            "time_s": 0.0,
+        }
 
 
 def stats_fields(stats: dict[str, Any]) -> dict[str, Any]:
@@ -158,7 +167,11 @@ def stats_fields(stats: dict[str, Any]) -> dict[str, Any]:
     for key in ("cost1", "cost2", "est_error"):
         out[f"{key}_per_layer"] = stats.get(f"{key}_per_layer", {})
     for key, val in stats.items():  # method extras (e.g. draws, pages)
-        if key not in out and not key.endswith(("_per_layer", "_per_layer_head")) and key not in ("sparse_layers",) \
-                and key not in RECORD_STATS:
+        if (
+            key not in out
+            and not key.endswith(("_per_layer", "_per_layer_head"))
+            and key not in ("sparse_layers",)
+            and key not in RECORD_STATS
+        ):
             out[f"m_{key}"] = val
     return out

@@ -86,45 +86,64 @@ def load_text(data: str, data_dir: str | None, source: str = "auto") -> tuple[st
     from .tasks.wikitext import load_text as wikitext_text
 
     if data in REMOVED_DATA:
-        raise ValueError(f"data={data!r} ({REMOVED_DATA[data]}) is no longer a calibration text: the wikitext task "
-                         f"evaluates that split. Use data={VALIDATION} (the default) or data=<path of a text file>")
+        raise ValueError(
+            f"data={data!r} ({REMOVED_DATA[data]}) is no longer a calibration text: the wikitext task "
+            f"evaluates that split. Use data={VALIDATION} (the default) or data=<path of a text file>"
+        )
     if data != VALIDATION:
         p = Path(data).expanduser()
         if not p.is_file():
             raise FileNotFoundError(f"data={data!r}: not {VALIDATION!r} nor an existing text file")
-        return wikitext_text(WikitextConfig(path=str(p)), None)[0], {"dataset": None, "split": None,
-                                                                     "origin": f"file:{p.name}"}
+        return wikitext_text(WikitextConfig(path=str(p)), None)[0], {
+            "dataset": None,
+            "split": None,
+            "origin": f"file:{p.name}",
+        }
     if source not in SOURCES:
         raise ValueError(f"source={source!r}; valid: {list(SOURCES)}")
     local = Path(data_dir).expanduser() / LOCAL_VALIDATION if data_dir else None
     if source in ("auto", "local") and local is not None and local.is_file():
         return local.read_text(encoding="utf-8").replace("\r\n", "\n"), {
-            "dataset": "WikiText-2", "split": "validation",
+            "dataset": "WikiText-2",
+            "split": "validation",
             "variant": "wikitext-2-v1 tokenized release (rare words as <unk>), pytorch/examples word_language_model",
-            "origin": f"local:{LOCAL_VALIDATION}"}
+            "origin": f"local:{LOCAL_VALIDATION}",
+        }
     if source == "local":
-        raise FileNotFoundError(f"source=local but {local if local else 'paths.data_dir (unset)'} is not a file; set "
-                                f"paths.data_dir to a folder holding {LOCAL_VALIDATION}, or use source=hub")
-    with from_hub(f"data={VALIDATION}", f"{HUB_ID}/{HUB_CONFIG} validation",
-                  local if local is not None else f"<paths.data_dir>/{LOCAL_VALIDATION}",
-                  "or calibrate on a text file: data=<path>"):
+        raise FileNotFoundError(
+            f"source=local but {local if local else 'paths.data_dir (unset)'} is not a file; set "
+            f"paths.data_dir to a folder holding {LOCAL_VALIDATION}, or use source=hub"
+        )
+    with from_hub(
+        f"data={VALIDATION}",
+        f"{HUB_ID}/{HUB_CONFIG} validation",
+        local if local is not None else f"<paths.data_dir>/{LOCAL_VALIDATION}",
+        "or calibrate on a text file: data=<path>",
+    ):
         import datasets
 
         ds = datasets.load_dataset(HUB_ID, HUB_CONFIG, split="validation")
-    return "\n\n".join(ds["text"]), {"dataset": "WikiText-2", "split": "validation",
-                                     "variant": f"{HUB_CONFIG} (raw)", "origin": f"hub:{HUB_ID}/{HUB_CONFIG}:validation"}
+    return "\n\n".join(ds["text"]), {
+        "dataset": "WikiText-2",
+        "split": "validation",
+        "variant": f"{HUB_CONFIG} (raw)",
+        "origin": f"hub:{HUB_ID}/{HUB_CONFIG}:validation",
+    }
 
 
 def _rope_fn(attn: Any):
     fn = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
     if fn is None:
-        raise ValueError(f"{type(attn).__name__}: its module has no apply_rotary_pos_emb; calibration supports RoPE models")
+        raise ValueError(
+            f"{type(attn).__name__}: its module has no apply_rotary_pos_emb; calibration supports RoPE models"
+        )
     return fn
 
 
 @torch.no_grad()
-def channel_statistics(model: Any, blocks: list[torch.Tensor], rope: str = "authors",
-                       progress: bool = False) -> dict[str, torch.Tensor]:
+def channel_statistics(
+    model: Any, blocks: list[torch.Tensor], rope: str = "authors", progress: bool = False
+) -> dict[str, torch.Tensor]:
     """Mean |q∘k|, |q|, |k| per layer, head and channel over every token of ``blocks`` (each long [1, T]);
     ``progress``: a progress bar with the time left, one step per block.
 
@@ -172,8 +191,9 @@ def channel_statistics(model: Any, blocks: list[torch.Tensor], rope: str = "auth
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in mods]
     try:
         device = next(model.parameters()).device
-        for ids in tqdm(blocks, desc="calibration forwards", unit="block", disable=not progress, leave=False,
-                        dynamic_ncols=True):
+        for ids in tqdm(
+            blocks, desc="calibration forwards", unit="block", disable=not progress, leave=False, dynamic_ncols=True
+        ):
             model(input_ids=ids.to(device), use_cache=False)
     finally:
         for hd in handles:
@@ -220,7 +240,7 @@ def calibrate(
     nb = total if num_blocks is None else min(total, num_blocks)
     t = torch.tensor(ids[: nb * block_size], dtype=torch.long)
     used = tokenizer.decode(t.tolist(), skip_special_tokens=True)  # the text the statistics saw
-    blocks = [t[i * block_size:(i + 1) * block_size].unsqueeze(0) for i in range(nb)]
+    blocks = [t[i * block_size : (i + 1) * block_size].unsqueeze(0) for i in range(nb)]
     scores = channel_statistics(model, blocks, rope, progress=progress)
     cfg = model.config.get_text_config()
     hq = cfg.num_attention_heads
@@ -239,10 +259,14 @@ def calibrate(
             "command": command,
             "data": data_origin,
             "data_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-            "text": {**{"dataset": None, "split": None, "origin": data_origin}, **(text_info or {}),
-                     "used": f"its first {nb * block_size} tokens (the whole text tokenized once, with the "
-                             f"tokenizer's special tokens)",
-                     "decoded_characters": len(used), "decoded_sha256": hashlib.sha256(used.encode("utf-8")).hexdigest()},
+            "text": {
+                **{"dataset": None, "split": None, "origin": data_origin},
+                **(text_info or {}),
+                "used": f"its first {nb * block_size} tokens (the whole text tokenized once, with the "
+                f"tokenizer's special tokens)",
+                "decoded_characters": len(used),
+                "decoded_sha256": hashlib.sha256(used.encode("utf-8")).hexdigest(),
+            },
             "tokens": nb * block_size,
             "blocks": nb,
             "block_size": block_size,
@@ -256,8 +280,10 @@ def calibrate(
             "software": {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__},
         },
         "channels": {key: rank_channels(val).tolist() for key, val in scores.items()},
-        "scores": {key: [[[float(f"{x:.6g}") for x in head] for head in layer] for layer in val.tolist()]
-                   for key, val in scores.items()},
+        "scores": {
+            key: [[[float(f"{x:.6g}") for x in head] for head in layer] for layer in val.tolist()]
+            for key, val in scores.items()
+        },
     }
 
 
@@ -286,19 +312,32 @@ def run(cfg: Any, command: str = "") -> Path:
     if cfg.block_size > context:
         raise ValueError(f"block_size={cfg.block_size} exceeds the model's context ({context} tokens)")
     result = calibrate(
-        model, tokenizer, text, model_name=model_cfg.name, model_path=model_cfg.path, data_origin=info["origin"],
+        model,
+        tokenizer,
+        text,
+        model_name=model_cfg.name,
+        model_path=model_cfg.path,
+        data_origin=info["origin"],
         text_info=info,
-        block_size=cfg.block_size, num_blocks=cfg.num_blocks, rope=cfg.rope, command=command, progress=True,
+        block_size=cfg.block_size,
+        num_blocks=cfg.num_blocks,
+        rope=cfg.rope,
+        command=command,
+        progress=True,
     )
     out = Path(cfg.output).expanduser() if cfg.output else user_calibration_dir() / f"{model_cfg.name}.json"
     write(result, out)
     c = result["calibration"]
     what = " ".join(str(info[k]) for k in ("dataset", "split") if info.get(k))
-    print(f"wrote {out.resolve()}: {result['model']['num_layers']} layers, {c['tokens']} tokens "
-          f"({c['blocks']} x {c['block_size']}) of {what + ' ' if what else ''}{c['data']}")
+    print(
+        f"wrote {out.resolve()}: {result['model']['num_layers']} layers, {c['tokens']} tokens "
+        f"({c['blocks']} x {c['block_size']}) of {what + ' ' if what else ''}{c['data']}"
+    )
     if not cfg.output:
-        print(f"method=double_sparsity model={model_cfg.name} reads it (search order: "
-              f"{', '.join(str(d) for d in calibration_dirs())})")
+        print(
+            f"method=double_sparsity model={model_cfg.name} reads it (search order: "
+            f"{', '.join(str(d) for d in calibration_dirs())})"
+        )
     return out
 
 

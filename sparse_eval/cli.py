@@ -103,16 +103,19 @@ def check_compare(cfg: Any) -> None:
     given = [o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+") == "compare"]
     if given:
         choice = HydraConfig.get().runtime.choices.get("method")
-        raise ValueError(f"{given[0]} is ignored while method={choice} is chosen (an +experiment may pin it); "
-                         "add ~method to run the compare list, or drop compare=")
+        raise ValueError(
+            f"{given[0]} is ignored while method={choice} is chosen (an +experiment may pin it); "
+            "add ~method to run the compare list, or drop compare="
+        )
 
 
 def names_a_method(argv: list[str]) -> bool:
     """Whether a command line may compose a method config (so the methods' schemas must be registered first): an
     argument that mentions ``method`` or ``experiment``, or another primary config (``--config-name``, ...).
     Guessing yes only costs importing torch; a wrong no fails composition with one error line."""
-    return any("method" in a or "experiment" in a or a.startswith(("-cn", "-cp", "-cd", "--config", "--info"))
-               for a in argv)
+    return any(
+        "method" in a or "experiment" in a or a.startswith(("-cn", "-cp", "-cd", "--config", "--info")) for a in argv
+    )
 
 
 def _argv_overrides() -> list[str]:
@@ -127,12 +130,14 @@ def hydra_message(exc: BaseException) -> str:
     if "not in struct" in (msg + cause_line) and "Could not override 'method." in msg:
         key = msg.split("'")[1]
         if not any(a.split("=")[0].lstrip("+~") == "method" for a in _argv_overrides()):
-            return (f"{key}: no method chosen (without method=, every method in `compare` runs); add method=NAME, "
-                    f"valid: {_yaml_choices('method')}")
+            return (
+                f"{key}: no method chosen (without method=, every method in `compare` runs); add method=NAME, "
+                f"valid: {_yaml_choices('method')}"
+            )
     missing = re.search(r"Could not (?:find|load) '([\w./-]+)'", msg)
     group = re.search(r"Available options in '([\w./-]+)'", msg)
     if missing and group and missing.group(1).startswith(group.group(1) + "/"):
-        return missing_config_message(msg, group.group(1), missing.group(1)[len(group.group(1)) + 1:])
+        return missing_config_message(msg, group.group(1), missing.group(1)[len(group.group(1)) + 1 :])
     lines = [l for l in msg.splitlines() if l.strip() and not l.strip().endswith(SCHEMA_SUFFIX)]
     if cause_line and cause_line not in msg:
         lines.append(cause_line)
@@ -151,11 +156,14 @@ def missing_config_message(msg: str, group: str, name: str) -> str:
             break  # Hydra's "Config search path:" follows
         listed.append(line.strip())
     folder = CONF_DIR / group
-    nested = [p.relative_to(folder).with_suffix("").as_posix() for p in folder.rglob("*.yaml")] if folder.is_dir() else []
-    options = sorted({o for o in listed + nested if o and not o.endswith(SCHEMA_SUFFIX)},
-                     key=lambda o: (o.count("/"), o))
+    nested = (
+        [p.relative_to(folder).with_suffix("").as_posix() for p in folder.rglob("*.yaml")] if folder.is_dir() else []
+    )
+    options = sorted(
+        {o for o in listed + nested if o and not o.endswith(SCHEMA_SUFFIX)}, key=lambda o: (o.count("/"), o)
+    )
     guess = difflib.get_close_matches(name, options, n=2, cutoff=0.6)
-    base = name[:-len("_smoke")] if name.endswith("_smoke") else name
+    base = name[: -len("_smoke")] if name.endswith("_smoke") else name
     if name.endswith("_smoke") and f"smoke/{base}" in options:  # the smoke variants live in a subfolder
         guess = [f"smoke/{base}"] + [g for g in guess if g != f"smoke/{base}"]
     hint = f"; did you mean {' or '.join(guess)}?" if guess else ""
@@ -175,8 +183,11 @@ def interrupted(exc: KeyboardInterrupt) -> None:
 
         s = run_state(Path(run_dir))
         exp = "?" if s["expected"] is None else s["expected"]
-        print(f"\n{what}: {run_dir} stopped with {s['written']}/{exp} samples written; run the same command "
-              f"again to resume at the next sample", file=sys.stderr)
+        print(
+            f"\n{what}: {run_dir} stopped with {s['written']}/{exp} samples written; run the same command "
+            f"again to resume at the next sample",
+            file=sys.stderr,
+        )
     sys.exit(code)
 
 
@@ -228,5 +239,7 @@ def hydra_entry(main: Callable[[], Any]) -> None:
         if user_full or _APP_STARTED:
             raise
         # Hydra could not create its output folder (hydra.run.dir / hydra.sweep.dir, under paths.runs_dir)
-        fail(f"cannot write {exc.filename or 'Hydra output folder'} ({exc.strerror or exc}); give a writable folder, "
-             f"e.g. paths.runs_dir=runs")
+        fail(
+            f"cannot write {exc.filename or 'Hydra output folder'} ({exc.strerror or exc}); give a writable folder, "
+            f"e.g. paths.runs_dir=runs"
+        )

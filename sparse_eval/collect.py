@@ -84,18 +84,62 @@ from typing import Any
 from .seeds import effective_seed, is_stochastic, seed_group
 from .statistics import bootstrap_ci, paired_difference, seed_pooled_ci, seed_pooled_difference, seed_spread
 from .status import run_state
-from .store import (META_FILE, SAMPLES_FILE, SUMMARY_FILE, find_run_dirs, method_label, read_identity, read_json,
-                    read_samples)
+from .store import (
+    META_FILE,
+    SAMPLES_FILE,
+    SUMMARY_FILE,
+    find_run_dirs,
+    method_label,
+    read_identity,
+    read_json,
+    read_samples,
+)
 
 SUBTASK_FIELDS = ("subtask", "lm_eval_task")
 SINGLE_SEED_MARK = "†"
 MEAN_FIELDS = ("cost1", "cost2", "kv_bytes", "est_error", "mass", "topk_recall", "static_frac", "empty_selections")
-LEAD_COLUMNS = ["model", "method", "method_config", "run_name", "task", "subtask", "length", "protocol", "metric", "score",
-                "score_lo", "score_hi", "samples", "diff_vs_full", "diff_lo", "diff_hi", "n_paired", "significant",
-                "seed", "seeds", "seed_std", "seed_min", "seed_max", "pooled_score", "pooled_lo", "pooled_hi",
-                "pooled_n", "pooled_diff", "pooled_diff_lo", "pooled_diff_hi", "pooled_n_paired", "pooled_significant",
-                "interval_omits_seeds", "cost1", "cost2", "est_error", "failed_samples", "expected_samples", "complete",
-                "state"]
+LEAD_COLUMNS = [
+    "model",
+    "method",
+    "method_config",
+    "run_name",
+    "task",
+    "subtask",
+    "length",
+    "protocol",
+    "metric",
+    "score",
+    "score_lo",
+    "score_hi",
+    "samples",
+    "diff_vs_full",
+    "diff_lo",
+    "diff_hi",
+    "n_paired",
+    "significant",
+    "seed",
+    "seeds",
+    "seed_std",
+    "seed_min",
+    "seed_max",
+    "pooled_score",
+    "pooled_lo",
+    "pooled_hi",
+    "pooled_n",
+    "pooled_diff",
+    "pooled_diff_lo",
+    "pooled_diff_hi",
+    "pooled_n_paired",
+    "pooled_significant",
+    "interval_omits_seeds",
+    "cost1",
+    "cost2",
+    "est_error",
+    "failed_samples",
+    "expected_samples",
+    "complete",
+    "state",
+]
 
 
 def _task(task_cfg: dict[str, Any]):
@@ -139,11 +183,16 @@ def _provenance(meta: dict[str, Any]) -> dict[str, Any]:
     ver = meta.get("versions") or {}
     hw = meta.get("hardware") or {}
     return {
-        "git_commit": git.get("commit"), "git_dirty": git.get("dirty"), "git_diff_sha256": git.get("diff_sha256"),
+        "git_commit": git.get("commit"),
+        "git_dirty": git.get("dirty"),
+        "git_diff_sha256": git.get("diff_sha256"),
         "provenance_version": git.get("version"),
-        "sparse_eval_version": ver.get("sparse_eval"), "torch_version": ver.get("torch"),
-        "transformers_version": ver.get("transformers"), "python_version": ver.get("python"),
-        "hardware": hw.get("gpu") or hw.get("cpu") or hw.get("machine"), "started": meta.get("started"),
+        "sparse_eval_version": ver.get("sparse_eval"),
+        "torch_version": ver.get("torch"),
+        "transformers_version": ver.get("transformers"),
+        "python_version": ver.get("python"),
+        "hardware": hw.get("gpu") or hw.get("cpu") or hw.get("machine"),
+        "started": meta.get("started"),
     }
 
 
@@ -163,24 +212,42 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
     metric = metric or summary.get("metric") or "score"
     base: dict[str, Any] = {
         # the model as loaded (run identity; model.name of an overridden path is recorded in given_name)
-        "model": model.get("name"), "model_path": model.get("path"), "model_gguf_file": model.get("gguf_file"),
-        "model_revision": model.get("revision"), "model_dtype": model.get("dtype"),
+        "model": model.get("name"),
+        "model_path": model.get("path"),
+        "model_gguf_file": model.get("gguf_file"),
+        "model_revision": model.get("revision"),
+        "model_dtype": model.get("dtype"),
         "model_fingerprint": (model.get("fingerprint") or {}).get("files_sha256")
         or (model.get("fingerprint") or {}).get("config_sha256"),
-        "method": method.get("name"), "method_config": method_label(method), "run_name": state["config"],
-        **{f"method.{k}": v for k, v in method.items() if k not in ("name", "sink", "local", "dense_layers", "gqa",
-                                                                     "sliding_layers")
-           and not isinstance(v, (dict, list))},
-        "sink": method.get("sink"), "local": method.get("local"),
-        "dense_layers": ",".join(str(x) for x in method.get("dense_layers") or []) or None, "gqa": method.get("gqa"),
+        "method": method.get("name"),
+        "method_config": method_label(method),
+        "run_name": state["config"],
+        **{
+            f"method.{k}": v
+            for k, v in method.items()
+            if k not in ("name", "sink", "local", "dense_layers", "gqa", "sliding_layers")
+            and not isinstance(v, (dict, list))
+        },
+        "sink": method.get("sink"),
+        "local": method.get("local"),
+        "dense_layers": ",".join(str(x) for x in method.get("dense_layers") or []) or None,
+        "gqa": method.get("gqa"),
         "sliding_layers": method.get("sliding_layers"),
-        "task": task_cfg.get("name"), "task_config": json.dumps(task_cfg, sort_keys=True, default=str),
-        "protocol": ev.get("protocol"), "prefill_chunk": ev.get("prefill_chunk"),
-        "batch_invariant": ev.get("batch_invariant"), "seed": effective_seed(identity),
+        "task": task_cfg.get("name"),
+        "task_config": json.dumps(task_cfg, sort_keys=True, default=str),
+        "protocol": ev.get("protocol"),
+        "prefill_chunk": ev.get("prefill_chunk"),
+        "batch_invariant": ev.get("batch_invariant"),
+        "seed": effective_seed(identity),
         "seed_group": seed_group(identity),
         "stochastic": summary["stochastic"] if "stochastic" in summary else is_stochastic(method),
-        "metric": metric, "expected_samples": state["expected"], "complete": state["complete"], "state": state["state"],
-        **_provenance(meta), "run_dir": str(run_dir), "config_hash": run_dir.name.rsplit("-", 1)[-1],
+        "metric": metric,
+        "expected_samples": state["expected"],
+        "complete": state["complete"],
+        "state": state["state"],
+        **_provenance(meta),
+        "run_dir": str(run_dir),
+        "config_hash": run_dir.name.rsplit("-", 1)[-1],
     }
     task_length = task_cfg.get("length")
     has_length = "length" in task_cfg  # a task whose length is an experimental setting (RULER, kv_retrieval)
@@ -195,8 +262,15 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
                 score = None
         if score is None and ok:
             score = _mean([r.get("score") for r in ok])
-        out = dict(base, subtask=subtask, length=length, score=score, samples=len(ok), failed_samples=len(recs) - len(ok),
-                   time_s=sum(float(r.get("time_s") or 0.0) for r in recs))
+        out = dict(
+            base,
+            subtask=subtask,
+            length=length,
+            score=score,
+            samples=len(ok),
+            failed_samples=len(recs) - len(ok),
+            time_s=sum(float(r.get("time_s") or 0.0) for r in recs),
+        )
         for key in MEAN_FIELDS:
             out[key] = _mean([r.get(key) for r in ok])
         terms = _terms(task, ok)
@@ -229,10 +303,23 @@ def unreadable_row(run_dir: Path, recent_s: float = 300.0) -> dict[str, Any]:
     samples cannot be tied to a method and task)."""
     state = run_state(run_dir, recent_s=recent_s)
     print(f"warning: {run_dir}: {state['error'] or 'config.yaml cannot be read'}", file=sys.stderr)
-    return {"model": run_dir.parent.name, "method": run_dir.name.split("-", 1)[0], "method_config": run_dir.name.rsplit("-", 1)[0],
-            "run_name": run_dir.name, "task": run_dir.parent.parent.name, "subtask": None, "length": None,
-            "seed": None, "score": None, "samples": state["written"], "expected_samples": state["expected"], "state": state["state"],
-            "error": state["error"], "run_dir": str(run_dir), "config_hash": run_dir.name.rsplit("-", 1)[-1]}
+    return {
+        "model": run_dir.parent.name,
+        "method": run_dir.name.split("-", 1)[0],
+        "method_config": run_dir.name.rsplit("-", 1)[0],
+        "run_name": run_dir.name,
+        "task": run_dir.parent.parent.name,
+        "subtask": None,
+        "length": None,
+        "seed": None,
+        "score": None,
+        "samples": state["written"],
+        "expected_samples": state["expected"],
+        "state": state["state"],
+        "error": state["error"],
+        "run_dir": str(run_dir),
+        "config_hash": run_dir.name.rsplit("-", 1)[-1],
+    }
 
 
 def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0):
@@ -251,13 +338,26 @@ def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0):
     method_cols = sorted(c for c in df.columns if c.startswith("method."))
     rest = [c for c in df.columns if c not in lead and c not in method_cols]
     df = df[lead + method_cols + rest]
-    return df.sort_values(["task", "model", "method", "method_config", "subtask", "length"], na_position="first",
-                          key=lambda s: s.astype(str)).reset_index(drop=True)
+    return df.sort_values(
+        ["task", "model", "method", "method_config", "subtask", "length"],
+        na_position="first",
+        key=lambda s: s.astype(str),
+    ).reset_index(drop=True)
 
 
 # the rows a method is compared with full attention on: same model as loaded, task config, evaluation, subtask, length
-PAIR_KEYS = ("model", "model_path", "model_gguf_file", "model_fingerprint", "task_config", "protocol", "prefill_chunk",
-             "batch_invariant", "subtask", "length")
+PAIR_KEYS = (
+    "model",
+    "model_path",
+    "model_gguf_file",
+    "model_fingerprint",
+    "task_config",
+    "protocol",
+    "prefill_chunk",
+    "batch_invariant",
+    "subtask",
+    "length",
+)
 
 
 def _references(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
@@ -293,9 +393,23 @@ def add_paired_differences(rows: list[dict[str, Any]]) -> None:
         r["n_paired"], r["significant"] = d.get("n"), d.get("significant")
 
 
-POOLED_COLUMNS = ("seeds", "seed_values", "seed_std", "seed_min", "seed_max", "pooled_score", "pooled_lo", "pooled_hi",
-                  "pooled_n", "pooled_diff", "pooled_diff_lo", "pooled_diff_hi", "pooled_n_paired",
-                  "pooled_significant", "interval_omits_seeds")
+POOLED_COLUMNS = (
+    "seeds",
+    "seed_values",
+    "seed_std",
+    "seed_min",
+    "seed_max",
+    "pooled_score",
+    "pooled_lo",
+    "pooled_hi",
+    "pooled_n",
+    "pooled_diff",
+    "pooled_diff_lo",
+    "pooled_diff_hi",
+    "pooled_n_paired",
+    "pooled_significant",
+    "interval_omits_seeds",
+)
 
 
 def add_seed_pooling(rows: list[dict[str, Any]]) -> None:
@@ -315,10 +429,15 @@ def add_seed_pooling(rows: list[dict[str, Any]]) -> None:
             kept = by_seed.setdefault(str(r.get("seed")), r)
             if kept is not r and r.get("run_dir") not in warned:
                 warned.add(r.get("run_dir"))
-                print(f"warning: {r.get('run_dir')} repeats seed {r.get('seed')} of {kept.get('run_dir')} (the same "
-                      "draws); pooled as one seed", file=sys.stderr)
-        runs = sorted(by_seed.values(), key=lambda r: (0, r["seed"], "") if isinstance(r.get("seed"), int)
-                      else (1, 0, str(r.get("seed"))))
+                print(
+                    f"warning: {r.get('run_dir')} repeats seed {r.get('seed')} of {kept.get('run_dir')} (the same "
+                    "draws); pooled as one seed",
+                    file=sys.stderr,
+                )
+        runs = sorted(
+            by_seed.values(),
+            key=lambda r: (0, r["seed"], "") if isinstance(r.get("seed"), int) else (1, 0, str(r.get("seed"))),
+        )
         stochastic = runs[0].get("stochastic")
         out: dict[str, Any] = {c: None for c in POOLED_COLUMNS}
         out["seeds"] = len(runs)
@@ -328,14 +447,26 @@ def add_seed_pooling(rows: list[dict[str, Any]]) -> None:
         if all(t is not None for t in terms):
             ci = seed_pooled_ci(terms)
             spread = seed_spread(ci["per_seed"])
-            out.update(seed_std=spread["std"], seed_min=spread["min"], seed_max=spread["max"],
-                       pooled_score=ci["score"], pooled_lo=ci["lo"], pooled_hi=ci["hi"], pooled_n=ci["n"])
+            out.update(
+                seed_std=spread["std"],
+                seed_min=spread["min"],
+                seed_max=spread["max"],
+                pooled_score=ci["score"],
+                pooled_lo=ci["lo"],
+                pooled_hi=ci["hi"],
+                pooled_n=ci["n"],
+            )
             ref = refs.get(tuple(str(runs[0].get(k)) for k in PAIR_KEYS))
             if ref is not None:
                 d = seed_pooled_difference(terms, ref["_terms"])
                 claim = all(r.get("complete") for r in runs) and ref.get("complete")
-                out.update(pooled_diff=d["diff"], pooled_diff_lo=d["lo"], pooled_diff_hi=d["hi"],
-                           pooled_n_paired=d["n"], pooled_significant=d["significant"] if claim else None)
+                out.update(
+                    pooled_diff=d["diff"],
+                    pooled_diff_lo=d["lo"],
+                    pooled_diff_hi=d["hi"],
+                    pooled_n_paired=d["n"],
+                    pooled_significant=d["significant"] if claim else None,
+                )
         for r in members:
             r.update(out)
 
@@ -356,8 +487,9 @@ def write_table(df, out: Path) -> list[Path]:
         if table[col].dtype == object:
             kinds = {type(v) for v in table[col].dropna()}
             if len(kinds) > 1 or kinds - {str, bool}:
-                table[col] = table[col].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v))
-                                            else str(v))
+                table[col] = table[col].map(
+                    lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+                )
     table.to_parquet(out.with_suffix(".parquet"), index=False)
     written.append(out.with_suffix(".parquet"))
     return written
@@ -366,8 +498,12 @@ def write_table(df, out: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparse_eval.collect", description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", help="a runs folder (paths.runs_dir) or any folder below it")
-    ap.add_argument("--out", metavar="X", help="where to write the table, without a suffix: writes X.csv and X.parquet "
-                                               "(parquet when pyarrow is installed; default <dir>/results)")
+    ap.add_argument(
+        "--out",
+        metavar="X",
+        help="where to write the table, without a suffix: writes X.csv and X.parquet "
+        "(parquet when pyarrow is installed; default <dir>/results)",
+    )
     ap.add_argument("--no-subtasks", action="store_true", help="one row per run (and length), no subtask rows")
     ap.add_argument("--recent", type=float, default=300.0, help="seconds within which a run counts as running")
     ap.add_argument("--quiet", action="store_true", help="do not print the table")
@@ -383,34 +519,69 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quiet:
         import pandas as pd
 
-        show = [c for c in ("model", "run_name", "task", "subtask", "length", "protocol", "seed", "score",
-                            "score_lo", "score_hi", "n_paired", "diff_vs_full", "seeds", "pooled_score", "pooled_lo",
-                            "pooled_hi", "cost1", "cost2", "est_error", "samples", "failed_samples", "state")
-                if c in df.columns]
+        show = [
+            c
+            for c in (
+                "model",
+                "run_name",
+                "task",
+                "subtask",
+                "length",
+                "protocol",
+                "seed",
+                "score",
+                "score_lo",
+                "score_hi",
+                "n_paired",
+                "diff_vs_full",
+                "seeds",
+                "pooled_score",
+                "pooled_lo",
+                "pooled_hi",
+                "cost1",
+                "cost2",
+                "est_error",
+                "samples",
+                "failed_samples",
+                "state",
+            )
+            if c in df.columns
+        ]
         view = df[show].copy()
         if "interval_omits_seeds" in df.columns:  # a stochastic method's single seed: its intervals omit seeds
-            view["seeds"] = [f"{n} {SINGLE_SEED_MARK}" if flag is True else n
-                             for n, flag in zip(df["seeds"], df["interval_omits_seeds"])]
+            view["seeds"] = [
+                f"{n} {SINGLE_SEED_MARK}" if flag is True else n
+                for n, flag in zip(df["seeds"], df["interval_omits_seeds"])
+            ]
         with pd.option_context("display.max_rows", 200, "display.width", 250, "display.max_colwidth", 40):
             print(view.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
         if (df.get("interval_omits_seeds") == True).any():  # noqa: E712 - a column of True / False / None
-            print(f"{SINGLE_SEED_MARK} one seed of a stochastic method: its intervals omit the seed-to-seed variation "
-                  "(run it with seed=[0,1,2])")
+            print(
+                f"{SINGLE_SEED_MARK} one seed of a stochastic method: its intervals omit the seed-to-seed variation "
+                "(run it with seed=[0,1,2])"
+            )
         if (df["state"] != "done").any():
-            print("rows of runs not done (incomplete, failed, running, pending) are over the samples they finished and "
-                  "are never marked significant")
+            print(
+                "rows of runs not done (incomplete, failed, running, pending) are over the samples they finished and "
+                "are never marked significant"
+            )
     out = Path(args.out) if args.out else root / "results"
     try:
         paths = write_table(df, out)
     except OSError as exc:  # a read-only store: the table above was read; write it elsewhere
-        print(f"error: cannot write {exc.filename or out} ({exc.strerror or exc}); give --out <writable path>",
-              file=sys.stderr)
+        print(
+            f"error: cannot write {exc.filename or out} ({exc.strerror or exc}); give --out <writable path>",
+            file=sys.stderr,
+        )
         return 2
     print(f"{len(df)} rows from {df['run_dir'].nunique()} runs -> " + ", ".join(str(p) for p in paths))
     bad = df[df["state"] == "unreadable"]["run_dir"].unique() if "state" in df else []
     if len(bad):  # the table lacks those runs' results: say so, and not with exit status 0
-        print(f"error: {len(bad)} of {df['run_dir'].nunique()} runs could not be read (config.yaml); their rows say "
-              f"state=unreadable and carry no score: {', '.join(bad)}", file=sys.stderr)
+        print(
+            f"error: {len(bad)} of {df['run_dir'].nunique()} runs could not be read (config.yaml); their rows say "
+            f"state=unreadable and carry no score: {', '.join(bad)}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

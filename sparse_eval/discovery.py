@@ -32,8 +32,11 @@ def import_package_modules(package: str, skip: Iterable[str] = ()) -> list[str]:
     modules; returns their names.  An error inside a module is raised as is: a broken module is never skipped."""
     pkg = importlib.import_module(package)
     skip = set(skip)
-    names = [m.name for m in pkgutil.iter_modules(pkg.__path__)
-             if not m.ispkg and m.name not in skip and not m.name.startswith("_")]
+    names = [
+        m.name
+        for m in pkgutil.iter_modules(pkg.__path__)
+        if not m.ispkg and m.name not in skip and not m.name.startswith("_")
+    ]
     for name in sorted(names):
         importlib.import_module(f"{package}.{name}")
     return sorted(names)
@@ -65,6 +68,8 @@ def load_plugins() -> list[Any]:
         try:
             got.append(ep.load() if ep is not None else importlib.import_module(key))
         except Exception as exc:  # noqa: BLE001 - any error inside the user's module: name the plugin
-            raise ImportError(f"plugin {what} could not be imported: {type(exc).__name__}: {exc} (fix the module, or "
-                              f"remove it from {PLUGINS_ENV} / uninstall the package that declares it)") from exc
+            raise ImportError(
+                f"plugin {what} could not be imported: {type(exc).__name__}: {exc} (fix the module, or "
+                f"remove it from {PLUGINS_ENV} / uninstall the package that declares it)"
+            ) from exc
     return got

@@ -31,8 +31,13 @@ import torch
 
 from .attention.plugin import SparseSession, cache_kwargs, make_cache
 from .invariance import batch_invariant
-from .requests import (GenerationRequest, GenerationResult, LoglikelihoodRequest,  # noqa: F401 (re-exported)
-                       LoglikelihoodResult, row_seed)
+from .requests import (
+    GenerationRequest,
+    GenerationResult,
+    LoglikelihoodRequest,  # noqa: F401 (re-exported)
+    LoglikelihoodResult,
+    row_seed,
+)
 
 
 class Engine:
@@ -55,11 +60,17 @@ class Engine:
         res = self.nll_batch([LoglikelihoodRequest(ids)])[0]
         return res.nll_sum, res.tokens
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, context_len: int | None = None,
-                 stop_token_ids: Sequence[int] | None = None, stop_strings: Sequence[str] | None = None
-                 ) -> GenerationResult:
-        return self.generate_batch([GenerationRequest(prompt_ids, max_new_tokens, context_len, stop_token_ids,
-                                                      stop_strings)])[0]
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        context_len: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        stop_strings: Sequence[str] | None = None,
+    ) -> GenerationResult:
+        return self.generate_batch(
+            [GenerationRequest(prompt_ids, max_new_tokens, context_len, stop_token_ids, stop_strings)]
+        )[0]
 
     def run_batch(self, requests: Sequence[GenerationRequest | LoglikelihoodRequest]) -> list[Any]:
         """Results of a batch of requests of one kind, in order."""
@@ -79,8 +90,8 @@ class Engine:
         ids = torch.full((len(prompts), t), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), t), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, t - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-            mask[i, t - len(p):] = 1
+            ids[i, t - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+            mask[i, t - len(p) :] = 1
         pads = torch.tensor([t - n for n in lens], dtype=torch.long)
         return ids.to(self.device), mask.to(self.device), pads.to(self.device)
 
@@ -90,8 +101,17 @@ class Engine:
         step = self.prefill_chunk or max(1, stop - start)
         return [(s, min(stop, s + step)) for s in range(start, stop, step)]
 
-    def _call(self, ids: torch.Tensor, mask: torch.Tensor, stop: int, start: int, cache: Any,
-              phase: Any, counted: torch.Tensor, logits_to_keep: int | None = None) -> torch.Tensor:
+    def _call(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        stop: int,
+        start: int,
+        cache: Any,
+        phase: Any,
+        counted: torch.Tensor,
+        logits_to_keep: int | None = None,
+    ) -> torch.Tensor:
         """One forward pass over the columns [start, stop) of the batch; ``counted`` bool [B, stop - start]: the
         query rows whose statistics are recorded."""
         pos = (mask[:, :stop].cumsum(-1) - 1).clamp_min(0)[:, start:stop]
@@ -99,8 +119,13 @@ class Engine:
         if logits_to_keep is not None:
             kw["logits_to_keep"] = logits_to_keep
         with self.session.phase(phase), self.session.counting(counted):
-            out = self.model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop], position_ids=pos,
-                             use_cache=cache is not None, **kw)
+            out = self.model(
+                input_ids=ids[:, start:stop],
+                attention_mask=mask[:, :stop],
+                position_ids=pos,
+                use_cache=cache is not None,
+                **kw,
+            )
         return out.logits
 
     def _seed_rows(self, requests: Sequence[Any], pads: torch.Tensor) -> None:
@@ -136,8 +161,8 @@ class Engine:
             last = min(stop, t - 1)
             if last <= start:
                 continue
-            lp = torch.log_softmax(logits[:, :last - start].float(), dim=-1)
-            tok = lp.gather(-1, ids[:, start + 1:last + 1, None]).squeeze(-1)  # [B, W]
+            lp = torch.log_softmax(logits[:, : last - start].float(), dim=-1)
+            tok = lp.gather(-1, ids[:, start + 1 : last + 1, None]).squeeze(-1)  # [B, W]
             nll -= (tok.double() * predicted[:, start:last]).sum(-1)
         counts = predicted.sum(-1)
         return [LoglikelihoodResult(float(nll[i]), int(counts[i])) for i in range(b)]
@@ -177,8 +202,10 @@ class Engine:
             for start, stop in self._bounds(0, t):
                 logits = self._call(ids, mask, stop, start, cache, phase, real[:, start:stop], 1)
         logits = logits[:, -1]
-        stop_ids = [set(r.stop_token_ids if r.stop_token_ids is not None else _eos_ids(self.model, self.tokenizer))
-                    for r in requests]
+        stop_ids = [
+            set(r.stop_token_ids if r.stop_token_ids is not None else _eos_ids(self.model, self.tokenizer))
+            for r in requests
+        ]
         outs: list[list[int]] = [[] for _ in requests]
         stopped = ["max_new_tokens"] * b
         live = [r.max_new_tokens > 0 for r in requests]
@@ -216,13 +243,14 @@ class Engine:
             n += 1
             pos = pos + 1
             with self.session.phase("sparse"), self.session.counting(counted), self.session.generation():
-                logits = self.model(input_ids=tok, attention_mask=mask[:, :n], position_ids=pos, use_cache=True,
-                                    **kw).logits[:, -1]
+                logits = self.model(
+                    input_ids=tok, attention_mask=mask[:, :n], position_ids=pos, use_cache=True, **kw
+                ).logits[:, -1]
         results = []
         for i, r in enumerate(requests):
             text = self.tokenizer.decode(outs[i], skip_special_tokens=True)
             if stopped[i] == "stop_string":
-                text = text[:min(text.index(s) for s in r.stop_strings if s in text)]
+                text = text[: min(text.index(s) for s in r.stop_strings if s in text)]
             results.append(GenerationResult(tokens=outs[i], text=text, stopped_by=stopped[i]))
         return results
 

@@ -26,7 +26,7 @@ def cpu_matmul_rate(seconds: float = 0.2, n: int = 512) -> float:
         t0 = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def sample_tokens(sample: Any) -> int:
@@ -39,7 +39,7 @@ def forward_flops(model: Any, tokens: Sequence[int]) -> float:
     """Matmul FLOPs of one forward pass over each of ``tokens`` (sequence lengths), summed."""
     cfg = model.config.get_text_config()
     params = sum(p.numel() for p in model.parameters())
-    return sum(2.0 * params * t + 2.0 * cfg.num_hidden_layers * cfg.hidden_size * t ** 2 for t in tokens)
+    return sum(2.0 * params * t + 2.0 * cfg.num_hidden_layers * cfg.hidden_size * t**2 for t in tokens)
 
 
 def cpu_estimate(model: Any, samples: Sequence[Any], runs: int) -> tuple[float, str] | None:
@@ -51,17 +51,23 @@ def cpu_estimate(model: Any, samples: Sequence[Any], runs: int) -> tuple[float, 
         return None
     rate = cpu_matmul_rate()
     per = flops / len(samples) / rate
-    return per * len(samples) * runs, (f"{len(samples)} samples x {runs} run(s) x ~{per:.1f} s: forward FLOPs over "
-                                       f"this CPU's matmul rate measured now ({rate / 1e9:.0f} GFLOP/s); a rough figure: "
-                                       f"the machine's load and the methods' own work change it")
+    return per * len(samples) * runs, (
+        f"{len(samples)} samples x {runs} run(s) x ~{per:.1f} s: forward FLOPs over "
+        f"this CPU's matmul rate measured now ({rate / 1e9:.0f} GFLOP/s); a rough figure: "
+        f"the machine's load and the methods' own work change it"
+    )
 
 
 def warn_if_long(model: Any, samples: Sequence[Any], runs: int, log: Any) -> float | None:
     est = cpu_estimate(model, samples, runs)
     if est is None or est[0] < WARN_S:
         return None if est is None else est[0]
-    log.warning("this will take roughly %.1f h on this CPU (%s). It is meant for a GPU; on a CPU lower "
-                "task.num_samples / task.length.", est[0] / 3600, est[1])
+    log.warning(
+        "this will take roughly %.1f h on this CPU (%s). It is meant for a GPU; on a CPU lower "
+        "task.num_samples / task.length.",
+        est[0] / 3600,
+        est[1],
+    )
     return est[0]
 
 
@@ -87,12 +93,21 @@ def check_long(exp: Any, methods: Sequence[Any], log: Any) -> float | None:
     if not todo:
         return None
     same = all([s.id for s in t] == [s.id for s in todo[0]] for t in todo)
-    est = cpu_estimate(exp.model, todo[0], len(todo)) if same else cpu_estimate(exp.model, [s for t in todo for s in t], 1)
+    est = (
+        cpu_estimate(exp.model, todo[0], len(todo))
+        if same
+        else cpu_estimate(exp.model, [s for t in todo for s in t], 1)
+    )
     if est is None or est[0] < WARN_S:
         return None if est is None else est[0]
     if bool(exp.cfg.eval.get("allow_long", False)):
-        log.warning("this will take roughly %.1f h on this CPU (%s); running it as eval.allow_long=true asks.",
-                    est[0] / 3600, est[1])
+        log.warning(
+            "this will take roughly %.1f h on this CPU (%s); running it as eval.allow_long=true asks.",
+            est[0] / 3600,
+            est[1],
+        )
         return est[0]
-    raise ValueError(f"this run would take roughly {est[0] / 3600:.1f} h on this CPU ({est[1]}); it is meant for a "
-                     f"GPU: lower task.num_samples / task.length, or add eval.allow_long=true to run it anyway")
+    raise ValueError(
+        f"this run would take roughly {est[0] / 3600:.1f} h on this CPU ({est[1]}); it is meant for a "
+        f"GPU: lower task.num_samples / task.length, or add eval.allow_long=true to run it anyway"
+    )

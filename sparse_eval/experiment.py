@@ -47,7 +47,9 @@ class Experiment:
         self.task = build_task(self.task_opts, data_dir=cfg.paths.data_dir)
         self.protocol = cfg.eval.protocol or self.task.default_protocol
         if self.protocol not in PROTOCOLS:
-            raise ValueError(f"eval.protocol={self.protocol!r}; valid: {list(PROTOCOLS)} (or null for the task's default)")
+            raise ValueError(
+                f"eval.protocol={self.protocol!r}; valid: {list(PROTOCOLS)} (or null for the task's default)"
+            )
         if cfg.eval.prefill_chunk is not None and cfg.eval.prefill_chunk < 1:
             raise ValueError(f"eval.prefill_chunk={cfg.eval.prefill_chunk}: must be >= 1 or null")
         self.batch_size = check_batch_size(cfg.eval.get("batch_size", 1))
@@ -116,8 +118,12 @@ class Experiment:
             "method": method,
             "inputs": inputs,
             "task": task,
-            "eval": {"protocol": self.protocol, "compute_error": ev.compute_error, "prefill_chunk": ev.prefill_chunk,
-                     "batch_invariant": ev.batch_invariant},
+            "eval": {
+                "protocol": self.protocol,
+                "compute_error": ev.compute_error,
+                "prefill_chunk": ev.prefill_chunk,
+                "batch_invariant": ev.batch_invariant,
+            },
             "seed": method["seed"],
         }
         if self.task.read_files:  # only tasks that read local data files: other runs keep their directories
@@ -129,8 +135,9 @@ class Experiment:
         identity = self.identity(method)
         return identity, run_dir_for(self.cfg.paths.runs_dir, identity)
 
-    def run_method(self, method: Method | MethodConfig, run_dir: Path | None = None,
-                   identity: dict[str, Any] | None = None) -> dict[str, Any]:
+    def run_method(
+        self, method: Method | MethodConfig, run_dir: Path | None = None, identity: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Run ``method`` (built, checked and set up by ``preflight``) over the samples its run dir lacks;
         returns the run's summary.  ``run_dir`` and ``identity``: as ``run_dir`` gives them (computed when not
         given).  A config instead of a method (a caller that skipped ``preflight``) is built as it is, checked
@@ -151,19 +158,36 @@ class Experiment:
         todo = [s for s in samples if not samples_log.done(s.id)]
         write_progress(run_dir, len(samples), len(samples) - len(todo))  # for `python -m sparse_eval.status`
         if method.external_inputs(self.model_cfg.name) != identity["inputs"]:
-            raise RuntimeError(f"{run_dir}: a file the method reads changed after the run was named "
-                               f"({identity['inputs']}); run again to file the results under the new contents")
+            raise RuntimeError(
+                f"{run_dir}: a file the method reads changed after the run was named "
+                f"({identity['inputs']}); run again to file the results under the new contents"
+            )
         self._provenance = method.provenance()
         torch.manual_seed(method_cfg.seed)
-        session = attach(self.model, method, Runtime(self.protocol, self.cfg.eval.compute_error, self.cfg.eval.query_chunk,
-                                                     batch_invariant=self.cfg.eval.batch_invariant))
+        session = attach(
+            self.model,
+            method,
+            Runtime(
+                self.protocol,
+                self.cfg.eval.compute_error,
+                self.cfg.eval.query_chunk,
+                batch_invariant=self.cfg.eval.batch_invariant,
+            ),
+        )
         engine = Engine(self.model, self.tokenizer, session, self.cfg.eval.prefill_chunk)
         logger = WandbLogger(self.cfg.logger, run_dir, identity)
         batcher = Batcher(self, session, engine, todo)
-        label = short_label(identity['method'])
+        label = short_label(identity["method"])
         try:
-            with tqdm(total=len(samples), initial=len(samples) - len(todo), desc=label, unit="sample",
-                      disable=not todo, leave=False, dynamic_ncols=True) as bar:
+            with tqdm(
+                total=len(samples),
+                initial=len(samples) - len(todo),
+                desc=label,
+                unit="sample",
+                disable=not todo,
+                leave=False,
+                dynamic_ncols=True,
+            ) as bar:
                 for recs in batcher:
                     for rec in recs:
                         samples_log.append(rec)
@@ -186,8 +210,9 @@ class Experiment:
             return []
         return layer_plan(method, self.num_layers, self.sliding)[1]
 
-    def summarize(self, run_dir: Path, identity: dict[str, Any], records: list[dict[str, Any]],
-                  method: Method) -> dict[str, Any]:
+    def summarize(
+        self, run_dir: Path, identity: dict[str, Any], records: list[dict[str, Any]], method: Method
+    ) -> dict[str, Any]:
         """The run's summary (summary.json) from the sample records of ``method``'s run."""
         ok = [r for r in records if r.get("status") == "ok"]
         metrics = self.task.aggregate(ok)
@@ -229,8 +254,10 @@ class Experiment:
         out["empty_selection_rate"] = empty / rows if rows else None
         out["warnings"] = []
         if rows and empty / rows > EMPTY_SELECTION_WARN:
-            msg = (f"{run_dir.name}: the method selected no key of its own in {empty / rows:.1%} of its "
-                   f"{int(rows)} sparse rows (> {EMPTY_SELECTION_WARN:.0%}); those rows attend only to the static keys")
+            msg = (
+                f"{run_dir.name}: the method selected no key of its own in {empty / rows:.1%} of its "
+                f"{int(rows)} sparse rows (> {EMPTY_SELECTION_WARN:.0%}); those rows attend only to the static keys"
+            )
             log.warning(msg)
             out["warnings"].append(msg)
         for key in ("cost1", "cost2", "est_error"):

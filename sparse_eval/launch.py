@@ -54,6 +54,7 @@ _SOURCE_SHA: str | None = None
 
 # -- the key ---------------------------------------------------------------------------------------------------
 
+
 def source_sha256() -> str:
     """sha256 of every file of the package and of ``conf/`` (paths and contents; ``__pycache__`` left out):
     the version of the code that computes identities, and of the configs ``compare`` names."""
@@ -100,8 +101,13 @@ def launch_key(plain: dict[str, Any]) -> str | None:
     if logger.get("name", "none") != "none" or model.get("trust_remote_code"):
         return None
     config = {k: v for k, v in plain.items() if k not in OUTPUT_ONLY_KEYS}
-    parts: dict[str, Any] = {"entry_version": ENTRY_VERSION, "config": config, "source": source_sha256(),
-                             "versions": _versions(), "env": {k: os.environ.get(k) for k in ENV_KEYS}}
+    parts: dict[str, Any] = {
+        "entry_version": ENTRY_VERSION,
+        "config": config,
+        "source": source_sha256(),
+        "versions": _versions(),
+        "env": {k: os.environ.get(k) for k in ENV_KEYS},
+    }
     if model.get("dtype", "auto") == "auto" and model.get("device", "auto") == "auto":
         parts["cuda"] = cuda_available()
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
@@ -124,6 +130,7 @@ def entry_path(runs_dir: str | Path, key: str) -> Path:
 
 
 # -- stamps ----------------------------------------------------------------------------------------------------
+
 
 def _stamp(path: str | Path) -> dict[str, Any] | None:
     try:
@@ -201,6 +208,7 @@ def watched_dirs(files: Iterable[str], data_dir: str | None) -> list[str]:
 
 # -- reuse -----------------------------------------------------------------------------------------------------
 
+
 def finished(run_dirs: list[str]) -> list[dict[str, Any]] | None:
     """The saved summaries of ``run_dirs`` when every one is ``done``; None otherwise."""
     from .status import run_state
@@ -254,6 +262,7 @@ def reuse(cfg: Any) -> list[dict[str, Any]] | None:
 
 # -- record ----------------------------------------------------------------------------------------------------
 
+
 def cacheable(identities: list[dict[str, Any]], files: dict[str, dict[str, Any]], hub_reads: int) -> str | None:
     """None when a launch with these run identities, whose fingerprinted ``files`` are known, can be cached;
     else why not."""
@@ -270,8 +279,14 @@ def cacheable(identities: list[dict[str, Any]], files: dict[str, dict[str, Any]]
     return None
 
 
-def record(cfg: Any, identities: list[dict[str, Any]], summaries: list[dict[str, Any]],
-           files: dict[str, dict[str, Any]], hub_reads: int = 0, started_ns: int | None = None) -> Path | None:
+def record(
+    cfg: Any,
+    identities: list[dict[str, Any]],
+    summaries: list[dict[str, Any]],
+    files: dict[str, dict[str, Any]],
+    hub_reads: int = 0,
+    started_ns: int | None = None,
+) -> Path | None:
     """After a launch whose every run finished: its cache entry (written whole: a temporary file renamed), or None
     where it cannot be cached or the runs dir cannot be written.  ``files``: what ``fingerprint.recording``
     collected during the launch; ``started_ns``: when it started (``time.time_ns()``): a file or watched folder
@@ -287,7 +302,9 @@ def record(cfg: Any, identities: list[dict[str, Any]], summaries: list[dict[str,
     run_dirs = [s["run_dir"] for s in summaries]
     if finished(run_dirs) is None:  # a run with failed samples: the next launch retries them
         return None
-    stamps = [dict(path=p, size=f["size"], mtime_ns=f["mtime_ns"], sha256=f["sha256"]) for p, f in sorted(files.items())]
+    stamps = [
+        dict(path=p, size=f["size"], mtime_ns=f["mtime_ns"], sha256=f["sha256"]) for p, f in sorted(files.items())
+    ]
     dirs = [s for s in (_stamp(d) for d in watched_dirs(files, plain["paths"].get("data_dir"))) if s]
     dirs += [_stamp(d) or {"path": d, "absent": True} for d in search_dirs() if d not in {x["path"] for x in dirs}]
     for d in dirs:
@@ -298,8 +315,15 @@ def record(cfg: Any, identities: list[dict[str, Any]], summaries: list[dict[str,
     if changed is not None or moved:
         log.info("launch cache: not recorded (%s changed during the launch)", changed or moved[0])
         return None
-    entry = {"key": key, "version": ENTRY_VERSION, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-             "argv": sys.argv, "run_dirs": run_dirs, "files": stamps, "dirs": dirs}
+    entry = {
+        "key": key,
+        "version": ENTRY_VERSION,
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+        "run_dirs": run_dirs,
+        "files": stamps,
+        "dirs": dirs,
+    }
     path = entry_path(plain["paths"]["runs_dir"], key)
     try:
         write_json(path, entry)

@@ -52,8 +52,10 @@ SPARSE_BLOCK_TENSORS = 8  # float32 [Hq, Q, N] tensors alive in one sparse call 
 def _cgroup_room() -> float | None:
     """Bytes the cgroup of this process may still allocate (v2 memory.max − memory.current, or v1), None without
     a limit."""
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             lim = Path(limit).read_text().strip()
             used = float(Path(usage).read_text().strip())
@@ -115,11 +117,16 @@ class Shape:
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = int(cfg.num_attention_heads)
         hidden = int(cfg.hidden_size)
-        return cls(layers=int(cfg.num_hidden_layers), heads=heads,
-                   kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-                   head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads), hidden=hidden,
-                   intermediate=int(getattr(cfg, "intermediate_size", None) or 4 * hidden),
-                   vocab=int(getattr(cfg, "vocab_size", 0) or 0), elem=int(elem))
+        return cls(
+            layers=int(cfg.num_hidden_layers),
+            heads=heads,
+            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
+            hidden=hidden,
+            intermediate=int(getattr(cfg, "intermediate_size", None) or 4 * hidden),
+            vocab=int(getattr(cfg, "vocab_size", 0) or 0),
+            elem=int(elem),
+        )
 
     @classmethod
     def of(cls, model: Any) -> "Shape":
@@ -158,8 +165,17 @@ def _shared_parts(method: dict[str, Any]) -> tuple[str, ...]:
     return cls.shared_index_parts if cls is not None else ()
 
 
-def row_bytes(shape: Shape, method: Any, *, prompt: int, new_tokens: int = 0, loglik: bool = False,
-              protocol: str = "A", query_chunk: int = 512, prefill_chunk: int | None = None) -> dict[str, int]:
+def row_bytes(
+    shape: Shape,
+    method: Any,
+    *,
+    prompt: int,
+    new_tokens: int = 0,
+    loglik: bool = False,
+    protocol: str = "A",
+    query_chunk: int = 512,
+    prefill_chunk: int | None = None,
+) -> dict[str, int]:
     """The estimate of one row's bytes on the accuracy path, by part (see the module docstring; ``SAFETY`` not
     applied)."""
     m = _plain(method)
@@ -192,6 +208,7 @@ def fixed_bytes(shape: Shape, method: Any) -> int:
 
 # -- a run's samples ---------------------------------------------------------------------------------------------
 
+
 def _work(task: Any, sample: Any) -> tuple[int, int, bool]:
     """(prompt tokens, new tokens, log-likelihood?) of one sample."""
     from .engine import LoglikelihoodRequest
@@ -216,8 +233,16 @@ def run_row_bytes(exp: Any, method: Any, samples: Sequence[Any]) -> tuple[float,
         if work in seen:
             continue
         seen.add(work)
-        parts = row_bytes(shape, method, prompt=work[0], new_tokens=work[1], loglik=work[2], protocol=exp.protocol,
-                          query_chunk=int(ev.get("query_chunk", 512)), prefill_chunk=ev.get("prefill_chunk"))
+        parts = row_bytes(
+            shape,
+            method,
+            prompt=work[0],
+            new_tokens=work[1],
+            loglik=work[2],
+            protocol=exp.protocol,
+            query_chunk=int(ev.get("query_chunk", 512)),
+            prefill_chunk=ev.get("prefill_chunk"),
+        )
         total = sum(parts.values()) * SAFETY
         if total > best:
             best, tokens = total, work[0] + work[1]
@@ -247,8 +272,11 @@ def check_index_fits(method: Any, shape: Shape, n: int, device: Any, building_ro
     if need > room or shared > host_memory_available():
         where = "this machine's" if dev.type == "cpu" else f"{dev}'s"
         detail = ", ".join(f"{k} {gb(v)}" for k, v in parts.items() if v >= 1 << 20)
-        raise ValueError(cls.index_too_large(m, f"for one sample of {n} tokens need ~{gb(need)} ({detail}), more "
-                                                f"than {where} {gb(room)} available"))
+        raise ValueError(
+            cls.index_too_large(
+                m, f"for one sample of {n} tokens need ~{gb(need)} ({detail}), more than {where} {gb(room)} available"
+            )
+        )
 
 
 def check_tables(exp: Any, method: Any, samples: Sequence[Any]) -> None:
@@ -277,7 +305,8 @@ def check_batch(exp: Any, methods: Sequence[Any], samples: Sequence[Any]) -> Non
             raise ValueError(
                 f"one sample of {tokens} tokens needs ~{gb(per_row)} of memory with method={name} (estimate: KV cache, "
                 f"activations, the method's index); this machine has {gb(host_memory_available())} available (a run "
-                f"plans with {HOST_FRACTION:.0%}); lower task.length or run it on a GPU")
+                f"plans with {HOST_FRACTION:.0%}); lower task.length or run it on a GPU"
+            )
         want = exp.batch_size
         if isinstance(want, int) and want > 1 and exp.task.batched:
             rows = min(want, len(samples))
@@ -286,7 +315,8 @@ def check_batch(exp: Any, methods: Sequence[Any], samples: Sequence[Any]) -> Non
                 raise ValueError(
                     f"eval.batch_size={want}: {rows} rows of up to {tokens} tokens need ~{gb(rows * per_row)} with "
                     f"method={name} (~{gb(per_row)} per row); this machine has {gb(host_memory_available())} available; "
-                    f"give eval.batch_size={fit} or eval.batch_size=auto (it sizes itself to the memory)")
+                    f"give eval.batch_size={fit} or eval.batch_size=auto (it sizes itself to the memory)"
+                )
 
 
 def auto_batch_cap(exp: Any, method: Any, todo: Sequence[Any], size: int) -> int:
@@ -298,6 +328,14 @@ def auto_batch_cap(exp: Any, method: Any, todo: Sequence[Any], size: int) -> int
     room = HOST_FRACTION * host_memory_available() - fixed_bytes(Shape.of(exp.model), method)
     fit = max(1, int(room // per_row)) if per_row > 0 else size
     if fit < size:
-        log.info("eval.batch_size=auto: %d rows (~%s each at %d tokens) fit in %s of the %s of host memory "
-                 "available; batches of %d", fit, gb(per_row), tokens, gb(room), gb(host_memory_available()), fit)
+        log.info(
+            "eval.batch_size=auto: %d rows (~%s each at %d tokens) fit in %s of the %s of host memory "
+            "available; batches of %d",
+            fit,
+            gb(per_row),
+            tokens,
+            gb(room),
+            gb(host_memory_available()),
+            fit,
+        )
     return min(size, fit)

@@ -28,8 +28,12 @@ def shipped_dense_flags() -> dict[str, bool]:
                 continue
             attrs = {}
             for stmt in node.body:
-                if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
-                        and isinstance(stmt.value, ast.Constant):
+                if (
+                    isinstance(stmt, ast.Assign)
+                    and len(stmt.targets) == 1
+                    and isinstance(stmt.targets[0], ast.Name)
+                    and isinstance(stmt.value, ast.Constant)
+                ):
                     attrs[stmt.targets[0].id] = stmt.value.value
             if isinstance(attrs.get("name"), str) and attrs["name"]:
                 flags[attrs["name"]] = attrs.get("dense") is True

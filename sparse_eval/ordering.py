@@ -64,5 +64,5 @@ def length_windows(items: list[Any], window: int, key: Callable[[Any], Any]) -> 
         return list(items)
     out: list[Any] = []
     for i in range(0, len(items), window):
-        out += sorted(items[i:i + window], key=key)
+        out += sorted(items[i : i + window], key=key)
     return out

@@ -88,8 +88,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def shingle_hashes(texts: Iterable[str], shingle_words: int = SHINGLE_WORDS,
-                   keep_one_in: int = KEEP_ONE_IN) -> tuple[np.ndarray, int, int]:
+def shingle_hashes(
+    texts: Iterable[str], shingle_words: int = SHINGLE_WORDS, keep_one_in: int = KEEP_ONE_IN
+) -> tuple[np.ndarray, int, int]:
     """The kept shingle hashes of ``texts`` (shingles never span two texts): (sorted unique uint64 array,
     number of words, number of shingles)."""
     if shingle_words < 1 or keep_one_in < 1:
@@ -105,7 +106,7 @@ def shingle_hashes(texts: Iterable[str], shingle_words: int = SHINGLE_WORDS,
         h = np.zeros(m, dtype=np.uint64)
         with np.errstate(over="ignore"):
             for i in range(shingle_words):
-                h = h * _P + w[i:i + m]
+                h = h * _P + w[i : i + m]
             h = _mix(h)
         n_shingles += m
         kept.append(h[h % np.uint64(keep_one_in) == 0])
@@ -118,8 +119,10 @@ def fingerprint(text: str) -> dict[str, Any]:
     hashes, n_words, n_shingles = shingle_hashes([text])
     return {
         "scheme": SCHEME,
-        "about": (f"sparse_eval.overlap: {SHINGLE_WORDS}-word shingles of the NFKC-lowercased words (letter/digit "
-                  f"runs, <unk> dropped), blake2b-64 word hashes, one shingle in {KEEP_ONE_IN} kept by hash"),
+        "about": (
+            f"sparse_eval.overlap: {SHINGLE_WORDS}-word shingles of the NFKC-lowercased words (letter/digit "
+            f"runs, <unk> dropped), blake2b-64 word hashes, one shingle in {KEEP_ONE_IN} kept by hash"
+        ),
         "shingle_words": SHINGLE_WORDS,
         "keep_one_in": KEEP_ONE_IN,
         "words": n_words,
@@ -164,11 +167,15 @@ def check_method(method: Any, task: Any, samples: list[Any], tokenizer: Any) -> 
         got = "no fingerprint of its text" if fp is None else f"a fingerprint of another scheme ({fp.get('scheme')!r})"
         raise CalibrationOverlapError(
             f"{cal.label} ({cal.description}) records {got}, so whether it overlaps the text task={task_name} "
-            f"evaluates cannot be checked; make it again: {cal.fix}")
+            f"evaluates cannot be checked; make it again: {cal.fix}"
+        )
     evaluated = _evaluated(task, samples, tokenizer, fp)
     if evaluated is None:
-        log.warning("task=%s gives no evaluated text: %s was not checked against it (see sparse_eval.overlap)",
-                    task_name, cal.label)
+        log.warning(
+            "task=%s gives no evaluated text: %s was not checked against it (see sparse_eval.overlap)",
+            task_name,
+            cal.label,
+        )
         return {"checked": False, "shared": None}
     shared = int(np.intersect1d(fingerprint_hashes(fp), evaluated, assume_unique=True).size)
     if shared >= MIN_SHARED:
@@ -176,5 +183,6 @@ def check_method(method: Any, task: Any, samples: list[Any], tokenizer: Any) -> 
             f"{cal.label} was calibrated on {cal.description}, which shares text with what task={task_name} "
             f"evaluates ({shared} of its {fp['kept']} sampled {fp['shingle_words']}-word shingles, about "
             f"{shared * fp['keep_one_in']} words in common): calibration text must be disjoint from evaluated text. "
-            f"Fix: {cal.fix}")
+            f"Fix: {cal.fix}"
+        )
     return {"checked": True, "shared": shared}

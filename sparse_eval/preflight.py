@@ -23,6 +23,7 @@ PREFLIGHT_KEY = "preflight"
 
 # -- the sweep ---------------------------------------------------------------------------------------------------
 
+
 def _local_launcher(config: DictConfig) -> bool:
     """Whether the sweep's jobs run on this machine (basic, joblib or submitit's local launcher)."""
     target = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
@@ -137,11 +138,19 @@ def sweep_message(problems: list[tuple[str, list[int], int]]) -> str:
     bad = len({n for _, nums, _ in problems for n in nums})
     parts = []
     for err, nums, _ in problems:
-        which = f"all {total} jobs" if len(nums) == total else \
-            ("job " if len(nums) == 1 else "jobs ") + ",".join(f"#{n}" for n in nums[:12]) + (" ..." if len(nums) > 12 else "")
+        which = (
+            f"all {total} jobs"
+            if len(nums) == total
+            else ("job " if len(nums) == 1 else "jobs ")
+            + ",".join(f"#{n}" for n in nums[:12])
+            + (" ..." if len(nums) > 12 else "")
+        )
         parts.append(f"{which}: {err}")
-    return (f"{bad} of the sweep's {total} jobs cannot start, so none was launched -- " + " | ".join(parts)
-            + " (fix the config, or add preflight=false to launch anyway)")
+    return (
+        f"{bad} of the sweep's {total} jobs cannot start, so none was launched -- "
+        + " | ".join(parts)
+        + " (fix the config, or add preflight=false to launch anyway)"
+    )
 
 
 class SweepPreflight(Callback):

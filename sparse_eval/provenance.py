@@ -53,12 +53,16 @@ def git_commit(where: Path | str = PACKAGE_DIR) -> dict[str, Any]:
         sha = _git(top, "rev-parse", "HEAD").stdout.strip()
         diff = _git(top, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", text=False).stdout
         tracked = [p for p in _git(top, "diff", "HEAD", "--name-only", "-z").stdout.split("\0") if p]
-        untracked = sorted(p for p in _git(top, "ls-files", "--others", "--exclude-standard", "-z").stdout.split("\0")
-                           if p)
+        untracked = sorted(
+            p for p in _git(top, "ls-files", "--others", "--exclude-standard", "-z").stdout.split("\0") if p
+        )
     except (OSError, subprocess.SubprocessError):
         return {"commit": None}
-    out: dict[str, Any] = {"version": PROVENANCE_VERSION, "commit": sha or None,
-                           "dirty": bool(tracked or untracked or diff)}
+    out: dict[str, Any] = {
+        "version": PROVENANCE_VERSION,
+        "commit": sha or None,
+        "dirty": bool(tracked or untracked or diff),
+    }
     if out["dirty"]:
         h = hashlib.sha256(diff)
         for p in untracked:
@@ -71,8 +75,12 @@ def git_commit(where: Path | str = PACKAGE_DIR) -> dict[str, Any]:
 def hardware() -> dict[str, Any]:
     import torch
 
-    info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
-                            "torch_threads": torch.get_num_threads()}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -96,7 +104,17 @@ def versions() -> dict[str, str]:
     from importlib import metadata
 
     out = {"python": sys.version.split()[0]}
-    for pkg in ("sparse_eval", "torch", "transformers", "hydra-core", "omegaconf", "datasets", "lm_eval", "triton", "numba"):
+    for pkg in (
+        "sparse_eval",
+        "torch",
+        "transformers",
+        "hydra-core",
+        "omegaconf",
+        "datasets",
+        "lm_eval",
+        "triton",
+        "numba",
+    ):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -105,5 +123,10 @@ def versions() -> dict[str, str]:
 
 
 def provenance() -> dict[str, Any]:
-    return {"git": git_commit(), "versions": versions(), "hardware": hardware(), "argv": sys.argv,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {
+        "git": git_commit(),
+        "versions": versions(),
+        "hardware": hardware(),
+        "argv": sys.argv,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }

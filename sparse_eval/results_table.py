@@ -24,8 +24,6 @@ def short_config(method: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in method.items() if k in keys)
 
 
-
-
 def _interval_text(ci: dict[str, Any] | None) -> str | None:
     """``[lo, hi]`` of a summary's ``score_ci`` (4 significant digits), None without one."""
     if not ci or ci.get("lo") is None or ci.get("hi") is None:
@@ -57,12 +55,23 @@ def pool_seeds(task: Any, summaries: list[dict[str, Any]]) -> list[dict[str, Any
     for group in groups.values():
         ts = [terms(s) for s in group]
         complete = all(s.get("complete", s["failed"] == 0 and s["samples"] >= s["expected_samples"]) for s in group)
-        row = {"summaries": group, "method": group[0]["method"], "method_config": group[0]["method_config"],
-               "metric": group[0]["metric"], "seeds": [s.get("seed") for s in group],
-               "stochastic": bool(group[0]["stochastic"] if "stochastic" in group[0]
-                                  else is_stochastic(group[0]["method_config"])), "complete": complete,
-               "expected_samples": group[0]["expected_samples"], "failed": sum(s["failed"] for s in group),
-               "time_s": sum(s["time_s"] for s in group), "ci": None, "spread": None, "vs_full": None}
+        row = {
+            "summaries": group,
+            "method": group[0]["method"],
+            "method_config": group[0]["method_config"],
+            "metric": group[0]["metric"],
+            "seeds": [s.get("seed") for s in group],
+            "stochastic": bool(
+                group[0]["stochastic"] if "stochastic" in group[0] else is_stochastic(group[0]["method_config"])
+            ),
+            "complete": complete,
+            "expected_samples": group[0]["expected_samples"],
+            "failed": sum(s["failed"] for s in group),
+            "time_s": sum(s["time_s"] for s in group),
+            "ci": None,
+            "spread": None,
+            "vs_full": None,
+        }
         for key in ("cost1", "cost2", "static_frac", "est_error"):
             vals = [s[key] for s in group if s.get(key) is not None]
             row[key] = sum(vals) / len(vals) if vals else None
@@ -109,38 +118,51 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     out = []
     for r in rows:
         vs = r.get("vs_full")
-        out.append({
-            "method": r["method"],
-            "config": short_config(r["method_config"]),
-            r["metric"]: r["score"],
-            "95% CI": _interval_text(r.get("ci")),
-            **({"vs full [95% CI]": _difference_text(vs), "n_paired": vs.get("n") if vs else None}
-               if any(x.get("vs_full") for x in rows) else {}),
-            "seeds": _seeds_text(r),
-            "Cost1": r["cost1"],
-            "Cost2": r["cost2"],
-            "static": r["static_frac"],
-            "est_error": r["est_error"],
-            "samples": r["samples"] if r["complete"] else f"{r['samples']}/{r['expected_samples']} {INCOMPLETE_MARK}",
-            "failed": r["failed"],
-            "time_s": r["time_s"],
-        })
+        out.append(
+            {
+                "method": r["method"],
+                "config": short_config(r["method_config"]),
+                r["metric"]: r["score"],
+                "95% CI": _interval_text(r.get("ci")),
+                **(
+                    {"vs full [95% CI]": _difference_text(vs), "n_paired": vs.get("n") if vs else None}
+                    if any(x.get("vs_full") for x in rows)
+                    else {}
+                ),
+                "seeds": _seeds_text(r),
+                "Cost1": r["cost1"],
+                "Cost2": r["cost2"],
+                "static": r["static_frac"],
+                "est_error": r["est_error"],
+                "samples": r["samples"]
+                if r["complete"]
+                else f"{r['samples']}/{r['expected_samples']} {INCOMPLETE_MARK}",
+                "failed": r["failed"],
+                "time_s": r["time_s"],
+            }
+        )
     df = pd.DataFrame(out)
     if "vs full [95% CI]" in df:  # full attention's own row (and a row without a difference): a dash, not None
         df["vs full [95% CI]"] = df["vs full [95% CI]"].map(lambda v: NO_VALUE if v is None else v)
     if "n_paired" in df:
         df["n_paired"] = [str(int(v)) if v is not None and v == v else NO_VALUE for v in df["n_paired"]]
-    text = df.to_string(index=False, float_format=lambda x: f"{x:.4g}" if not math.isnan(x) else NO_VALUE,
-                        na_rep=NO_VALUE)
+    text = df.to_string(
+        index=False, float_format=lambda x: f"{x:.4g}" if not math.isnan(x) else NO_VALUE, na_rep=NO_VALUE
+    )
     notes = []
     if any(r["stochastic"] and len(r["seeds"]) == 1 for r in rows):
-        notes.append(f"{SINGLE_SEED_MARK} one seed of a stochastic method: its interval omits the seed-to-seed "
-                     "variation (seed=[0,1,2] runs it over three seeds)")
+        notes.append(
+            f"{SINGLE_SEED_MARK} one seed of a stochastic method: its interval omits the seed-to-seed "
+            "variation (seed=[0,1,2] runs it over three seeds)"
+        )
     if any(not r["complete"] for r in rows):
-        notes.append(f"{INCOMPLETE_MARK} incomplete (failed or missing samples): scored over the samples it finished, "
-                     "compared over the samples both finished (n_paired), never marked significant; the same command "
-                     "retries the failed samples")
+        notes.append(
+            f"{INCOMPLETE_MARK} incomplete (failed or missing samples): scored over the samples it finished, "
+            "compared over the samples both finished (n_paired), never marked significant; the same command "
+            "retries the failed samples"
+        )
     return "\n".join([text, *notes])
+
 
 def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
@@ -151,12 +173,20 @@ def reuse_note(summaries: list[dict[str, Any]], reused: list[tuple[int, int]]) -
     which runs resumed where; "" when everything was computed now.  ``reused``: per summary, (samples already
     written at its start, samples expected)."""
     whole = [s["method"] for s, (done, exp) in zip(summaries, reused) if exp and done >= exp]
-    part = [f"{s['method']} at sample {done + 1} of {exp}" for s, (done, exp) in zip(summaries, reused)
-            if exp and 0 < done < exp]
+    part = [
+        f"{s['method']} at sample {done + 1} of {exp}"
+        for s, (done, exp) in zip(summaries, reused)
+        if exp and 0 < done < exp
+    ]
     notes = []
     if whole:
-        notes.append(("all results were already saved there: reused, nothing recomputed" if len(whole) == len(summaries)
-                      else f"reused the saved results of {', '.join(whole)}"))
+        notes.append(
+            (
+                "all results were already saved there: reused, nothing recomputed"
+                if len(whole) == len(summaries)
+                else f"reused the saved results of {', '.join(whole)}"
+            )
+        )
     if part:
         notes.append(f"resumed {', '.join(part)}")
     return f" ({'; '.join(notes)})" if notes else ""
@@ -166,12 +196,14 @@ def print_results(task: Any, summaries: list[dict[str, Any]], reused: list[tuple
     """The header line, the table (``pool_seeds``, ``format_table``) and where the results are, with what was
     reused (``reuse_note``)."""
     first = summaries[0]
-    print(f"\nmodel={first['model']} task={first['task']} protocol={first['protocol']} "
-          f"({plural(first['expected_samples'], 'sample')}; 95% CI: percentile bootstrap over samples, and over seeds "
-          f"for a stochastic method run with several (two-level); vs full: paired difference with full attention on "
-          f"the n_paired samples both finished, * where its interval excludes 0 (claimed from 8 samples); seeds: "
-          f"a stochastic method's seeds and the sd of its per-seed scores; Cost1/Cost2/static/est_error: means "
-          f"over sparse layers, heads and query rows)")
+    print(
+        f"\nmodel={first['model']} task={first['task']} protocol={first['protocol']} "
+        f"({plural(first['expected_samples'], 'sample')}; 95% CI: percentile bootstrap over samples, and over seeds "
+        f"for a stochastic method run with several (two-level); vs full: paired difference with full attention on "
+        f"the n_paired samples both finished, * where its interval excludes 0 (claimed from 8 samples); seeds: "
+        f"a stochastic method's seeds and the sd of its per-seed scores; Cost1/Cost2/static/est_error: means "
+        f"over sparse layers, heads and query rows)"
+    )
     print(format_table(pool_seeds(task, summaries)))
     print(f"results: {Path(first['run_dir']).parent}{reuse_note(summaries, reused)}")
 

@@ -54,13 +54,16 @@ def method_configs(cfg: Any) -> list[MethodConfig]:
     else:
         entries = [to_plain(e) for e in (cfg.compare if cfg.get("compare") is not None else compare_names())]
         names = [e if isinstance(e, str) else e["name"] for e in entries]
-        opts = [o if isinstance(e, str) else o | {k: v for k, v in e.items() if k != "name"}
-                for e, o in zip(entries, methods_options(names) if names else [])]
+        opts = [
+            o if isinstance(e, str) else o | {k: v for k, v in e.items() if k != "name"}
+            for e, o in zip(entries, methods_options(names) if names else [])
+        ]
     return [c for o in opts for c in seeded_configs(o, cfg.seed)]
 
 
-def check_method(method_cfg: MethodConfig, num_layers: int, context: int, sliding: dict[int, int] | list[int],
-                 model_name: str) -> tuple[MethodConfig, Method]:
+def check_method(
+    method_cfg: MethodConfig, num_layers: int, context: int, sliding: dict[int, int] | list[int], model_name: str
+) -> tuple[MethodConfig, Method]:
     """(the config with ``dense_layers`` resolved for a model of ``num_layers`` layers, the method built from it),
     checked against the model: its values against the depth and the context (``Method.validate``), and a sparse
     method left with no sparse layer by its dense layers or the sliding ones (``layer_plan``,

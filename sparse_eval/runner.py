@@ -23,8 +23,16 @@ from . import launch
 from .fingerprint import recording
 from .results_table import print_results
 from .status import run_state
-from .store import (PROGRESS_FILE, SUMMARY_FILE, RunsDirError, check_writable, clear_failure, read_json, run_lock,
-                    write_failure)
+from .store import (
+    PROGRESS_FILE,
+    SUMMARY_FILE,
+    RunsDirError,
+    check_writable,
+    clear_failure,
+    read_json,
+    run_lock,
+    write_failure,
+)
 
 log = logging.getLogger("sparse_eval")
 
@@ -62,7 +70,9 @@ def _run(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
     exp = Experiment(cfg)
     methods = [exp.preflight(m) for m in exp.method_configs()]  # a run that cannot start writes nothing
-    check_batch(exp, [m.config for m in methods], exp.samples())  # memory (MagicPIG's tables; on the CPU, the batch): refused here
+    check_batch(
+        exp, [m.config for m in methods], exp.samples()
+    )  # memory (MagicPIG's tables; on the CPU, the batch): refused here
     check_long(exp, methods, log)  # on the CPU, over an hour: refused unless eval.allow_long=true
     summaries, identities = [], []
     reused: list[tuple[int, int]] = []  # per run: (samples already saved at its start, expected)
@@ -76,8 +86,10 @@ def _run(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                 summaries.append(json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8")))
                 reused.append((summaries[-1]["samples"], summaries[-1]["samples"]))
                 continue
-            raise RunsDirError(f"paths.runs_dir={cfg.paths.runs_dir}: cannot write {unwritable}; give a writable "
-                               f"folder, e.g. paths.runs_dir=runs")
+            raise RunsDirError(
+                f"paths.runs_dir={cfg.paths.runs_dir}: cannot write {unwritable}; give a writable "
+                f"folder, e.g. paths.runs_dir=runs"
+            )
         try:
             with run_lock(run_dir):  # one process per run dir: a duplicate job waits, then finds the samples done
                 clear_failure(run_dir)

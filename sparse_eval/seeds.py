@@ -43,8 +43,10 @@ def run_seeds(value: Any) -> list[int]:
     vals = list(value) if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig" else [value]
     bad = [v for v in vals if isinstance(v, bool) or not isinstance(v, int) or v < 0]
     if not vals or bad or len(set(vals)) != len(vals):
-        raise ValueError(f"seed={value!r}: give an integer >= 0 or a list of distinct ones, e.g. seed=1 or "
-                         "seed=[0,1,2] (a stochastic method runs once per seed, a deterministic one once)")
+        raise ValueError(
+            f"seed={value!r}: give an integer >= 0 or a list of distinct ones, e.g. seed=1 or "
+            "seed=[0,1,2] (a stochastic method runs once per seed, a deterministic one once)"
+        )
     return [int(v) for v in vals]
 
 
@@ -56,14 +58,20 @@ def seeded_configs(options: Mapping[str, Any], seed: Any) -> list[Any]:
 
     seeds = run_seeds(seed)
     if options.get("seed") is not None:
-        raise ValueError(f"method.seed={options['seed']!r}: a run's random draws come from the top-level seed; "
-                         f"drop method.seed and give seed={options['seed']!r} (or a list, e.g. seed=[0,1,2])")
+        raise ValueError(
+            f"method.seed={options['seed']!r}: a run's random draws come from the top-level seed; "
+            f"drop method.seed and give seed={options['seed']!r} (or a list, e.g. seed=[0,1,2])"
+        )
     base = make_config(options["name"], dict(options, seed=seeds[0]))
     method = build_method(base)
     if not method.stochastic:
         if seeds != [DETERMINISTIC_SEED]:
-            log.info("%s is deterministic: seed=%s reaches none of its draws; it runs once, filed under seed %d",
-                     base.name, seeds if len(seeds) > 1 else seeds[0], DETERMINISTIC_SEED)
+            log.info(
+                "%s is deterministic: seed=%s reaches none of its draws; it runs once, filed under seed %d",
+                base.name,
+                seeds if len(seeds) > 1 else seeds[0],
+                DETERMINISTIC_SEED,
+            )
         return [dataclasses.replace(base, seed=DETERMINISTIC_SEED)]
     return [dataclasses.replace(base, seed=s) for s in seeds]
 

@@ -27,8 +27,9 @@ def upper_terms(m: int, L: int, tol: float = 1e-20) -> int:
     return min(t + 1, L - m + 1)
 
 
-def log_sampling_probability(p: torch.Tensor, K: int, L: int, min_collisions: int,
-                             element_budget: int = 1 << 24) -> torch.Tensor:
+def log_sampling_probability(
+    p: torch.Tensor, K: int, L: int, min_collisions: int, element_budget: int = 1 << 24
+) -> torch.Tensor:
     """log u, u = P[Binomial(L, p^K) ≥ min_collisions] (eq. 10 for min_collisions = 2), elementwise in float64.
 
     Exact in log space without cancellation: when the binomial's mode (⌊(L+1)·p^K⌋) exceeds m, u ≥ 1/2 and
@@ -57,14 +58,14 @@ def log_sampling_probability(p: torch.Tensor, K: int, L: int, min_collisions: in
     out = torch.empty_like(flat)
     step = max(1, element_budget // (m + j_hi.numel()))
     for s in range(0, flat.numel(), step):
-        pc = flat[s:s + step, None]
+        pc = flat[s : s + step, None]
         log_r = K * torch.log(pc)  # log p^K (−inf at p = 0)
         log_1mr = torch.log1p(-torch.exp(log_r))  # log(1 − p^K) (−inf at p = 1)
         upper = torch.logsumexp(log_pmf(j_hi, log_r, log_1mr), dim=-1)
         lower = torch.logsumexp(log_pmf(j_lo, log_r, log_1mr), dim=-1).clamp_max(0.0)
         complement = torch.log(-torch.expm1(lower))  # log(1 − P[X < m])
         big = torch.floor((L + 1) * torch.exp(log_r[:, 0])) > m
-        out[s:s + step] = torch.where(big, complement, upper).clamp_max(0.0)
+        out[s : s + step] = torch.where(big, complement, upper).clamp_max(0.0)
     return out.reshape(p.shape)
 
 

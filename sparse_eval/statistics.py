@@ -139,8 +139,9 @@ def bootstrap_ci(terms: ScoreTerms, n_boot: int = N_BOOT, level: float = LEVEL, 
     return {"score": terms.score(), "lo": lo, "hi": hi, "n": len(terms), "level": level, "n_boot": n_boot}
 
 
-def paired_difference(terms: ScoreTerms, reference: ScoreTerms, n_boot: int = N_BOOT, level: float = LEVEL,
-                      seed: int = 0) -> dict[str, Any]:
+def paired_difference(
+    terms: ScoreTerms, reference: ScoreTerms, n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0
+) -> dict[str, Any]:
     """{diff, lo, hi, n, significant}: score(terms) − score(reference) over the samples both have, with the
     paired bootstrap interval (one set of resample indices for both)."""
     ref_ids = set(reference.ids)
@@ -153,8 +154,14 @@ def paired_difference(terms: ScoreTerms, reference: ScoreTerms, n_boot: int = N_
     w = _resample_weights(a.group, n_boot, np.random.default_rng(seed))
     lo, hi = _interval(a._stat(w) - b._stat(w), level)
     significant = None if math.isnan(lo) or len(shared) < MIN_SIGNIFICANCE_N else bool(lo > 0 or hi < 0)
-    return {"diff": a.score() - b.score(), "lo": lo, "hi": hi, "n": len(shared), "level": level,
-            "significant": significant}
+    return {
+        "diff": a.score() - b.score(),
+        "lo": lo,
+        "hi": hi,
+        "n": len(shared),
+        "level": level,
+        "significant": significant,
+    }
 
 
 def seed_spread(scores: Sequence[float]) -> dict[str, Any]:
@@ -162,8 +169,13 @@ def seed_spread(scores: Sequence[float]) -> dict[str, Any]:
     vals = np.asarray([s for s in scores if s is not None and math.isfinite(s)], dtype=np.float64)
     if vals.size == 0:
         return {"mean": None, "std": None, "n_seeds": 0, "min": None, "max": None}
-    return {"mean": float(vals.mean()), "std": float(vals.std(ddof=1)) if vals.size > 1 else None,
-            "n_seeds": int(vals.size), "min": float(vals.min()), "max": float(vals.max())}
+    return {
+        "mean": float(vals.mean()),
+        "std": float(vals.std(ddof=1)) if vals.size > 1 else None,
+        "n_seeds": int(vals.size),
+        "min": float(vals.min()),
+        "max": float(vals.max()),
+    }
 
 
 def common_ids(runs: Sequence[ScoreTerms], reference: ScoreTerms | None = None) -> list[str]:
@@ -189,15 +201,24 @@ def _seed_resample(per_seed: np.ndarray, rng: np.random.Generator) -> np.ndarray
     return per_seed[idx, np.arange(r)[:, None]].mean(axis=1)
 
 
-def seed_pooled_ci(runs: Sequence[ScoreTerms], n_boot: int = N_BOOT, level: float = LEVEL,
-                   seed: int = 0) -> dict[str, Any]:
+def seed_pooled_ci(
+    runs: Sequence[ScoreTerms], n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0
+) -> dict[str, Any]:
     """{score, lo, hi, n, seeds, per_seed, level, n_boot}: the mean over seeds of each seed's score on the samples
     every seed finished (``n`` of them; ``per_seed``: those scores), with the two-level bootstrap interval over
     prompts and seeds (module docstring).  ``runs``: one ScoreTerms per seed of one configuration.  One run: the
     interval of ``bootstrap_ci``, exactly."""
     ids = common_ids(runs)
-    out = {"score": None, "lo": None, "hi": None, "n": len(ids), "seeds": len(runs), "per_seed": [], "level": level,
-           "n_boot": n_boot}
+    out = {
+        "score": None,
+        "lo": None,
+        "hi": None,
+        "n": len(ids),
+        "seeds": len(runs),
+        "per_seed": [],
+        "level": level,
+        "n_boot": n_boot,
+    }
     if not ids:
         return out
     subs = _seed_subsets(runs, ids, "seed_pooled_ci")
@@ -209,16 +230,16 @@ def seed_pooled_ci(runs: Sequence[ScoreTerms], n_boot: int = N_BOOT, level: floa
     return dict(out, score=float(np.mean(per_seed)), lo=lo, hi=hi, per_seed=per_seed)
 
 
-def seed_pooled_difference(runs: Sequence[ScoreTerms], reference: ScoreTerms, n_boot: int = N_BOOT,
-                           level: float = LEVEL, seed: int = 0) -> dict[str, Any]:
+def seed_pooled_difference(
+    runs: Sequence[ScoreTerms], reference: ScoreTerms, n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0
+) -> dict[str, Any]:
     """{diff, lo, hi, n, seeds, significant}: (mean over seeds of score) − score(reference) over the samples every
     seed and the reference finished, with the two-level paired interval: the reference (full attention,
     deterministic) gets the same sample weights as each seed, the seeds are resampled (module docstring).  One
     run: exactly ``paired_difference``."""
     ids = common_ids(runs, reference)
     if not ids:
-        return {"diff": None, "lo": None, "hi": None, "n": 0, "seeds": len(runs), "level": level,
-                "significant": None}
+        return {"diff": None, "lo": None, "hi": None, "n": 0, "seeds": len(runs), "level": level, "significant": None}
     subs = _seed_subsets(runs, ids, "seed_pooled_difference")
     ref = reference.subset(ids)
     if not np.array_equal(subs[0].group, ref.group):
@@ -228,8 +249,15 @@ def seed_pooled_difference(runs: Sequence[ScoreTerms], reference: ScoreTerms, n_
     stats = np.stack([t._stat(w) for t in subs])  # [S, R]
     lo, hi = _interval(_seed_resample(stats, rng) - ref._stat(w), level)
     significant = None if math.isnan(lo) or len(ids) < MIN_SIGNIFICANCE_N else bool(lo > 0 or hi < 0)
-    return {"diff": float(np.mean([t.score() for t in subs])) - ref.score(), "lo": lo, "hi": hi, "n": len(ids),
-            "seeds": len(runs), "level": level, "significant": significant}
+    return {
+        "diff": float(np.mean([t.score() for t in subs])) - ref.score(),
+        "lo": lo,
+        "hi": hi,
+        "n": len(ids),
+        "seeds": len(runs),
+        "level": level,
+        "significant": significant,
+    }
 
 
 def score_interval(task: Any, records: list[dict[str, Any]], seed: int = 0) -> dict[str, Any] | None:

@@ -42,12 +42,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .store import (CONFIG_FILE, FAILED_FILE, PROGRESS_FILE, SAMPLES_FILE, SUMMARY_FILE, find_run_dirs, lock_held,
-                    method_label, read_identity, read_json, read_samples)
+from .store import (
+    CONFIG_FILE,
+    FAILED_FILE,
+    PROGRESS_FILE,
+    SAMPLES_FILE,
+    SUMMARY_FILE,
+    find_run_dirs,
+    lock_held,
+    method_label,
+    read_identity,
+    read_json,
+    read_samples,
+)
 
 STATES = ("done", "incomplete", "running", "failed", "pending", "unreadable")
-UNREADABLE_FIX = ("config.yaml cannot be read (torn or corrupt): the run cannot be named, resumed or tabulated; run the "
-                  "command that made it again (it rewrites config.yaml and keeps the samples) or remove the directory")
+UNREADABLE_FIX = (
+    "config.yaml cannot be read (torn or corrupt): the run cannot be named, resumed or tabulated; run the "
+    "command that made it again (it rewrites config.yaml and keeps the samples) or remove the directory"
+)
 DEFAULT_RECENT_S = 300.0
 
 
@@ -102,8 +115,11 @@ def run_state(run_dir: Path, now: float | None = None, recent_s: float = DEFAULT
     held = lock_held(run_dir)
     all_written = expected is not None and written >= expected
     identity = read_identity(run_dir)
-    readable = isinstance(identity, dict) and isinstance(identity.get("method"), dict) and \
-        isinstance(identity.get("task"), dict)
+    readable = (
+        isinstance(identity, dict)
+        and isinstance(identity.get("method"), dict)
+        and isinstance(identity.get("task"), dict)
+    )
     if not readable and not held:
         state = "unreadable"
     elif failed is not None and not held and (t_failed or 0) >= max(t_samples or 0, t_progress or 0):
@@ -115,12 +131,23 @@ def run_state(run_dir: Path, now: float | None = None, recent_s: float = DEFAULT
     else:
         state = "pending"
     return {
-        "state": state, "run_dir": str(run_dir), "task": run_dir.parent.parent.name, "model": run_dir.parent.name,
-        "config": run_name(identity if readable else None, run_dir), "written": written, "expected": expected,
-        "errors": errors, "complete": expected is not None and written - errors >= expected,
+        "state": state,
+        "run_dir": str(run_dir),
+        "task": run_dir.parent.parent.name,
+        "model": run_dir.parent.name,
+        "config": run_name(identity if readable else None, run_dir),
+        "written": written,
+        "expected": expected,
+        "errors": errors,
+        "complete": expected is not None and written - errors >= expected,
         "age_s": now - last if last else None,
-        "error": (failed or {}).get("error") if state == "failed" else UNREADABLE_FIX if state == "unreadable" else None,
-        "host": progress.get("host"), "slurm_job_id": progress.get("slurm_job_id"),
+        "error": (failed or {}).get("error")
+        if state == "failed"
+        else UNREADABLE_FIX
+        if state == "unreadable"
+        else None,
+        "host": progress.get("host"),
+        "slurm_job_id": progress.get("slurm_job_id"),
     }
 
 
@@ -137,8 +164,17 @@ def format_states(states: list[dict[str, Any]]) -> str:
     rows = [("STATE", "SAMPLES", "ERR", "AGE", "TASK", "MODEL", "CONFIG")]
     for s in states:
         exp = "?" if s["expected"] is None else str(s["expected"])
-        rows.append((s["state"], f"{s['written']}/{exp}", str(s["errors"]), _age(s["age_s"]), s["task"], s["model"],
-                     s["config"]))
+        rows.append(
+            (
+                s["state"],
+                f"{s['written']}/{exp}",
+                str(s["errors"]),
+                _age(s["age_s"]),
+                s["task"],
+                s["model"],
+                s["config"],
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
     for s in states:
@@ -149,10 +185,18 @@ def format_states(states: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparse_eval.status", description=__doc__.split("\n\n")[0])
-    ap.add_argument("dir", nargs="?", default=os.environ.get("SPARSE_EVAL_RUNS_DIR", "runs"),
-                    help="a runs folder (paths.runs_dir), any folder below it, or one run directory")
-    ap.add_argument("--recent", type=float, default=DEFAULT_RECENT_S,
-                    help="a run modified within this many seconds counts as running (default %(default)s)")
+    ap.add_argument(
+        "dir",
+        nargs="?",
+        default=os.environ.get("SPARSE_EVAL_RUNS_DIR", "runs"),
+        help="a runs folder (paths.runs_dir), any folder below it, or one run directory",
+    )
+    ap.add_argument(
+        "--recent",
+        type=float,
+        default=DEFAULT_RECENT_S,
+        help="a run modified within this many seconds counts as running (default %(default)s)",
+    )
     ap.add_argument("--state", choices=STATES, action="append", help="show only these states (repeatable)")
     ap.add_argument("--json", action="store_true", help="one JSON object per run")
     args = ap.parse_args(argv)
@@ -171,8 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if states:
             print(format_states(states))
-        print(f"{sum(totals.values())} runs: " + ", ".join(f"{v} {k}" for k, v in totals.items()
-                                                        if k != "unreadable" or v) + f"  ({root})")
+        print(
+            f"{sum(totals.values())} runs: "
+            + ", ".join(f"{v} {k}" for k, v in totals.items() if k != "unreadable" or v)
+            + f"  ({root})"
+        )
     return 0
 
 

@@ -52,6 +52,7 @@ BASE_METHOD_FIELDS = ("name", "sink", "local", "dense_layers", "sliding_layers",
 
 # -- layout ----------------------------------------------------------------------------------------------------
 
+
 def config_hash(obj: Any) -> str:
     blob = json.dumps(obj, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:10]
@@ -68,7 +69,9 @@ def _short(v: Any) -> str:
 def method_label(method: dict[str, Any]) -> str:
     """name plus the method's own parameters (not the shared sink/local/dense/gqa/seed), e.g. ``magicpig-K=10-L=150``."""
     base = set(BASE_METHOD_FIELDS)
-    parts = [f"{k}={_short(v)}" for k, v in method.items() if k not in base and v is not None and not isinstance(v, dict)]
+    parts = [
+        f"{k}={_short(v)}" for k, v in method.items() if k not in base and v is not None and not isinstance(v, dict)
+    ]
     return "-".join([method["name"], *parts])
 
 
@@ -116,6 +119,7 @@ def check_writable(run_dir: Path) -> str | None:
 
 
 # -- JSON files ------------------------------------------------------------------------------------------------
+
 
 def finite(obj: Any) -> Any:
     """NaN/inf never reach a result file: they become null (the caller flags where)."""
@@ -193,6 +197,7 @@ def read_json(path: Path) -> Any:
 
 # -- writing a run ---------------------------------------------------------------------------------------------
 
+
 def record_start(run_dir: Path, identity: dict[str, Any]) -> None:
     """``config.yaml`` (the identity) and, at a run's first start, ``meta.json`` (its provenance)."""
     from omegaconf import OmegaConf
@@ -215,20 +220,33 @@ def slurm_job_id() -> str | None:
 
 
 def _where() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": slurm_job_id(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "slurm_job_id": slurm_job_id(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def write_progress(run_dir: Path, expected_samples: int, already_done: int) -> None:
     """At the start (or restart) of a run: how many samples it will have in all and how many were already there."""
-    write_json(Path(run_dir) / PROGRESS_FILE, {"expected_samples": expected_samples,
-                                               "done_at_start": already_done, **_where()})
+    write_json(
+        Path(run_dir) / PROGRESS_FILE, {"expected_samples": expected_samples, "done_at_start": already_done, **_where()}
+    )
 
 
 def write_failure(run_dir: Path, exc: BaseException, extra: dict[str, Any] | None = None) -> Path:
     path = Path(run_dir) / FAILED_FILE
-    write_json(path, {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
-                      "traceback": "".join(traceback.format_exception(exc)[-12:]), **_where(), **(extra or {})})
+    write_json(
+        path,
+        {
+            "error": f"{type(exc).__name__}: {exc}",
+            "type": type(exc).__name__,
+            "traceback": "".join(traceback.format_exception(exc)[-12:]),
+            **_where(),
+            **(extra or {}),
+        },
+    )
     return path
 
 
@@ -311,6 +329,7 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 # -- the lock --------------------------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def run_lock(run_dir: Path, wait_log_s: float = 60.0) -> Iterator[None]:
     """Exclusive lock on a run directory for the time a process runs it (waits while another one holds it).
@@ -334,8 +353,12 @@ def run_lock(run_dir: Path, wait_log_s: float = 60.0) -> Iterator[None]:
             except BlockingIOError:
                 if time.monotonic() - last >= wait_log_s:
                     last = time.monotonic()
-                    log.warning("run dir %s is locked by another process (%s); waiting (%.0f s so far)",
-                                run_dir, _lock_owner(fd), last - t0)
+                    log.warning(
+                        "run dir %s is locked by another process (%s); waiting (%.0f s so far)",
+                        run_dir,
+                        _lock_owner(fd),
+                        last - t0,
+                    )
                 time.sleep(1.0)
             except OSError as exc:
                 if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
@@ -383,6 +406,7 @@ def lock_held(run_dir: Path) -> bool:
 
 
 # -- reading a run ---------------------------------------------------------------------------------------------
+
 
 def read_identity(run_dir: Path) -> dict[str, Any] | None:
     """``config.yaml`` as a dict; None when it is missing, torn or not a run's config."""

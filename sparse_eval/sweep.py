@@ -45,6 +45,7 @@ _LAST_REPORT: dict[str, Any] | None = None
 
 # -- the job -----------------------------------------------------------------------------------------------------
 
+
 def is_multirun() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -61,8 +62,12 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
     record: dict[str, Any] = {
-        "job_num": hc.job.num, "overrides": list(hc.overrides.task), "output_dir": str(out_dir),
-        "host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": slurm_job_id(),
+        "job_num": hc.job.num,
+        "overrides": list(hc.overrides.task),
+        "output_dir": str(out_dir),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "slurm_job_id": slurm_job_id(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     per_job = os.environ.get(GPUS_PER_JOB_ENV)  # set by TolerantLocalLauncher for its job processes
@@ -73,12 +78,34 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         summaries = run(cfg)
-        record.update(status="ok", run_dirs=[s["run_dir"] for s in summaries],
-                      results=[{k: s.get(k) for k in ("method", "task", "metric", "score", "cost1", "cost2",
-                                                      "samples", "failed", "expected_samples")} for s in summaries])
+        record.update(
+            status="ok",
+            run_dirs=[s["run_dir"] for s in summaries],
+            results=[
+                {
+                    k: s.get(k)
+                    for k in (
+                        "method",
+                        "task",
+                        "metric",
+                        "score",
+                        "cost1",
+                        "cost2",
+                        "samples",
+                        "failed",
+                        "expected_samples",
+                    )
+                }
+                for s in summaries
+            ],
+        )
     except Exception as exc:  # noqa: BLE001 - a job's error is recorded and the sweep goes on
-        record.update(status="failed", error=f"{type(exc).__name__}: {exc}", run_dirs=[getattr(exc, "run_dir", None)],
-                      traceback="".join(traceback.format_exception(exc)[-12:]))
+        record.update(
+            status="failed",
+            error=f"{type(exc).__name__}: {exc}",
+            run_dirs=[getattr(exc, "run_dir", None)],
+            traceback="".join(traceback.format_exception(exc)[-12:]),
+        )
         log.error("job %s failed: %s: %s", hc.job.num, type(exc).__name__, exc)
     record["time_s"] = time.perf_counter() - t0
     write_json(out_dir / JOB_STATUS, record)
@@ -160,6 +187,7 @@ if not OmegaConf.has_resolver("sparse_eval.gpu_count"):
 
 # -- the sweep report --------------------------------------------------------------------------------------------
 
+
 def sweep_jobs(params: dict[str, Any] | None, overrides: Sequence[str]) -> list[list[str]]:
     """The jobs (override lists) Hydra's basic sweeper makes of ``hydra.sweeper.params`` and command-line
     ``overrides`` (the command line wins over a param of the same key), in launch order."""
@@ -205,16 +233,25 @@ class SweepReport(Callback):
         ok = [r for r in records if r.get("status") == "ok"]
         failed = [r for r in records if r.get("status") != "ok"]
         missing = max(0, expected - len(records)) if expected is not None else 0
-        report = {"sweep_dir": str(sweep_dir), "jobs": expected if expected is not None else len(records),
-                  "ok": len(ok), "failed": len(failed), "missing": missing,
-                  "failures": [{k: r.get(k) for k in ("job_num", "overrides", "error", "run_dirs", "output_dir")}
-                               for r in failed],
-                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        report = {
+            "sweep_dir": str(sweep_dir),
+            "jobs": expected if expected is not None else len(records),
+            "ok": len(ok),
+            "failed": len(failed),
+            "missing": missing,
+            "failures": [
+                {k: r.get(k) for k in ("job_num", "overrides", "error", "run_dirs", "output_dir")} for r in failed
+            ],
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         write_json(sweep_dir / SWEEP_STATUS, report)
         for r in failed:
             log.error("failed job #%s (%s): %s", r.get("job_num"), " ".join(r.get("overrides") or []), r.get("error"))
-        line = (f"sweep: {report['jobs']} jobs, {len(ok)} ok, {len(failed)} failed"
-                + (f", {missing} without a status" if missing else "") + f"  ({sweep_dir / SWEEP_STATUS})")
+        line = (
+            f"sweep: {report['jobs']} jobs, {len(ok)} ok, {len(failed)} failed"
+            + (f", {missing} without a status" if missing else "")
+            + f"  ({sweep_dir / SWEEP_STATUS})"
+        )
         (log.error if failed or missing else log.info)(line)
         _LAST_REPORT = report
 
@@ -238,8 +275,22 @@ except ImportError:  # pragma: no cover - without the plugin these launchers do 
 
 
 # states of a job that may still run (or run again) and write its result; any other state is final
-_LIVE_STATES = {"PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
-                "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
+_LIVE_STATES = {
+    "PENDING",
+    "RUNNING",
+    "COMPLETING",
+    "CONFIGURING",
+    "REQUEUED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+    "SUSPENDED",
+    "STOPPED",
+    "SIGNALING",
+    "STAGE_OUT",
+    "RESV_DEL_HOLD",
+    "SPECIAL_EXIT",
+}
 
 
 def job_record(job_id: str) -> dict[str, str]:
@@ -285,10 +336,13 @@ def wait_for_result(job: Any, poll_s: float = 2.0, grace_s: float | None = None)
                 gone_since = (gone_since or now) if state is None else None
             if gone_since is not None and now - gone_since > grace_s:
                 rec = job_record(job.job_id)
-                said = ", ".join(f"{k}={rec[k]}" for k in ("JobState", "Reason", "ExitCode", "Restarts", "RunTime")
-                                 if k in rec)
-                raise RuntimeError(f"Slurm job {job.job_id} left the queue without a result (killed, out of memory, "
-                                   f"or cancelled; Slurm: {said or 'no record'}); its log: {job.paths.stderr}")
+                said = ", ".join(
+                    f"{k}={rec[k]}" for k in ("JobState", "Reason", "ExitCode", "Restarts", "RunTime") if k in rec
+                )
+                raise RuntimeError(
+                    f"Slurm job {job.job_id} left the queue without a result (killed, out of memory, "
+                    f"or cancelled; Slurm: {said or 'no record'}); its log: {job.paths.stderr}"
+                )
         elif job.done():
             break
         time.sleep(poll_s)
@@ -339,16 +393,27 @@ if _sl is not None:
             for num, ov in zip(nums, job_overrides):
                 log.info("\t#%d : %s", num, " ".join(filter_overrides(ov)))
             state = Singleton.get_state()
-            jobs = executor.map_array(self, [list(o) for o in job_overrides], ["hydra.sweep.dir"] * len(nums), nums,
-                                      [f"job_id_for_{n}" for n in nums], [state] * len(nums))
+            jobs = executor.map_array(
+                self,
+                [list(o) for o in job_overrides],
+                ["hydra.sweep.dir"] * len(nums),
+                nums,
+                [f"job_id_for_{n}" for n in nums],
+                [state] * len(nums),
+            )
             returns = []
             for num, ov, job in zip(nums, job_overrides, jobs):
                 try:
                     returns.append(wait_for_result(job))
                 except Exception as exc:  # noqa: BLE001 - the job died; record it and collect the others
-                    rec = {"job_num": num, "overrides": list(ov), "status": "failed", "slurm_job_id": job.job_id,
-                           "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}",
-                           "log": str(job.paths.stderr)}
+                    rec = {
+                        "job_num": num,
+                        "overrides": list(ov),
+                        "status": "failed",
+                        "slurm_job_id": job.job_id,
+                        "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}",
+                        "log": str(job.paths.stderr),
+                    }
                     write_json(sweep_dir / LAUNCHER_FAILURES / f"{num}.json", rec)
                     log.error("job #%d (%s) died: %s", num, job.job_id, rec["error"])
                     ret = JobReturn(overrides=list(ov), status=JobStatus.COMPLETED)  # recorded: the sweep goes on

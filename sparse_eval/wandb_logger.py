@@ -17,8 +17,7 @@ class WandbLogger:
             raise ValueError(f"logger.name={cfg.name!r}; valid: ['none', 'wandb']")
         import wandb
 
-        self.run = wandb.init(project=cfg.project, mode=cfg.mode, dir=str(run_dir), config=identity,
-                              name=run_dir.name)
+        self.run = wandb.init(project=cfg.project, mode=cfg.mode, dir=str(run_dir), config=identity, name=run_dir.name)
 
     def log_sample(self, rec: dict[str, Any]) -> None:
         if self.run is not None:

@@ -45,14 +45,31 @@ def stories():
 
 def tiny_model(kind: str = "llama", layers: int = 3, seed: int = 0):
     """A random-weight model of the given architecture with GQA (4 query heads, 2 KV heads)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     import sparse_eval.attention.plugin  # noqa: F401
 
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                          "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    cfg_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[kind]
     torch.manual_seed(seed)
     return model_cls(cfg_cls(**common)).eval()
 
@@ -62,8 +79,16 @@ def tiny_qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     return Qwen2ForCausalLM(cfg).eval()
 
 
@@ -75,8 +100,16 @@ def attach_generate(model, method, ids, mask, new=5, model_name="test", runtime=
     session = attach(model, method, runtime)
     try:
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
     finally:
         detach(model)
     return out, session

@@ -18,8 +18,10 @@ def test_pairwise_cos_matches_brute_force():
     x = torch.randn(5, 3, 7, generator=g)  # [N, heads, D]
     mean, mn = geometry.pairwise_cos(x)
     for h in range(3):
-        vals = [float(torch.dot(x[i, h], x[j, h]) / (x[i, h].norm() * x[j, h].norm()))
-                for i, j in itertools.combinations(range(5), 2)]
+        vals = [
+            float(torch.dot(x[i, h], x[j, h]) / (x[i, h].norm() * x[j, h].norm()))
+            for i, j in itertools.combinations(range(5), 2)
+        ]
         assert mean[h] == pytest.approx(sum(vals) / len(vals), abs=1e-6)
         assert mn[h] == pytest.approx(min(vals), abs=1e-6)
 
@@ -69,15 +71,25 @@ def test_capture_keeps_outputs_and_gives_post_rope_keys(stories):
 
 def test_geometry_measures(stories):
     model, tok = stories
-    opts = geometry.GeometryOptions(num_random=4, random_len=3, num_sentences=3, sentence_len=16, length=48,
-                                    num_queries=3, fractions=[0.05, 0.2, 0.5, 1.0], batch=4)
+    opts = geometry.GeometryOptions(
+        num_random=4,
+        random_len=3,
+        num_sentences=3,
+        sentence_len=16,
+        length=48,
+        num_queries=3,
+        fractions=[0.05, 0.2, 0.5, 1.0],
+        batch=4,
+    )
     res = geometry.measure(model, tok, 512, opts)
     # k_sink across random inputs equals a brute-force recomputation from captured keys
     rnd = common.random_tokens(tok, model.config.vocab_size, 4, 3, 0)
-    k0 = [capture_qkv(model, rnd[i:i + 1])[2].k[0, :, 0] for i in range(4)]  # layer 2, [Hkv, D] each
+    k0 = [capture_qkv(model, rnd[i : i + 1])[2].k[0, :, 0] for i in range(4)]  # layer 2, [Hkv, D] each
     for h in range(k0[0].shape[0]):
-        vals = [float(torch.nn.functional.cosine_similarity(k0[i][h], k0[j][h], dim=0))
-                for i, j in itertools.combinations(range(4), 2)]
+        vals = [
+            float(torch.nn.functional.cosine_similarity(k0[i][h], k0[j][h], dim=0))
+            for i, j in itertools.combinations(range(4), 2)
+        ]
         assert float(res["sink_cos"]["min"][2][h]) == pytest.approx(min(vals), abs=1e-5)
         assert float(res["sink_cos"]["mean"][2][h]) == pytest.approx(sum(vals) / len(vals), abs=1e-5)
     for key in ("with_sink", "without_sink"):
@@ -97,17 +109,26 @@ def test_geometry_over_passages(stories):
     import unittest.mock as mock
 
     model, tok = stories
-    kw = dict(num_random=2, random_len=2, num_sentences=4, sentence_len=16, length=40, num_queries=2,
-              fractions=[0.05, 0.5, 1.0])
+    kw = dict(
+        num_random=2,
+        random_len=2,
+        num_sentences=4,
+        sentence_len=16,
+        length=40,
+        num_queries=2,
+        fractions=[0.05, 0.5, 1.0],
+    )
     res = geometry.measure(model, tok, 512, geometry.GeometryOptions(**kw, passages=3), show=False)
     text, _ = common.load_text("bundled")
     windows = common.token_windows
     singles = []
     for p in range(3):
+
         def one(tok_, text_, length, count, add_bos=True, skip=0, p=p):
             if length == 40:  # the passages: window p of the three-passage run
-                return windows(tok_, text_, length, 3, add_bos, skip)[p:p + 1]
+                return windows(tok_, text_, length, 3, add_bos, skip)[p : p + 1]
             return windows(tok_, text_, length, count, add_bos, skip)
+
         with mock.patch.object(common, "token_windows", one):
             singles.append(geometry.measure(model, tok, 512, geometry.GeometryOptions(**kw), show=False))
     for l in (0, 3):
@@ -123,8 +144,9 @@ def test_geometry_over_passages(stories):
 
 def test_geometry_figures_written(stories, tmp_path):
     model, tok = stories
-    opts = geometry.GeometryOptions(num_random=2, random_len=2, num_sentences=2, sentence_len=8, length=24,
-                                    num_queries=2, fractions=[0.5, 1.0])
+    opts = geometry.GeometryOptions(
+        num_random=2, random_len=2, num_sentences=2, sentence_len=8, length=24, num_queries=2, fractions=[0.5, 1.0]
+    )
     res = geometry.measure(model, tok, 512, opts)
     paths = geometry.figures(res, tmp_path, "stories260k", opts)
     pngs = [p for p in paths if p.suffix == ".png"]
@@ -134,8 +156,9 @@ def test_geometry_figures_written(stories, tmp_path):
 
 def test_error_vs_budget(stories, tmp_path):
     model, tok = stories
-    opts = error_vs_budget.ErrorOptions(length=64, num_queries=2, layers=[1, 3], budgets=[0.1, 0.5, 1.0],
-                                        magicpig=[[4, 8]], repeats=2)
+    opts = error_vs_budget.ErrorOptions(
+        length=64, num_queries=2, layers=[1, 3], budgets=[0.1, 0.5, 1.0], magicpig=[[4, 8]], repeats=2
+    )
     recs = error_vs_budget.measure(model, tok, 512, opts)
     topk = {(r["layer"], r["budget"]): r for r in recs if r["method"] == "topk"}
     for layer in (1, 3):
@@ -152,7 +175,10 @@ def test_error_vs_budget(stories, tmp_path):
     assert set(summary["layer"]) == {1, 3, "mean"}
     paths = error_vs_budget.figures(summary, tmp_path, "stories260k", opts, 5)
     assert {p.name for p in paths if p.suffix == ".png"} == {
-        "fig6_error_vs_budget.png", "fig4_topk_error_per_layer.png", "thm33_oracle_unique_samples.png"}
+        "fig6_error_vs_budget.png",
+        "fig4_topk_error_per_layer.png",
+        "thm33_oracle_unique_samples.png",
+    }
     assert all(p.stat().st_size > 10_000 for p in paths)
 
 
@@ -166,22 +192,33 @@ def test_error_vs_budget_over_passages(stories, tmp_path):
     from sparse_eval.statistics import N_BOOT
 
     model, tok = stories
-    opts = error_vs_budget.ErrorOptions(length=48, num_queries=2, layers=[2], budgets=[0.1, 1.0], magicpig=[[4, 8]],
-                                        repeats=2, passages=3, methods=["topk", "oracle"])
+    opts = error_vs_budget.ErrorOptions(
+        length=48,
+        num_queries=2,
+        layers=[2],
+        budgets=[0.1, 1.0],
+        magicpig=[[4, 8]],
+        repeats=2,
+        passages=3,
+        methods=["topk", "oracle"],
+    )
     recs = error_vs_budget.measure(model, tok, 512, opts)
     assert sorted({r["passage"] for r in recs}) == [0, 1, 2]
     text, _ = common.load_text("bundled")
     ids = common.token_windows(tok, text, 48, 3)
     one = error_vs_budget.ErrorOptions(**{**opts.__dict__, "passages": 1})
     import unittest.mock as mock
+
     with mock.patch.object(common, "token_windows", lambda *a, **k: ids[2:3]):
         alone = error_vs_budget.measure(model, tok, 512, one)
     third = [r for r in recs if r["passage"] == 2]
     assert [r["error"] for r in third] == [r["error"] for r in alone]
     summary = error_vs_budget.summarize(recs)
     row = summary[(summary["layer"] == 2) & (summary["method"] == "oracle") & (summary["budget"] == 0.1)].iloc[0]
-    per = [np.mean([r["error"] for r in recs if r["passage"] == p and r["method"] == "oracle" and r["budget"] == 0.1])
-           for p in range(3)]
+    per = [
+        np.mean([r["error"] for r in recs if r["passage"] == p and r["method"] == "oracle" and r["budget"] == 0.1])
+        for p in range(3)
+    ]
     assert row["error"] == pytest.approx(np.mean(per)) and row["passages"] == 3
     rng = np.random.default_rng(0)  # the bootstrap by hand: resample the 3 passages, 2000 times
     means = rng.multinomial(3, [1 / 3] * 3, size=N_BOOT) @ np.array(per) / 3
@@ -210,8 +247,9 @@ def test_ds_online_scores_brute_force():
 
 def test_ds_checks_measure(stories):
     model, tok = stories
-    opts = ds_checks.DSCheckOptions(block_size=48, calib_blocks=1, online_blocks=1, num_queries=4, hidden_blocks=1,
-                                    ratios=[0.25, 0.5, 1.0])
+    opts = ds_checks.DSCheckOptions(
+        block_size=48, calib_blocks=1, online_blocks=1, num_queries=4, hidden_blocks=1, ratios=[0.25, 0.5, 1.0]
+    )
     res = ds_checks.measure(model, tok, 512, opts)
     m = torch.as_tensor(res["overlap_mean"])
     assert ((m >= 0) & (m <= 1)).all() and m[-1] == pytest.approx(1.0)
@@ -237,8 +275,9 @@ def test_app_composes_each_analysis_with_its_defaults():
         defaults = type(opts)()
         defaults.data_dir = "/data"  # from paths.data_dir
         assert opts == defaults  # conf/analysis/<name>.yaml holds the dataclass's defaults
-    _, opts = app.analysis_of(_compose(["analysis=error_vs_budget", "analysis.budgets=[0.1,0.5]",
-                                        "analysis.layers=[1,3]"]))
+    _, opts = app.analysis_of(
+        _compose(["analysis=error_vs_budget", "analysis.budgets=[0.1,0.5]", "analysis.layers=[1,3]"])
+    )
     assert opts.budgets == [0.1, 0.5] and opts.layers == [1, 3]
 
 
@@ -256,9 +295,19 @@ def test_app_errors_name_the_bad_value():
 
 
 def test_app_prints_a_summary_and_names_the_full_table(tmp_path):
-    cfg = _compose(["analysis=geometry", "analysis.num_random=2", "analysis.random_len=2", "analysis.num_sentences=2",
-                    "analysis.sentence_len=8", "analysis.length=24", "analysis.num_queries=2",
-                    "analysis.fractions=[0.5,1.0]", f"analysis.out={tmp_path}"])
+    cfg = _compose(
+        [
+            "analysis=geometry",
+            "analysis.num_random=2",
+            "analysis.random_len=2",
+            "analysis.num_sentences=2",
+            "analysis.sentence_len=8",
+            "analysis.length=24",
+            "analysis.num_queries=2",
+            "analysis.fractions=[0.5,1.0]",
+            f"analysis.out={tmp_path}",
+        ]
+    )
     res = app.run(cfg)
     text = app.summary(res)
     full = tmp_path / "geometry_per_layer.csv"
@@ -289,7 +338,7 @@ def test_magicpig_kl_expectation_and_search(stories):
     cos = torch.nn.functional.cosine_similarity(q[0, 0, 1].double()[None], kc[0, 2:36], dim=-1)
     want = 1 - torch.arccos(cos) / math.pi
     assert torch.allclose(p[0, 1, 2:36], want) and p[0, 1, :2].isnan().all() and p[0, 1, 36:].isnan().all()
-    u = lambda x: sum(math.comb(6, j) * x ** (3 * j) * (1 - x ** 3) ** (6 - j) for j in range(2, 7))  # K=3, L=6
+    u = lambda x: sum(math.comb(6, j) * x ** (3 * j) * (1 - x**3) ** (6 - j) for j in range(2, 7))  # K=3, L=6
     rows = [(6 + sum(u(float(x)) for x in p[h, r][~p[h, r].isnan()])) / (39 + r) for h in range(4) for r in range(2)]
     assert mk.expected_cost2([(p, n_static)], 3, 6, 2) == pytest.approx(sum(rows) / 8, rel=1e-9)
     target = mk.expected_cost2([(p, n_static)], 3, 6, 2)

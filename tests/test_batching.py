@@ -16,8 +16,11 @@ from sparse_eval.methods import METHODS, build_method, make_config
 
 # every registered method under the configs it declares for the end-to-end checks (``Method.model_contract_configs``:
 # small budgets and static windows, so that it selects within these short prompts)
-CONFIGS = {f"{name}-{i}": (name, opts) for name in sorted(METHODS)
-           for i, opts in enumerate(METHODS[name].model_contract_configs())}
+CONFIGS = {
+    f"{name}-{i}": (name, opts)
+    for name in sorted(METHODS)
+    for i, opts in enumerate(METHODS[name].model_contract_configs())
+}
 STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "sparse_rows", "empty_selections")
 
 
@@ -60,8 +63,10 @@ def test_chunked_contexts_give_the_record_a_row_gets_alone(stories, config):
     gets the tokens and statistics it gets alone."""
     model, tok = stories
     prompts = _prompts([37, 52, 29])
-    reqs = [GenerationRequest(p, max_new_tokens=6 + 2 * i, context_len=len(p) - 5 - i, key=f"s{i}")
-            for i, p in enumerate(prompts)]
+    reqs = [
+        GenerationRequest(p, max_new_tokens=6 + 2 * i, context_len=len(p) - 5 - i, key=f"s{i}")
+        for i, p in enumerate(prompts)
+    ]
     session, engine = _engine(model, tok, config, "B", 16)
     try:
         batch, batch_stats = _rows(session, engine, reqs)
@@ -78,7 +83,10 @@ def test_chunked_contexts_give_the_record_a_row_gets_alone(stories, config):
 def test_stopped_rows_and_padding_are_not_counted(stories):
     """A row's sparse rows are exactly its own decode steps (padding, other rows and steps after it stopped excluded)."""
     model, tok = stories
-    reqs = [GenerationRequest(p, max_new_tokens=n, key=str(n), stop_token_ids=[]) for p, n in zip(_prompts([30, 50]), (2, 9))]
+    reqs = [
+        GenerationRequest(p, max_new_tokens=n, key=str(n), stop_token_ids=[])
+        for p, n in zip(_prompts([30, 50]), (2, 9))
+    ]
     session, engine = _engine(model, tok, "topk-0", "A")
     try:
         _, stats = _rows(session, engine, reqs)
@@ -96,8 +104,11 @@ def test_oracle_draws_follow_the_sample_id(stories):
     (p,) = _prompts([60], seed=3)
     session, engine = _engine(model, tok, "oracle-0", "S")
     try:
-        _, stats = _rows(session, engine, [LoglikelihoodRequest(p, key="a"), LoglikelihoodRequest(p, key="b"),
-                                           LoglikelihoodRequest(p, key="a")])
+        _, stats = _rows(
+            session,
+            engine,
+            [LoglikelihoodRequest(p, key="a"), LoglikelihoodRequest(p, key="b"), LoglikelihoodRequest(p, key="a")],
+        )
     finally:
         detach(model)
     assert stats[0]["est_error"] == stats[2]["est_error"]

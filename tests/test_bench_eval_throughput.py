@@ -14,8 +14,20 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_eval_throughput as bench  # noqa: E402
 
 # stories260K's 512-token context fits RULER's fwe (and the niah_single tasks), not all 13
-CPU_SIZE = ["--model", "stories260k", "--samples", "2", "--length", "512", "--subtasks", "fwe", "--haystack", "noise",
-            "--batch-size", "2"]
+CPU_SIZE = [
+    "--model",
+    "stories260k",
+    "--samples",
+    "2",
+    "--length",
+    "512",
+    "--subtasks",
+    "fwe",
+    "--haystack",
+    "noise",
+    "--batch-size",
+    "2",
+]
 
 
 def _check(out, methods):

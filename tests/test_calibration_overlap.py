@@ -21,8 +21,17 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from sparse_eval.config import register_configs
-from sparse_eval.overlap import (KEEP_ONE_IN, MIN_SHARED, SHINGLE_WORDS, CalibrationOverlapError, CalibrationText,
-                                 check_method, fingerprint, shared_shingles, words)
+from sparse_eval.overlap import (
+    KEEP_ONE_IN,
+    MIN_SHARED,
+    SHINGLE_WORDS,
+    CalibrationOverlapError,
+    CalibrationText,
+    check_method,
+    fingerprint,
+    shared_shingles,
+    words,
+)
 from sparse_eval.config import CONF_DIR
 from sparse_eval.experiment import Experiment
 
@@ -43,23 +52,30 @@ def _calibration_file(stories, text: str, path: Path, origin: str) -> Path:
     from sparse_eval.calibrate import calibrate, write
 
     model, tok = stories
-    return write(calibrate(model, tok, text, model_name="stories260k", data_origin=origin, block_size=128,
-                           num_blocks=8, command="test"), path)
+    return write(
+        calibrate(
+            model, tok, text, model_name="stories260k", data_origin=origin, block_size=128, num_blocks=8, command="test"
+        ),
+        path,
+    )
 
 
 def _experiment(tmp_path, *overrides) -> Experiment:
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        cfg = compose(config_name="config", overrides=[f"paths.runs_dir={tmp_path / 'runs'}", "task.window=256",
-                                                       "task.num_samples=4", *overrides])
+        cfg = compose(
+            config_name="config",
+            overrides=[f"paths.runs_dir={tmp_path / 'runs'}", "task.window=256", "task.num_samples=4", *overrides],
+        )
     return Experiment(cfg)
 
 
 # -- the fingerprint ---------------------------------------------------------------------------------------
 
+
 def test_words_are_normalised_across_releases_and_tokenizers():
-    assert words("Robert <unk> is an English film , television and theatre actor . He had a guest @-@ starring "
-                 "role ; 1 @,@ 000") == words("robert is an English film, television and theatre actor. He had a "
-                                               "guest-starring role; 1,000")
+    assert words(
+        "Robert <unk> is an English film , television and theatre actor . He had a guest @-@ starring role ; 1 @,@ 000"
+    ) == words("robert is an English film, television and theatre actor. He had a guest-starring role; 1,000")
 
 
 def test_fingerprint_finds_shared_text_across_releases_and_none_between_splits(shared_data):
@@ -81,17 +97,26 @@ def test_fingerprint_finds_shared_text_across_releases_and_none_between_splits(s
 
 # -- the refusal -------------------------------------------------------------------------------------------
 
+
 def test_wikitext_run_refuses_a_calibration_on_its_test_split(tmp_path, stories):
     from sparse_eval.runner import run
 
-    cal = _calibration_file(stories, TEST_HEAD.read_text(encoding="utf-8"), tmp_path / "on_test.json",
-                            "file:wikitext2_test_head.txt")
+    cal = _calibration_file(
+        stories, TEST_HEAD.read_text(encoding="utf-8"), tmp_path / "on_test.json", "file:wikitext2_test_head.txt"
+    )
     exp = _experiment(tmp_path, "method=double_sparsity", f"method.channels_file={cal}")
     with pytest.raises(CalibrationOverlapError) as err:
         exp.preflight(exp.method_configs()[0])
     msg = str(err.value)
-    for part in (str(cal), "file:wikitext2_test_head.txt (1,024 tokens)", "task=wikitext", "disjoint", "python -m sparse_eval.calibrate model=stories260k",
-                 "method.channels_file", "channel_type=random"):
+    for part in (
+        str(cal),
+        "file:wikitext2_test_head.txt (1,024 tokens)",
+        "task=wikitext",
+        "disjoint",
+        "python -m sparse_eval.calibrate model=stories260k",
+        "method.channels_file",
+        "channel_type=random",
+    ):
         assert part in msg, part
     with pytest.raises(CalibrationOverlapError):  # the whole run: nothing is written
         run(exp.cfg)
@@ -118,8 +143,11 @@ def test_a_calibration_file_without_fingerprint_is_refused(tmp_path, stories, sh
     del data["calibration"]["text_fingerprint"]  # as written before fingerprints existed
     cal.write_text(json.dumps(data))
     exp = _experiment(tmp_path, "method=double_sparsity", f"method.channels_file={cal}")
-    with pytest.raises(CalibrationOverlapError, match=r"records no fingerprint.*task=wikitext.*python -m sparse_eval\."
-                                                      r"calibrate model=stories260k"):
+    with pytest.raises(
+        CalibrationOverlapError,
+        match=r"records no fingerprint.*task=wikitext.*python -m sparse_eval\."
+        r"calibrate model=stories260k",
+    ):
         exp.preflight(exp.method_configs()[0])
 
 
@@ -129,8 +157,9 @@ def test_ruler_prompts_are_checked_too(stories, shared_data):
     from sparse_eval.tasks import build_task
 
     tok = stories[1]
-    task = build_task({"name": "ruler", "length": 4096, "subtasks": ["niah_single_2"], "num_samples": 2},
-                      data_dir=str(shared_data))
+    task = build_task(
+        {"name": "ruler", "length": 4096, "subtasks": ["niah_single_2"], "num_samples": 2}, data_dir=str(shared_data)
+    )
     samples = task.samples(tok, 8192)
     essays = json.loads((shared_data / "paul-graham-essays" / "PaulGrahamEssays.json").read_text())["text"]
     valid = (shared_data / "wikitext-2-tokenized" / "valid.txt").read_text(encoding="utf-8")
@@ -142,8 +171,11 @@ def test_ruler_prompts_are_checked_too(stories, shared_data):
         def calibration_text(self):
             return CalibrationText("file essays.json", "Paul Graham essays", self.fp, "recalibrate")
 
-    with pytest.raises(CalibrationOverlapError, match=r"file essays\.json was calibrated on Paul Graham essays.*"
-                                                      r"task=ruler.*Fix: recalibrate"):
+    with pytest.raises(
+        CalibrationOverlapError,
+        match=r"file essays\.json was calibrated on Paul Graham essays.*"
+        r"task=ruler.*Fix: recalibrate",
+    ):
         check_method(Calibrated(essays[:30_000]), task, samples, tok)
     assert check_method(Calibrated(valid[:100_000]), task, samples, tok) == {"checked": True, "shared": 0}
 
@@ -169,6 +201,7 @@ def test_methods_without_calibration_and_tasks_without_text_are_not_refused(tmp_
 
 
 # -- calibrate's default text --------------------------------------------------------------------------------
+
 
 def test_calibrate_defaults_to_wikitext2_validation(shared_data, monkeypatch):
     from sparse_eval.calibrate import LOCAL_VALIDATION, VALIDATION, load_text
@@ -210,6 +243,7 @@ def test_calibrate_defaults_to_wikitext2_validation(shared_data, monkeypatch):
 
 # -- the shipped files ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["stories260k", "smollm2_135m"])
 def test_shipped_files_record_their_validation_text(name, shared_data):
     cal = json.loads((SHIPPED / f"{name}.json").read_text())["calibration"]
@@ -236,8 +270,9 @@ def test_shipped_stories_fingerprint_is_its_recorded_text(stories, shared_data):
     text = (shared_data / "wikitext-2-tokenized" / "valid.txt").read_text(encoding="utf-8")
     assert hashlib.sha256(text.encode("utf-8")).hexdigest() == cal["data_sha256"]
     tok = stories[1]
-    used = tok.decode(tok(text, add_special_tokens=True, verbose=False)["input_ids"][:cal["tokens"]],
-                      skip_special_tokens=True)
+    used = tok.decode(
+        tok(text, add_special_tokens=True, verbose=False)["input_ids"][: cal["tokens"]], skip_special_tokens=True
+    )
     assert hashlib.sha256(used.encode("utf-8")).hexdigest() == cal["text"]["decoded_sha256"]
     assert fingerprint(used) == cal["text_fingerprint"]
 

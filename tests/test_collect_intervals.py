@@ -21,9 +21,11 @@ def _terms(vals, ids=None):
 
 def test_pairs_only_rows_of_the_same_setting():
     base = {"model": "m", "task_config": "{}", "protocol": "A", "subtask": "all", "length": 8}
-    rows = [dict(base, method="full", _terms=_terms([1.0, 0.0, 1.0, 1.0])),
-            dict(base, method="topk", _terms=_terms([1.0, 0.0, 0.0, 1.0])),
-            dict(base, method="topk", length=16, _terms=_terms([1.0, 1.0]))]  # no full run at length 16
+    rows = [
+        dict(base, method="full", _terms=_terms([1.0, 0.0, 1.0, 1.0])),
+        dict(base, method="topk", _terms=_terms([1.0, 0.0, 0.0, 1.0])),
+        dict(base, method="topk", length=16, _terms=_terms([1.0, 1.0])),
+    ]  # no full run at length 16
     add_paired_differences(rows)
     assert rows[0]["diff_vs_full"] == 0 and rows[0]["significant"] is None  # 4 samples: too few to claim either way
     assert rows[1]["diff_vs_full"] == pytest.approx(-0.25) and rows[1]["n_paired"] == 4
@@ -44,7 +46,9 @@ def test_collect_and_report_on_recorded_runs(tmp_path):
     assert whole.loc["quest", "diff_hi"] < 0 and bool(whole.loc["quest", "significant"])
     assert whole.loc["topk", "diff_lo"] < 0 < whole.loc["topk", "diff_hi"]
     # the paired interval of a method close to full is narrower than its own score interval
-    assert (whole.loc["topk", "diff_hi"] - whole.loc["topk", "diff_lo"]) < (whole.loc["topk", "score_hi"] - whole.loc["topk", "score_lo"])
+    assert (whole.loc["topk", "diff_hi"] - whole.loc["topk", "diff_lo"]) < (
+        whole.loc["topk", "score_hi"] - whole.loc["topk", "score_lo"]
+    )
     sub = df[(df["subtask"] == "niah_single_1") & (df["method"] == "full")]
     assert len(sub) == 1 and sub["samples"].iloc[0] == 10
 

@@ -10,8 +10,15 @@ import torch
 
 from sparse_eval.methods import attend, build_method, make_config
 from sparse_eval.methods.base import resolve_budget
-from sparse_eval.methods.core import (_keys_times_rows, _values_split8, key_validity, masked_softmax, scores_gqa,
-                                      static_keys, weighted_values)
+from sparse_eval.methods.core import (
+    _keys_times_rows,
+    _values_split8,
+    key_validity,
+    masked_softmax,
+    scores_gqa,
+    static_keys,
+    weighted_values,
+)
 
 
 def rand_qkv(b=1, hq=4, hkv=2, n=200, d=16, q_len=1, seed=0, peaked=1.0):
@@ -47,7 +54,7 @@ def test_topk_matches_brute_force(budget, gqa):
             score = s[0, h, 0]
         else:
             grp = h // g
-            score = probs[0, grp * g:(grp + 1) * g, 0].sum(0)
+            score = probs[0, grp * g : (grp + 1) * g, 0].sum(0)
         cand = list(range(sink, n - local))
         best = sorted(cand, key=lambda i: -float(score[i]))[:kcount]
         expect = set(best) | set(range(sink)) | set(range(n - local, n))
@@ -83,8 +90,9 @@ def test_oracle_sampling_is_unbiased():
     """Theorem 3.2: E[ô] = o.  Average over independent seeds converges to dense attention."""
     q, k, v = rand_qkv(n=64, hq=2, hkv=1, seed=1, peaked=2.0)
     ref, _ = dense_reference(q, k, v)
-    outs = torch.stack([attend("oracle", q, k, v, budget=8, sink=0, local=0, seed=s, compute_error=False)[0]
-                        for s in range(600)])
+    outs = torch.stack(
+        [attend("oracle", q, k, v, budget=8, sink=0, local=0, seed=s, compute_error=False)[0] for s in range(600)]
+    )
     mean, sd = outs.mean(0), outs.std(0)
     # each coordinate within 5 standard errors of the truth
     assert torch.all((mean - ref).abs() <= 5 * sd / math.sqrt(outs.shape[0]) + 1e-6)
@@ -171,13 +179,15 @@ def test_grouped_products_equal_repeated_kv(ql, n):
     torch.testing.assert_close(_values_split8(pg, v), pg.double() @ v)
     # in bf16 the split sums its two parts in fp32: within a bf16 rounding of the one-product value
     vb = v.to(torch.bfloat16)
-    torch.testing.assert_close(_values_split8(pg, vb).float(), (pg.to(torch.bfloat16) @ vb).float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        _values_split8(pg, vb).float(), (pg.to(torch.bfloat16) @ vb).float(), rtol=1e-2, atol=1e-2
+    )
 
 
 def test_masked_softmax_keeps_nan_and_zeroes_empty_rows():
     x = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [float("nan"), 0.0, 0.0]])
     keep = torch.tensor([[True, False, True], [False, False, False], [True, True, False]])
     p = masked_softmax(x, keep)
-    torch.testing.assert_close(p[0], torch.tensor([1 / (1 + math.e ** 2), 0.0, math.e ** 2 / (1 + math.e ** 2)]))
+    torch.testing.assert_close(p[0], torch.tensor([1 / (1 + math.e**2), 0.0, math.e**2 / (1 + math.e**2)]))
     assert torch.equal(p[1], torch.zeros(3))  # nothing kept: zeros, not NaN
     assert bool(torch.isnan(p[2, :2]).all()) and p[2, 2] == 0  # a NaN among kept logits is not hidden

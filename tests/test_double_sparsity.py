@@ -23,7 +23,7 @@ def ref_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
         return x.double()
     out = torch.empty(x.shape, dtype=torch.float64)
     flat, o = x.reshape(-1, x.shape[-1]).double(), out.view(-1, x.shape[-1])
-    levels = 2 ** bits - 1
+    levels = 2**bits - 1
     for i, row in enumerate(flat):
         lo, hi = float(row.min()), float(row.max())
         step = (hi - lo) / levels if hi > lo else 1.0 / levels
@@ -94,7 +94,9 @@ def test_label_bits_are_honoured():
     picked, labels = {}, {}
     for bits in (4, 8, 16):
         state: dict = {}
-        _, st = attend("double_sparsity", q, k, v, state=state, channels=[[0, 1, 2]], alpha=1.0, beta=1, label_bits=bits)
+        _, st = attend(
+            "double_sparsity", q, k, v, state=state, channels=[[0, 1, 2]], alpha=1.0, beta=1, label_bits=bits
+        )
         picked[bits] = int(st["indices"][0][0])
         labels[bits] = state["ds"]["labels"].clone()
         assert torch.allclose(labels[bits][0, 0].double(), ref_quantize(k[0, 0], bits), atol=1e-6)
@@ -131,19 +133,20 @@ def test_left_padded_batch_equals_rows_alone(q_len):
     kb, vb = torch.randn(2, hkv, n, d) * 50, torch.randn(2, hkv, n, d)  # padding holds garbage
     mask = torch.zeros(2, 1, q_len, n, dtype=torch.bool)
     for b, m in enumerate(lens):
-        kb[b, :, n - m:], vb[b, :, n - m:] = ks[b], vs[b]
+        kb[b, :, n - m :], vb[b, :, n - m :] = ks[b], vs[b]
         for r in range(q_len):
-            mask[b, 0, r, n - m: n - q_len + r + 1] = True
+            mask[b, 0, r, n - m : n - q_len + r + 1] = True
     for gqa in ("query_head", "kv_head"):
         out, st = attend("double_sparsity", torch.cat(qs), kb, vb, attention_mask=mask, channels=ch, gqa=gqa, beta=0.1)
         for b, m in enumerate(lens):
             o1, s1 = attend("double_sparsity", qs[b], ks[b], vs[b], channels=ch, gqa=gqa, beta=0.1)
             assert torch.allclose(out[b], o1[0], atol=1e-6)
-            assert torch.equal(st["keep"][b, ..., n - m:], s1["keep"][0])
+            assert torch.equal(st["keep"][b, ..., n - m :], s1["keep"][0])
             assert not st["keep"][b, ..., : n - m].any()
 
 
 # -- random channels (DS Table 3's baseline) -----------------------------------------------------------------
+
 
 def test_random_channels_reproducible_uniform_and_exact():
     """channel_type=random: r = α·d channels per layer and KV head, drawn from method.seed (same seed: same
@@ -176,8 +179,18 @@ def test_random_channels_reproducible_uniform_and_exact():
     torch.manual_seed(5)
     q, k, v = torch.randn(1, hq, 1, d), torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, d)
     for bits in (16, 4):
-        _, st = attend("double_sparsity", q, k, v, layer_idx=3, channel_type="random", seed=0, alpha=0.25,
-                       beta=0.05, label_bits=bits)
+        _, st = attend(
+            "double_sparsity",
+            q,
+            k,
+            v,
+            layer_idx=3,
+            channel_type="random",
+            seed=0,
+            alpha=0.25,
+            beta=0.05,
+            label_bits=bits,
+        )
         expected = brute_ds_keep(q[0, :, 0], k[0], ch0, 8, int(0.05 * n), bits)
         assert torch.equal(st["keep"][0, :, 0], expected)
         assert torch.all(st["channels"] == 8)
@@ -217,16 +230,20 @@ def test_refuses_without_calibration_and_names_the_command(tmp_path, stories):
 
 # -- calibration -----------------------------------------------------------------------------------------
 
-TINY_TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
-             "One day, she saw a big, red ball. She wanted to play with it. ") * 3
+TINY_TEXT = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+    "One day, she saw a big, red ball. She wanted to play with it. "
+) * 3
 
 
 def test_calibration_is_deterministic_and_matches_brute_force(stories):
     from sparse_eval.calibrate import calibrate, dumps
 
     model, tok = stories
-    runs = [dumps(calibrate(model, tok, TINY_TEXT, model_name="stories260k", block_size=32, command="test"))
-            for _ in range(2)]
+    runs = [
+        dumps(calibrate(model, tok, TINY_TEXT, model_name="stories260k", block_size=32, command="test"))
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
     res = json.loads(runs[0])
     assert res["model"]["name"] == "stories260k" and res["calibration"]["tokens"] == res["calibration"]["blocks"] * 32
@@ -280,6 +297,7 @@ def test_calibrate_hydra_app(tmp_path):
 
 # -- offload and generate ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("which", ["stories", "qwen2"])
 @pytest.mark.parametrize("offload", [False, True])
 def test_generate_runs(which, offload, stories):
@@ -311,8 +329,11 @@ def test_offload_predicts_from_previous_layer(stories, offload_input):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = stories[0]
-    method = build_method(make_config("double_sparsity", {"offload": True, "offload_input": offload_input,
-                                                          "dense_layers": [], "beta": 0.1}))
+    method = build_method(
+        make_config(
+            "double_sparsity", {"offload": True, "offload_input": offload_input, "dense_layers": [], "beta": 0.1}
+        )
+    )
     method.setup(model, "stories260k")
     seen: dict[int, torch.Tensor] = {}
     residual: dict[int, torch.Tensor] = {}
@@ -324,8 +345,13 @@ def test_offload_predicts_from_previous_layer(stories, offload_input):
         return q
 
     method._predicted_query = spy
-    hooks = [layer.register_forward_pre_hook(lambda m, a, kw, i=i: residual.__setitem__(i, (kw.get("hidden_states", a[0] if a else None))), with_kwargs=True)
-             for i, layer in enumerate(model.model.layers)]
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda m, a, kw, i=i: residual.__setitem__(i, (kw.get("hidden_states", a[0] if a else None))),
+            with_kwargs=True,
+        )
+        for i, layer in enumerate(model.model.layers)
+    ]
     session = attach(model, method, Runtime(protocol="S"))
     try:
         ids = torch.randint(3, 512, (1, 40))
@@ -350,7 +376,7 @@ def test_offload_predicts_from_previous_layer(stories, offload_input):
             q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         got = seen[l]
         if offload_input == "residual":  # same direction per token (positive scale 1 / rms(x))
-            ratio = (got.norm(dim=-1) / q.norm(dim=-1))  # [1, H, T]
+            ratio = got.norm(dim=-1) / q.norm(dim=-1)  # [1, H, T]
             assert torch.allclose(got, q * ratio.unsqueeze(-1), atol=1e-5)
             assert torch.allclose(ratio, ratio[:, :1], rtol=1e-4)  # one scale per token, for every head
         else:

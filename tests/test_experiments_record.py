@@ -80,10 +80,16 @@ def _git_records():
                 for i, row in enumerate(csv.DictReader(fh)):
                     if "git_dirty" in row:
                         version = row.get("provenance_version") or None
-                        yield rel, f"{rel} row {i + 1}", {
-                            "commit": row.get("git_commit"), "dirty": flag(row["git_dirty"]),
-                            "diff_sha256": row.get("git_diff_sha256") or None,
-                            "version": int(float(version)) if version else None}
+                        yield (
+                            rel,
+                            f"{rel} row {i + 1}",
+                            {
+                                "commit": row.get("git_commit"),
+                                "dirty": flag(row["git_dirty"]),
+                                "diff_sha256": row.get("git_diff_sha256") or None,
+                                "version": int(float(version)) if version else None,
+                            },
+                        )
 
 
 def _legacy_listed() -> set[str]:
@@ -112,7 +118,9 @@ def test_run_records_are_clean_or_carry_a_diff_hash():
             bad.append(f"{label}: from a dirty tree (commit {git.get('commit')}) without diff_sha256")
     assert bad == [], "re-run from a clean checkout, or with sparse_eval.provenance recording the diff hash"
     listed = _legacy_listed()
-    assert sorted(legacy - listed) == [], f"legacy records (no provenance version) not listed under " \
-                                         f"'{LEGACY_HEADING}' in experiments/README.md"
-    assert sorted(listed - legacy) == [], f"listed under '{LEGACY_HEADING}' but holding no legacy record: " \
-                                         f"drop them from the list"
+    assert sorted(legacy - listed) == [], (
+        f"legacy records (no provenance version) not listed under '{LEGACY_HEADING}' in experiments/README.md"
+    )
+    assert sorted(listed - legacy) == [], (
+        f"listed under '{LEGACY_HEADING}' but holding no legacy record: drop them from the list"
+    )

@@ -45,7 +45,7 @@ def import_graph() -> dict[str, dict[str, int]]:
                 targets = [owner(a.name) for a in node.names if a.name.split(".")[0] == "sparse_eval"]
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
                     source = ".".join(base + ([node.module] if node.module else []))
                 else:
                     source = node.module or ""
@@ -70,7 +70,7 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
         path.append(v)
         for w in sorted(graph.get(v, {})):
             if state.get(w) == 1:
-                return path[path.index(w):] + [w]
+                return path[path.index(w) :] + [w]
             if w not in state:
                 found = visit(w)
                 if found:
@@ -97,5 +97,8 @@ def test_the_graph_sees_function_level_imports():
 def test_no_import_cycle_in_the_package():
     graph = import_graph()
     cycle = find_cycle(graph)
-    assert cycle is None, "import cycle: " + " -> ".join(
-        f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+    assert cycle is None, (
+        "import cycle: "
+        + " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:]))
+        + f" -> {cycle[-1]}"
+    )

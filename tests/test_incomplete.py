@@ -54,8 +54,13 @@ def test_failed_sample_is_never_done_and_the_same_command_retries_only_it(tmp_pa
     md = to_markdown(score_intervals(df))
     line = next(x for x in md.splitlines() if "| TopK" in x)
     assert "incomplete: 2/3" in line and " *" not in line and "never marked significant" in md
-    out = subprocess.run([sys.executable, "-m", "sparse_eval.status", str(tmp_path)], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "sparse_eval.status", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "1 done, 1 incomplete" in out.stdout, out.stdout
 
     # the same command: only the failed sample runs again; the finished ones are kept as they were
@@ -101,15 +106,18 @@ def test_comparisons_use_only_the_samples_both_finished():
     base = {"model": "m", "task_config": "{}", "protocol": "A", "subtask": "all", "length": 8}
     ref = {f"s{i}": 100.0 for i in range(20)}
     worse = {f"s{i}": 0.0 for i in range(20) if i not in (3, 7)}  # finished 18 of 20
-    rows = [dict(base, method="full", complete=True, _terms=terms(ref)),
-            dict(base, method="topk", complete=True, _terms=terms(worse)),
-            dict(base, method="quest", complete=False, _terms=terms(worse))]
+    rows = [
+        dict(base, method="full", complete=True, _terms=terms(ref)),
+        dict(base, method="topk", complete=True, _terms=terms(worse)),
+        dict(base, method="quest", complete=False, _terms=terms(worse)),
+    ]
     add_paired_differences(rows)
     assert rows[1]["n_paired"] == 18 and rows[1]["diff_vs_full"] == -100.0 and rows[1]["significant"] is True
     assert rows[2]["n_paired"] == 18 and rows[2]["diff_vs_full"] == -100.0 and rows[2]["significant"] is None
 
 
 # -- the order samples run in -----------------------------------------------------------------------------------
+
 
 def _shares_ok(order_strata: list, sizes: dict, slack: float) -> bool:
     total = sum(sizes.values())
@@ -143,11 +151,15 @@ def test_batches_keep_the_strata_at_window_boundaries_and_length_inside():
     from sparse_eval.batching import Batcher
 
     sizes = {"a": 24, "b": 12, "c": 12}
-    samples = [SimpleNamespace(id=f"{g}-{i:02d}", data={"subtask": g, "n": 100 + (7 * i + 3 * len(g)) % 41})
-               for g, n in sizes.items() for i in range(n)]
+    samples = [
+        SimpleNamespace(id=f"{g}-{i:02d}", data={"subtask": g, "n": 100 + (7 * i + 3 * len(g)) % 41})
+        for g, n in sizes.items()
+        for i in range(n)
+    ]
     task = SimpleNamespace(request=lambda s: SimpleNamespace(input_ids=[0] * s.data["n"]))
-    exp = SimpleNamespace(samples=lambda: samples, cfg=SimpleNamespace(eval=SimpleNamespace(prefill_chunk=None)),
-                          protocol="A")
+    exp = SimpleNamespace(
+        samples=lambda: samples, cfg=SimpleNamespace(eval=SimpleNamespace(prefill_chunk=None)), protocol="A"
+    )
     b = Batcher.__new__(Batcher)
     b.exp, b.task, b.size = exp, task, 4
     order = b._order(samples)
@@ -156,7 +168,7 @@ def test_batches_keep_the_strata_at_window_boundaries_and_length_inside():
     for end in range(window, total + 1, window):
         prefix = [s.data["subtask"] for s in order[:end]]
         assert all(abs(prefix.count(g) - end * n / total) <= 1 for g, n in sizes.items()), end
-        lengths = [s.data["n"] for s in order[end - window:end]]
+        lengths = [s.data["n"] for s in order[end - window : end]]
         assert lengths == sorted(lengths, reverse=True)
     rest = b._order(samples[5:30])
     assert {s.id for s in rest} == {s.id for s in samples[5:30]}

@@ -25,10 +25,22 @@ from sparse_eval.methods import METHODS, build_method, make_config
 
 # every registered method under the configs it declares for the end-to-end checks (``Method.model_contract_configs``:
 # small budgets and static windows, so that it selects within short prompts), e.g. "double_sparsity-1" (DS-Offload)
-CONFIGS = {f"{name}-{i}": (name, opts) for name in sorted(METHODS)
-           for i, opts in enumerate(METHODS[name].model_contract_configs())}
-STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass", "topk_recall", "sparse_rows",
-         "empty_selections")
+CONFIGS = {
+    f"{name}-{i}": (name, opts)
+    for name in sorted(METHODS)
+    for i, opts in enumerate(METHODS[name].model_contract_configs())
+}
+STATS = (
+    "cost1",
+    "cost2",
+    "kv_bytes",
+    "static_frac",
+    "est_error",
+    "mass",
+    "topk_recall",
+    "sparse_rows",
+    "empty_selections",
+)
 
 
 # -- the property the CPU reference relies on: MKL's products, measured ------------------------------------------
@@ -43,7 +55,7 @@ def test_mkl_rows_and_columns_from_16_on_do_not_depend_on_the_others():
     full = torch.mm(a, b)
     for m in (16, 32, 48):
         for off in (0, 5, 16):
-            assert torch.equal(torch.mm(a[off:off + m], b), full[off:off + m])
+            assert torch.equal(torch.mm(a[off : off + m], b), full[off : off + m])
     for n in (16, 32, 80):
         assert torch.equal(torch.mm(a[:16], b[:, :n].contiguous()), full[:16, :n])
     k = kinv.K_TILE
@@ -94,7 +106,7 @@ def test_reference_products_do_not_depend_on_the_batch_or_the_padding(dtype):
     x = torch.randn(37, 300, generator=g, dtype=dtype)
     y = kinv.mm_reference(x, w)
     for rows in ((0, 1), (3, 10), (20, 37)):
-        assert torch.equal(kinv.mm_reference(x[rows[0]:rows[1]], w), y[rows[0]:rows[1]])
+        assert torch.equal(kinv.mm_reference(x[rows[0] : rows[1]], w), y[rows[0] : rows[1]])
     # a weight broadcast over a batch (matmul of a non-contiguous activation) gives the rows of the mm
     xb = x[:36].view(4, 9, 300)
     assert torch.equal(kinv.bmm_reference(xb, w.expand(4, 300, 40)), y[:36].view(4, 9, 40))
@@ -155,16 +167,22 @@ def test_triton_attention_is_the_rows_own(window):
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[2, :, :37].cpu(), torch.zeros_like(out[2, :, :37].cpu()))  # padding rows: zeros
     mask = kinv.attention_mask(start, n, n, window).cpu()[1:2].expand(1, hq, n, n)
-    sd = F.scaled_dot_product_attention(q[1:2].cpu(), k[1:2].cpu().repeat_interleave(2, 1),
-                                        v[1:2].cpu().repeat_interleave(2, 1), attn_mask=mask, scale=0.3)
+    sd = F.scaled_dot_product_attention(
+        q[1:2].cpu(),
+        k[1:2].cpu().repeat_interleave(2, 1),
+        v[1:2].cpu().repeat_interleave(2, 1),
+        attn_mask=mask,
+        scale=0.3,
+    )
     torch.testing.assert_close(out[1:2, :, 64:].cpu(), sd[:, :, 64:], rtol=1e-5, atol=1e-5)
     alone = kinv.attention(q[1:2, :, 64:], k[1:2, :, 64:], v[1:2, :, 64:], start[:1] * 0, 0.3, window, backend="triton")
     assert torch.equal(alone[0], out[1, :, 64:])
     step = kinv.attention(q[:, :, -1:], k, v, start, 0.3, window, backend="triton")  # decode: one row per sample
     for r in (1, 2):
         s = int(start[r])
-        one = kinv.attention(q[r:r + 1, :, -1:], k[r:r + 1, :, s:], v[r:r + 1, :, s:], start[:1] * 0, 0.3, window,
-                             backend="triton")
+        one = kinv.attention(
+            q[r : r + 1, :, -1:], k[r : r + 1, :, s:], v[r : r + 1, :, s:], start[:1] * 0, 0.3, window, backend="triton"
+        )
         assert torch.equal(one[0], step[r])
 
 
@@ -177,12 +195,22 @@ def test_overrides_compute_what_torch_computes():
     w = torch.randn(20, 130, generator=g)
     bias = torch.randn(20, generator=g)
     ops = {
-        "sum": lambda t: t.sum(-1), "sum_all": lambda t: t.sum(), "sum_dims": lambda t: t.sum((0, 2), keepdim=True),
-        "mean": lambda t: t.mean(-1), "mean_mid": lambda t: t.mean(1), "softmax": lambda t: torch.softmax(t, 1),
-        "log_softmax": lambda t: torch.log_softmax(t, -1), "logsumexp": lambda t: torch.logsumexp(t, -1),
-        "norm": lambda t: t.norm(dim=-1), "cumsum": lambda t: t.cumsum(1), "linear": lambda t: F.linear(t, w, bias),
-        "bmm": lambda t: t @ t.transpose(1, 2), "einsum": lambda t: torch.einsum("bqn,bkn->bqk", t, t),
-        "double": lambda t: t.double().sum(-1), "int_sum": lambda t: (t > 0).sum(-1), "silu": F.silu,
+        "sum": lambda t: t.sum(-1),
+        "sum_all": lambda t: t.sum(),
+        "sum_dims": lambda t: t.sum((0, 2), keepdim=True),
+        "mean": lambda t: t.mean(-1),
+        "mean_mid": lambda t: t.mean(1),
+        "softmax": lambda t: torch.softmax(t, 1),
+        "log_softmax": lambda t: torch.log_softmax(t, -1),
+        "logsumexp": lambda t: torch.logsumexp(t, -1),
+        "norm": lambda t: t.norm(dim=-1),
+        "cumsum": lambda t: t.cumsum(1),
+        "linear": lambda t: F.linear(t, w, bias),
+        "bmm": lambda t: t @ t.transpose(1, 2),
+        "einsum": lambda t: torch.einsum("bqn,bkn->bqk", t, t),
+        "double": lambda t: t.double().sum(-1),
+        "int_sum": lambda t: (t > 0).sum(-1),
+        "silu": F.silu,
         "log1p": lambda t: torch.log1p(t.abs()),
     }
     ref = {k: f(x) for k, f in ops.items()}
@@ -215,11 +243,18 @@ def test_cpu_pointwise_functions_do_not_depend_on_where_an_element_sits():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(70000, generator=g)
     with batch_invariant():
-        for f in (F.silu, torch.sigmoid, lambda t: torch.log1p(t.abs()), lambda t: F.gelu(t, approximate="tanh"),
-                  F.softplus, lambda t: t.abs().pow(0.37), torch.exp):
+        for f in (
+            F.silu,
+            torch.sigmoid,
+            lambda t: torch.log1p(t.abs()),
+            lambda t: F.gelu(t, approximate="tanh"),
+            F.softplus,
+            lambda t: t.abs().pow(0.37),
+            torch.exp,
+        ):
             y = f(x)
             for off, n in ((3, 100), (17, 45), (0, 7), (5, 33333), (11, 40001)):
-                assert torch.equal(f(x[off:off + n].clone()), y[off:off + n])
+                assert torch.equal(f(x[off : off + n].clone()), y[off : off + n])
 
 
 def test_the_checker_catches_order_dependent_operators():
@@ -228,9 +263,13 @@ def test_the_checker_catches_order_dependent_operators():
     with batch_invariant(), checker():
         x.sum(-1), torch.softmax(x, -1), x.amax(-1), x.argmax(-1)  # routed or exact
         torch.zeros(2, 40).index_add_(0, idx, torch.ones(3, 40))  # integral values: exact in any order
-        for bad in (lambda: x.prod(-1), lambda: torch.zeros(2, 40).index_add_(0, idx, x),
-                    lambda: F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None]),
-                    lambda: F.layer_norm(x, (40,)), lambda: x.var(-1)):
+        for bad in (
+            lambda: x.prod(-1),
+            lambda: torch.zeros(2, 40).index_add_(0, idx, x),
+            lambda: F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None]),
+            lambda: F.layer_norm(x, (40,)),
+            lambda: x.var(-1),
+        ):
             with pytest.raises(InvarianceViolation, match="batch-invariant"):
                 bad()
 
@@ -259,7 +298,7 @@ def _records(session, engine, requests, size, check=False):
     """Per request: (tokens or NLL, stop reason, recorder statistics), run in batches of ``size``."""
     out = []
     for s0 in range(0, len(requests), size):
-        batch = requests[s0:s0 + size]
+        batch = requests[s0 : s0 + size]
         session.recorder.reset()
         if check:
             with checker():
@@ -281,8 +320,10 @@ def test_records_do_not_depend_on_the_batch(stories, config, protocol, chunk):
     under the checker: no order-dependent operator on the path)."""
     model, tok = stories
     prompts = _prompts(50, seed=7, multiple=chunk)
-    gen = [GenerationRequest(p, max_new_tokens=3 + i % 4, context_len=len(p) - 4 - i % 5, key=f"g{i}")
-           for i, p in enumerate(prompts)]
+    gen = [
+        GenerationRequest(p, max_new_tokens=3 + i % 4, context_len=len(p) - 4 - i % 5, key=f"g{i}")
+        for i, p in enumerate(prompts)
+    ]
     nll = [LoglikelihoodRequest(p, key=f"w{i}") for i, p in enumerate(prompts[:21])]
     session, engine = _engine(model, tok, config, protocol, chunk)
     try:
@@ -364,8 +405,16 @@ def test_the_real_model_check_covers_every_registered_method(tmp_path):
     labels = [label for label, _, _ in method_runs()]
     assert {name for _, name, _ in method_runs()} == set(METHODS)
     assert "double_sparsity-offload" in labels and labels[0] == "full"
-    report = run_check(device="cpu", out=tmp_path / "invariance.json", model="stories260k", per_length=1, alone=1,
-                       max_new_tokens=3, methods=("snapkv", "h2o"), fast_path=())
+    report = run_check(
+        device="cpu",
+        out=tmp_path / "invariance.json",
+        model="stories260k",
+        per_length=1,
+        alone=1,
+        max_new_tokens=3,
+        methods=("snapkv", "h2o"),
+        fast_path=(),
+    )
     assert list(report["methods"]) == ["h2o", "snapkv"]
     assert report["all_identical"], json.dumps(report["mismatches"], indent=1)[:4000]
     with pytest.raises(ValueError, match="not a label of the check"):

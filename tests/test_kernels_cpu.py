@@ -53,8 +53,13 @@ def test_collision_probability_matches_binomial_tail_and_paper_form():
                 continue
             s = 0.0
             for j in range(m, n_tables + 1):
-                s += math.exp(math.lgamma(n_tables + 1) - math.lgamma(j + 1) - math.lgamma(n_tables - j + 1)
-                              + j * math.log(x) + (n_tables - j) * math.log1p(-x))
+                s += math.exp(
+                    math.lgamma(n_tables + 1)
+                    - math.lgamma(j + 1)
+                    - math.lgamma(n_tables - j + 1)
+                    + j * math.log(x)
+                    + (n_tables - j) * math.log1p(-x)
+                )
             exact.append(s)
         exact = torch.tensor(exact, dtype=torch.float64)
         assert torch.allclose(u, exact, rtol=1e-9, atol=0.0), (m, u, exact)
@@ -125,10 +130,11 @@ def test_sample_with_extra_keys_and_offsets_equals_brute_force(backend):
     _, _, _, _, kcodes, qcodes = _problem(21)
     n_tab, n_extra, off, e_off = 30, 10, 4, 1000
     tables = magicpig_cpu.build_tables(kcodes[:, :, :n_tab], 6, backend=backend)
-    extra = kcodes[:, :, n_tab:n_tab + n_extra].contiguous()
-    idx, cnt = magicpig_cpu.sample(tables, qcodes, 1, backend=backend, index_offset=off, extra_codes=extra,
-                                   extra_offset=e_off)
-    ref_idx, ref_cnt = magicpig_cpu.sample_reference(kcodes[:, :, :n_tab + n_extra], qcodes, 1)
+    extra = kcodes[:, :, n_tab : n_tab + n_extra].contiguous()
+    idx, cnt = magicpig_cpu.sample(
+        tables, qcodes, 1, backend=backend, index_offset=off, extra_codes=extra, extra_offset=e_off
+    )
+    ref_idx, ref_cnt = magicpig_cpu.sample_reference(kcodes[:, :, : n_tab + n_extra], qcodes, 1)
     assert torch.equal(cnt, ref_cnt)
     shifted = torch.where(ref_idx < 0, ref_idx, torch.where(ref_idx < n_tab, ref_idx + off, ref_idx - n_tab + e_off))
     assert torch.equal(idx, shifted)
@@ -138,8 +144,9 @@ def test_sample_with_extra_keys_and_offsets_equals_brute_force(backend):
     # a preallocated buffer filled up to extra_count: what lies beyond is never read (there, keys that would match
     # every row of KV head 0 in every table)
     buf = torch.cat([extra, qcodes[:, :1, None].expand(-1, extra.shape[1], 3, -1)], 2).contiguous()
-    got_idx, got_cnt = magicpig_cpu.sample(tables, qcodes, 1, backend=backend, index_offset=off, extra_codes=buf,
-                                           extra_offset=e_off, extra_count=n_extra)
+    got_idx, got_cnt = magicpig_cpu.sample(
+        tables, qcodes, 1, backend=backend, index_offset=off, extra_codes=buf, extra_offset=e_off, extra_count=n_extra
+    )
     assert torch.equal(got_cnt, cnt) and torch.equal(got_idx, idx)
     more_idx, more_cnt = magicpig_cpu.sample(tables, qcodes, 1, backend=backend, extra_codes=buf)
     assert bool((more_cnt > cnt).any())  # the buffer's tail does match when it is counted
@@ -162,8 +169,11 @@ def test_sample_with_small_buckets_equals_brute_force():
     ref_idx, ref_cnt = magicpig_cpu.sample_reference(kcodes, qcodes, 2)
     assert torch.equal(cnt, ref_cnt) and torch.equal(idx, ref_idx)
     off = tables.offsets.long()
-    touched = [sum(int(off[b, h // 4, l, qcodes[b, h, l] + 1] - off[b, h // 4, l, qcodes[b, h, l]]) for l in range(12))
-               for b in range(2) for h in range(8)]
+    touched = [
+        sum(int(off[b, h // 4, l, qcodes[b, h, l] + 1] - off[b, h // 4, l, qcodes[b, h, l]]) for l in range(12))
+        for b in range(2)
+        for h in range(8)
+    ]
     assert max(touched) * 32 < kcodes.shape[2] and int(cnt.max()) > 0  # every row resets one by one; a sample
 
 
@@ -174,8 +184,9 @@ def test_sample_unsorted_is_same_set_and_bad_codes_match_nothing():
     idx, cnt = magicpig_cpu.sample(tables, qcodes, 2)
     idx_u, cnt_u = magicpig_cpu.sample(tables, qcodes, 2, sort=False)
     assert torch.equal(cnt, cnt_u)
-    assert torch.equal(torch.sort(torch.where(idx_u < 0, 1 << 30, idx_u), -1).values,
-                       torch.where(idx < 0, 1 << 30, idx))
+    assert torch.equal(
+        torch.sort(torch.where(idx_u < 0, 1 << 30, idx_u), -1).values, torch.where(idx < 0, 1 << 30, idx)
+    )
     bad = qcodes.clone()
     bad[0, 0] = -1  # out of range: no bucket
     bad[0, 1] = 64
@@ -236,8 +247,9 @@ def test_attention_matches_eq11(backend):
     assert torch.allclose(o.double(), o_ref, atol=1e-4, rtol=1e-4)
     assert (o[1, 3] == 0).all()
     # the correction matters: without it the output differs
-    o_plain, _ = magicpig_cpu.attention(q, k, v, idx, cnt, k_bits=6, n_tables=20, k_mean=mean, correct=False,
-                                        backend=backend)
+    o_plain, _ = magicpig_cpu.attention(
+        q, k, v, idx, cnt, k_bits=6, n_tables=20, k_mean=mean, correct=False, backend=backend
+    )
     assert float((o_plain - o).abs().max()) > 1e-3
 
 
@@ -286,8 +298,9 @@ def test_attention_padding_strides_threads_and_errors():
     before = magicpig_cpu.get_num_threads()
     try:
         magicpig_cpu.set_num_threads(1)
-        o3, l3 = magicpig_cpu.attention(q, big_k[:, :, :400], big_v[:, :, :400], idx, cnt, k_bits=6, n_tables=20,
-                                        k_mean=mean, prefetch=0)
+        o3, l3 = magicpig_cpu.attention(
+            q, big_k[:, :, :400], big_v[:, :, :400], idx, cnt, k_bits=6, n_tables=20, k_mean=mean, prefetch=0
+        )
     finally:
         magicpig_cpu.set_num_threads(before)
     assert torch.allclose(o3, o2, atol=1e-6) and torch.allclose(l3, l2, atol=1e-6)
@@ -316,11 +329,23 @@ def test_attention_blocked_rows_with_remainders(dtype):
         idx = torch.stack([torch.randperm(n, generator=gen)[:157] for _ in range(b * hq)]).view(b, hq, 157).int()
         cnt = torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 13, 157]], dtype=torch.int32)
         for correct in (True, False):
-            o_ref, l_ref = magicpig_cpu.attention_reference(q, k, v, idx, cnt, k_bits=8, n_tables=30, k_mean=mean,
-                                                            correct=correct)
+            o_ref, l_ref = magicpig_cpu.attention_reference(
+                q, k, v, idx, cnt, k_bits=8, n_tables=30, k_mean=mean, correct=correct
+            )
             for pf, early in ((0, 0), (1, 0), (3, 0), (16, 0), (0, 1000), (3, 1000), (16, 1000), (16, 6)):
-                o, lse = magicpig_cpu.attention(q, k, v, idx, cnt, k_bits=8, n_tables=30, k_mean=mean,
-                                                correct=correct, prefetch=pf, prefetch_v_early=early)
+                o, lse = magicpig_cpu.attention(
+                    q,
+                    k,
+                    v,
+                    idx,
+                    cnt,
+                    k_bits=8,
+                    n_tables=30,
+                    k_mean=mean,
+                    correct=correct,
+                    prefetch=pf,
+                    prefetch_v_early=early,
+                )
                 assert bool(torch.isinf(lse[0, 0])) and (o[0, 0] == 0).all()
                 assert torch.allclose(o, o_ref, atol=1e-5, rtol=1e-4), (d, correct, pf)
                 fin = torch.isfinite(l_ref)
@@ -386,12 +411,13 @@ def test_magicpig_cpu_part_merges_with_static_gpu_part(backend):
     tables = magicpig_cpu.build_tables(kcodes[:, :, off], 6, backend=backend)
     idx, cnt = magicpig_cpu.sample(tables, qcodes, 2, backend=backend)
     k_off, v_off = k[:, :, off].contiguous(), v[:, :, off].contiguous()
-    o_cpu, l_cpu = magicpig_cpu.attention(q, k_off, v_off, idx, cnt, k_bits=6, n_tables=20, k_mean=mean,
-                                          backend=backend)
+    o_cpu, l_cpu = magicpig_cpu.attention(
+        q, k_off, v_off, idx, cnt, k_bits=6, n_tables=20, k_mean=mean, backend=backend
+    )
     st = static.view(1, 1, -1).expand(b, hq, -1).to(torch.int32)
     o_gpu, l_gpu = sparse_decode.attention_reference(q.float(), k, v, st, out_dtype=torch.float32)
     o, lse = merge_by_lse(o_cpu, l_cpu, o_gpu, l_gpu)
-    o_ref, lse_ref = _brute_attention(q.float(), k_off, v_off, idx, cnt, mean, 6, 20, 2, d ** -0.5)
+    o_ref, lse_ref = _brute_attention(q.float(), k_off, v_off, idx, cnt, mean, 6, 20, 2, d**-0.5)
     # union by hand: concatenate logits (static keys with u = 1)
     g = hq // k.shape[1]
     for bi in range(b):
@@ -401,7 +427,7 @@ def test_magicpig_cpu_part_merges_with_static_gpu_part(backend):
             qq = q[bi, h].double()
             kc = ks[ids] - mean[bi, h // g].double()
             u = magicpig.collision_probability_from_cos((kc @ qq) / (kc.norm(dim=-1) * qq.norm()), 6, 20, 2)
-            logits = torch.cat([ks[ids] @ qq * d ** -0.5 - torch.log(u), ks[static] @ qq * d ** -0.5])
+            logits = torch.cat([ks[ids] @ qq * d**-0.5 - torch.log(u), ks[static] @ qq * d**-0.5])
             rows = torch.cat([ids, static])
             assert torch.allclose(o[bi, h].double(), torch.softmax(logits, 0) @ vs[rows], atol=1e-4)
             assert abs(float(lse[bi, h]) - float(torch.logsumexp(logits, 0))) < 1e-4
@@ -451,8 +477,9 @@ def test_torch_fallback_without_numba(monkeypatch):
         magicpig_cpu.sample(tables, qcodes, 2, backend="numba")
 
 
-@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
-                    reason="no transparent huge pages on this system")
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(), reason="no transparent huge pages on this system"
+)
 def test_advise_huge_pages_on_an_untouched_host_tensor():
     """madvise(MADV_HUGEPAGE) is accepted for a fresh host tensor, leaves its contents usable, and is refused for
     tensors spanning no whole page (and for CUDA tensors, without a call)."""
@@ -481,7 +508,7 @@ def test_gather_read_kernel_sums_exactly_the_gathered_rows():
     want = 0
     for bi in range(b):
         for h in range(hq):
-            rows = idx[bi, h, :cnt[bi, h]].long()
+            rows = idx[bi, h, : cnt[bi, h]].long()
             t = h // (hq // hkv)
             want += int(k[bi, t, rows].long().sum()) + int(v[bi, t, rows].long().sum())
     kv = torch.cat([k, v], -1)  # a token's K and V side by side, read as one row (the second array empty)

@@ -80,8 +80,9 @@ def test_sparse_decode_matches_reference(b, hq, hkv, n, d, s, shared, dtype):
     idx = idx.to(DEV)
     count = torch.randint(0, s + 1, (b, hi), generator=gen).to(DEV)
     for cnt, splits in ((None, None), (None, 1), (count, 3)):  # auto split plan, one program per row, 3 splits
-        o, lse = sparse_decode.attention(q, k, v, idx, count=cnt, backend="triton", num_splits=splits,
-                                         out_dtype=torch.float32, block_n=16)
+        o, lse = sparse_decode.attention(
+            q, k, v, idx, count=cnt, backend="triton", num_splits=splits, out_dtype=torch.float32, block_n=16
+        )
         o_ref, lse_ref = sparse_decode.attention_reference(q, k, v, idx, count=cnt, out_dtype=torch.float32)
         assert torch.isfinite(o).all()
         assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
@@ -116,14 +117,15 @@ def test_dense_decode_over_row_lengths_matches_sdpa(b, hq, hkv, n, d, dtype):
     v = _randn(b, hkv, n, d, gen=gen, dtype=dtype)
     lengths = torch.tensor([n, 1, n // 3][:b], dtype=torch.int32, device=DEV)
     for splits in (None, 1, 3):
-        o, lse = sparse_decode.dense_attention(q, k, v, lengths, backend="triton", num_splits=splits, block_n=16,
-                                               out_dtype=torch.float32)
+        o, lse = sparse_decode.dense_attention(
+            q, k, v, lengths, backend="triton", num_splits=splits, block_n=16, out_dtype=torch.float32
+        )
         for i, m in enumerate(lengths.tolist()):
             g = hq // hkv
             kk = k[i, :, :m].float().repeat_interleave(g, 0)
             vv = v[i, :, :m].float().repeat_interleave(g, 0)
             ref = torch.nn.functional.scaled_dot_product_attention(q[i].float()[:, None], kk, vv)[:, 0]
-            s = torch.einsum("hd,hnd->hn", q[i].float(), kk) / d ** 0.5
+            s = torch.einsum("hd,hnd->hn", q[i].float(), kk) / d**0.5
             assert _rel(o[i], ref) < TOL * 10
             assert torch.allclose(lse[i], torch.logsumexp(s, -1), atol=TOL * 10, rtol=TOL)
     o_ref, lse_ref = sparse_decode.dense_attention_reference(q, k, v, lengths, out_dtype=torch.float32)
@@ -232,8 +234,15 @@ def test_topk_select_matches_sorted_topk(radix_bits, atomic_from):
     count[1, 2] = 140  # more than the finite scores: 100 picked
     count = count.to(DEV)
     for k_max, cnt in ((25, None), (200, None), (150, count)):
-        got = topk.select(s, k_max, cnt, backend="triton", radix_bits=radix_bits, block_n=64,  # 3 tiles per row
-                          atomic_from=atomic_from)  # per-key atomics from that pass on, or tile histograms only
+        got = topk.select(
+            s,
+            k_max,
+            cnt,
+            backend="triton",
+            radix_bits=radix_bits,
+            block_n=64,  # 3 tiles per row
+            atomic_from=atomic_from,
+        )  # per-key atomics from that pass on, or tile histograms only
         ref = topk.select_reference(s, k_max, cnt)
         assert got.shape == ref.shape == (2, 3, k_max) and got.dtype == torch.int32
         assert _values_of(s, got) == _values_of(s, ref)
@@ -297,7 +306,7 @@ def test_page_metadata_bounds_every_key():
     kmin, kmax = quest.page_metadata(k, 8)
     assert kmin.shape == (2, 3, 6, 16)
     for p in range(6):
-        page = k[:, :, p * 8:(p + 1) * 8]
+        page = k[:, :, p * 8 : (p + 1) * 8]
         assert torch.equal(kmin[:, :, p], page.amin(2))
         assert torch.equal(kmax[:, :, p], page.amax(2))
     # U(P) is an upper bound of q·k over the page (Quest §3.3)
@@ -305,7 +314,7 @@ def test_page_metadata_bounds_every_key():
     u = quest.page_scores_reference(q, kmin, kmax)
     s = torch.einsum("bhd,bhnd->bhn", q, k.float().repeat_interleave(2, 1))
     for p in range(6):
-        assert (s[:, :, p * 8:(p + 1) * 8].amax(-1) <= u[:, :, p] + 1e-4).all()
+        assert (s[:, :, p * 8 : (p + 1) * 8].amax(-1) <= u[:, :, p] + 1e-4).all()
 
 
 @pytest.mark.parametrize("reduce", [False, True])
@@ -369,9 +378,9 @@ def test_hash_codes_bit_layout():
     """Bit j of table l is the sign of x · W[:, l·K + j]."""
     d, k_bits, n_tables = 16, 3, 2
     w = torch.zeros(d, k_bits * n_tables)
-    w[0, 0] = 1.0   # table 0, bit 0: +x0
+    w[0, 0] = 1.0  # table 0, bit 0: +x0
     w[1, 2] = -1.0  # table 0, bit 2: -x1
-    w[2, 4] = 1.0   # table 1, bit 1: +x2
+    w[2, 4] = 1.0  # table 1, bit 1: +x2
     x = torch.zeros(1, d)
     x[0, 0], x[0, 1], x[0, 2] = 1.0, -1.0, 1.0
     ref = magicpig.hash_codes_reference(x, w, k_bits, n_tables)
@@ -392,13 +401,16 @@ def _codes_with_collisions(b, hq, hkv, ql, n, n_tables, k_bits, gen, dtype=torch
     return qc.to(DEV), kc.to(DEV)
 
 
-@pytest.mark.parametrize("b,hq,hkv,ql,n,n_tables,k_bits,qdtype", [
-    (2, 4, 2, 1, 70, 150, 10, torch.int16),  # decode, G = 2, L = 150, N not a multiple of the block
-    (1, 8, 2, 3, 33, 150, 10, torch.int16),  # G = 4, Q = 3: 12 rows
-    (2, 6, 2, 2, 129, 20, 3, torch.int32),   # int32 query codes (hash_codes), G·Q = 6 (not a power of 2)
-    (1, 2, 2, 1, 5, 1, 1, torch.int16),      # L = 1, N < a block
-    (1, 32, 1, 1, 40, 9, 2, torch.int16),    # G = 32: rows in two blocks
-])
+@pytest.mark.parametrize(
+    "b,hq,hkv,ql,n,n_tables,k_bits,qdtype",
+    [
+        (2, 4, 2, 1, 70, 150, 10, torch.int16),  # decode, G = 2, L = 150, N not a multiple of the block
+        (1, 8, 2, 3, 33, 150, 10, torch.int16),  # G = 4, Q = 3: 12 rows
+        (2, 6, 2, 2, 129, 20, 3, torch.int32),  # int32 query codes (hash_codes), G·Q = 6 (not a power of 2)
+        (1, 2, 2, 1, 5, 1, 1, torch.int16),  # L = 1, N < a block
+        (1, 32, 1, 1, 40, 9, 2, torch.int16),  # G = 32: rows in two blocks
+    ],
+)
 def test_collision_counts_match_reference(b, hq, hkv, ql, n, n_tables, k_bits, qdtype):
     qc, kc = _codes_with_collisions(b, hq, hkv, ql, n, n_tables, k_bits, _gen(n * 7 + hq), qdtype)
     got = magicpig.collision_counts(qc, kc, backend="triton")
@@ -415,8 +427,9 @@ def test_collision_counts_strided_key_codes():
     qc, kc = _codes_with_collisions(2, 4, 2, 1, 100, 30, 4, _gen(3))
     view = kc[:, :, :61]
     assert not view.is_contiguous()
-    assert torch.equal(magicpig.collision_counts(qc, view, backend="triton"),
-                       magicpig.collision_counts_reference(qc, view))
+    assert torch.equal(
+        magicpig.collision_counts(qc, view, backend="triton"), magicpig.collision_counts_reference(qc, view)
+    )
 
 
 def test_collision_counts_rejects_bad_shapes():
@@ -460,7 +473,7 @@ def test_gpu_llama_shape_collision_counts():
     batch 8, decode and a 5-row call: the kernel's counts equal the reference's."""
     for ql in (1, 5):
         qc, kc = _codes_with_collisions(8, 32, 8, ql, 16384 + 40, 150, 10, _gen(ql))
-        view = kc[:, :, :16384 + 17]
+        view = kc[:, :, : 16384 + 17]
         got = magicpig.collision_counts(qc, view, backend="triton")
         assert torch.equal(got, magicpig.collision_counts_reference(qc, view))
 
@@ -473,8 +486,14 @@ def test_kernels_compile_for_hopper_without_spills():
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "sparse_eval.kernels._aot_check"], cwd=Path(__file__).resolve().parents[1],
-                         env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "sparse_eval.kernels._aot_check"],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
@@ -493,14 +512,17 @@ def test_attend_and_merge_matches_reference():
     lse_other = _randn(b, hq, gen=gen) * 3
     lse_other[1, 2:] = float("-inf")  # no sampled keys for these rows
     o_other[1, 2:] = float("nan")
-    for k1, v1, k2, v2 in ((sink_k, sink_v, buf_k[:, :, 7:77], buf_v[:, :, 7:77]),
-                           (sink_k[:, :, :0], sink_v[:, :, :0], buf_k[:, :, 3:20], buf_v[:, :, 3:20]),
-                           (sink_k, sink_v, buf_k[:, :, :0], buf_v[:, :, :0])):
+    for k1, v1, k2, v2 in (
+        (sink_k, sink_v, buf_k[:, :, 7:77], buf_v[:, :, 7:77]),
+        (sink_k[:, :, :0], sink_v[:, :, :0], buf_k[:, :, 3:20], buf_v[:, :, 3:20]),
+        (sink_k, sink_v, buf_k[:, :, :0], buf_v[:, :, :0]),
+    ):
         got_o, got_l = merge.attend_and_merge(q, k1, v1, k2, v2, o_other, lse_other, 0.125, backend="triton")
         ref_o, ref_l = merge.attend_and_merge_reference(q, k1, v1, k2, v2, o_other, lse_other, 0.125)
         assert torch.isfinite(got_o).all() and torch.isfinite(got_l).all()
         torch.testing.assert_close(got_o.cpu(), ref_o.cpu(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_l.cpu(), ref_l.cpu(), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="empty"):
-        merge.attend_and_merge(q, sink_k[:, :, :0], sink_v[:, :, :0], buf_k[:, :, :0], buf_v[:, :, :0], o_other,
-                               lse_other, 0.125)
+        merge.attend_and_merge(
+            q, sink_k[:, :, :0], sink_v[:, :, :0], buf_k[:, :, :0], buf_v[:, :, :0], o_other, lse_other, 0.125
+        )

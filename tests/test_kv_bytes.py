@@ -87,7 +87,7 @@ def test_magicpig_reads_the_bucket_ids_of_its_collisions_and_sampled_rows():
     ks = (k.float() @ w > 0).view(1, 2, 1, n, L, K).repeat_interleave(2, 1)  # [1, Hq, 1, N, L, K]
     coll = (qs.unsqueeze(3) == ks).all(-1).sum(-1)  # [1, Hq, 1, N]
     cand = torch.zeros(n, dtype=torch.bool)
-    cand[sink:n - local] = True
+    cand[sink : n - local] = True
     total = (coll * cand).sum(-1).float()
     assert float(total.sum()) > 0
     torch.testing.assert_close(st["collisions"], total)

@@ -13,7 +13,11 @@ import yaml
 
 from sparse_eval.tasks import build_task
 from sparse_eval.tasks.kv_retrieval import (
-    TEMPLATE, format_kv_records, generate_records, is_correct, move_gold,
+    TEMPLATE,
+    format_kv_records,
+    generate_records,
+    is_correct,
+    move_gold,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,7 +83,7 @@ def test_generated_is_seeded_and_placed(tok):
     for s in a:
         d = s.data
         text = tok.decode(d["input_ids"], skip_special_tokens=True)
-        obj = json.loads(text[text.index("{"):text.rindex("}") + 1])
+        obj = json.loads(text[text.index("{") : text.rindex("}") + 1])
         keys = list(obj)
         assert keys[d["gold_position"]] == d["key"] and obj[d["key"]] == d["value"]
         assert text.endswith(f'Key: "{d["key"]}"\nCorresponding value:')
@@ -110,8 +114,8 @@ def test_length_mode_fills_as_many_pairs_as_fit(tok):
 def test_protocol_b_split_is_before_the_question(tok):
     (s,) = task(num_keys=3, num_samples=1, gold_position=1).samples(tok, 512)
     d = s.data
-    context = tok.decode(d["input_ids"][:d["context_len"]], skip_special_tokens=True)
-    question = tok.decode(d["input_ids"][d["context_len"]:], skip_special_tokens=True)
+    context = tok.decode(d["input_ids"][: d["context_len"]], skip_special_tokens=True)
+    question = tok.decode(d["input_ids"][d["context_len"] :], skip_special_tokens=True)
     assert context.rstrip().endswith("}") and d["key"] in question and "Corresponding value:" in question
 
 
@@ -158,10 +162,20 @@ def test_end_to_end_runner(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     register_configs()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        cfg = compose(config_name="config", overrides=[
-            "task=kv_retrieval", "task.num_keys=2", "task.num_samples=1", "task.gold_position=[0,1]",
-            "task.max_new_tokens=6", "method=topk", "eval.protocol=B",
-            f"paths.runs_dir={tmp_path}", "print_table=false"])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "task=kv_retrieval",
+                "task.num_keys=2",
+                "task.num_samples=1",
+                "task.gold_position=[0,1]",
+                "task.max_new_tokens=6",
+                "method=topk",
+                "eval.protocol=B",
+                f"paths.runs_dir={tmp_path}",
+                "print_table=false",
+            ],
+        )
     summaries = run(cfg)
     assert [s["method"] for s in summaries] == ["topk"]
     for s in summaries:

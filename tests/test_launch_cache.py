@@ -37,10 +37,20 @@ def setup(tmp_path):
 
     def cfg(*overrides):
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-            return compose(config_name="config", overrides=[
-                f"paths.runs_dir={tmp_path / 'runs'}", "task.window=64", "task.num_samples=2", "model.name=mine",
-                f"model.path={model}", "~method", "compare=[full,{name: double_sparsity, channels_file: " + str(cal) + "}]",
-                *overrides])
+            return compose(
+                config_name="config",
+                overrides=[
+                    f"paths.runs_dir={tmp_path / 'runs'}",
+                    "task.window=64",
+                    "task.num_samples=2",
+                    "model.name=mine",
+                    f"model.path={model}",
+                    "~method",
+                    "compare=[full,{name: double_sparsity, channels_file: " + str(cal) + "}]",
+                    *overrides,
+                ],
+            )
+
     return model, cal, cfg
 
 
@@ -51,6 +61,7 @@ def _entries(cfg):
 def _forbid_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded for a finished launch")
+
     monkeypatch.setattr(experiment.Experiment, "__init__", refuse)
 
 
@@ -83,8 +94,9 @@ def test_finished_launch_is_answered_without_loading(setup, monkeypatch, capsys)
     assert runner.run(cfg("print_table=false")) == again  # output-only settings share the entry
 
 
-@pytest.mark.parametrize("change", ["model_file", "calibration_file", "run_dir_deleted", "incomplete", "failed",
-                                    "config"])
+@pytest.mark.parametrize(
+    "change", ["model_file", "calibration_file", "run_dir_deleted", "incomplete", "failed", "config"]
+)
 def test_anything_changed_takes_the_normal_path(setup, monkeypatch, change):
     model, cal, cfg = setup
     first = runner.run(cfg())
@@ -105,6 +117,7 @@ def test_anything_changed_takes_the_normal_path(setup, monkeypatch, change):
         (run_dir / SAMPLES_FILE).write_text("".join(json.dumps(r) + "\n" for r in recs))
         os.utime(run_dir / SUMMARY_FILE)
         from sparse_eval.status import run_state
+
         assert run_state(run_dir)["state"] == "incomplete"
     elif change == "failed":
         (run_dir / "failed.json").write_text(json.dumps({"error": "RuntimeError: x"}))
@@ -177,8 +190,16 @@ def test_a_calibration_file_appearing_in_the_user_folder_is_a_miss(tmp_path, mon
 
     def cfg():
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-            return compose(config_name="config", overrides=[f"paths.runs_dir={tmp_path / 'runs'}", "task.window=64",
-                                                            "task.num_samples=1", "method=double_sparsity"])
+            return compose(
+                config_name="config",
+                overrides=[
+                    f"paths.runs_dir={tmp_path / 'runs'}",
+                    "task.window=64",
+                    "task.num_samples=1",
+                    "method=double_sparsity",
+                ],
+            )
+
     (first,) = runner.run(cfg())
     assert _entries(cfg())
     user.mkdir()

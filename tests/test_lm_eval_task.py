@@ -22,16 +22,25 @@ needs_mmlu = pytest.mark.skipif(not (DATA_DIR / "mmlu" / "data" / "test").is_dir
 # three TinyStories-style prompts, long enough (~80-100 tokens of the 512-token vocabulary) that a small TopK
 # budget plus sink/local keeps far fewer keys than the prompt has
 TOY_DOCS = [
-    {"story": "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, "
-              "she saw a big, red ball. She wanted to play with it, but it was too high. Lily asked her mom for help. "
-              "Her mom said yes and they played together all day. At the end of the day, Lily was very happy. She said "
-              "thank you to her mom and went to", "answer": "bed"},
-    {"story": "Tom had a small dog named Max. Max liked to run and jump in the garden. One sunny day, Tom and Max went "
-              "to the lake. They saw a duck swimming in the water. Max wanted to catch the duck, but Tom said no. The "
-              "duck flew away and Max was sad. Tom gave Max a big hug and they went", "answer": "home"},
-    {"story": "Sue found a shiny box under her bed. She opened it and saw a tiny bird inside. The bird was cold and "
-              "hungry. Sue gave it some bread and water. The bird ate the bread and sang a happy song. Sue smiled and "
-              "said the bird could stay with her. Every morning the bird sang for", "answer": "Sue"},
+    {
+        "story": "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, "
+        "she saw a big, red ball. She wanted to play with it, but it was too high. Lily asked her mom for help. "
+        "Her mom said yes and they played together all day. At the end of the day, Lily was very happy. She said "
+        "thank you to her mom and went to",
+        "answer": "bed",
+    },
+    {
+        "story": "Tom had a small dog named Max. Max liked to run and jump in the garden. One sunny day, Tom and Max went "
+        "to the lake. They saw a duck swimming in the water. Max wanted to catch the duck, but Tom said no. The "
+        "duck flew away and Max was sad. Tom gave Max a big hug and they went",
+        "answer": "home",
+    },
+    {
+        "story": "Sue found a shiny box under her bed. She opened it and saw a tiny bird inside. The bird was cold and "
+        "hungry. Sue gave it some bread and water. The bird ate the bread and sang a happy song. Sue smiled and "
+        "said the bird could stay with her. Every morning the bird sang for",
+        "answer": "Sue",
+    },
 ]
 
 
@@ -50,7 +59,9 @@ def _toy_task(folder: Path) -> Path:
         "doc_to_target: ' {{answer}}'\n"
         "generation_kwargs: {until: ['.'], max_gen_toks: 12, do_sample: false}\n"
         "metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true, ignore_case: true}]\n"
-        "metadata: {version: 1.0}\n", encoding="utf-8")
+        "metadata: {version: 1.0}\n",
+        encoding="utf-8",
+    )
     return folder
 
 
@@ -71,12 +82,24 @@ def lm_runs(tmp_path_factory):
     tasks = _toy_task(tmp / "tasks")
     register_configs()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
-        cfg = compose(config_name="config", overrides=[
-            "task=lm_eval", f"task.tasks=[toy_story{',gsm8k_cot' if HAVE_GSM8K else ''}]", f"task.include_path={tasks}",
-            "task.bootstrap_iters=0", "task.offline=true", f"task.limit={LIMIT}", "task.gen_kwargs={max_gen_toks:8}",
-            f"paths.data_dir={DATA_DIR}", f"task.work_dir={tmp / 'work'}", "task.log_inputs=true",
-            f"paths.runs_dir={tmp / 'runs'}", "print_table=false", "compare=[full,{name:topk,budget:0.1,local:8}]",
-        ])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "task=lm_eval",
+                f"task.tasks=[toy_story{',gsm8k_cot' if HAVE_GSM8K else ''}]",
+                f"task.include_path={tasks}",
+                "task.bootstrap_iters=0",
+                "task.offline=true",
+                f"task.limit={LIMIT}",
+                "task.gen_kwargs={max_gen_toks:8}",
+                f"paths.data_dir={DATA_DIR}",
+                f"task.work_dir={tmp / 'work'}",
+                "task.log_inputs=true",
+                f"paths.runs_dir={tmp / 'runs'}",
+                "print_table=false",
+                "compare=[full,{name:topk,budget:0.1,local:8}]",
+            ],
+        )
     summaries = run(cfg)
     return {s["method"]: s for s in summaries}
 
@@ -124,9 +147,15 @@ def test_full_method_matches_stock_model(lm_runs):
     model, tok = load_model(ModelConfig())
     folder = Path(lm_runs["full"]["task_config"]["include_path"])
     with mock.patch.object(lm_eval.evaluator, "add_env_info", lambda results: None):  # slow and irrelevant here
-        out = lm_eval.simple_evaluate(model=HFLM(pretrained=model, tokenizer=tok, batch_size=1, max_length=512),
-                                      tasks=["toy_story"], task_manager=TaskManager(include_path=str(folder), include_defaults=False),
-                                      bootstrap_iters=0, log_samples=True, limit=LIMIT, gen_kwargs={"max_gen_toks": 8})
+        out = lm_eval.simple_evaluate(
+            model=HFLM(pretrained=model, tokenizer=tok, batch_size=1, max_length=512),
+            tasks=["toy_story"],
+            task_manager=TaskManager(include_path=str(folder), include_defaults=False),
+            bootstrap_iters=0,
+            log_samples=True,
+            limit=LIMIT,
+            gen_kwargs={"max_gen_toks": 8},
+        )
     stock = {r["doc_id"]: r["resps"][0][0] for r in out["samples"]["toy_story"]}
     ours = {d["doc_id"]: d["response"] for d in _records(lm_runs["full"])["toy_story"]["docs"]}
     assert ours == stock
@@ -140,8 +169,9 @@ def test_offline_gsm8k_end_to_end(lm_runs):
         res = rec["results"]["gsm8k_cot_local"]
         assert rec["primary_metric"] == "exact_match,strict-match" and rec["score"] == res["exact_match,strict-match"]
         assert rec["n_shot"] == {"gsm8k_cot_local": 8} and rec["documents"] == LIMIT
-        assert sorted((d["doc_id"], d["filter"]) for d in rec["docs"]) == \
-            sorted((i, f) for i in range(LIMIT) for f in ("strict-match", "flexible-extract"))
+        assert sorted((d["doc_id"], d["filter"]) for d in rec["docs"]) == sorted(
+            (i, f) for i in range(LIMIT) for f in ("strict-match", "flexible-extract")
+        )
         assert all(d["prompt"].endswith("\nA:") for d in rec["docs"])
         assert rec["cost2"] is not None and (rec["cost2"] < 1) == (method == "topk")
         # the run's score is the plain mean of the task scores (MagicPIG Table 1 "Avg.")
@@ -163,8 +193,10 @@ def test_protocol_b_is_refused():
 # ---------------------------------------------------------------------------------------------- offline data
 @needs_gsm8k
 def test_offline_gsm8k_builds_official_requests(tmp_path):
-    task = build_task({"name": "lm_eval", "tasks": ["gsm8k_cot"], "offline": True, "num_samples": 2,
-                       "work_dir": str(tmp_path)}, data_dir=str(DATA_DIR))
+    task = build_task(
+        {"name": "lm_eval", "tasks": ["gsm8k_cot"], "offline": True, "num_samples": 2, "work_dir": str(tmp_path)},
+        data_dir=str(DATA_DIR),
+    )
     (sample,) = task.samples(None, 4096)
     assert sample.id == "gsm8k_cot" and sample.data["lm_eval_task"] == "gsm8k_cot_local" and task.limit == 2
     loaded = task._manager.load(["gsm8k_cot_local"])
@@ -199,14 +231,18 @@ def test_local_variants_keep_the_official_task(tmp_path):
     work = le.build_work_dir(DATA_DIR, tmp_path)
     tasks = le._lm_eval_tasks_dir()
     ours, theirs = _load(work / "gsm8k_cot_local.yaml"), _load(tasks / "gsm8k" / "gsm8k-cot.yaml")
-    assert {k: v for k, v in ours.items() if k not in DATA_KEYS} == {k: v for k, v in theirs.items() if k not in DATA_KEYS}
+    assert {k: v for k, v in ours.items() if k not in DATA_KEYS} == {
+        k: v for k, v in theirs.items() if k not in DATA_KEYS
+    }
     assert Path(ours["dataset_kwargs"]["data_files"]["test"]) == (DATA_DIR / "gsm8k" / "test.jsonl").resolve()
     subjects = le._official_mmlu_subjects()
     assert len(subjects) == 57
     for s in subjects:
         mine = _load(work / "mmlu_flan_cot_fewshot_local" / f"{s['task']}_local.yaml")
         off = _load(s["file"])
-        assert {k: v for k, v in mine.items() if k not in DATA_KEYS} == {k: v for k, v in off.items() if k not in DATA_KEYS}
+        assert {k: v for k, v in mine.items() if k not in DATA_KEYS} == {
+            k: v for k, v in off.items() if k not in DATA_KEYS
+        }
         assert mine["tag"] == off["tag"] + "_local"
     # the group: the official tree with every name suffixed (same aggregation)
     group = _load(work / "mmlu_flan_cot_fewshot_local" / "_mmlu_flan_cot_fewshot_local.yaml")
@@ -226,9 +262,16 @@ def test_offline_mmlu_subject_rows_and_prompt(tmp_path):
     src = DATA_DIR / "mmlu" / "data" / "test" / "abstract_algebra_test.csv"
     with open(src, encoding="utf-8", newline="") as f:
         rows = list(csv.reader(f))
-    conv = [json.loads(x) for x in (work / "mmlu_flan_cot_fewshot_local" / "data" / "abstract_algebra_test.jsonl").read_text(encoding="utf-8").splitlines()]
+    conv = [
+        json.loads(x)
+        for x in (work / "mmlu_flan_cot_fewshot_local" / "data" / "abstract_algebra_test.jsonl")
+        .read_text(encoding="utf-8")
+        .splitlines()
+    ]
     assert len(conv) == len(rows)
-    assert all(c["question"] == r[0] and c["choices"] == r[1:5] and "ABCD"[c["answer"]] == r[5] for c, r in zip(conv, rows))
+    assert all(
+        c["question"] == r[0] and c["choices"] == r[1:5] and "ABCD"[c["answer"]] == r[5] for c, r in zip(conv, rows)
+    )
     from lm_eval.tasks import TaskManager
 
     tm = TaskManager(include_path=str(work), include_defaults=False)
@@ -260,17 +303,28 @@ def test_coqa_offline_is_a_clear_error(tmp_path):
 
 
 def test_offline_without_data_is_a_clear_error(tmp_path):
-    task = build_task({"name": "lm_eval", "tasks": ["gsm8k_cot"], "offline": True, "work_dir": str(tmp_path)},
-                      data_dir=str(tmp_path / "empty"))
+    task = build_task(
+        {"name": "lm_eval", "tasks": ["gsm8k_cot"], "offline": True, "work_dir": str(tmp_path)},
+        data_dir=str(tmp_path / "empty"),
+    )
     with pytest.raises(FileNotFoundError, match=r"gsm8k/test\.jsonl"):
         task.samples(None, 512)
 
 
-@pytest.mark.parametrize("opts, bad", [
-    ({"offline": "sometimes"}, "task.offline"), ({"tasks": []}, "task.tasks"), ({"tasks": "gsm8k_cot"}, "task.tasks"),
-    ({"limit": 0}, "task.limit"), ({"batch_size": 0}, "task.batch_size"), ({"limit": 5, "num_samples": 3}, "disagree"),
-    ({"num_fewshot": -1}, "task.num_fewshot"), ({"bogus": 1}, "bogus"), ({"primary_metric": {"x": 1}}, "primary_metric"),
-])
+@pytest.mark.parametrize(
+    "opts, bad",
+    [
+        ({"offline": "sometimes"}, "task.offline"),
+        ({"tasks": []}, "task.tasks"),
+        ({"tasks": "gsm8k_cot"}, "task.tasks"),
+        ({"limit": 0}, "task.limit"),
+        ({"batch_size": 0}, "task.batch_size"),
+        ({"limit": 5, "num_samples": 3}, "disagree"),
+        ({"num_fewshot": -1}, "task.num_fewshot"),
+        ({"bogus": 1}, "bogus"),
+        ({"primary_metric": {"x": 1}}, "primary_metric"),
+    ],
+)
 def test_bad_options(opts, bad):
     with pytest.raises(ValueError, match=bad):
         build_task({"name": "lm_eval", **opts})
@@ -278,8 +332,13 @@ def test_bad_options(opts, bad):
 
 def test_primary_metric_choice(caplog):
     task = build_task({"name": "lm_eval", "tasks": ["t"]})
-    entry = {"alias": "x", "exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": 0.1,
-             "exact_match,flexible-extract": 0.5, "f1,none": 0.75}
+    entry = {
+        "alias": "x",
+        "exact_match,strict-match": 0.25,
+        "exact_match_stderr,strict-match": 0.1,
+        "exact_match,flexible-extract": 0.5,
+        "f1,none": 0.75,
+    }
     assert task._primary("gsm8k_cot", "gsm8k_cot_local", entry) == "exact_match,strict-match"
     assert task._primary("gsm8k_cot_local", "gsm8k_cot_local", entry) == "exact_match,strict-match"  # base name
     assert task._primary("coqa", "coqa_compat", entry) == "f1,none"
@@ -327,7 +386,10 @@ COQA_DOC = {
 
 
 def test_coqa_prompt_and_targets():
-    assert le.coqa_doc_to_text(COQA_DOC) == "Lily had a red ball.\n\nQ: What did Lily have?\n\nA: a ball\n\nQ: What color?\n\nA:"
+    assert (
+        le.coqa_doc_to_text(COQA_DOC)
+        == "Lily had a red ball.\n\nQ: What did Lily have?\n\nA: a ball\n\nQ: What color?\n\nA:"
+    )
     assert le.coqa_doc_to_target(COQA_DOC) == ["red", "bright red"]  # "Red" duplicates "red" case-insensitively
     assert le.coqa_process_results(COQA_DOC, [" red\nQ: next"]) == le.coqa_scores(["red", "bright red"], "red")
     from lm_eval.tasks._yaml_loader import load_yaml
@@ -341,7 +403,9 @@ def test_coqa_prompt_and_targets():
     assert ours["doc_to_target"] is le.coqa_doc_to_target and ours["task"] == "coqa_compat"
 
 
-@pytest.mark.skipif(le._squad_metrics_available() is False, reason="transformers >= 5 has no squad_metrics to compare with")
+@pytest.mark.skipif(
+    le._squad_metrics_available() is False, reason="transformers >= 5 has no squad_metrics to compare with"
+)
 def test_coqa_matches_lm_eval_utils():  # pragma: no cover - transformers 4.x only
     from lm_eval.tasks.coqa import utils
 

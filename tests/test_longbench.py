@@ -178,21 +178,26 @@ def test_data_zip_is_read(tmp_path, tok):
 
     with zipfile.ZipFile(tmp_path / "data.zip", "w") as zf:
         zf.write(FIXTURES / "trec.jsonl", "data/trec.jsonl")
-    t = build_task({"name": "longbench", "source": "local", "subtasks": ["trec"], "data_path": str(tmp_path / "data.zip")})
+    t = build_task(
+        {"name": "longbench", "source": "local", "subtasks": ["trec"], "data_path": str(tmp_path / "data.zip")}
+    )
     assert len(t.samples(tok, 512)) == 2
 
 
 @pytest.mark.skipif(not (DATA_DIR / "longbench-triviaqa" / "triviaqa.json").is_file(), reason="shared data absent")
 def test_shared_triviaqa_without_context(tok):
-    t = build_task({"name": "longbench", "subtasks": ["triviaqa"], "num_samples": 3, "source": "local"},
-                   data_dir=str(DATA_DIR))
+    t = build_task(
+        {"name": "longbench", "subtasks": ["triviaqa"], "num_samples": 3, "source": "local"}, data_dir=str(DATA_DIR)
+    )
     samples = t.samples(tok, 512)
     assert len(samples) == 3
     for s in samples:
         assert s.data["context_missing"] and s.data["answers"]
         text = tok.decode(s.data["input_ids"], skip_special_tokens=True)
         assert text.rstrip().endswith("Answer:")
-    assert t.aggregate([{"subtask": "triviaqa", "score": 50.0, "context_missing": True}])["context_missing"] == ["triviaqa"]
+    assert t.aggregate([{"subtask": "triviaqa", "score": 50.0, "context_missing": True}])["context_missing"] == [
+        "triviaqa"
+    ]
 
 
 def test_chat_template_rule(tok):
@@ -237,10 +242,20 @@ def test_end_to_end_runner(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     register_configs()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        cfg = compose(config_name="config", overrides=[
-            "task=longbench", f"task.data_path={FIXTURES}", "task.subtasks=[trec,passage_retrieval_en]",
-            "task.num_samples=1", "task.max_length=48", "task.max_new_tokens=4", "method=full",
-            f"paths.runs_dir={tmp_path}", "print_table=false"])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "task=longbench",
+                f"task.data_path={FIXTURES}",
+                "task.subtasks=[trec,passage_retrieval_en]",
+                "task.num_samples=1",
+                "task.max_length=48",
+                "task.max_new_tokens=4",
+                "method=full",
+                f"paths.runs_dir={tmp_path}",
+                "print_table=false",
+            ],
+        )
     (summary,) = run(cfg)
     assert summary["samples"] == 2 and summary["failed"] == 0
     assert summary["metric"] == "score" and 0.0 <= summary["score"] <= 100.0

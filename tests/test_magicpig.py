@@ -12,7 +12,12 @@ from conftest import tiny_model
 from sparse_eval.attention.plugin import Runtime, attach, detach
 from sparse_eval.methods import attend, build_method, make_config
 from sparse_eval.methods.magicpig import (
-    MagicPIG, collision_counts, expected_sampling_rate, hash_table_bytes, log_sampling_probability, pack_signs,
+    MagicPIG,
+    collision_counts,
+    expected_sampling_rate,
+    hash_table_bytes,
+    log_sampling_probability,
+    pack_signs,
     sampling_probability,
 )
 
@@ -153,18 +158,18 @@ def test_measured_cost2_matches_analytic_expectation():
 # -- the estimator ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("center,mips,u_offset", [(True, False, 0.0), (False, False, 0.0), (True, True, 0.0),
-                                                  (True, False, 1e-4)])
+@pytest.mark.parametrize(
+    "center,mips,u_offset", [(True, False, 0.0), (False, False, 0.0), (True, True, 0.0), (True, False, 1e-4)]
+)
 def test_output_is_eq11_over_the_returned_keep_set(center, mips, u_offset):
     g = torch.Generator().manual_seed(3)
     hq, hkv, n, d, K, L, sink, local = 4, 2, 200, 16, 3, 10, 4, 16
     q = torch.randn(1, hq, 1, d, generator=g)
     k = torch.randn(1, hkv, n, d, generator=g) * torch.linspace(0.5, 2.0, n)[:, None] + 1.0
     v = torch.randn(1, hkv, n, d, generator=g)
-    out, st = attend("magicpig", q, k, v, K=K, L=L, sink=sink, local=local, center=center, mips=mips,
-                     u_offset=u_offset)
+    out, st = attend("magicpig", q, k, v, K=K, L=L, sink=sink, local=local, center=center, mips=mips, u_offset=u_offset)
     static = torch.zeros(n, dtype=torch.bool)
-    static[:sink] = static[n - local:] = True
+    static[:sink] = static[n - local :] = True
     for h in range(hq):
         kh, vh, qh = k[0, h // 2], v[0, h // 2], q[0, h, 0]
         mu = kh[~static].mean(0) if center else torch.zeros(d)
@@ -197,14 +202,18 @@ def test_centering_makes_sampling_discriminative_on_a_narrow_cone():
         frac_off, keep_on = off["keep"].float().mean().item(), on["keep"][0, 0, 0]
         assert frac_off < 0.01 if side < 0 else frac_off > 0.99
         assert 0.01 < keep_on.float().mean().item() < 0.5
-        s = (k[0, 0] @ q[0, 0, 0])
+        s = k[0, 0] @ q[0, 0, 0]
         assert s[keep_on].mean() > s.mean() + 0.5 * s.std()  # centered sampling prefers high-score keys
         assert not torch.equal(off["keep"], on["keep"])
 
 
 def test_nothing_sampled_falls_back_to_static_keys_without_nan():
     g = torch.Generator().manual_seed(9)
-    q, k, v = torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 120, 16, generator=g), torch.randn(1, 2, 120, 16, generator=g)
+    q, k, v = (
+        torch.randn(1, 4, 1, 16, generator=g),
+        torch.randn(1, 2, 120, 16, generator=g),
+        torch.randn(1, 2, 120, 16, generator=g),
+    )
     # one table of 20 bits: a key collides with probability p^20 (< 1e-2 here), so nothing is sampled
     out, st = attend("magicpig", q, k, v, K=20, L=1, min_collisions=1, sink=4, local=8)
     assert torch.isfinite(out).all() and torch.isfinite(st["est_error"]).all()
@@ -212,7 +221,9 @@ def test_nothing_sampled_falls_back_to_static_keys_without_nan():
     static = torch.zeros(120, dtype=torch.bool)
     static[:4] = static[-8:] = True
     assert torch.equal(st["keep"][0, :, 0], static.expand(4, -1))
-    ref = torch.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / 4.0 + torch.where(static, 0.0, -math.inf), -1)
+    ref = torch.softmax(
+        (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / 4.0 + torch.where(static, 0.0, -math.inf), -1
+    )
     torch.testing.assert_close(out, ref @ v.repeat_interleave(2, 1), rtol=1e-5, atol=1e-6)
     # no static keys either: the core falls back to the newest key, still finite
     out, st = attend("magicpig", q, k, v, K=20, L=1, min_collisions=1, sink=0, local=0)
@@ -235,7 +246,7 @@ def test_incremental_index_equals_rebuild():
         attend(m, qs[t - 1], k[:, :, :t], v[:, :, :t], state=state)
     st = state["magicpig"]
     assert st["n"] == n1 and st["built"].all()
-    mu = k[0, :, 4:n0 - 8].mean(1)  # non-static keys at build time
+    mu = k[0, :, 4 : n0 - 8].mean(1)  # non-static keys at build time
     torch.testing.assert_close(st["mean"][0], mu)
     w = m.projection(0, d)
     ref_codes = pack_signs((k[0] - mu[:, None]) @ w, 4, 12)
@@ -245,7 +256,9 @@ def test_incremental_index_equals_rebuild():
     attend(m, qs[n0 - 1], k[:, :, :n0], v[:, :, :n0], state=jump)
     _, a = attend(m, qs[-1], k, v, state=jump)
     _, b = attend(m, qs[-1], k, v, state=state)
-    assert torch.equal(a["keep"], b["keep"]) and torch.equal(jump["magicpig"]["codes"][:, :, :n1], st["codes"][:, :, :n1])
+    assert torch.equal(a["keep"], b["keep"]) and torch.equal(
+        jump["magicpig"]["codes"][:, :, :n1], st["codes"][:, :, :n1]
+    )
     # fewer keys than indexed (a cropped cache): rebuilt from scratch with the mean of that cache
     attend(m, qs[49], k[:, :, :50], v[:, :, :50], state=state)
     assert state["magicpig"]["n"] == 50
@@ -272,8 +285,13 @@ def test_left_padded_gqa_batch_equals_each_row_alone():
         mask[1, ..., :pad] = False
         out, st = attend(m, qs[t], k[:, :, :n], v[:, :, :n], attention_mask=mask, state=batch_state)
         for row, start in ((0, 0), (1, pad)):
-            o1, s1 = attend(m, qs[t, row:row + 1], k[row:row + 1, :, start:n], v[row:row + 1, :, start:n],
-                            state=alone_states[row])
+            o1, s1 = attend(
+                m,
+                qs[t, row : row + 1],
+                k[row : row + 1, :, start:n],
+                v[row : row + 1, :, start:n],
+                state=alone_states[row],
+            )
             assert torch.equal(st["keep"][row, :, :, start:], s1["keep"][0])
             assert not st["keep"][row, :, :, :start].any()
             torch.testing.assert_close(out[row], o1[0], rtol=1e-5, atol=1e-6)
@@ -291,11 +309,14 @@ def _recorded_selections(m: MagicPIG, calls) -> list:
     return rec
 
 
-@pytest.mark.parametrize("opts", [
-    dict(K=4, L=30),                                   # many sampled keys
-    dict(K=10, L=150),                                 # the paper's (10, 150)
-    dict(K=5, L=24, min_collisions=3, u_offset=1e-4, mips=True),
-])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(K=4, L=30),  # many sampled keys
+        dict(K=10, L=150),  # the paper's (10, 150)
+        dict(K=5, L=24, min_collisions=3, u_offset=1e-4, mips=True),
+    ],
+)
 def test_decode_bias_without_pairs_loop_equals_sampled_pairs(opts):
     """Decoding (rows sharing the index's μ): the Selection of the dense −log u (every candidate key, no host sync)
     and of the Triton counts equals the sampled-pairs loop over the torch reference counts: keep and
@@ -309,7 +330,7 @@ def test_decode_bias_without_pairs_loop_equals_sampled_pairs(opts):
     calls = []
     for n, ql in ((n0, 1), (n0 + 1, 1), (n0 + 4, 3)):
         q = near.expand(b, hq, ql, d) + 0.3 * torch.randn(b, hq, ql, d, generator=g)
-        mask = torch.ones(n, n, dtype=torch.bool).tril()[n - ql:].expand(b, 1, ql, n).clone()
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[n - ql :].expand(b, 1, ql, n).clone()
         mask[1, ..., :pad] = False
         calls.append((q, k[:, :, :n], v[:, :, :n], mask))
     base = dict(sink=4, local=8, dense_layers=[], **opts)
@@ -335,9 +356,15 @@ def test_decode_bias_without_pairs_loop_equals_sampled_pairs(opts):
 
 def test_config_validation_names_bad_values():
     assert mp().config.dense_layers == [0, "mid"] and (mp().config.K, mp().config.L) == (10, 150)
-    for bad, word in (({"gqa": "kv_head"}, "gqa"), ({"K": 0}, "K"), ({"K": 63}, "K"), ({"L": 0}, "L"),
-                      ({"min_collisions": 0}, "min_collisions"), ({"projection_group": 0}, "projection_group"),
-                      ({"u_offset": -1.0}, "u_offset")):
+    for bad, word in (
+        ({"gqa": "kv_head"}, "gqa"),
+        ({"K": 0}, "K"),
+        ({"K": 63}, "K"),
+        ({"L": 0}, "L"),
+        ({"min_collisions": 0}, "min_collisions"),
+        ({"projection_group": 0}, "projection_group"),
+        ({"u_offset": -1.0}, "u_offset"),
+    ):
         with pytest.raises(ValueError, match=word):
             mp(**bad)
     assert mp().dense_layer_set(32) == {0, 16} and mp().dense_layer_set(5) == {0, 2}
@@ -363,19 +390,40 @@ def test_hydra_config_file():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["method=magicpig", "method.dense_layers=[0,2]", "method.L=75"])
     c = cfg.method
-    assert (c.name, c.K, c.L, c.min_collisions, c.center, c.mips, c.sink, c.local) == ("magicpig", 10, 75, 2, True, False, 4, 64)
+    assert (c.name, c.K, c.L, c.min_collisions, c.center, c.mips, c.sink, c.local) == (
+        "magicpig",
+        10,
+        75,
+        2,
+        True,
+        False,
+        4,
+        64,
+    )
     assert list(c.dense_layers) == [0, 2] and c.projection_group == 1 and c.u_offset == 0.0
 
 
 @torch.inference_mode()
 def test_generate_on_shipped_model(stories):
     model, tok = stories
-    ids = tok(["Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
-               "One day, she saw a big red ball and"], return_tensors="pt")
+    ids = tok(
+        [
+            "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+            "One day, she saw a big red ball and"
+        ],
+        return_tensors="pt",
+    )
     session = attach(model, mp(K=4, L=20, sink=4, local=8, dense_layers=[0, 2]), Runtime(protocol="A"))
     try:
-        out = model.generate(**ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id,
-                             output_logits=True, return_dict_in_generate=True)
+        out = model.generate(
+            **ids,
+            max_new_tokens=10,
+            min_new_tokens=10,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     finally:
         detach(model)
         model.set_attn_implementation("sdpa")
@@ -392,8 +440,14 @@ def test_generate_on_random_qwen2_with_padding():
     mask = torch.ones_like(ids)
     mask[1, :17] = 0
     session = attach(model, mp(K=5, L=24, sink=2, local=6, dense_layers=[0]))
-    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
-              pad_token_id=0)
+    kw = dict(
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     try:
         batched = model.generate(ids, attention_mask=mask, **kw)
         alone = model.generate(ids[1:, 17:], **kw)
@@ -410,12 +464,16 @@ def test_generate_on_random_qwen2_with_padding():
 
 # -- settings that can never select a key, and runs that mostly do not -------------------------------------
 
-@pytest.mark.parametrize("opts, needle", [
-    ({"K": 10, "L": 150, "min_collisions": 151}, r"min_collisions=151 > method.L=150.*valid: 1\.\.150"),
-    ({"K": 8, "L": 1}, r"min_collisions=2 > method.L=1"),
-    ({"K": 40, "L": 150}, r"method.K=40 .*valid: K <= 28 at L=150.*lower method.K"),
-    ({"K": 62, "L": 10}, r"method.K=62 .*lower method.K"),
-])
+
+@pytest.mark.parametrize(
+    "opts, needle",
+    [
+        ({"K": 10, "L": 150, "min_collisions": 151}, r"min_collisions=151 > method.L=150.*valid: 1\.\.150"),
+        ({"K": 8, "L": 1}, r"min_collisions=2 > method.L=1"),
+        ({"K": 40, "L": 150}, r"method.K=40 .*valid: K <= 28 at L=150.*lower method.K"),
+        ({"K": 62, "L": 10}, r"method.K=62 .*lower method.K"),
+    ],
+)
 def test_impossible_settings_are_refused_at_start(opts, needle):
     with pytest.raises(ValueError, match=needle):
         build_method(make_config("magicpig", opts))
@@ -436,9 +494,20 @@ def test_high_empty_selection_rate_warns_once_and_is_recorded(tmp_path, caplog):
 
     register_configs()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        cfg = compose(config_name="config", overrides=[
-            f"paths.runs_dir={tmp_path}", "method=magicpig", "method.K=16", "method.L=20", "method.dense_layers=[0]",
-            "task.window=96", "task.num_samples=1", "print_table=false", "eval.compute_error=false"])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                f"paths.runs_dir={tmp_path}",
+                "method=magicpig",
+                "method.K=16",
+                "method.L=20",
+                "method.dense_layers=[0]",
+                "task.window=96",
+                "task.num_samples=1",
+                "print_table=false",
+                "eval.compute_error=false",
+            ],
+        )
     with caplog.at_level(logging.WARNING, logger="sparse_eval"):
         (summary,) = run(cfg)
     assert summary["empty_selection_rate"] > 0.05
@@ -472,6 +541,6 @@ def test_sparse_prefill_rows_hash_with_their_own_prefix_mean():
             continue
         mu = k[0][:, cand].double().mean(1).float()  # [Hkv, D]
         codes = m._hash(k, mu[None], None, w)  # [1, Hkv, N, L]
-        counts = collision_counts(q_codes[:, :, t:t + 1], codes)[0, :, 0]  # [Hq, N]
+        counts = collision_counts(q_codes[:, :, t : t + 1], codes)[0, :, 0]  # [Hq, N]
         want = (counts >= 2) & cand
         assert torch.equal(st["keep"][0, :, t] & cand, want), t

@@ -8,8 +8,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from sparse_eval.methods import (METHODS, AttentionContext, Method, MethodConfig, Selection, attend, compare_names,
-                                 is_dense)
+from sparse_eval.methods import (
+    METHODS,
+    AttentionContext,
+    Method,
+    MethodConfig,
+    Selection,
+    attend,
+    compare_names,
+    is_dense,
+)
 
 
 @dataclass
@@ -52,8 +60,10 @@ def test_report_view_defaults_and_the_budget():
     assert topk.level({"budget": 512}, None) is None  # a token count without the row's size has no level
     ds = METHODS["double_sparsity"]
     assert ds.display({"offload": True}) == "DS-Offload" and ds.display({}) == "DS"
-    assert ds.point_label({"alpha": 0.25, "label_bits": 4, "beta": 0.0625, "channel_type": "random"}, None) == \
-        "1/16 random"
+    assert (
+        ds.point_label({"alpha": 0.25, "label_bits": 4, "beta": 0.0625, "channel_type": "random"}, None)
+        == "1/16 random"
+    )
 
 
 def test_memory_model_defaults():

@@ -31,10 +31,16 @@ from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, 
 from sparse_eval.engine import Engine, LoglikelihoodRequest
 from sparse_eval.methods import METHODS, attend, build_method, make_config
 
-CASES = [pytest.param(name, opts, id=f"{name}-{i}") for name in sorted(METHODS)
-         for i, opts in enumerate(METHODS[name].contract_configs())]
-MODEL_CASES = [pytest.param(name, opts, id=f"{name}-{i}") for name in sorted(METHODS)
-               for i, opts in enumerate(METHODS[name].model_contract_configs())]
+CASES = [
+    pytest.param(name, opts, id=f"{name}-{i}")
+    for name in sorted(METHODS)
+    for i, opts in enumerate(METHODS[name].contract_configs())
+]
+MODEL_CASES = [
+    pytest.param(name, opts, id=f"{name}-{i}")
+    for name in sorted(METHODS)
+    for i, opts in enumerate(METHODS[name].model_contract_configs())
+]
 
 # synthetic decode/prefill block: B rows (row 1 left-padded), Q query rows aligned to the last Q keys, GQA 4:2; N = D
 # so that V = I (one-hot values) makes the output row the attention probabilities themselves
@@ -154,7 +160,7 @@ def _magicpig_weights(method, s, p_hat, keep, static, valid, q, k):
                 if c.mips:
                     norms = kbar.norm(dim=-1)
                     r = norms[m].max()
-                    kbar = torch.cat([kbar, (r ** 2 - norms ** 2).clamp_min(0).sqrt()[:, None]], -1)
+                    kbar = torch.cat([kbar, (r**2 - norms**2).clamp_min(0).sqrt()[:, None]], -1)
                 proj = kbar @ w  # [N, L·K]
                 for h in range(hk * HQ // HKV, (hk + 1) * HQ // HKV):
                     qv = q[b, h, t]
@@ -165,7 +171,7 @@ def _magicpig_weights(method, s, p_hat, keep, static, valid, q, k):
                     assert torch.equal(keep[b, h, t][sure & m], want[sure & m]), (b, h, t)
                     cos = (kbar[:, :D] @ qv) / (kbar.norm(dim=-1) * qv.norm())
                     p = 1 - torch.arccos(cos.clamp(-1, 1)) / math.pi
-                    u = _upper_tail(p ** c.K, c.L, c.min_collisions)
+                    u = _upper_tail(p**c.K, c.L, c.min_collisions)
                     picked = keep[b, h, t] & m
                     logits[b, h, t, picked] = s[b, h, t, picked] - torch.log(u[picked])
     return _softmax_over(logits, keep)
@@ -227,8 +233,9 @@ def test_costs_lie_in_0_1_and_cost2_counts_the_kept_keys(name, opts):
         assert ((st[what] >= 0) & (st[what] <= 1)).all(), what
     assert (keep | ~static).all() and not (keep & ~valid).any()
     torch.testing.assert_close(st["cost2"].double(), keep.sum(-1) / n_valid, rtol=1e-6, atol=0)
-    torch.testing.assert_close(st["static_frac"].double(), (static.sum(-1) / n_valid).expand(B, HQ, QL),
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        st["static_frac"].double(), (static.sum(-1) / n_valid).expand(B, HQ, QL), rtol=1e-6, atol=0
+    )
 
 
 @pytest.mark.parametrize("name,opts", CASES)
@@ -286,12 +293,12 @@ def test_changing_later_tokens_leaves_earlier_outputs_unchanged(stories, name, o
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (1, WINDOW), generator=gen)
     other = ids.clone()
-    other[:, CUT + 1:] = torch.randint(3, vocab, (1, WINDOW - CUT - 1), generator=gen)
+    other[:, CUT + 1 :] = torch.randint(3, vocab, (1, WINDOW - CUT - 1), generator=gen)
     opts = {"dense_layers": [0]} | opts
     a = _logits(model, build_method(make_config(name, opts)), ids, protocol)
     b = _logits(model, build_method(make_config(name, opts)), other, protocol)
-    assert not torch.equal(a[CUT + 1:], b[CUT + 1:])  # the change is seen after the cut
-    diff = (a[:CUT + 1] - b[:CUT + 1]).abs().max().item()
+    assert not torch.equal(a[CUT + 1 :], b[CUT + 1 :])  # the change is seen after the cut
+    diff = (a[: CUT + 1] - b[: CUT + 1]).abs().max().item()
     assert diff == 0.0, f"{name} under protocol {protocol}: logits at positions <= {CUT} moved by {diff:.3g}"
 
 
@@ -329,8 +336,15 @@ def test_a_run_killed_in_a_batch_resumes_to_the_records_of_an_unbroken_run(tmp_p
 
     from sparse_eval.experiment import Experiment
 
-    over = ("method=full", "task=kv_retrieval", "task.num_keys=2", "task.num_samples=3", "task.max_new_tokens=6",
-            "eval.batch_size=2", "print_table=false")
+    over = (
+        "method=full",
+        "task=kv_retrieval",
+        "task.num_keys=2",
+        "task.num_samples=3",
+        "task.max_new_tokens=6",
+        "eval.batch_size=2",
+        "print_table=false",
+    )
 
     def records(run_dir):
         lines = Path(run_dir, "samples.jsonl").read_text().splitlines()

@@ -45,8 +45,9 @@ def test_generated_rows_are_marked(protocol, chunk):
     method = _Recorder(MethodConfig(name="_generating_recorder", dense_layers=[0]))
     session = attach(model, method, Runtime(protocol=protocol))
     try:
-        res = Engine(model, _NoTok(), session, chunk).generate(list(range(5, 35)), max_new_tokens=4, context_len=20,
-                                                               stop_token_ids=[])
+        res = Engine(model, _NoTok(), session, chunk).generate(
+            list(range(5, 35)), max_new_tokens=4, context_len=20, stop_token_ids=[]
+        )
     finally:
         detach(model)
     assert len(res.tokens) == 4

@@ -82,11 +82,18 @@ def name_branches(tree: ast.AST, names: set[str], classes: dict[str, str], path:
         if isinstance(node, ast.Compare):
             for side in [node.left, *node.comparators]:
                 hits += [(node.lineno, s) for s in _strings(side) if s in names]
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                node.func.attr in ("startswith", "endswith", "isin"):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith", "isin")
+        ):
             hits += [(node.lineno, s) for a in node.args for s in _strings(a) if s in names]
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" and \
-                len(node.args) == 2:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and len(node.args) == 2
+        ):
             kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
             for k in kinds:
                 name = k.attr if isinstance(k, ast.Attribute) else k.id if isinstance(k, ast.Name) else None
@@ -110,7 +117,7 @@ def test_generic_code_never_branches_on_a_method_name():
 
 
 def test_the_search_finds_the_forms_it_looks_for():
-    src = '''
+    src = """
 if method == "magicpig": pass
 if r["method"] != "full": pass
 if name in ("topk", "oracle"): pass
@@ -120,8 +127,18 @@ if isinstance(layer, DSOffloadLayer): pass
 if channel_type == "qk" or ct == "random": pass
 x = {"magicpig": 1}
 REFERENCE = "full"
-'''
+"""
     names = {"magicpig", "full", "topk", "oracle", "quest"}
     hits = name_branches(ast.parse(src), names, {"DSOffloadLayer": "system/layers/ds.py"}, "report/x.py")
-    assert sorted(h[1] for h in hits) == sorted(["magicpig", "full", "topk", "oracle", "magicpig", "quest",
-                                                 "isinstance(..., DSOffloadLayer)", "constant 'full'"])
+    assert sorted(h[1] for h in hits) == sorted(
+        [
+            "magicpig",
+            "full",
+            "topk",
+            "oracle",
+            "magicpig",
+            "quest",
+            "isinstance(..., DSOffloadLayer)",
+            "constant 'full'",
+        ]
+    )

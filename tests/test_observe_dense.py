@@ -77,8 +77,9 @@ def test_protocol_a_observes_the_dense_prompt_in_the_methods_layers_only(stories
     for layer, qs, ks, vs in method.observed:
         assert qs[2] == 30 and ks[2] == 30 and vs == (1, 1, 30, 30)
     # the decode steps (2: the third token comes from the second step's logits) see the prompt's rows in the state
-    assert [(layer, q, rows) for layer, q, _, rows in method.sparse_rows] == \
-        [(layer, 1, 30) for _ in range(2) for layer in sparse_layers]
+    assert [(layer, q, rows) for layer, q, _, rows in method.sparse_rows] == [
+        (layer, 1, 30) for _ in range(2) for layer in sparse_layers
+    ]
     assert all(sr is None for _, _, sr, _ in method.sparse_rows)
 
 

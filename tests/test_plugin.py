@@ -18,10 +18,18 @@ def method(name, **opts):
 @torch.inference_mode()
 def test_full_equals_stock_sdpa_on_shipped_model(stories):
     model, tok = stories
-    ids = tok(["Once upon a time, there was a little dog who", "Tom and Lily went to the park"],
-              return_tensors="pt", padding=True)
-    kw = dict(max_new_tokens=24, do_sample=False, output_logits=True, return_dict_in_generate=True,
-              pad_token_id=tok.pad_token_id)
+    ids = tok(
+        ["Once upon a time, there was a little dog who", "Tom and Lily went to the park"],
+        return_tensors="pt",
+        padding=True,
+    )
+    kw = dict(
+        max_new_tokens=24,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id,
+    )
     model.set_attn_implementation("sdpa")
     ref = model.generate(**ids, **kw)
     attach(model, method("full"))
@@ -145,9 +153,12 @@ def test_full_records_per_pass_sums_as_per_layer(protocol):
 
     model = tiny_model("llama", layers=3)
     g = torch.Generator().manual_seed(3)
-    reqs = [GenerationRequest(torch.randint(3, 256, (n,), generator=g).tolist(), max_new_tokens=m, context_len=c,
-                              stop_token_ids=[])
-            for n, m, c in ((30, 6, 20), (22, 3, 15), (27, 5, 10))]
+    reqs = [
+        GenerationRequest(
+            torch.randint(3, 256, (n,), generator=g).tolist(), max_new_tokens=m, context_len=c, stop_token_ids=[]
+        )
+        for n, m, c in ((30, 6, 20), (22, 3, 15), (27, 5, 10))
+    ]
     tables = []
     for memo in (True, False):
         session = attach(model, method("full", sink=2, local=3, dense_layers=[0]), Runtime(protocol=protocol))

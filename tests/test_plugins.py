@@ -55,28 +55,54 @@ def test_plugin_from_the_environment_variable_runs_end_to_end(tmp_path):
     """``SPARSE_EVAL_PLUGINS=pkg.module``: the method registers, ``method=<name>`` selects it with its dataclass's
     defaults (no YAML of its own), its options are overridable and checked, and the run records it."""
     env = _env(SPARSE_EVAL_PLUGINS="sparse_eval_tiny_plugin.strided")
-    cmd = [sys.executable, "-m", "sparse_eval", "method=strided", "method.stride=3", "task.num_samples=1",
-           "task.window=256", f"paths.runs_dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparse_eval",
+        "method=strided",
+        "method.stride=3",
+        "task.num_samples=1",
+        "task.window=256",
+        f"paths.runs_dir={tmp_path}",
+    ]
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     (summary,) = tmp_path.glob("wikitext/stories260k/strided-*/summary.json")
     s = json.loads(summary.read_text())
     assert s["method"] == "strided" and s["method_config"]["stride"] == 3 and s["failed"] == 0
     assert 0 < s["cost2"] < 1 and s["cost1"] == 0 and s["est_error"] > 0
-    bad = subprocess.run(cmd[:4] + ["method.stride=oops", f"paths.runs_dir={tmp_path}"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        cmd[:4] + ["method.stride=oops", f"paths.runs_dir={tmp_path}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "stride" in bad.stderr  # the dataclass is its schema
     # the user's own YAML (defaults: strided_schema, stride: 4), from the user's package on Hydra's search path
-    own = subprocess.run(cmd[:3] + ["hydra.searchpath=[pkg://sparse_eval_tiny_plugin.conf]", "method=strided_4",
-                                    *cmd[5:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    own = subprocess.run(
+        cmd[:3] + ["hydra.searchpath=[pkg://sparse_eval_tiny_plugin.conf]", "method=strided_4", *cmd[5:]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert own.returncode == 0, own.stderr[-3000:]
     assert len(list(tmp_path.glob("wikitext/stories260k/strided-stride=4-*/summary.json"))) == 1
 
 
 def test_a_plugin_that_cannot_be_imported_is_named(tmp_path):
     env = _env(SPARSE_EVAL_PLUGINS="sparse_eval_tiny_plugin.absent")
-    res = subprocess.run([sys.executable, "-c", "import sparse_eval.methods"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", "import sparse_eval.methods"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode != 0
     assert "plugin SPARSE_EVAL_PLUGINS=sparse_eval_tiny_plugin.absent could not be imported" in res.stderr
 
@@ -97,9 +123,12 @@ def clean_registry(monkeypatch):
 def test_entry_points_register_a_module_or_a_class(clean_registry, monkeypatch):
     from sparse_eval.methods import Method, register
 
-    eps = [importlib.metadata.EntryPoint("strided", "sparse_eval_tiny_plugin.strided", discovery.ENTRY_POINT_GROUP),
-           importlib.metadata.EntryPoint("every_key", "sparse_eval_tiny_plugin.unregistered:EveryKey",
-                                         discovery.ENTRY_POINT_GROUP)]
+    eps = [
+        importlib.metadata.EntryPoint("strided", "sparse_eval_tiny_plugin.strided", discovery.ENTRY_POINT_GROUP),
+        importlib.metadata.EntryPoint(
+            "every_key", "sparse_eval_tiny_plugin.unregistered:EveryKey", discovery.ENTRY_POINT_GROUP
+        ),
+    ]
     monkeypatch.setattr(discovery, "_entry_points", lambda: eps)
     got = discovery.load_plugins()
     assert discovery.load_plugins() == []  # each once

@@ -14,8 +14,9 @@ pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs the g
 
 
 def _git(repo, *args):
-    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True, capture_output=True
+    )
 
 
 def test_clean_tree_has_no_hash_and_every_change_moves_it(tmp_path):

@@ -36,7 +36,7 @@ def brute_quest_keep(q, k, ps, pages_wanted, sink, local, gqa="query_head"):
     static = torch.zeros(n, dtype=torch.bool)
     static[: min(sink, n)] = True
     if local:
-        static[max(0, n - local):] = True
+        static[max(0, n - local) :] = True
     pages = brute_pages(k, 0, n, ps)
     bounds = torch.full((hq, len(pages)), -math.inf, dtype=torch.float64)
     for h in range(hq):
@@ -45,10 +45,10 @@ def brute_quest_keep(q, k, ps, pages_wanted, sink, local, gqa="query_head"):
                 bounds[h, p] = brute_bound(q[h], mn[h // g], mx[h // g])
     if gqa == "kv_head":
         for kv in range(hkv):
-            s = bounds[kv * g:(kv + 1) * g]
+            s = bounds[kv * g : (kv + 1) * g]
             s = torch.where(torch.isfinite(s), s, torch.zeros_like(s)).sum(0)
             s = torch.where(torch.isfinite(bounds[kv * g]), s, torch.full_like(s, -math.inf))
-            bounds[kv * g:(kv + 1) * g] = s
+            bounds[kv * g : (kv + 1) * g] = s
     keep = static.clone().unsqueeze(0).repeat(hq, 1)
     for h in range(hq):
         order = torch.argsort(bounds[h], descending=True)
@@ -90,7 +90,7 @@ def test_bound_never_below_true_page_max():
         u = page_bound(q, kmin, kmax)  # [1, Hq, 3, P]
         s = torch.einsum("bhqd,bhnd->bhqn", q, k.repeat_interleave(hq // hkv, 1))
         for p in range(num_pages):
-            true_max = s[..., p * ps:(p + 1) * ps].amax(-1)
+            true_max = s[..., p * ps : (p + 1) * ps].amax(-1)
             assert torch.all(u[..., p] >= true_max - 1e-4), (trial, p)
         # the bound is attained when the page holds one key
         kmin1, kmax1 = build_pages(k[:, :, :1], pid[:, :1], 1)
@@ -111,7 +111,9 @@ def test_incremental_metadata_equals_from_scratch():
         mask = torch.ones(2, 1, 1, n, dtype=torch.bool)
         for b, p in enumerate(pad):
             mask[b, ..., :p] = False
-        attend("quest", q, k_all[:, :, :n], v_all[:, :, :n], attention_mask=mask, state=state, budget=16, sink=0, local=0)
+        attend(
+            "quest", q, k_all[:, :, :n], v_all[:, :, :n], attention_mask=mask, state=state, budget=16, sink=0, local=0
+        )
         st = state["quest"]
         first = torch.tensor(pad)
         pid = page_ids(first, n, ps)
@@ -166,15 +168,15 @@ def test_left_padded_batch_equals_rows_alone(q_len):
     kb, vb = torch.zeros(2, hkv, n, d), torch.zeros(2, hkv, n, d)
     mask = torch.zeros(2, 1, q_len, n, dtype=torch.bool)
     for b, m in enumerate(lens):
-        kb[b, :, n - m:], vb[b, :, n - m:] = ks[b], vs[b]
+        kb[b, :, n - m :], vb[b, :, n - m :] = ks[b], vs[b]
         for r in range(q_len):  # causal, bottom-right aligned, after the padding
-            mask[b, 0, r, n - m: n - q_len + r + 1] = True
+            mask[b, 0, r, n - m : n - q_len + r + 1] = True
     opts = dict(budget=0.2, page_size=16, sink=4, local=8)
     out, st = attend("quest", torch.cat(qs), kb, vb, attention_mask=mask, **opts)
     for b, m in enumerate(lens):
         o1, s1 = attend("quest", qs[b], ks[b], vs[b], **opts)
         assert torch.allclose(out[b], o1[0], atol=1e-6)
-        assert torch.equal(st["keep"][b, ..., n - m:], s1["keep"][0])
+        assert torch.equal(st["keep"][b, ..., n - m :], s1["keep"][0])
 
 
 def test_query_block_rows_equal_decode_rows():
@@ -186,7 +188,7 @@ def test_query_block_rows_equal_decode_rows():
     out, st = attend("quest", q, k, v, **opts)
     for r in range(ql):
         m = n - ql + r + 1
-        o1, s1 = attend("quest", q[:, :, r:r + 1], k[:, :, :m], v[:, :, :m], **opts)
+        o1, s1 = attend("quest", q[:, :, r : r + 1], k[:, :, :m], v[:, :, :m], **opts)
         assert torch.allclose(out[:, :, r], o1[:, :, 0], atol=1e-6), r
         assert torch.equal(st["keep"][0, :, r, :m], s1["keep"][0, :, 0])
 
@@ -198,8 +200,18 @@ def test_update_pages_false_is_magicpig_parity():
     state: dict = {}
     for n in range(100, 141):
         q = torch.randn(1, hq, 1, d)
-        _, st = attend("quest", q, k_all[:, :, :n], v_all[:, :, :n], state=state, budget=16, page_size=ps,
-                       sink=0, local=20, update_pages=False)
+        _, st = attend(
+            "quest",
+            q,
+            k_all[:, :, :n],
+            v_all[:, :, :n],
+            state=state,
+            budget=16,
+            page_size=ps,
+            sink=0,
+            local=20,
+            update_pages=False,
+        )
         # pages frozen over the 99 prefilled keys minus the local window: floor(79 / 16) = 4 pages = 64 keys
         assert state["quest"]["kmin"].shape[2] == 4
         assert torch.all(st["keep"][0, :, 0, 64:n])  # every key after the frozen pages is attended
@@ -207,6 +219,7 @@ def test_update_pages_false_is_magicpig_parity():
 
 
 # -- inside model.generate -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("which", ["stories", "qwen2"])
 def test_generate_runs(which):
@@ -243,8 +256,10 @@ def test_query_chunks_equal_one_block_with_long_left_padding():
     causal = key_validity(None, 2, n, n, q.device)
     valid = causal & ~pad.view(2, 1, 1, n)
     method = build_method(make_config("quest", {"budget": 16, "page_size": 8, "sink": 1, "local": 4}))
-    outs = [sparse_attention(method, q, k, v, valid, d ** -0.5, {}, 3, compute_error=False, query_chunk=c, keep_masks=True)
-            for c in (16, 1000)]
+    outs = [
+        sparse_attention(method, q, k, v, valid, d**-0.5, {}, 3, compute_error=False, query_chunk=c, keep_masks=True)
+        for c in (16, 1000)
+    ]
     rows = valid.any(-1).view(2, 1, n, 1)
     assert torch.allclose(outs[0][0] * rows, outs[1][0] * rows, atol=1e-6)
     assert torch.equal(outs[0][1]["keep"], outs[1][1]["keep"])

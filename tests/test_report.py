@@ -53,14 +53,22 @@ def test_ruler_table_has_the_fixture_numbers_and_paper_diffs(df):
     checked = 0
     for run, s in _summaries("ruler"):
         m = s["method_config"]
-        if s["model"] != "llama3_1_8b_instruct" or m["name"] != "magicpig" or (m["K"], m["L"]) != (10, 150) \
-                or not m["center"]:
+        if (
+            s["model"] != "llama3_1_8b_instruct"
+            or m["name"] != "magicpig"
+            or (m["K"], m["L"]) != (10, 150)
+            or not m["center"]
+        ):
             continue
         col = {16384: "16K", 32768: "32K"}[s["task_config"]["length"]]
         row = frame[(frame["Method"] == "MagicPIG") & (frame["Config"] == "(10,150)")].iloc[0]
         assert row[col] == pytest.approx(s["score"])  # the run's own aggregate
-        paper = lookup("MagicPIG Table 3", "llama3_1_8b_instruct", "magicpig",
-                       {"K": 10, "L": 150, "center": True, "min_collisions": 2, "mips": False}).values[col]
+        paper = lookup(
+            "MagicPIG Table 3",
+            "llama3_1_8b_instruct",
+            "magicpig",
+            {"K": 10, "L": 150, "center": True, "min_collisions": 2, "mips": False},
+        ).values[col]
         assert row[f"{col}_paper"] == paper
         assert row[f"{col}_diff"] == pytest.approx(s["score"] - paper)
         assert f"{s['score']:.1f} ({paper:.1f}, {s['score'] - paper:+.1f})" in md
@@ -77,9 +85,16 @@ def test_ruler_table_has_the_fixture_numbers_and_paper_diffs(df):
 def test_costs_and_other_tables(df):
     tables, skipped = build_tables(df)
     names = {t.name for t in tables}
-    assert {"magicpig_table1_lm_eval", "magicpig_table2_longbench", "magicpig_table5_ruler_70b",
-            "magicpig_table9_cost_by_KL", "magicpig_table12_equal_cost", "magicpig_table13_L120",
-            "ds_table2_ppl_by_sparsity", "ds_table3_channel_types"} <= names
+    assert {
+        "magicpig_table1_lm_eval",
+        "magicpig_table2_longbench",
+        "magicpig_table5_ruler_70b",
+        "magicpig_table9_cost_by_KL",
+        "magicpig_table12_equal_cost",
+        "magicpig_table13_L120",
+        "ds_table2_ppl_by_sparsity",
+        "ds_table3_channel_types",
+    } <= names
     t1 = next(t for t in tables if t.name == "magicpig_table1_lm_eval").frame()
     for run, s in _summaries("lm_eval"):
         recs = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
@@ -107,9 +122,16 @@ def test_report_files_and_figures(report):
         for suffix in (".md", ".tex", ".csv"):
             assert (out / "tables" / f"{t.name}{suffix}").stat().st_size > 0
     pngs = {p.name for p in res["figures"] if p.suffix == ".png"}
-    assert {"fig1_topk_retrieval_vs_aggregation.png", "fig6c_oracle_vs_topk.png", "fig9a_centering.png",
-            "fig9bc_magicpig_vs_topk.png", "ds_fig4_retrieval.png", "ds_fig1_ppl_sparsity.png",
-            "ds_fig9_ppl_grid.png", "pareto_ruler_llama3_1_8b_instruct.png"} <= pngs
+    assert {
+        "fig1_topk_retrieval_vs_aggregation.png",
+        "fig6c_oracle_vs_topk.png",
+        "fig9a_centering.png",
+        "fig9bc_magicpig_vs_topk.png",
+        "ds_fig4_retrieval.png",
+        "ds_fig1_ppl_sparsity.png",
+        "ds_fig9_ppl_grid.png",
+        "pareto_ruler_llama3_1_8b_instruct.png",
+    } <= pngs
     for p in res["figures"]:
         assert p.stat().st_size > 5_000, p
     assert not res["skipped_figures"] and not res["skipped_tables"]
@@ -164,9 +186,14 @@ def test_ds_table3_random_column_is_the_mean_over_seeds(df):
 
     from sparse_eval.report.tables import ds_table3
 
-    qk = df[(df["method"] == "double_sparsity") & (df["method.channel_type"] == "qk") & (df["model"] == "llama2_7b")
-            & (df["method.beta"].astype(float) == 128) & (df["method.alpha"].astype(float) == 0.25)
-            & (df["method.offload"].astype(str).str.lower() == "false")]
+    qk = df[
+        (df["method"] == "double_sparsity")
+        & (df["method.channel_type"] == "qk")
+        & (df["model"] == "llama2_7b")
+        & (df["method.beta"].astype(float) == 128)
+        & (df["method.alpha"].astype(float) == 0.25)
+        & (df["method.offload"].astype(str).str.lower() == "false")
+    ]
     assert len(qk) == 1
     extra = pd.concat([qk] * 2, ignore_index=True)
     extra["method.channel_type"] = "random"
@@ -242,9 +269,16 @@ def test_writers_escape_and_align():
     are escaped, key columns left-aligned and value columns right-aligned, paper cells 'ours (paper, diff)'."""
     from sparse_eval.report.tables import Table
 
-    t = Table("t", "Title_1 & more", "α = 1/4, 5% of β", ["Model", "Config"], ["16K", "Avg"],
-              [{"Model": "a|b", "Config": "x_y", "16K": 12.34, "Avg": None}], paper=[{"16K": 10.0}],
-              paper_source=["Table 3"])
+    t = Table(
+        "t",
+        "Title_1 & more",
+        "α = 1/4, 5% of β",
+        ["Model", "Config"],
+        ["16K", "Avg"],
+        [{"Model": "a|b", "Config": "x_y", "16K": 12.34, "Avg": None}],
+        paper=[{"16K": 10.0}],
+        paper_source=["Table 3"],
+    )
     md = to_markdown(t).splitlines()
     assert md[0] == "### Title_1 & more" and "α = 1/4, 5% of β" in md
     head = next(i for i, line in enumerate(md) if line.startswith("| Model"))
@@ -281,10 +315,14 @@ def test_figures_draw_score_intervals_as_error_bars_when_collected(df, tmp_path,
     seen = _drawn_figures(monkeypatch, figures)
     for name in ("pareto", "fig6c_oracle_vs_topk", "fig9bc_magicpig_vs_topk"):
         figures.FIGURES[name](df, tmp_path)
-    bars = {stem: [c for fig in [f] for ax in fig.axes for c in ax.containers if isinstance(c, ErrorbarContainer)]
-            for stem, f in seen}
+    bars = {
+        stem: [c for fig in [f] for ax in fig.axes for c in ax.containers if isinstance(c, ErrorbarContainer)]
+        for stem, f in seen
+    }
     # the fixture's lm-eval runs have no interval (collect has no per-document terms for them): no bar there
-    assert all(bool(v) != stem.startswith("pareto_lm_eval") for stem, v in bars.items()), {k: len(v) for k, v in bars.items()}
+    assert all(bool(v) != stem.startswith("pareto_lm_eval") for stem, v in bars.items()), {
+        k: len(v) for k, v in bars.items()
+    }
     runs = run_rows(df)
     ends = {(round(lo, 6), round(hi, 6)) for lo, hi in zip(runs["score_lo"], runs["score_hi"]) if lo == lo}
     pareto_bars = [c for stem, cs in bars.items() if stem.startswith("pareto_") for c in cs]

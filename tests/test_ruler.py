@@ -56,7 +56,11 @@ def _smol_tok():
 # the tokenizers under test and two lengths each that every subtask fits (stories260K's 512-token vocabulary
 # spends ~2.5x the tokens of Llama's on the same text: cwe's worked example alone is ~5.3K tokens above 4096);
 # one length of each is below RULER's cwe switch at 4096 where the tokenizer allows
-TOKENIZERS = {"stories": (None, (6144, 8192)), "llama2": (_llama_tok, (2048, 4096)), "smollm2": (_smol_tok, (2048, 4096))}
+TOKENIZERS = {
+    "stories": (None, (6144, 8192)),
+    "llama2": (_llama_tok, (2048, 4096)),
+    "smollm2": (_smol_tok, (2048, 4096)),
+}
 
 
 @pytest.fixture(scope="module", params=list(TOKENIZERS))
@@ -86,7 +90,7 @@ def test_every_subtask_fits_its_length(tok_case):
     references are in the context."""
     name, tok, lengths = tok_case
     res = _resources()
-    for chat in ([True] if getattr(tok, "chat_template", None) else [False]):  # plain prompts: the other tokenizers
+    for chat in [True] if getattr(tok, "chat_template", None) else [False]:  # plain prompts: the other tokenizers
         prompter = rd.Prompter(tok, chat_template=chat)
         for length in lengths:
             for sub in rd.SUBTASK_NAMES:
@@ -98,17 +102,21 @@ def test_every_subtask_fits_its_length(tok_case):
                         ids = [tok.bos_token_id, *ids]
                     assert g.input_ids.tolist() == ids, (name, sub)
                     assert 0 < g.context_len < len(ids)
-                    question = tok.decode(g.input_ids[g.context_len:].tolist())
-                    context = tok.decode(g.input_ids[:g.context_len].tolist())
-                    marker = {"niah": "special magic", "variable_tracking": "Find all variables",
-                              "common_words_extraction": "most common words", "freq_words_extraction": "Do not provide",
-                              "qa": "Question:"}[rd.SUBTASKS[sub].kind]
+                    question = tok.decode(g.input_ids[g.context_len :].tolist())
+                    context = tok.decode(g.input_ids[: g.context_len].tolist())
+                    marker = {
+                        "niah": "special magic",
+                        "variable_tracking": "Find all variables",
+                        "common_words_extraction": "most common words",
+                        "freq_words_extraction": "Do not provide",
+                        "qa": "Question:",
+                    }[rd.SUBTASKS[sub].kind]
                     assert marker in question and rd.NOISE not in question, (name, sub, question[:200])
                     if sub in IN_CONTEXT:
                         for ref in g.answers:
                             assert ref in context, (name, sub, ref)
                     if chat:  # the answer prefix follows the assistant header (RULER finds it by its first 10 chars)
-                        after = g.text[g.text.rindex(prompter.tail) + len(prompter.tail):]
+                        after = g.text[g.text.rindex(prompter.tail) + len(prompter.tail) :]
                         assert after.startswith(rd.KINDS[rd.SUBTASKS[sub].kind].answer_prefix[:10]), (sub, after)
 
 
@@ -116,8 +124,10 @@ def test_prompter_chat_template_wraps_and_keeps_bos(stories_tok):
     """A Llama-3-style template (BOS text, trimmed content): the user turn is wrapped, the answer prefix follows
     the assistant header, BOS is not doubled; and a template without BOS text gets the tokenizer's BOS."""
     tok = copy.deepcopy(stories_tok)
-    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | trim }}"
-                         "<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | trim }}"
+        "<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
     p = rd.Prompter(tok, chat_template=True)
     assert p.chat and p.trim and p.head == "<s><|user|>\n" and p.tail == "<|end|>\n<|assistant|>\n"
     text, q = p.assemble(rd.Parts(" Intro\n", "CONTEXT", "\nQuestion?", " Answer:"))
@@ -189,8 +199,10 @@ def test_config_errors_name_the_valid_values(tmp_path):
 def test_missing_essays_say_so_and_offer_the_noise_haystack(tmp_path, stories_tok):
     with pytest.raises(FileNotFoundError, match=r"Paul Graham essays.*task\.haystack=noise"):
         Ruler(RulerConfig(subtasks=["niah_single_1", "niah_single_2"]), data_dir=str(tmp_path))
-    task = Ruler(RulerConfig(subtasks=["niah_single_2", "niah_multiquery"], haystack="repeat", num_samples=1,
-                             length=1024), data_dir=str(tmp_path))
+    task = Ruler(
+        RulerConfig(subtasks=["niah_single_2", "niah_multiquery"], haystack="repeat", num_samples=1, length=1024),
+        data_dir=str(tmp_path),
+    )
     samples = task.samples(stories_tok, max_context=1024)
     assert [s.id for s in samples] == ["niah_single_2-0000", "niah_multiquery-0000"]
     text = stories_tok.decode(samples[0].data["input_ids"].tolist())
@@ -205,6 +217,7 @@ def test_too_short_length_is_explained(stories_tok):
 
 def test_size_search_is_exact_on_a_known_count():
     """largest_fit against a brute-force answer on an uneven, almost-linear count."""
+
     def count(n):
         return 40 + 3 * n + (n * 7919) % 5  # noise 0..4 around a line
 
@@ -228,13 +241,17 @@ def test_size_search_is_exact_on_a_known_count():
 
 
 def test_helpers():
-    assert abs(rd.zeta(2.0) - math.pi ** 2 / 6) < 1e-12
+    assert abs(rd.zeta(2.0) - math.pi**2 / 6) < 1e-12
     assert abs(rd.zeta(3.0) - 1.2020569031595942) < 1e-12
     words = "He met Mr. Smith in the U.S. today. Then they left! Did they? yes they did. 42 is a number.".split(" ")
     ends = rd.sentence_ends(words)
     sents = [" ".join(words[a:b]) for a, b in zip([0] + ends[:-1], ends)]
-    assert sents == ["He met Mr. Smith in the U.S. today.", "Then they left!", "Did they? yes they did.",
-                     "42 is a number."]
+    assert sents == [
+        "He met Mr. Smith in the U.S. today.",
+        "Then they left!",
+        "Did they? yes they did.",
+        "42 is a number.",
+    ]
     assert rd.DEPTHS[:4] == [0, 3, 5, 8] and rd.DEPTHS[-1] == 100 and len(rd.DEPTHS) == 40
 
 
@@ -243,13 +260,27 @@ def test_hub_rows_convert_to_the_official_schema():
     """The hub's squad_v2 / hotpot_qa rows, converted back, read the same as the official JSON files."""
     squad = json.loads((DATA / rd.SQUAD_FILE).read_text())
     squad["data"] = squad["data"][:2]
-    rows = [{"title": a["title"], "context": p["context"], "question": q["question"],
-             "answers": {"text": [x["text"] for x in q["answers"]]}}
-            for a in squad["data"] for p in a["paragraphs"] for q in p["qas"]]
+    rows = [
+        {
+            "title": a["title"],
+            "context": p["context"],
+            "question": q["question"],
+            "answers": {"text": [x["text"] for x in q["answers"]]},
+        }
+        for a in squad["data"]
+        for p in a["paragraphs"]
+        for q in p["qas"]
+    ]
     assert rd.read_squad(rd._squad_from_hub(rows)) == rd.read_squad(squad)
     hot = json.loads((DATA / rd.HOTPOTQA_FILE).read_text())[:5]
-    rows = [{"question": d["question"], "answer": d["answer"],
-             "context": {"title": [t for t, _ in d["context"]], "sentences": [s for _, s in d["context"]]}} for d in hot]
+    rows = [
+        {
+            "question": d["question"],
+            "answer": d["answer"],
+            "context": {"title": [t for t, _ in d["context"]], "sentences": [s for _, s in d["context"]]},
+        }
+        for d in hot
+    ]
     assert rd.read_hotpotqa(rd._hotpot_from_hub(rows)) == rd.read_hotpotqa(hot)
 
 
@@ -265,8 +296,16 @@ def test_end_to_end_through_the_runner(tmp_path, request):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 260K-parameter model: more threads only wait on each other (on a busy machine, a lot)
     request.addfinalizer(lambda: torch.set_num_threads(threads))
-    over = [f"paths.runs_dir={tmp_path}", "task=ruler", "method=full", "task.length=512", "task.num_samples=1",
-            "task.subtasks=[niah_single_1,fwe]", "eval.compute_error=false", "print_table=false"]
+    over = [
+        f"paths.runs_dir={tmp_path}",
+        "task=ruler",
+        "method=full",
+        "task.length=512",
+        "task.num_samples=1",
+        "task.subtasks=[niah_single_1,fwe]",
+        "eval.compute_error=false",
+        "print_table=false",
+    ]
     for protocol in ("null", "B"):
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
             cfg = compose(config_name="config", overrides=[*over, f"eval.protocol={protocol}"])

@@ -35,8 +35,10 @@ def _private_folders(tmp_path, monkeypatch):
 
 def _cfg(tmp_path, *overrides):
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        return compose(config_name="config", overrides=[f"paths.runs_dir={tmp_path / 'runs'}", "task.window=64",
-                                                        "task.num_samples=1", *overrides])
+        return compose(
+            config_name="config",
+            overrides=[f"paths.runs_dir={tmp_path / 'runs'}", "task.window=64", "task.num_samples=1", *overrides],
+        )
 
 
 def _run_dir(cfg) -> Path:
@@ -56,8 +58,10 @@ def test_overridden_model_path_is_filed_under_what_was_loaded(tmp_path):
     assert ident["model"]["path"] == str(other)
     assert run_dir_for(cfg.paths.runs_dir, ident).parent.name == "OtherModel"
     # the same bytes: the same fingerprint; new weights in place under the same name and path: a new run
-    assert ident["model"]["fingerprint"] == Experiment(_cfg(tmp_path, "method=full")).identity(
-        {"name": "full"})["model"]["fingerprint"]
+    assert (
+        ident["model"]["fingerprint"]
+        == Experiment(_cfg(tmp_path, "method=full")).identity({"name": "full"})["model"]["fingerprint"]
+    )
     named = _run_dir(_cfg(tmp_path, "method=full", f"model.path={other}", "model.name=mine"))
     assert named.parent.name == "mine"
     import torch
@@ -140,7 +144,13 @@ def test_task_data_files_are_part_of_the_identity(tmp_path):
     data.mkdir(parents=True)
     text = (REPO / "sparse_eval" / "data" / "wikitext2_test_head.txt").read_text()
     (data / "wikitext-test.txt").write_text(text)
-    over = ["method=full", "task=wikitext", "task.window=64", "task.num_samples=1", f"paths.data_dir={tmp_path / 'data'}"]
+    over = [
+        "method=full",
+        "task=wikitext",
+        "task.window=64",
+        "task.num_samples=1",
+        f"paths.data_dir={tmp_path / 'data'}",
+    ]
     exp = Experiment(_cfg(tmp_path, *over))
     ident = exp.identity(exp.method_configs()[0])
     assert list(ident["data"]) == ["text"]

@@ -11,17 +11,37 @@ REPO = Path(__file__).resolve().parents[1]
 def test_pool_runs_in_order_and_interrupts_at_the_deadline(tmp_path):
     jobs = tmp_path / "jobs.tsv"
     marker = tmp_path / "interrupted"
-    jobs.write_text("\n".join([
-        "# a comment",
-        "ok\techo done",
-        "bad\texit 3",
-        f"slow\ttrap 'touch {marker}; exit 130' INT; sleep 30 & wait",
-        "late\tsleep 30",
-        "never\techo never",
-    ]) + "\n")
-    res = subprocess.run([sys.executable, str(REPO / "scripts/run_jobs.py"), str(jobs), "--workers", "2",
-                          "--deadline", "3", "--grace", "5", "--log-dir", str(tmp_path / "logs")],
-                         capture_output=True, text=True, timeout=60)
+    jobs.write_text(
+        "\n".join(
+            [
+                "# a comment",
+                "ok\techo done",
+                "bad\texit 3",
+                f"slow\ttrap 'touch {marker}; exit 130' INT; sleep 30 & wait",
+                "late\tsleep 30",
+                "never\techo never",
+            ]
+        )
+        + "\n"
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts/run_jobs.py"),
+            str(jobs),
+            "--workers",
+            "2",
+            "--deadline",
+            "3",
+            "--grace",
+            "5",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 1, res.stdout + res.stderr  # a job failed
     done = {d["name"]: d for d in json.loads((tmp_path / "logs" / "jobs.json").read_text())}
     assert done["ok"]["status"] == "ok" and (tmp_path / "logs" / "ok.log").read_text() == "done\n"
@@ -34,6 +54,7 @@ def test_pool_runs_in_order_and_interrupts_at_the_deadline(tmp_path):
 def test_bad_jobs_file_names_the_line(tmp_path):
     jobs = tmp_path / "jobs.tsv"
     jobs.write_text("just a command\n")
-    res = subprocess.run([sys.executable, str(REPO / "scripts/run_jobs.py"), str(jobs)], capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "scripts/run_jobs.py"), str(jobs)], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode != 0 and "jobs.tsv:1: expected NAME<TAB>COMMAND" in res.stderr

@@ -31,8 +31,9 @@ def read_samples(run_dir):
 
 def run_cli(*args, cwd=REPO, timeout=300):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
-    return subprocess.run([sys.executable, "-m", "sparse_eval", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "sparse_eval", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_default_command_end_to_end(tmp_path):
@@ -42,15 +43,22 @@ def test_default_command_end_to_end(tmp_path):
 
     names = compare_names()
     env_runs = dict(SPARSE_EVAL_RUNS_DIR=str(tmp_path))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", **env_runs,
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        **env_runs,
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     env.pop("SPARSE_EVAL_DATA_DIR", None)  # the default run needs nothing outside the package
-    res = subprocess.run([sys.executable, "-m", "sparse_eval"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "sparse_eval"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["method", "config"])
-    table = {line.split()[0]: line for line in lines[header + 1:header + 1 + len(names)]}
+    table = {line.split()[0]: line for line in lines[header + 1 : header + 1 + len(names)]}
     assert list(table) == names and {"full", "topk", "oracle", "magicpig", "quest", "double_sparsity"} <= set(names)
     for col in ("ppl", "Cost1", "Cost2", "est_error"):
         assert col in lines[header]
@@ -134,17 +142,20 @@ def test_failing_sample_is_recorded_and_run_goes_on(tmp_path, monkeypatch):
     assert all(v is None or v == v for r in recs.values() for v in r.values() if isinstance(v, float))
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["method=nope"], "Could not find 'method/nope'"),
-    (["method=topk", "method.bogus=1"], "bogus"),
-    (["method=topk", "method.budget=0"], "method.budget=0"),
-    (["method=topk", "method.budget=1.5"], "method.budget=1.5"),
-    (["method=topk", "method.dense_layers=[0,9]"], "dense_layers"),
-    (["task=nope"], "Could not find 'task/nope'"),
-    (["method=full", "eval.protocol=Z"], "eval.protocol='Z'"),
-    (["method=full", "model.path=/nonexistent/model"], "/nonexistent/model does not exist"),
-    (["method=full", "model=smollm2_135m", "paths.models_dir=/nonexistent"], "scripts/get_smollm2.sh"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["method=nope"], "Could not find 'method/nope'"),
+        (["method=topk", "method.bogus=1"], "bogus"),
+        (["method=topk", "method.budget=0"], "method.budget=0"),
+        (["method=topk", "method.budget=1.5"], "method.budget=1.5"),
+        (["method=topk", "method.dense_layers=[0,9]"], "dense_layers"),
+        (["task=nope"], "Could not find 'task/nope'"),
+        (["method=full", "eval.protocol=Z"], "eval.protocol='Z'"),
+        (["method=full", "model.path=/nonexistent/model"], "/nonexistent/model does not exist"),
+        (["method=full", "model=smollm2_135m", "paths.models_dir=/nonexistent"], "scripts/get_smollm2.sh"),
+    ],
+)
 def test_config_errors_fail_at_start_with_a_clear_message(tmp_path, args, needle):
     """In process (composition and ``run``); the command line's one-line form and exit status are checked in
     tests/test_user_path.py."""

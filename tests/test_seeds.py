@@ -62,12 +62,15 @@ def test_deterministic_method_runs_once_filed_under_seed_0(tmp_path):
     assert len(dirs) == 3
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["method=oracle", "method.seed=1"], "method.seed=1"),
-    (["method=oracle", "seed=[0,0]"], "seed=[0, 0]"),
-    (["method=oracle", "seed=-1"], "seed=-1"),
-    (["method=oracle", "seed=[]"], "seed=[]"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["method=oracle", "method.seed=1"], "method.seed=1"),
+        (["method=oracle", "seed=[0,0]"], "seed=[0, 0]"),
+        (["method=oracle", "seed=-1"], "seed=-1"),
+        (["method=oracle", "seed=[]"], "seed=[]"),
+    ],
+)
 def test_a_second_seed_knob_or_a_bad_seed_is_refused(tmp_path, args, needle):
     with pytest.raises(ValueError) as err:
         run(cfg_for(tmp_path, *args, "task.num_samples=1"))
@@ -104,13 +107,19 @@ SUBTASKS = ["niah_single_1", "fwe"]
 TASK = {"name": "ruler", "subtasks": SUBTASKS, "num_samples": 12, "length": 4096, "haystack": "noise", "seed": 42}
 
 
-def _fake_run(root: Path, method: dict, seed: int, scores: dict[str, float], task=TASK, top_seed=None,
-              expected=None, errors=()):
+def _fake_run(
+    root: Path, method: dict, seed: int, scores: dict[str, float], task=TASK, top_seed=None, expected=None, errors=()
+):
     from sparse_eval.store import config_hash, run_dir_for
 
-    identity = {"model": {"name": "m", "path": "p"}, "method": dict(method, seed=seed), "inputs": {}, "task": task,
-                "eval": {"protocol": "A", "compute_error": True, "prefill_chunk": None},
-                "seed": seed if top_seed is None else top_seed}
+    identity = {
+        "model": {"name": "m", "path": "p"},
+        "method": dict(method, seed=seed),
+        "inputs": {},
+        "task": task,
+        "eval": {"protocol": "A", "compute_error": True, "prefill_chunk": None},
+        "seed": seed if top_seed is None else top_seed,
+    }
     d = run_dir_for(root, identity)
     d.mkdir(parents=True)
     from omegaconf import OmegaConf
@@ -118,8 +127,10 @@ def _fake_run(root: Path, method: dict, seed: int, scores: dict[str, float], tas
     (d / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(identity)))
     (d / "meta.json").write_text("{}")
     (d / "progress.json").write_text(json.dumps({"expected_samples": expected or len(scores) + len(errors)}))
-    lines = [{"id": i, "status": "ok", "subtask": i.rsplit("-", 1)[0], "score": sc, "prediction": "x"}
-             for i, sc in scores.items()]
+    lines = [
+        {"id": i, "status": "ok", "subtask": i.rsplit("-", 1)[0], "score": sc, "prediction": "x"}
+        for i, sc in scores.items()
+    ]
     lines += [{"id": i, "status": "error", "error": "boom"} for i in errors]
     (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     (d / "summary.json").write_text(json.dumps({"expected_samples": expected or len(scores) + len(errors)}))
@@ -153,14 +164,21 @@ def test_collect_pools_exactly_the_runs_that_differ_only_in_seed(tmp_path, capsy
 
     df = collect(tmp_path)
     whole = df[df.subtask == "all"]
-    main = whole[(whole.method == "magicpig") & (whole["method.L"] == 150) & (whole.task_config.str.contains('"seed": 42'))]
+    main = whole[
+        (whole.method == "magicpig") & (whole["method.L"] == 150) & (whole.task_config.str.contains('"seed": 42'))
+    ]
     assert sorted(main.seed) == [0, 1, 2] and (main.seeds == 3).all() and (main.seed_values == "0,1,2").all()
     assert main.seed_group.nunique() == 1 and (main.interval_omits_seeds == False).all()  # noqa: E712
     task = build_task(TASK)
-    terms = [task.score_terms([{"id": i, "subtask": i.rsplit("-", 1)[0], "score": v, "prediction": "x"}
-                               for i, v in pooled[s].items()]) for s in (0, 1, 2)]
-    ref_terms = task.score_terms([{"id": i, "subtask": i.rsplit("-", 1)[0], "score": v, "prediction": "x"}
-                                  for i, v in ref.items()])
+    terms = [
+        task.score_terms(
+            [{"id": i, "subtask": i.rsplit("-", 1)[0], "score": v, "prediction": "x"} for i, v in pooled[s].items()]
+        )
+        for s in (0, 1, 2)
+    ]
+    ref_terms = task.score_terms(
+        [{"id": i, "subtask": i.rsplit("-", 1)[0], "score": v, "prediction": "x"} for i, v in ref.items()]
+    )
     ci, d = seed_pooled_ci(terms), seed_pooled_difference(terms, ref_terms)
     row = main.iloc[0]
     assert row.pooled_score == pytest.approx(ci["score"]) and row.pooled_n == 12

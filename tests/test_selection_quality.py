@@ -11,8 +11,11 @@ from sparse_eval.methods.core import kept_mass_and_recall, masked_softmax
 
 def _qkv(n=300, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(1, 4, 1, 16, generator=g) * 2, torch.randn(1, 2, n, 16, generator=g),
-            torch.randn(1, 2, n, 16, generator=g))
+    return (
+        torch.randn(1, 4, 1, 16, generator=g) * 2,
+        torch.randn(1, 2, n, 16, generator=g),
+        torch.randn(1, 2, n, 16, generator=g),
+    )
 
 
 def test_brute_force_on_a_small_row():

@@ -33,10 +33,22 @@ def tiny_gemma3(window: int = WINDOW, vocab: int = 128):
     import sparse_eval.attention.plugin  # noqa: F401
 
     torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
-                           sliding_window=window, layer_types=TYPES, max_position_embeddings=256,
-                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=window,
+        layer_types=TYPES,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return Gemma3ForCausalLM(cfg).eval()
 
 
@@ -99,8 +111,9 @@ def test_dense_sliding_layers_are_the_sliding_layers_made_dense():
     assert session.sliding_dense_layers == [0, 2] and session.dense_layers == {0, 1, 2}
     assert session.recorder.summary()["sparse_layers"] == [3]
     # the same as naming the sliding layers in dense_layers and making sliding layers sparse
-    listed, session = logits(model, IDS, method("topk", budget=2, sink=1, local=2, dense_layers=[0, 1, 2],
-                                                sliding_layers="sparse"), s_)
+    listed, session = logits(
+        model, IDS, method("topk", budget=2, sink=1, local=2, dense_layers=[0, 1, 2], sliding_layers="sparse"), s_
+    )
     assert session.sliding_dense_layers == [] and torch.equal(dense_mode, listed)
     stock, _ = logits(model, IDS)
     assert not torch.allclose(dense_mode, stock, atol=1e-3)  # layer 3 is really sparse
@@ -133,8 +146,10 @@ def test_a_method_left_with_no_sparse_layer_is_refused():
     model = tiny_gemma3()
     with pytest.raises(ValueError, match=r"would run in no layer.*method.sliding_layers=sparse"):
         attach(model, method("topk", dense_layers=[1, 3]))
-    assert layer_plan(method("topk", dense_layers=[1, 3], sliding_layers="sparse"), 4, sliding_layers(model)) \
-        == ({1, 3}, [])
+    assert layer_plan(method("topk", dense_layers=[1, 3], sliding_layers="sparse"), 4, sliding_layers(model)) == (
+        {1, 3},
+        [],
+    )
     with pytest.raises(ValueError, match=r"method.sliding_layers='both'; valid: \['dense', 'sparse'\]"):
         method("topk", sliding_layers="both")
 
@@ -160,8 +175,16 @@ def _tiny_gemma_dir(tmp_path) -> Path:
 
 def _cfg(tmp_path, *overrides):
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        return compose(config_name="config", overrides=[f"paths.runs_dir={tmp_path / 'runs'}", "task.window=32",
-                                                        "task.num_samples=1", "print_table=false", *overrides])
+        return compose(
+            config_name="config",
+            overrides=[
+                f"paths.runs_dir={tmp_path / 'runs'}",
+                "task.window=32",
+                "task.num_samples=1",
+                "print_table=false",
+                *overrides,
+            ],
+        )
 
 
 def test_the_setting_is_in_the_run_identity_and_the_summary(tmp_path, monkeypatch):
@@ -178,5 +201,9 @@ def test_the_setting_is_in_the_run_identity_and_the_summary(tmp_path, monkeypatc
     exp = Experiment(_cfg(tmp_path, "method=topk", "method.sliding_layers=sparse"))
     ident = exp.identity(exp.method_configs()[0])
     assert "sliding_layers" not in ident["method"]
-    assert run_dir_for(tmp_path, ident) == run_dir_for(tmp_path, Experiment(_cfg(tmp_path, "method=topk")).identity(
-        Experiment(_cfg(tmp_path, "method=topk")).method_configs()[0]))
+    assert run_dir_for(tmp_path, ident) == run_dir_for(
+        tmp_path,
+        Experiment(_cfg(tmp_path, "method=topk")).identity(
+            Experiment(_cfg(tmp_path, "method=topk")).method_configs()[0]
+        ),
+    )

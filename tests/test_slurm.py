@@ -23,7 +23,6 @@ SCRIPT = REPO / "scripts" / "slurm_local.sh"
 SAMPLES = 6
 
 
-
 def _free_port_pair() -> int:
     for _ in range(50):
         with socket.socket() as s:
@@ -80,9 +79,17 @@ def _diagnose(slurm: dict[str, str], sweep: Path, job_id: str, seen: list) -> st
     for name in ("slurmctld.log", "slurmd.log"):
         log_file = Path(slurm["SLURM_LOCAL_DIR"]) / "log" / name
         if log_file.exists():
-            lines = [ln for ln in log_file.read_text(errors="replace").splitlines()
-                     if any(f"JobId={j} " in ln or ln.endswith(f"JobId={j}") or f"job {j} " in ln.lower()
-                            or f"StepId={j}." in ln for j in internal)]
+            lines = [
+                ln
+                for ln in log_file.read_text(errors="replace").splitlines()
+                if any(
+                    f"JobId={j} " in ln
+                    or ln.endswith(f"JobId={j}")
+                    or f"job {j} " in ln.lower()
+                    or f"StepId={j}." in ln
+                    for j in internal
+                )
+            ]
             parts.append(f"--- {name}, {len(lines)} lines about {sorted(internal)}:\n" + "\n".join(lines[-60:]))
     return "\n".join(parts)
 
@@ -109,17 +116,35 @@ def _wait_until_old_run_ended(job_id: str, env: dict[str, str], limit_s: float =
 
 
 def test_smoke_sweep_through_slurm_with_a_requeued_job(slurm, tmp_path):
-    env = {**os.environ, "SLURM_CONF": slurm["SLURM_CONF"], "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           # a requeued array task can be missing from squeue for a while on a loaded 2-core machine: seen once,
-           # the launcher's default 60 s grace declared it gone 71 s after its requeue
-           "SPARSE_EVAL_SUBMITIT_GRACE_S": "180"}
+    env = {
+        **os.environ,
+        "SLURM_CONF": slurm["SLURM_CONF"],
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        # a requeued array task can be missing from squeue for a while on a loaded 2-core machine: seen once,
+        # the launcher's default 60 s grace declared it gone 71 s after its requeue
+        "SPARSE_EVAL_SUBMITIT_GRACE_S": "180",
+    }
     runs, sweep = tmp_path / "runs", tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "sparse_eval", "-m", "hydra/launcher=slurm",
-           "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=null",
-           "hydra.launcher.timeout_min=10",  # < 10 min: submitit counts any USR2 as a timeout (max_num_timeout=3)
-           "method=topk,oracle", "method.budget=0.05,0.2", f"task.num_samples={SAMPLES}", "task.window=64",
-           f"paths.runs_dir={runs}", f"hydra.sweep.dir={sweep}", "print_table=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparse_eval",
+        "-m",
+        "hydra/launcher=slurm",
+        "hydra.launcher.gpus_per_node=null",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.mem_gb=null",
+        "hydra.launcher.timeout_min=10",  # < 10 min: submitit counts any USR2 as a timeout (max_num_timeout=3)
+        "method=topk,oracle",
+        "method.budget=0.05,0.2",
+        f"task.num_samples={SAMPLES}",
+        "task.window=64",
+        f"paths.runs_dir={runs}",
+        f"hydra.sweep.dir={sweep}",
+        "print_table=false",
+    ]
     launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # signal one job as Slurm does signal_delay_s before its time limit, once it has written a sample
     deadline = time.time() + 240

@@ -17,16 +17,25 @@ HEAVY = ("torch", "transformers")
 
 def heavy_imports(*args: str, cwd: Path = REPO) -> tuple[list[str], subprocess.CompletedProcess]:
     """The torch / transformers modules a fresh ``python -X importtime <args>`` imported, and its result."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-X", "importtime", *args], cwd=cwd, env=env, capture_output=True,
-                         text=True, timeout=300)
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
     names = [line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")]
     return [n for n in names if n.split(".")[0] in HEAVY], res
 
 
-@pytest.mark.parametrize("args", [["-m", "sparse_eval", "--help"], ["-m", "sparse_eval.status", "{runs}"],
-                                  ["-m", "sparse_eval.collect", "{runs}", "--quiet"]],
-                         ids=["help", "status", "collect"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-m", "sparse_eval", "--help"],
+        ["-m", "sparse_eval.status", "{runs}"],
+        ["-m", "sparse_eval.collect", "{runs}", "--quiet"],
+    ],
+    ids=["help", "status", "collect"],
+)
 def test_no_torch_at_start_up(tmp_path, args):
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -40,9 +49,21 @@ def test_status_reads_runs_without_torch(tmp_path):
     """A run directory written by a run (label from the method's own fields) is listed without torch."""
     from sparse_eval.store import record_start, run_dir_for, write_progress
 
-    ident = {"model": {"name": "m"}, "task": {"name": "wikitext"}, "seed": 0,
-             "method": {"name": "topk", "budget": 0.06, "sink": 4, "local": 64, "dense_layers": [0, 1],
-                        "sliding_layers": "dense", "gqa": "query_head", "seed": 0}}
+    ident = {
+        "model": {"name": "m"},
+        "task": {"name": "wikitext"},
+        "seed": 0,
+        "method": {
+            "name": "topk",
+            "budget": 0.06,
+            "sink": 4,
+            "local": 64,
+            "dense_layers": [0, 1],
+            "sliding_layers": "dense",
+            "gqa": "query_head",
+            "seed": 0,
+        },
+    }
     d = run_dir_for(tmp_path / "runs", ident)
     record_start(d, ident)
     write_progress(d, 4, 0)
@@ -55,8 +76,9 @@ def test_base_method_fields_match_the_method_config():
     from sparse_eval.methods.base import MethodConfig
     from sparse_eval.store import BASE_METHOD_FIELDS
 
-    assert BASE_METHOD_FIELDS == tuple(f.name for f in dataclasses.fields(MethodConfig)), \
+    assert BASE_METHOD_FIELDS == tuple(f.name for f in dataclasses.fields(MethodConfig)), (
         "update store.BASE_METHOD_FIELDS to the fields of methods.base.MethodConfig"
+    )
 
 
 def test_static_dense_flags_match_the_registry():

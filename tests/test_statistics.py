@@ -96,8 +96,9 @@ def test_interval_end_points_are_the_resampled_quantiles():
         counts[:, idx] = gen.multinomial(len(idx), [1.0 / len(idx)] * len(idx), size=n_boot)
 
     def score(t, r):  # the macro average over the groups of the resampled list r
-        return np.mean([sum(t.num[i] * counts[r, i] for i in np.flatnonzero(group == g)) / (group == g).sum()
-                        for g in (0, 1)])
+        return np.mean(
+            [sum(t.num[i] * counts[r, i] for i in np.flatnonzero(group == g)) / (group == g).sum() for g in (0, 1)]
+        )
 
     lo, hi = np.quantile([score(a, r) for r in range(n_boot)], [0.025, 0.975])
     ci = bootstrap_ci(a, n_boot=n_boot, seed=seed)
@@ -127,22 +128,36 @@ def test_every_task_terms_reproduce_its_aggregate():
 
     rng = np.random.default_rng(4)
     wt = build_task({"name": "wikitext"})
-    recs = [{"id": f"w{i}", "nll_sum": float(rng.uniform(500, 900)), "tokens": int(rng.integers(200, 300))}
-            for i in range(7)]
+    recs = [
+        {"id": f"w{i}", "nll_sum": float(rng.uniform(500, 900)), "tokens": int(rng.integers(200, 300))}
+        for i in range(7)
+    ]
     assert wt.score_terms(recs).score() == pytest.approx(wt.aggregate(recs)["ppl"], rel=1e-12)
 
     ruler = build_task({"name": "ruler", "subtasks": ["niah_single_1", "vt", "cwe"], "haystack": "noise"})
-    recs = [{"id": f"{s}-{i}", "subtask": s, "score": float(rng.choice([0, 50, 100])), "prediction": "x"}
-            for s, k in (("niah_single_1", 5), ("vt", 3), ("cwe", 8)) for i in range(k)]
+    recs = [
+        {"id": f"{s}-{i}", "subtask": s, "score": float(rng.choice([0, 50, 100])), "prediction": "x"}
+        for s, k in (("niah_single_1", 5), ("vt", 3), ("cwe", 8))
+        for i in range(k)
+    ]
     assert ruler.score_terms(recs).score() == pytest.approx(ruler.aggregate(recs)["score"], rel=1e-12)
 
     kv = build_task({"name": "kv_retrieval"})
-    recs = [{"id": str(i), "score": float(rng.choice([0, 100])), "gold_position": i % 3, "num_keys": 10,
-             "prompt_tokens": 100} for i in range(9)]
+    recs = [
+        {
+            "id": str(i),
+            "score": float(rng.choice([0, 100])),
+            "gold_position": i % 3,
+            "num_keys": 10,
+            "prompt_tokens": 100,
+        }
+        for i in range(9)
+    ]
     assert kv.score_terms(recs).score() == pytest.approx(kv.aggregate(recs)["accuracy"], rel=1e-12)
 
 
 # -- over prompts and seeds (stochastic methods) ----------------------------------------------------------------
+
 
 def _brute_two_level(runs, reference, n_boot, seed, level=0.95):
     """The two-level bootstrap of the module docstring written out plainly: explicit resampled index lists per
@@ -188,7 +203,9 @@ def test_two_level_interval_equals_brute_force(transform):
     den = rng.integers(50, 100, size=n).astype(float) if transform == "exp" else np.ones(n)
 
     def terms(shift):
-        num = (den * (3.0 + shift + rng.normal(0, 0.3, size=n))) if transform == "exp" else rng.normal(50 + shift, 20, n)
+        num = (
+            (den * (3.0 + shift + rng.normal(0, 0.3, size=n))) if transform == "exp" else rng.normal(50 + shift, 20, n)
+        )
         return ScoreTerms(ids, num, den, group, transform)
 
     runs = [terms(0.1 * s) for s in range(seeds)]
@@ -215,8 +232,13 @@ def test_two_level_with_one_seed_is_the_one_level_bootstrap():
     one, ref = seed_pooled_ci([a], seed=3), bootstrap_ci(a, seed=3)
     assert (one["score"], one["lo"], one["hi"], one["n"]) == (ref["score"], ref["lo"], ref["hi"], ref["n"])
     d, dref = seed_pooled_difference([a], b, seed=3), paired_difference(a, b, seed=3)
-    assert (d["diff"], d["lo"], d["hi"], d["n"], d["significant"]) == \
-        (dref["diff"], dref["lo"], dref["hi"], dref["n"], dref["significant"])
+    assert (d["diff"], d["lo"], d["hi"], d["n"], d["significant"]) == (
+        dref["diff"],
+        dref["lo"],
+        dref["hi"],
+        dref["n"],
+        dref["significant"],
+    )
 
 
 def test_two_level_interval_covers_a_mean_with_seed_variance():

@@ -14,9 +14,7 @@ MODEL_DIR = REPO_ROOT / "sparse_eval" / "models" / "stories260K"
 SCRIPT = REPO_ROOT / "scripts" / "convert_stories260k.py"
 SRC_DIR = Path(__file__).resolve().parents[1].parent / "shared/data/stories260K"
 
-EXPECTED_PREFIX = (
-    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
-)
+EXPECTED_PREFIX = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
 
 
 def _load_script():

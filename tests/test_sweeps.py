@@ -19,8 +19,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 SHARED_DATA = REPO.parent / "shared" / "data"
-EXPERIMENTS = sorted(p.relative_to(CONF / "experiment").with_suffix("").as_posix()
-                     for p in (CONF / "experiment").rglob("*.yaml"))
+EXPERIMENTS = sorted(
+    p.relative_to(CONF / "experiment").with_suffix("").as_posix() for p in (CONF / "experiment").rglob("*.yaml")
+)
 PAPER = [e for e in EXPERIMENTS if not e.startswith("smoke/")]
 SMOKE = [e for e in EXPERIMENTS if e.startswith("smoke/")]
 # smoke sweeps cheap enough to run every job of in the default test run (the others: their first job, marked
@@ -76,9 +77,10 @@ def _covering(jobs: list[list[str]]) -> list[list[str]]:
 
 # -- the configs -------------------------------------------------------------------------------------------------
 
+
 def test_every_paper_experiment_has_a_smoke_variant_and_a_reference():
     assert PAPER, "no experiment configs"
-    assert sorted(s[len("smoke/"):] for s in SMOKE) == PAPER
+    assert sorted(s[len("smoke/") :] for s in SMOKE) == PAPER
     for name in EXPERIMENTS:
         text = (CONF / "experiment" / f"{name}.yaml").read_text()
         assert text.startswith("# @package _global_"), name
@@ -131,19 +133,28 @@ def test_sweep_over_methods_uses_variant_files(compose):
         if "task.length=16384" in job:
             m = to_plain(compose(config_name="config", overrides=job).method)
             seen[m["name"], m.get("K"), m.get("L"), m.get("page_size"), m.get("budget")] = m
-    assert set(seen) == {("full", None, None, None, None), ("magicpig", 10, 150, None, None),
-                         ("magicpig", 9, 120, None, None), ("magicpig", 8, 75, None, None),
-                         ("quest", None, None, 16, 0.04), ("quest", None, None, 32, 0.06),
-                         ("quest", None, None, 64, 0.08)}
+    assert set(seen) == {
+        ("full", None, None, None, None),
+        ("magicpig", 10, 150, None, None),
+        ("magicpig", 9, 120, None, None),
+        ("magicpig", 8, 75, None, None),
+        ("quest", None, None, 16, 0.04),
+        ("quest", None, None, 32, 0.06),
+        ("quest", None, None, 64, 0.08),
+    }
     # the command line wins over the experiment's sweep of the same key
-    assert {j for job in _jobs(compose, "ruler_magicpig", ["task.length=4096"]) for j in job if "length" in j} \
-        == {"task.length=4096"}
+    assert {j for job in _jobs(compose, "ruler_magicpig", ["task.length=4096"]) for j in job if "length" in j} == {
+        "task.length=4096"
+    }
 
 
 def test_launcher_presets_compose(compose):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="hydra-submitit-launcher not installed")
-    cfg = compose(config_name="config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
-                  return_hydra_config=True)
+    cfg = compose(
+        config_name="config",
+        overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+        return_hydra_config=True,
+    )
     launcher = cfg.hydra.launcher
     assert launcher._target_.startswith("hydra_plugins.")
     assert launcher.max_num_timeout > 0 and launcher.partition == "gpu" and launcher.gpus_per_node == 1
@@ -156,6 +167,7 @@ def test_launcher_presets_compose(compose):
 
 
 # -- smoke sweeps, in process ------------------------------------------------------------------------------------
+
 
 def _run_jobs(compose, name: str, runs_dir: Path, first_only: bool = False) -> list[dict]:
     from sparse_eval.runner import run
@@ -206,19 +218,31 @@ def test_smoke_sweep_first_job_runs(compose, tmp_path, name):
 
 # -- a real multirun: a failing job, a killed sweep, the relaunch -------------------------------------------------
 
+
 def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
 def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
     runs, sweep = tmp_path / "runs", tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "sparse_eval", "-m", "method=topk,oracle",
-           f"model.path={tmp_path / 'no_such_model'},builtin:stories260K", "task.window=64", "task.num_samples=8",
-           f"paths.runs_dir={runs}", f"hydra.sweep.dir={sweep}", "print_table=false",
-           "preflight=false"]  # launch the jobs with a missing model anyway: their failure is what is recorded here
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparse_eval",
+        "-m",
+        "method=topk,oracle",
+        f"model.path={tmp_path / 'no_such_model'},builtin:stories260K",
+        "task.window=64",
+        "task.num_samples=8",
+        f"paths.runs_dir={runs}",
+        f"hydra.sweep.dir={sweep}",
+        "print_table=false",
+        "preflight=false",
+    ]  # launch the jobs with a missing model anyway: their failure is what is recorded here
     # 1st launch: jobs (topk, bad), (topk, ok), (oracle, bad), (oracle, ok); killed inside the last one
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     deadline = time.time() + 300
     target = None
     while time.time() < deadline and proc.poll() is None:
@@ -239,12 +263,20 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
     from sparse_eval.status import run_state
     from sparse_eval.store import find_run_dirs
 
-    states = {d.name.split("-")[0] + ("-bad" if (d / "failed.json").exists() else ""): run_state(d, recent_s=0)["state"]
-              for d in find_run_dirs(runs)}
+    states = {
+        d.name.split("-")[0] + ("-bad" if (d / "failed.json").exists() else ""): run_state(d, recent_s=0)["state"]
+        for d in find_run_dirs(runs)
+    }
     # the jobs with a missing model never started: they left no run dir (their error is in job_status.json)
     assert states == {"topk": "done", "oracle": "pending"}
-    err = subprocess.run([sys.executable, "-m", "sparse_eval.status", str(runs)], cwd=REPO,
-                         env=_env(), capture_output=True, text=True, timeout=120)
+    err = subprocess.run(
+        [sys.executable, "-m", "sparse_eval.status", str(runs)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     # killed a moment ago on this host: pending at once, not "running" for --recent seconds
     assert err.returncode == 0 and "1 done, 0 incomplete, 0 running, 0 failed, 1 pending" in err.stdout, err.stdout
 
@@ -267,8 +299,14 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
     assert not [d for d in find_run_dirs(runs) if (d / "failed.json").exists()]
 
     # one table: one row per run, the task's own score
-    out = subprocess.run([sys.executable, "-m", "sparse_eval.collect", str(runs), "--quiet"], cwd=REPO, env=_env(),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "sparse_eval.collect", str(runs), "--quiet"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     import pandas as pd
 
@@ -284,6 +322,7 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
 
 
 # -- pieces ------------------------------------------------------------------------------------------------------
+
 
 def test_run_lock_serializes_two_writers(tmp_path):
     from sparse_eval.store import lock_held, run_lock
@@ -315,8 +354,9 @@ def test_status_states(tmp_path):
         (d / "config.yaml").write_text("method: {name: full}\ntask: {name: ruler}\n")
         (d / "meta.json").write_text("{}")
         (d / "progress.json").write_text(json.dumps({"expected_samples": expected}))
-        (d / "samples.jsonl").write_text("".join(json.dumps({"id": f"s{i}", "status": s}) + "\n"
-                                                 for i, s in enumerate(records)) + '{"id": "torn')
+        (d / "samples.jsonl").write_text(
+            "".join(json.dumps({"id": f"s{i}", "status": s}) + "\n" for i, s in enumerate(records)) + '{"id": "torn'
+        )
         if summary:
             (d / "summary.json").write_text("{}")
         if failed:
@@ -332,9 +372,18 @@ def test_status_states(tmp_path):
     make("running-3", ["ok"], 3, age=5)
     make("failed-4", ["ok"], 3, failed=True)
     states = {d.name.split("-")[0]: run_state(d, recent_s=60) for d in find_run_dirs(tmp_path)}
-    assert {k: v["state"] for k, v in states.items()} == {"done": "done", "incomplete": "incomplete",
-                                                         "pending": "pending", "running": "running", "failed": "failed"}
-    assert (states["incomplete"]["written"], states["incomplete"]["errors"], states["incomplete"]["expected"]) == (2, 1, 2)
+    assert {k: v["state"] for k, v in states.items()} == {
+        "done": "done",
+        "incomplete": "incomplete",
+        "pending": "pending",
+        "running": "running",
+        "failed": "failed",
+    }
+    assert (states["incomplete"]["written"], states["incomplete"]["errors"], states["incomplete"]["expected"]) == (
+        2,
+        1,
+        2,
+    )
     assert states["done"]["complete"] and not states["incomplete"]["complete"]
     assert states["failed"]["error"] == "ValueError: bad"
 
@@ -342,18 +391,27 @@ def test_status_states(tmp_path):
 def test_gpu_claims_are_distinct_per_process(tmp_path):
     """Two job processes on a 3-GPU machine (faked by CUDA_VISIBLE_DEVICES) take different GPUs; a claim lasts
     as long as its process; nothing is claimed when there is at most one GPU."""
-    code = ("import sys, time; from sparse_eval.sweep import claim_gpus; "
-            f"print(claim_gpus(1, lock_dir={str(tmp_path)!r}, poll_s=0.1), flush=True); time.sleep(float(sys.argv[1]))")
+    code = (
+        "import sys, time; from sparse_eval.sweep import claim_gpus; "
+        f"print(claim_gpus(1, lock_dir={str(tmp_path)!r}, poll_s=0.1), flush=True); time.sleep(float(sys.argv[1]))"
+    )
     env = _env(CUDA_VISIBLE_DEVICES="0,1,2")
     first = subprocess.Popen([sys.executable, "-c", code, "6"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     got1 = first.stdout.readline().strip()
-    second = subprocess.run([sys.executable, "-c", code, "0"], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=120)
+    second = subprocess.run(
+        [sys.executable, "-c", code, "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     first.kill()
     first.wait()
     assert got1 == "['0']" and second.stdout.strip() == "['1']", (got1, second.stdout, second.stderr)
-    one = subprocess.run([sys.executable, "-c", code, "0"], cwd=REPO, env=_env(CUDA_VISIBLE_DEVICES="3"),
-                         capture_output=True, text=True, timeout=120)
+    one = subprocess.run(
+        [sys.executable, "-c", code, "0"],
+        cwd=REPO,
+        env=_env(CUDA_VISIBLE_DEVICES="3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert one.stdout.strip() == "None"
 
 
@@ -393,11 +451,16 @@ def test_a_job_squeue_does_not_list_is_alive_while_its_record_says_so(tmp_path, 
 
     _fake_slurm(tmp_path, monkeypatch, "RUNNING\n", "JobId=4 ArrayJobId=1 ArrayTaskId=2 JobState=RUNNING")
     assert sweep._queue_state("1_2") == "RUNNING"
-    _fake_slurm(tmp_path, monkeypatch, "", "JobId=4 ArrayJobId=1 ArrayTaskId=2 JobState=PENDING Reason=BeginTime "
-                "Restarts=1")
+    _fake_slurm(
+        tmp_path, monkeypatch, "", "JobId=4 ArrayJobId=1 ArrayTaskId=2 JobState=PENDING Reason=BeginTime Restarts=1"
+    )
     assert sweep._queue_state("1_2") == "PENDING"
-    _fake_slurm(tmp_path, monkeypatch, "", "JobId=4 JobState=OUT_OF_MEMORY Reason=OutOfMemory ExitCode=0:125 "
-                "Restarts=1 RunTime=00:00:07")
+    _fake_slurm(
+        tmp_path,
+        monkeypatch,
+        "",
+        "JobId=4 JobState=OUT_OF_MEMORY Reason=OutOfMemory ExitCode=0:125 Restarts=1 RunTime=00:00:07",
+    )
     assert sweep._queue_state("1_2") is None
 
     class Paths:
@@ -408,8 +471,10 @@ def test_a_job_squeue_does_not_list_is_alive_while_its_record_says_so(tmp_path, 
         job_id = "1_2"
         paths = Paths()
 
-    with pytest.raises(RuntimeError, match="Slurm: JobState=OUT_OF_MEMORY, Reason=OutOfMemory, ExitCode=0:125, "
-                                           "Restarts=1, RunTime=00:00:07"):
+    with pytest.raises(
+        RuntimeError,
+        match="Slurm: JobState=OUT_OF_MEMORY, Reason=OutOfMemory, ExitCode=0:125, Restarts=1, RunTime=00:00:07",
+    ):
         sweep.wait_for_result(SlurmJob(), poll_s=0.05, grace_s=0.3)
     _fake_slurm(tmp_path, monkeypatch, "", "")  # the controller has forgotten it
     assert sweep._queue_state("1_2") is None and sweep.job_record("1_2") == {}

@@ -113,8 +113,12 @@ def test_phase_times_break_down_the_magicpig_steps(stories, prompts):
     timed = _system(model, cfg, [prompts[0]], backend_gpu="torch", phase_times=True)
     assert timed.tokens.tolist() == plain.tokens.tolist()
     ms = timed.stats["phase_ms"]
-    assert set(ms) == {"magicpig_codes_to_host", "magicpig_cpu_sample", "magicpig_cpu_attention",
-                       "magicpig_static_attention_merge"}
+    assert set(ms) == {
+        "magicpig_codes_to_host",
+        "magicpig_cpu_sample",
+        "magicpig_cpu_attention",
+        "magicpig_static_attention_merge",
+    }
     assert timed.stats["phase_steps"] == NEW - 2
     assert all(v > 0 for v in ms.values()) and sum(ms.values()) < sum(timed.step_ms[1:])
     assert "phase_ms" not in plain.stats
@@ -152,13 +156,16 @@ def test_a_method_without_a_system_path_fails_naming_the_valid_ones(stories, pro
         _system(model, dict(name=NO_SYSTEM_PATH), [prompts[0][:80]])
 
 
-@pytest.mark.parametrize("cfg, match", [
-    (dict(name="quest", update_pages=False), "update_pages=false"),
-    (dict(name="magicpig", u_offset=1e-4, dense_layers=[0]), "u_offset"),
-    (dict(name="magicpig", mips=True, dense_layers=[0]), "mips"),
-    (dict(name="double_sparsity", sink=4), "sink=4"),
-    (dict(name="double_sparsity", label_bits=2), "label bits=2"),
-])
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        (dict(name="quest", update_pages=False), "update_pages=false"),
+        (dict(name="magicpig", u_offset=1e-4, dense_layers=[0]), "u_offset"),
+        (dict(name="magicpig", mips=True, dense_layers=[0]), "mips"),
+        (dict(name="double_sparsity", sink=4), "sink=4"),
+        (dict(name="double_sparsity", label_bits=2), "label bits=2"),
+    ],
+)
 def test_unsupported_settings_fail_clearly(stories, prompts, cfg, match):
     model, _ = stories
     with pytest.raises(ValueError, match=match):
@@ -231,21 +238,25 @@ def test_static_step_with_the_triton_kernels(stories, prompts):
     ids = torch.tensor(prompts)
     assert [max(1, budget_bound(0.0266, n)) for n in (261, 264)] == [6, 7] and ids.shape[1] == 260
     eager = decode(model, m, ids, 4, DecodeOptions(backend_gpu="torch"))
-    radix = decode(model, m, ids, 4, DecodeOptions(backend_gpu="triton", cuda_graph=True,
-                                                   label_scale_dtype=torch.float32))
+    radix = decode(
+        model, m, ids, 4, DecodeOptions(backend_gpu="triton", cuda_graph=True, label_scale_dtype=torch.float32)
+    )
     assert radix.tokens.tolist() == eager.tokens.tolist()
     with pytest.raises(ValueError, match="topk='heap': valid values are \\['radix', 'torch'\\]"):
         DecodeOptions(topk="heap")
 
 
-@pytest.mark.parametrize("gqa, budget, ps, sink, local, backend", [
-    ("query_head", 0.105, 4, 5, 7, "torch"),  # 6 pages up to n = 266, then 7 = k_cap
-    ("kv_head", 0.1194, 16, 4, 16, "torch"),  # 1 page up to n = 268, then 2 = k_cap
-    ("query_head", 40, 8, 0, 0, "torch"),  # a token count: 5 pages, no static keys
-    ("kv_head", 0.5, 8, 3, 300, "torch"),  # the local window covers the whole context: no candidates
-    ("query_head", 0.105, 4, 5, 7, "triton"),  # page scores, radix top-k, attention: Triton (interpreter on CPU)
-    ("kv_head", 0.1194, 16, 4, 16, "triton"),
-])
+@pytest.mark.parametrize(
+    "gqa, budget, ps, sink, local, backend",
+    [
+        ("query_head", 0.105, 4, 5, 7, "torch"),  # 6 pages up to n = 266, then 7 = k_cap
+        ("kv_head", 0.1194, 16, 4, 16, "torch"),  # 1 page up to n = 268, then 2 = k_cap
+        ("query_head", 40, 8, 0, 0, "torch"),  # a token count: 5 pages, no static keys
+        ("kv_head", 0.5, 8, 3, 300, "torch"),  # the local window covers the whole context: no candidates
+        ("query_head", 0.105, 4, 5, 7, "triton"),  # page scores, radix top-k, attention: Triton (interpreter on CPU)
+        ("kv_head", 0.1194, 16, 4, 16, "triton"),
+    ],
+)
 def test_static_quest_layer_equals_the_eager_layer(gqa, budget, ps, sink, local, backend):
     """Layer level, on random keys: the static Quest step (page bounds folded in at the device position, every
     page of the capacity scored, a device count of pages in k_cap slots, fixed sink/local slots) attends the same
@@ -267,11 +278,11 @@ def test_static_quest_layer_equals_the_eager_layer(gqa, budget, ps, sink, local,
     st = StaticStep(t, b, dev)
     static.static = st
     for j in range(steps):
-        kn, vn, qj = k[:, :, t + j:t + j + 1], v[:, :, t + j:t + j + 1], q[:, :, j:j + 1]
+        kn, vn, qj = k[:, :, t + j : t + j + 1], v[:, :, t + j : t + j + 1], q[:, :, j : j + 1]
         eager.update(kn, vn)
         static.update(kn, vn)
-        o_e = eager.decode(None, None, qj, kn, vn, d ** -0.5)
-        o_s = static.decode(None, None, qj, kn, vn, d ** -0.5)
+        o_e = eager.decode(None, None, qj, kn, vn, d**-0.5)
+        o_s = static.decode(None, None, qj, kn, vn, d**-0.5)
         assert torch.allclose(o_s, o_e, atol=1e-5, rtol=1e-5), j
         st.advance()
     assert torch.equal(static.kmin, eager.kmin) and torch.equal(static.kmax, eager.kmax)
@@ -345,9 +356,21 @@ def test_pieces_run_each_host_part_after_its_piece_has_finished(monkeypatch):
     pieces.cut(lambda: events.append(("host", "a")))
     pieces.cut(lambda: events.append(("host", "b")))
     pieces.end()
-    assert events == [("begin", 1, "pool"), ("end", 1), ("replay", 1), ("wait",), ("host", "a"),
-                      ("begin", 2, "pool"), ("end", 2), ("replay", 2), ("wait",), ("host", "b"),
-                      ("begin", 3, "pool"), ("end", 3), ("replay", 3)]
+    assert events == [
+        ("begin", 1, "pool"),
+        ("end", 1),
+        ("replay", 1),
+        ("wait",),
+        ("host", "a"),
+        ("begin", 2, "pool"),
+        ("end", 2),
+        ("replay", 2),
+        ("wait",),
+        ("host", "b"),
+        ("begin", 3, "pool"),
+        ("end", 3),
+        ("replay", 3),
+    ]
     events.clear()
     pieces.replay()
     assert events == [("replay", 1), ("wait",), ("host", "a"), ("replay", 2), ("wait",), ("host", "b"), ("replay", 3)]
@@ -395,9 +418,22 @@ def test_interleaved_replay_runs_one_halfs_host_part_while_the_other_halfs_piece
         chains.append(p)
     capture.replay_interleaved(chains)
     assert all(p.host_s >= 0.02 and p.wait_s < p.host_s for p in chains)  # each chain's host parts timed as its own
-    assert log == [("replay", "A0"), ("replay", "B0"),
-                   ("wait", "A0"), ("host", "A0"), ("replay", "A1"), ("wait", "B0"), ("host", "B0"), ("replay", "B1"),
-                   ("wait", "A1"), ("host", "A1"), ("replay", "A2"), ("wait", "B1"), ("host", "B1"), ("replay", "B2")]
+    assert log == [
+        ("replay", "A0"),
+        ("replay", "B0"),
+        ("wait", "A0"),
+        ("host", "A0"),
+        ("replay", "A1"),
+        ("wait", "B0"),
+        ("host", "B0"),
+        ("replay", "B1"),
+        ("wait", "A1"),
+        ("host", "A1"),
+        ("replay", "A2"),
+        ("wait", "B1"),
+        ("host", "B1"),
+        ("replay", "B2"),
+    ]
     chains[1].graphs.pop()
     with pytest.raises(ValueError, match=r"interleaved chains have \[3, 2\] pieces"):
         capture.replay_interleaved(chains)
@@ -469,8 +505,9 @@ def test_offload_gather_matches_indexing():
         ref = offload.gather_rows_reference(src, idx, torch.zeros(2, hs, 9, 16, dtype=torch.bfloat16))
         dev = "cuda" if CUDA else "cpu"
         s = src.pin_memory() if CUDA else src
-        got = offload.gather_rows(s, idx.to(dev), torch.zeros(2, hs, 9, 16, dtype=torch.bfloat16, device=dev),
-                                  backend="triton")
+        got = offload.gather_rows(
+            s, idx.to(dev), torch.zeros(2, hs, 9, 16, dtype=torch.bfloat16, device=dev), backend="triton"
+        )
         assert torch.equal(got.cpu(), ref)
         assert ref[idx < 0].abs().sum() == 0 and ref[idx >= 0].abs().sum() > 0
 
@@ -492,7 +529,7 @@ def test_offload_put_rows_matches_indexing():
         ref = offload.put_rows_reference(src, torch.zeros(2, 3, 40, 16, dtype=torch.bfloat16), torch.tensor([7]))
         if CUDA:
             torch.cuda.synchronize()
-        assert torch.equal(got.cpu(), ref) and ref[:, :, 7:7 + t].abs().sum() > 0
+        assert torch.equal(got.cpu(), ref) and ref[:, :, 7 : 7 + t].abs().sum() > 0
     edge = torch.zeros(2, 3, 40, 16, dtype=torch.bfloat16)
     edge = edge.pin_memory() if CUDA else edge
     offload.put_rows(src.to(dev), edge, torch.tensor([38], device=dev), backend="triton")  # 3 rows from 38: 2 fit
@@ -525,8 +562,21 @@ def test_gpu_system_path_matches_accuracy_path(stories, prompts, which):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("which", ["full", "ds", "ds_kv_head_8bit", "ds_budget_grows", "quest", "quest_budget_grows",
-                                   "magicpig", "magicpig_default", "ds_offload", "ds_offload_own_query"])
+@pytest.mark.parametrize(
+    "which",
+    [
+        "full",
+        "ds",
+        "ds_kv_head_8bit",
+        "ds_budget_grows",
+        "quest",
+        "quest_budget_grows",
+        "magicpig",
+        "magicpig_default",
+        "ds_offload",
+        "ds_offload_own_query",
+    ],
+)
 def test_gpu_cuda_graph_matches_accuracy_path(stories, prompts, which):
     """On CUDA the static step is captured once and replayed (MagicPIG's in pieces, one more than its sparse
     layers): still the accuracy path's tokens, on both rows; and with the rows in two halves whose steps run
@@ -556,14 +606,30 @@ def _cli(runs, *args):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    return subprocess.run([sys.executable, "-m", "sparse_eval.system", *args, f"paths.runs_dir={runs}"],
-                          cwd=root, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "sparse_eval.system", *args, f"paths.runs_dir={runs}"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_cli_decodes_and_checks_against_accuracy_path(tmp_path):
     out = tmp_path / "rec.json"
-    res = _cli(tmp_path, "method=magicpig", "method.dense_layers=[0]", "method.K=10", "method.L=20", "method.local=16",
-               "context=128", "new_tokens=6", "batch=2", "phase_times=true", f"output={out}")
+    res = _cli(
+        tmp_path,
+        "method=magicpig",
+        "method.dense_layers=[0]",
+        "method.K=10",
+        "method.L=20",
+        "method.local=16",
+        "context=128",
+        "new_tokens=6",
+        "batch=2",
+        "phase_times=true",
+        f"output={out}",
+    )
     assert res.returncode == 0, res.stderr
     assert "accuracy path: 2/2 rows and 12/12 tokens identical" in res.stdout
     assert "phases, ms per step over the 4 steps after the first" in res.stdout and "magicpig_cpu_sample" in res.stdout
@@ -576,12 +642,20 @@ def test_cli_decodes_and_checks_against_accuracy_path(tmp_path):
 
 def test_cli_static_step(tmp_path):
     out = tmp_path / "rec.json"
-    res = _cli(tmp_path, "method=double_sparsity", "method.beta=0.05", "cuda_graph=true", "context=128",
-               "new_tokens=5", f"output={out}")
+    res = _cli(
+        tmp_path,
+        "method=double_sparsity",
+        "method.beta=0.05",
+        "cuda_graph=true",
+        "context=128",
+        "new_tokens=5",
+        f"output={out}",
+    )
     assert res.returncode == 0, res.stderr
     assert "static step" in res.stdout and "accuracy path: 1/1 rows and 5/5 tokens identical" in res.stdout
-    res = _cli(tmp_path, "method=double_sparsity", "method.offload=true", "cuda_graph=true", "context=128",
-               "new_tokens=5")
+    res = _cli(
+        tmp_path, "method=double_sparsity", "method.offload=true", "cuda_graph=true", "context=128", "new_tokens=5"
+    )
     assert res.returncode == 0, res.stderr
     assert "static step" in res.stdout and "accuracy path: 1/1 rows and 5/5 tokens identical" in res.stdout
     res = _cli(tmp_path, "method=magicpig", "method.dense_layers=[0]", "cuda_graph=true", "context=40", "new_tokens=3")
@@ -609,13 +683,15 @@ def test_magicpig_layer_sample_equals_brute_force(backend_cpu):
     from sparse_eval.system.layers import MagicPIGLayer
 
     k_bits, n_tables, m, sink = 3, 6, 2, 2  # few bits: many collisions, so the overflow keys get sampled too
-    method = build_method(dict(name="magicpig", K=k_bits, L=n_tables, min_collisions=m, sink=sink, local=4,
-                               dense_layers=[0]))
+    method = build_method(
+        dict(name="magicpig", K=k_bits, L=n_tables, min_collisions=m, sink=sink, local=4, dense_layers=[0])
+    )
     layer = MagicPIGLayer(1, 64, method, backend_gpu="torch", backend_cpu=backend_cpu)
     gen = torch.Generator().manual_seed(0)
     layer.update(torch.randn(2, 2, 30, 16, generator=gen), torch.randn(2, 2, 30, 16, generator=gen))
-    session = types.SimpleNamespace(stats=__import__("collections").Counter(),
-                                    phase=lambda name: contextlib.nullcontext())
+    session = types.SimpleNamespace(
+        stats=__import__("collections").Counter(), phase=lambda name: contextlib.nullcontext()
+    )
     for _ in range(7):
         kn, vn = torch.randn(2, 2, 1, 16, generator=gen), torch.randn(2, 2, 1, 16, generator=gen)
         layer.update(kn, vn)
@@ -623,9 +699,10 @@ def test_magicpig_layer_sample_equals_brute_force(backend_cpu):
     assert layer.n_over == 6 and layer.cand_end == layer.table_end + 6  # the first step built the tables
     q_codes = kmp.hash_codes(torch.randn(2, 4, 16, generator=gen), layer.w, k_bits, n_tables, backend="torch")
     idx, cnt = layer._sample(q_codes)
-    keys = layer.keys[:, :, sink:layer.cand_end].float() - layer.mean[:, :, None]
-    ref_idx, ref_cnt = kmc.sample_reference(kmp.hash_codes(keys, layer.w, k_bits, n_tables, backend="torch"),
-                                            q_codes, m)
+    keys = layer.keys[:, :, sink : layer.cand_end].float() - layer.mean[:, :, None]
+    ref_idx, ref_cnt = kmc.sample_reference(
+        kmp.hash_codes(keys, layer.w, k_bits, n_tables, backend="torch"), q_codes, m
+    )
     assert cnt.tolist() == ref_cnt.tolist()
     for b in range(2):
         for h in range(4):
@@ -649,7 +726,8 @@ def test_system_layers_are_registered_by_method_name():
         register_layer(first)(type("Other", (other,), {}))
     with pytest.raises(TypeError, match="from_method"):
         register_layer("no_such_method")(object)
-    with pytest.raises(ValueError, match=re.escape(f"method 'no_such_method' has no system path; valid: "
-                                                   f"{list(SYSTEM_LAYERS)}")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"method 'no_such_method' has no system path; valid: {list(SYSTEM_LAYERS)}")
+    ):
         layer_class("no_such_method")
     assert "no_such_method" not in SYSTEM_LAYERS

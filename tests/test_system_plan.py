@@ -24,7 +24,7 @@ def test_magicpig_keeps_sparse_layers_and_tables_on_the_host():
     cfg = {"name": "magicpig", "K": 3, "L": 5, "dense_layers": [0]}
     gpu, cpu = bytes_per_row(cfg, 100, 4, SHAPE, 4)
     kv = 2 * 2 * 8 * 2 * 104
-    assert cpu == 3 * kv + 3 * 2 * 5 * (4 * 104 + 4 * (2 ** 3 + 1) + 2 * 104)
+    assert cpu == 3 * kv + 3 * 2 * 5 * (4 * 104 + 4 * (2**3 + 1) + 2 * 104)
     assert gpu == kv + 3 * 2 * 2 * 8 * 2 * (64 + 4 + 4)  # the dense layer + sink/local/steps of the sparse ones
 
 
@@ -75,8 +75,15 @@ def _bench():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_plan_only_runs_without_a_gpu(capsys):
     bench = _bench()
-    args = ["--plan-only", "--contexts", "98304", "--methods", "full_graph,magicpig_10_150_graph",
-            "--cpu-budget-gib", "300"]
+    args = [
+        "--plan-only",
+        "--contexts",
+        "98304",
+        "--methods",
+        "full_graph,magicpig_10_150_graph",
+        "--cpu-budget-gib",
+        "300",
+    ]
     assert bench.main(args + ["--gpu-gib", "139"]) == 0
     out = capsys.readouterr().out
     rows = {l.split()[1]: int(l.split()[2]) for l in out.splitlines() if l.strip().startswith("98304")}

@@ -32,11 +32,18 @@ def cfg_for(tmp_path, *overrides):
 
 
 def cli(*args, module="sparse_eval", cwd=None, env=None, timeout=300):
-    e = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
-             PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {}))
+    e = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        **(env or {}),
+    )
     e.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=e, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd or REPO, env=e, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def written(tmp_path) -> list[Path]:
@@ -46,6 +53,7 @@ def written(tmp_path) -> list[Path]:
 
 
 # -- 1. dense_layers: the paper's rule, resolved per model ------------------------------------------------------
+
 
 def test_dense_layers_words_resolve_per_model():
     assert resolve_dense_layers([0, "mid"], 32) == [0, 16]  # MagicPIG §5.1
@@ -58,47 +66,90 @@ def test_dense_layers_words_resolve_per_model():
 
 
 def test_magicpig_default_runs_on_the_default_model_and_records_resolved_layers(tmp_path):
-    (s,) = run(cfg_for(tmp_path, "method=magicpig", "method.K=9", "method.L=120", "task.num_samples=1",
-                       "task.window=64", "print_table=false"))
+    (s,) = run(
+        cfg_for(
+            tmp_path,
+            "method=magicpig",
+            "method.K=9",
+            "method.L=120",
+            "task.num_samples=1",
+            "task.window=64",
+            "print_table=false",
+        )
+    )
     assert s["dense_layers"] == [0, 2] and s["method_config"]["dense_layers"] == [0, 2]
     assert "- 2" in (Path(s["run_dir"]) / "config.yaml").read_text()
     # the relative and the resolved form are one config: the same run dir
-    (t,) = run(cfg_for(tmp_path, "method=magicpig", "method.K=9", "method.L=120", "task.num_samples=1",
-                       "task.window=64", "print_table=false", "method.dense_layers=[0,2]"))
+    (t,) = run(
+        cfg_for(
+            tmp_path,
+            "method=magicpig",
+            "method.K=9",
+            "method.L=120",
+            "task.num_samples=1",
+            "task.window=64",
+            "print_table=false",
+            "method.dense_layers=[0,2]",
+        )
+    )
     assert t["run_dir"] == s["run_dir"]
 
 
 # -- 2, 3, 5: bad input fails before anything is written --------------------------------------------------------
 
-@pytest.mark.parametrize("args,needles", [
-    (["method=topk", "method.dense_layers=[0,9]"], ["dense_layers", "5 layers"]),
-    (["method=full", "task.window=4096"], ["task.window=4096", "context"]),
-    (["method=full", "model.dtype=float8"], ["model.dtype='float8'", "float32"]),
-    (["method=full", "model.path=/nonexistent/model"], ["/nonexistent/model does not exist"]),
-    (["method=full", "model.path=org/none"], ["model.path='org/none'", "model.path=DIR"]),
-    (["method=full", "task=wikitext", "paths.data_dir=EMPTY"], ["wikitext-2-raw/wikitext-test.txt", "paths.data_dir",
-                                                                "task=wikitext_head"]),
-    (["method=full", "task=ruler", "task.subtasks=[qa_1]", "task.length=256", "task.num_samples=1",
-      "paths.data_dir=EMPTY"], ["RULER qa_1", "dev-v2.0.json", "paths.data_dir", "task.squad_path"]),
-    (["method=full", "task=ruler", "task.length=4096", "task.haystack=noise"], ["task.length=4096", "context"]),
-    (["method=double_sparsity", "method.channels_file=/nonexistent.json"], ["/nonexistent.json",
-                                                                           "python -m sparse_eval.calibrate"]),
-    (["method=double_sparsity", "method.channels_file=CORRUPT"], ["corrupt.json is corrupt",
-                                                                 "python -m sparse_eval.calibrate model=stories260k "
-                                                                 "output="]),
-    # issue 30: a device torch does not know, a folder that is not a checkpoint, tables that cannot fit, a sparse
-    # method left no sparse layer
-    (["method=full", "model.device=tpu"], ["model.device='tpu'", "valid here: ['auto', 'cpu'"]),
-    (["method=full", "model.path=EMPTY"], ["model.path=", "no config.json", "hub id"]),
-    (["method=magicpig", "method.L=100000000"], ["method.L=100000000", "MagicPIG's tables", "available",
-                                                 "lower method.L"]),
-    (["method=topk", "method.dense_layers=[0,1,2,3,4]"], ["method.dense_layers=[0, 1, 2, 3, 4] leaves no sparse layer",
-                                                         "all 5 layers", "method=full"]),
-])
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["method=topk", "method.dense_layers=[0,9]"], ["dense_layers", "5 layers"]),
+        (["method=full", "task.window=4096"], ["task.window=4096", "context"]),
+        (["method=full", "model.dtype=float8"], ["model.dtype='float8'", "float32"]),
+        (["method=full", "model.path=/nonexistent/model"], ["/nonexistent/model does not exist"]),
+        (["method=full", "model.path=org/none"], ["model.path='org/none'", "model.path=DIR"]),
+        (
+            ["method=full", "task=wikitext", "paths.data_dir=EMPTY"],
+            ["wikitext-2-raw/wikitext-test.txt", "paths.data_dir", "task=wikitext_head"],
+        ),
+        (
+            [
+                "method=full",
+                "task=ruler",
+                "task.subtasks=[qa_1]",
+                "task.length=256",
+                "task.num_samples=1",
+                "paths.data_dir=EMPTY",
+            ],
+            ["RULER qa_1", "dev-v2.0.json", "paths.data_dir", "task.squad_path"],
+        ),
+        (["method=full", "task=ruler", "task.length=4096", "task.haystack=noise"], ["task.length=4096", "context"]),
+        (
+            ["method=double_sparsity", "method.channels_file=/nonexistent.json"],
+            ["/nonexistent.json", "python -m sparse_eval.calibrate"],
+        ),
+        (
+            ["method=double_sparsity", "method.channels_file=CORRUPT"],
+            ["corrupt.json is corrupt", "python -m sparse_eval.calibrate model=stories260k output="],
+        ),
+        # issue 30: a device torch does not know, a folder that is not a checkpoint, tables that cannot fit, a sparse
+        # method left no sparse layer
+        (["method=full", "model.device=tpu"], ["model.device='tpu'", "valid here: ['auto', 'cpu'"]),
+        (["method=full", "model.path=EMPTY"], ["model.path=", "no config.json", "hub id"]),
+        (
+            ["method=magicpig", "method.L=100000000"],
+            ["method.L=100000000", "MagicPIG's tables", "available", "lower method.L"],
+        ),
+        (
+            ["method=topk", "method.dense_layers=[0,1,2,3,4]"],
+            ["method.dense_layers=[0, 1, 2, 3, 4] leaves no sparse layer", "all 5 layers", "method=full"],
+        ),
+    ],
+)
 def test_bad_input_names_the_fix_and_writes_nothing(tmp_path, args, needles):
     (tmp_path / "empty").mkdir()
     (tmp_path / "corrupt.json").write_text('{"channels": {"qk": [1,')
-    args = [a.replace("EMPTY", str(tmp_path / "empty")).replace("CORRUPT", str(tmp_path / "corrupt.json")) for a in args]
+    args = [
+        a.replace("EMPTY", str(tmp_path / "empty")).replace("CORRUPT", str(tmp_path / "corrupt.json")) for a in args
+    ]
     with pytest.raises((ValueError, FileNotFoundError)) as err:
         run(cfg_for(tmp_path, *args))
     for needle in needles:
@@ -115,25 +166,34 @@ def test_bad_device_fails_before_writing(tmp_path):
 
 # -- 2, 4, 6: the command line: one line, exit status 2, no traceback -------------------------------------------
 
-@pytest.mark.parametrize("args,needle", [
-    (["method=topk_schema"], "method=topk_schema is a config schema, not a method; valid: ["),
-    (["method.budget=0.1"], "method.budget: no method chosen"),
-    (["method=nope"], "Could not find 'method/nope'"),
-    (["+experiment=smoke/ds_ppl", "compare=[full,topk]"], "compare=[full,topk] is ignored while method=full"),
-    (["method=full", "paths.runs_dir=/proc/runs"], "paths.runs_dir=/proc/runs: cannot write /proc/runs"),
-    (["method=full", "task=wikitext", "paths.data_dir=EMPTY"], "expected EMPTY/wikitext-2-raw/wikitext-test.txt"),
-    (["method=full", "model.path=org/none"], "model.path='org/none': cannot load the model"),
-    # issue 30
-    (["method=full", "model.device=tpu"], "model.device='tpu' is not a device this package runs on; valid here"),
-    (["method=full", "model.path=/tmp"], "model.path='/tmp' is not a model checkpoint: /tmp has no config.json"),
-    (["method=magicpig", "method.L=100000000"], "method.L=100000000 with method.K=10: MagicPIG's tables"),
-    (["method=topk", "method.dense_layers=[0,1,2,3,4]"], "leaves no sparse layer: all 5 layers of stories260k"),
-    (["-m", "+experiment=ruler_magicpig_smoke"], "did you mean smoke/ruler_magicpig"),
-    (["-m", "+experiment=ruler_magicpig"], "28 of the sweep's 28 jobs cannot start, so none was launched -- all 28 "
-                                           "jobs: model.path='meta-llama/Llama-3.1-8B-Instruct'"),
-    (["-m", "method=topk,oracle", "model.path=/nonexistent/m,builtin:stories260K"],
-     "2 of the sweep's 4 jobs cannot start, so none was launched -- jobs #0,#2: model.path: /nonexistent/m"),
-])
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["method=topk_schema"], "method=topk_schema is a config schema, not a method; valid: ["),
+        (["method.budget=0.1"], "method.budget: no method chosen"),
+        (["method=nope"], "Could not find 'method/nope'"),
+        (["+experiment=smoke/ds_ppl", "compare=[full,topk]"], "compare=[full,topk] is ignored while method=full"),
+        (["method=full", "paths.runs_dir=/proc/runs"], "paths.runs_dir=/proc/runs: cannot write /proc/runs"),
+        (["method=full", "task=wikitext", "paths.data_dir=EMPTY"], "expected EMPTY/wikitext-2-raw/wikitext-test.txt"),
+        (["method=full", "model.path=org/none"], "model.path='org/none': cannot load the model"),
+        # issue 30
+        (["method=full", "model.device=tpu"], "model.device='tpu' is not a device this package runs on; valid here"),
+        (["method=full", "model.path=/tmp"], "model.path='/tmp' is not a model checkpoint: /tmp has no config.json"),
+        (["method=magicpig", "method.L=100000000"], "method.L=100000000 with method.K=10: MagicPIG's tables"),
+        (["method=topk", "method.dense_layers=[0,1,2,3,4]"], "leaves no sparse layer: all 5 layers of stories260k"),
+        (["-m", "+experiment=ruler_magicpig_smoke"], "did you mean smoke/ruler_magicpig"),
+        (
+            ["-m", "+experiment=ruler_magicpig"],
+            "28 of the sweep's 28 jobs cannot start, so none was launched -- all 28 "
+            "jobs: model.path='meta-llama/Llama-3.1-8B-Instruct'",
+        ),
+        (
+            ["-m", "method=topk,oracle", "model.path=/nonexistent/m,builtin:stories260K"],
+            "2 of the sweep's 4 jobs cannot start, so none was launched -- jobs #0,#2: model.path: /nonexistent/m",
+        ),
+    ],
+)
 def test_cli_errors_are_one_line_with_exit_status_2(tmp_path, args, needle):
     (tmp_path / "empty").mkdir()
     args = [a.replace("EMPTY", str(tmp_path / "empty")) for a in args]
@@ -167,9 +227,11 @@ def test_help_lists_choices_without_schemas(capsys):
     from sparse_eval.cli import print_help
 
     def hydra_help():
-        print("== Configuration groups ==\nlogger: logger_schema, none, wandb\n"
-              "method: double_sparsity, double_sparsity_schema, full, full_schema\ntask: ruler, ruler_schema\n"
-              "\n== Config ==\nmethod: null\n  name: a_schema, b\n")
+        print(
+            "== Configuration groups ==\nlogger: logger_schema, none, wandb\n"
+            "method: double_sparsity, double_sparsity_schema, full, full_schema\ntask: ruler, ruler_schema\n"
+            "\n== Config ==\nmethod: null\n  name: a_schema, b\n"
+        )
         raise SystemExit(0)
 
     print_help(hydra_help)
@@ -179,6 +241,7 @@ def test_help_lists_choices_without_schemas(capsys):
 
 
 # -- 4: a read-only store ---------------------------------------------------------------------------------------
+
 
 def test_read_only_store_prints_finished_runs_and_refuses_new_ones(tmp_path, monkeypatch, capsys):
     import sparse_eval.runner as runner
@@ -198,6 +261,7 @@ def test_read_only_store_prints_finished_runs_and_refuses_new_ones(tmp_path, mon
 
 
 # -- 6: Ctrl-C, status, names, progress labels, the CPU estimate ------------------------------------------------
+
 
 def test_interrupt_says_where_the_run_stopped(tmp_path, monkeypatch, capsys):
     import sparse_eval.experiment as experiment
@@ -221,13 +285,33 @@ def test_ctrl_c_on_the_command_line(tmp_path):
     """SIGINT during a run: exit status 130, where it stopped, no traceback; the same command resumes it."""
     import signal
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     env.pop("HYDRA_FULL_ERROR", None)
-    cmd = [sys.executable, "-m", "sparse_eval", "method=oracle", "task.num_samples=8", "task.window=256",
-           f"paths.runs_dir={tmp_path / 'runs'}", "print_table=false"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparse_eval",
+        "method=oracle",
+        "task.num_samples=8",
+        "task.window=256",
+        f"paths.runs_dir={tmp_path / 'runs'}",
+        "print_table=false",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         logs = list((tmp_path / "runs").glob("wikitext/*/*/samples.jsonl"))
@@ -260,13 +344,24 @@ def _fake_run(root: Path, name: str, identity: dict, host: str | None, age: floa
 def test_status_tells_killed_from_running_and_names_differ(tmp_path):
     from sparse_eval.status import run_state
 
-    ident = {"method": {"name": "magicpig", "K": 10, "L": 150, "dense_layers": [0, 2]},
-             "task": {"name": "ruler", "length": 512}}
+    ident = {
+        "method": {"name": "magicpig", "K": 10, "L": 150, "dense_layers": [0, 2]},
+        "task": {"name": "ruler", "length": 512},
+    }
     here = _fake_run(tmp_path, "magicpig-K=10-L=150-aaaaaaaaaa", ident, socket.gethostname())
-    other = _fake_run(tmp_path, "magicpig-K=10-L=150-bbbbbbbbbb",
-                      {**ident, "method": {**ident["method"], "dense_layers": [0, 1]}}, "another-node")
-    longer = _fake_run(tmp_path, "magicpig-K=10-L=150-cccccccccc",
-                       {**ident, "task": {"name": "ruler", "length": 1024}}, "another-node", age=1000)
+    other = _fake_run(
+        tmp_path,
+        "magicpig-K=10-L=150-bbbbbbbbbb",
+        {**ident, "method": {**ident["method"], "dense_layers": [0, 1]}},
+        "another-node",
+    )
+    longer = _fake_run(
+        tmp_path,
+        "magicpig-K=10-L=150-cccccccccc",
+        {**ident, "task": {"name": "ruler", "length": 1024}},
+        "another-node",
+        age=1000,
+    )
     s_here, s_other, s_long = (run_state(d) for d in (here, other, longer))
     assert s_here["state"] == "pending"  # killed a moment ago on this host: nobody holds its lock
     assert s_other["state"] == "running"  # another host: only its recent writes tell
@@ -278,8 +373,21 @@ def test_status_tells_killed_from_running_and_names_differ(tmp_path):
 def test_progress_label_is_short():
     from sparse_eval.results_table import short_label
 
-    assert short_label({"name": "magicpig", "K": 10, "L": 150, "sink": 4, "local": 64, "dense_layers": [0, 2],
-                        "center": True, "u_offset": 0.0}) == "magicpig K=10, L=150"
+    assert (
+        short_label(
+            {
+                "name": "magicpig",
+                "K": 10,
+                "L": 150,
+                "sink": 4,
+                "local": 64,
+                "dense_layers": [0, 2],
+                "center": True,
+                "u_offset": 0.0,
+            }
+        )
+        == "magicpig K=10, L=150"
+    )
 
 
 def test_cpu_estimate_over_an_hour_is_told(stories, caplog, monkeypatch):
@@ -300,6 +408,7 @@ def test_cpu_estimate_over_an_hour_is_told(stories, caplog, monkeypatch):
 
 
 # -- figures -----------------------------------------------------------------------------------------------------
+
 
 def test_point_labels_stay_inside_the_axes_and_apart(tmp_path):
     import matplotlib
@@ -322,7 +431,7 @@ def test_point_labels_stay_inside_the_axes_and_apart(tmp_path):
 
     boxes = [Text.get_window_extent(t) for t in ax.texts]  # the text alone, without its leader line
     assert all(frame.x0 - 1 <= b.x0 and b.x1 <= frame.x1 + 1 for b in boxes)  # none cut at the axis
-    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
     ticks = [t for t in ax.xaxis.get_ticklabels(which="both") if t.get_text() and t.get_visible()]
     tb = sorted((t.get_window_extent() for t in ticks), key=lambda b: b.x0)
     assert not any(a.x1 > b.x0 for a, b in zip(tb, tb[1:]))  # x tick labels do not collide
@@ -336,7 +445,10 @@ def test_shared_labels_get_what_tells_them_apart():
 
     rows = [pd.Series({"method.seed": s, "method.alpha": 0.25}) for s in (0, 1)] + [pd.Series({"method.seed": 0})]
     assert distinct_labels(rows, ["1/16 random", "1/16 random", "1/16"]) == [
-        "1/16 random seed=0", "1/16 random seed=1", "1/16"]
+        "1/16 random seed=0",
+        "1/16 random seed=1",
+        "1/16",
+    ]
 
 
 # -- the README's commands ---------------------------------------------------------------------------------------
@@ -372,17 +484,14 @@ TINY = {
     "task.num_samples=1 method=quest": [],
     "python -m sparse_eval.calibrate model=smollm2_135m": ["output=CALIB", "num_blocks=1"],
     "python -m sparse_eval -m +experiment=smoke/ruler_magicpig": [],
-    "python -m sparse_eval -m +experiment=ruler_magicpig model=smollm2_135m task.length=4096 task.num_samples=5":
-        "the paper sweep (GPU); its smoke variant is the line above",
+    "python -m sparse_eval -m +experiment=ruler_magicpig model=smollm2_135m task.length=4096 task.num_samples=5": "the paper sweep (GPU); its smoke variant is the line above",
     "python -m sparse_eval.status runs/": [],
     "python -m sparse_eval.collect runs/": [],
     "python -m sparse_eval -m hydra/launcher=slurm +experiment=ruler_magicpig hydra.launcher.partition=gpu "
     "hydra.launcher.gpus_per_node=1 hydra.launcher.cpus_per_task=8 hydra.launcher.mem_gb=64 "
     "hydra.launcher.timeout_min=720 hydra.launcher.array_parallelism=16 "
-    "'hydra.launcher.additional_parameters={account: myproj}' paths.runs_dir=/shared/runs paths.data_dir=/shared/data":
-        "needs a Slurm cluster (tests/test_slurm.py runs a local one)",
-    "python -m sparse_eval model=smollm2_135m task=ruler task.length=8192 eval.batch_size=auto":
-        "GPU (13 x 50 RULER samples at 8K)",
+    "'hydra.launcher.additional_parameters={account: myproj}' paths.runs_dir=/shared/runs paths.data_dir=/shared/data": "needs a Slurm cluster (tests/test_slurm.py runs a local one)",
+    "python -m sparse_eval model=smollm2_135m task=ruler task.length=8192 eval.batch_size=auto": "GPU (13 x 50 RULER samples at 8K)",
     "python -m sparse_eval.analysis analysis=geometry model=smollm2_135m": [],
     "python -m sparse_eval.analysis analysis=error_vs_budget model=smollm2_135m": [],
     "python -m sparse_eval.analysis analysis=ds_checks model=smollm2_135m": [],
@@ -391,8 +500,9 @@ TINY = {
     "python -m sparse_eval.system method=magicpig": [],
     "python -m sparse_eval.system method=double_sparsity cuda_graph=true": [],
     "python -m sparse_eval.system method=magicpig phase_times=true": [],
-    "python -m sparse_eval.system random_shape=llama3_1_8b context=16384 batch=8 method=full cuda_graph=true":
-        "GPU" if not torch.cuda.is_available() else [],
+    "python -m sparse_eval.system random_shape=llama3_1_8b context=16384 batch=8 method=full cuda_graph=true": "GPU"
+    if not torch.cuda.is_available()
+    else [],
     "python benchmarks/bench_system_decode.py --out experiments/system_decode_throughput": "a GPU benchmark (hours)",
     "python -m sparse_eval.kernels._aot_check": [],
 }
@@ -406,11 +516,22 @@ def test_every_readme_command_is_covered():
 def one_run(tmp_path_factory):
     """A runs folder with one finished run, for the commands that read what a run wrote (status, collect, report)."""
     root = tmp_path_factory.mktemp("readme_runs")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
-               SPARSE_EVAL_RUNS_DIR=str(root / "runs"),
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, "-m", "sparse_eval", "method=full", "task.num_samples=1", "task.window=64"],
-                   cwd=root, env=env, check=True, capture_output=True, timeout=300)
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        SPARSE_EVAL_RUNS_DIR=str(root / "runs"),
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    subprocess.run(
+        [sys.executable, "-m", "sparse_eval", "method=full", "task.num_samples=1", "task.window=64"],
+        cwd=root,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return root / "runs"
 
 
@@ -424,14 +545,25 @@ def test_readme_command_runs(tmp_path, cmd, request):
     if "smollm2_135m" in cmd and not SMOLLM2.exists():
         pytest.skip(f"{SMOLLM2} not present (scripts/get_smollm2.sh)")
     argv = shlex.split(cmd) + [a.replace("CALIB", str(tmp_path / "calib.json")) for a in how]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
-               SPARSE_EVAL_RUNS_DIR=str(tmp_path / "runs"),
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        SPARSE_EVAL_RUNS_DIR=str(tmp_path / "runs"),
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     if "status" in cmd or "collect" in cmd or "report" in cmd:  # they read what a run wrote
         argv = [a.replace("runs/", str(request.getfixturevalue("one_run"))) for a in argv]
     if argv[0] == "python":
         argv[0] = sys.executable
     env.pop("TRITON_INTERPRET", None)  # set by conftest for the kernel tests; a user's shell does not have it
-    res = subprocess.run(argv, cwd=REPO if argv[1] == "-m" and argv[2].startswith("kernels") else tmp_path, env=env,
-                         capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        argv,
+        cwd=REPO if argv[1] == "-m" and argv[2].startswith("kernels") else tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert res.returncode == 0, (cmd, res.stdout[-2000:], res.stderr[-3000:])

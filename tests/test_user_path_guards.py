@@ -39,6 +39,7 @@ def files_under(root: Path) -> list[Path]:
 
 # -- 1. the batch against the host memory (mocked), long runs ---------------------------------------------------
 
+
 def _mock_memory(monkeypatch, available: float) -> None:
     monkeypatch.setattr(memory, "host_memory_available", lambda: float(available))
 
@@ -74,8 +75,11 @@ def test_auto_batch_is_sized_to_the_host_memory_on_the_cpu(tmp_path, monkeypatch
 
 def test_a_run_whose_one_row_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
     _mock_memory(monkeypatch, 1 << 20)  # 1 MiB available
-    with pytest.raises(ValueError, match=r"one sample of 64 tokens needs ~.* this machine has 1 MiB available .*; "
-                                         r"lower task.length or run it on a GPU"):
+    with pytest.raises(
+        ValueError,
+        match=r"one sample of 64 tokens needs ~.* this machine has 1 MiB available .*; "
+        r"lower task.length or run it on a GPU",
+    ):
         run(cfg_for(tmp_path, "method=topk", "task.num_samples=2", "task.window=64", "eval.batch_size=auto"))
     assert files_under(tmp_path / "runs") == []
 
@@ -83,7 +87,9 @@ def test_a_run_whose_one_row_cannot_fit_is_refused_before_writing(tmp_path, monk
 def test_an_explicit_batch_that_does_not_fit_names_the_one_that_does(tmp_path, monkeypatch):
     exp = Experiment(cfg_for(tmp_path, "method=topk", "task.num_samples=4", "task.window=64"))
     _mock_memory(monkeypatch, 2.5 * _per_row(exp) / memory.HOST_FRACTION)
-    with pytest.raises(ValueError, match=r"eval.batch_size=4: 4 rows .* give eval.batch_size=2 or eval.batch_size=auto"):
+    with pytest.raises(
+        ValueError, match=r"eval.batch_size=4: 4 rows .* give eval.batch_size=2 or eval.batch_size=auto"
+    ):
         run(cfg_for(tmp_path, "method=topk", "task.num_samples=4", "task.window=64", "eval.batch_size=4"))
     assert files_under(tmp_path / "runs") == []
     (s,) = run(cfg_for(tmp_path, "method=topk", "task.num_samples=4", "task.window=64", "eval.batch_size=2"))
@@ -96,18 +102,21 @@ def test_the_estimate_covers_the_measured_peaks_and_caps_the_readme_batch():
     rows (about 17), not 128."""
     shape = memory.Shape(layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152)
     measured = {"full": 403, "topk": 559, "magicpig": 685}  # MiB per row
-    methods = {"full": {"name": "full"}, "topk": {"name": "topk", "dense_layers": [0, 1]},
-               "magicpig": {"name": "magicpig", "K": 10, "L": 150, "dense_layers": [0, "mid"]}}
+    methods = {
+        "full": {"name": "full"},
+        "topk": {"name": "topk", "dense_layers": [0, 1]},
+        "magicpig": {"name": "magicpig", "K": 10, "L": 150, "dense_layers": [0, "mid"]},
+    }
     for name, m in methods.items():
-        est = sum(memory.row_bytes(shape, m, prompt=3962, new_tokens=128).values()) * memory.SAFETY / 2 ** 20
+        est = sum(memory.row_bytes(shape, m, prompt=3962, new_tokens=128).values()) * memory.SAFETY / 2**20
         assert measured[name] <= est <= 2 * measured[name], (name, est)
     per_row = sum(memory.row_bytes(shape, methods["full"], prompt=8064, new_tokens=128).values()) * memory.SAFETY
-    assert 8 <= int(memory.HOST_FRACTION * 21 * 2 ** 30 // per_row) <= 32
+    assert 8 <= int(memory.HOST_FRACTION * 21 * 2**30 // per_row) <= 32
 
 
 def test_host_memory_is_read_within_the_cgroup_limit(monkeypatch):
-    monkeypatch.setattr(memory, "_cgroup_room", lambda: 3.0 * 2 ** 30)
-    assert memory.host_memory_available() <= 3.0 * 2 ** 30
+    monkeypatch.setattr(memory, "_cgroup_room", lambda: 3.0 * 2**30)
+    assert memory.host_memory_available() <= 3.0 * 2**30
     monkeypatch.setattr(memory, "_cgroup_room", lambda: None)
     assert memory.host_memory_available() > 0
 
@@ -136,13 +145,21 @@ def test_readme_keeps_gpu_commands_apart_from_the_cpu_ones():
 
 # -- 2. progress bars with the time left --------------------------------------------------------------------------
 
+
 def test_calibration_shows_a_progress_bar(stories, capsys):
     from sparse_eval.calibrate import calibrate
     from sparse_eval.tasks.wikitext import BUNDLED
 
     model, tok = stories
-    calibrate(model, tok, BUNDLED.read_text(encoding="utf-8"), model_name="stories260k", block_size=64, num_blocks=3,
-              progress=True)
+    calibrate(
+        model,
+        tok,
+        BUNDLED.read_text(encoding="utf-8"),
+        model_name="stories260k",
+        block_size=64,
+        num_blocks=3,
+        progress=True,
+    )
     err = capsys.readouterr().err
     assert "calibration forwards" in err and "/3 [" in err and "<" in err  # [elapsed<left]
 
@@ -151,8 +168,12 @@ def test_analyses_show_progress_bars(stories, capsys):
     from sparse_eval.analysis import error_vs_budget, geometry
 
     model, tok = stories
-    geometry.measure(model, tok, 512, geometry.GeometryOptions(num_random=4, num_sentences=4, sentence_len=32,
-                                                               length=96, num_queries=2, batch=2))
+    geometry.measure(
+        model,
+        tok,
+        512,
+        geometry.GeometryOptions(num_random=4, num_sentences=4, sentence_len=32, length=96, num_queries=2, batch=2),
+    )
     err = capsys.readouterr().err
     assert "geometry: random inputs" in err and "/10 [" in err  # 2 + 2 batches, the passage, 5 layers
     opts = error_vs_budget.ErrorOptions(length=96, num_queries=2, budgets=[0.1, 0.5], magicpig=[[4, 20]], repeats=2)
@@ -164,6 +185,7 @@ def test_analyses_show_progress_bars(stories, capsys):
 
 # -- 4. settings that mean nothing ---------------------------------------------------------------------------------
 
+
 def test_label_bits_3_is_valid_on_the_accuracy_path_and_refused_by_the_system_path(tmp_path):
     """Any width 1..8 is a label precision the simulation honours (2^bits - 1 levels, as the authors'
     quantizer); the system path's kernels pack 4, 8 or 16 bits and say so."""
@@ -174,8 +196,9 @@ def test_label_bits_3_is_valid_on_the_accuracy_path_and_refused_by_the_system_pa
     x = torch.randn(4, 16)
     q = pseudo_quantize(x, 3)
     assert all(len(torch.unique(row)) <= 8 for row in q) and (q - x).abs().max() < (x.max() - x.min())
-    (s,) = run(cfg_for(tmp_path, "method=double_sparsity", "method.label_bits=3", "task.num_samples=1",
-                       "task.window=64"))
+    (s,) = run(
+        cfg_for(tmp_path, "method=double_sparsity", "method.label_bits=3", "task.num_samples=1", "task.window=64")
+    )
     assert s["method_config"]["label_bits"] == 3 and s["samples"] == 1
 
     from sparse_eval.system.__main__ import run as system_run
@@ -187,6 +210,7 @@ def test_label_bits_3_is_valid_on_the_accuracy_path_and_refused_by_the_system_pa
 
 
 # -- 5. an unreadable run --------------------------------------------------------------------------------------------
+
 
 def test_status_and_collect_flag_a_run_whose_config_cannot_be_read(tmp_path, capsys):
     from sparse_eval import collect, status
@@ -222,6 +246,7 @@ def test_collect_help_names_both_files(capsys):
 
 
 # -- 7. temporary files, SIGTERM ---------------------------------------------------------------------------------
+
 
 def test_a_failed_write_leaves_no_temporary_file_and_a_rerun_removes_stale_ones(tmp_path, monkeypatch):
     import errno
@@ -324,6 +349,7 @@ def test_a_refusal_removes_the_hydra_folder_it_made(tmp_path, monkeypatch):
 
 # -- 8. the output's wording, the warnings ---------------------------------------------------------------------
 
+
 def test_table_wording_and_reuse(tmp_path, capsys):
     args = ("method=full", "task.num_samples=1", "task.window=64")
     run(cfg_for(tmp_path, *args))
@@ -389,12 +415,17 @@ def test_system_prompts_do_not_warn_about_indexing_errors(stories):
 
 # -- 9. the README's times and their conditions -------------------------------------------------------------------
 
+
 def test_readme_times_state_their_conditions():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     record = (REPO / "experiments" / "default_run" / "README.md").read_text(encoding="utf-8")
     for text in (readme, record):
         assert re.search(r"\bload\s+(average\s+)?of\s+[0-9]", text) and "101" in text  # the loaded machine's figure too
-    for cmd in ("python -m sparse_eval.calibrate model=smollm2_135m", "analysis=geometry model=smollm2_135m",
-                "analysis=error_vs_budget model=smollm2_135m", "analysis=ds_checks model=smollm2_135m"):
+    for cmd in (
+        "python -m sparse_eval.calibrate model=smollm2_135m",
+        "analysis=geometry model=smollm2_135m",
+        "analysis=error_vs_budget model=smollm2_135m",
+        "analysis=ds_checks model=smollm2_135m",
+    ):
         line = next(l for l in readme.splitlines() if cmd in l)
         assert re.search(r"\d+ (s|min)\b", line), line

@@ -51,26 +51,47 @@ def main():
         ps = p.reshape(b, hkv, g * ql, n)
         c = 16
         scores = {
-            "broadcast over the group": lambda: torch.matmul(q.reshape(b, hkv, g, ql, d), k.unsqueeze(2).transpose(-1, -2)).reshape(b, hq, ql, n),
+            "broadcast over the group": lambda: torch.matmul(
+                q.reshape(b, hkv, g, ql, d), k.unsqueeze(2).transpose(-1, -2)
+            ).reshape(b, hq, ql, n),
             "G*Q rows @ K^T": lambda: torch.matmul(qs, k.transpose(-1, -2)).reshape(b, hq, ql, n),
-            "(K @ (G*Q rows)^T)^T": lambda: torch.matmul(k, qs.transpose(-1, -2)).transpose(-1, -2).reshape(b, hq, ql, n),
+            "(K @ (G*Q rows)^T)^T": lambda: (
+                torch.matmul(k, qs.transpose(-1, -2)).transpose(-1, -2).reshape(b, hq, ql, n)
+            ),
         }
         values = {
-            "broadcast over the group": lambda: torch.matmul(p.reshape(b, hkv, g, ql, n).to(v.dtype), v.unsqueeze(2)).reshape(b, hq, ql, d),
+            "broadcast over the group": lambda: torch.matmul(
+                p.reshape(b, hkv, g, ql, n).to(v.dtype), v.unsqueeze(2)
+            ).reshape(b, hq, ql, d),
             "G*Q rows @ V": lambda: torch.matmul(ps.to(v.dtype), v).reshape(b, hq, ql, d),
-            "(V^T @ (G*Q rows)^T)^T": lambda: torch.matmul(v.transpose(-1, -2), ps.to(v.dtype).transpose(-1, -2)).transpose(-1, -2).reshape(b, hq, ql, d),
+            "(V^T @ (G*Q rows)^T)^T": lambda: (
+                torch.matmul(v.transpose(-1, -2), ps.to(v.dtype).transpose(-1, -2))
+                .transpose(-1, -2)
+                .reshape(b, hq, ql, d)
+            ),
             "G*Q rows (padded to 8) @ V": lambda: (_padded_rows(ps, v.dtype) @ v).reshape(b, hq, ql, d),
         }
         if n % c == 0:  # the reduction split into c chunks (another summation order)
-            values[f"split-K by hand ({c} chunks)"] = lambda: torch.matmul(ps.to(v.dtype).view(b, hkv, g * ql, c, n // c).transpose(2, 3),
-                                                                          v.view(b, hkv, c, n // c, d)).sum(2, dtype=torch.float32).to(v.dtype).reshape(b, hq, ql, d)
+            values[f"split-K by hand ({c} chunks)"] = lambda: (
+                torch.matmul(
+                    ps.to(v.dtype).view(b, hkv, g * ql, c, n // c).transpose(2, 3), v.view(b, hkv, c, n // c, d)
+                )
+                .sum(2, dtype=torch.float32)
+                .to(v.dtype)
+                .reshape(b, hq, ql, d)
+            )
         bias = torch.zeros(b, hq, ql, n, device=dev, dtype=torch.bfloat16)
         bias[..., ::3] = float("-inf")
         fused = {  # for scale: the whole masked softmax · V in one call, against the unfused step of the core
-            "core: scores, mask, softmax, P V": lambda: torch.matmul(torch.softmax(
-                (torch.matmul(qs, k.transpose(-1, -2)).float() + bias.reshape(b, hkv, g * ql, n)), -1).to(v.dtype), v),
+            "core: scores, mask, softmax, P V": lambda: torch.matmul(
+                torch.softmax((torch.matmul(qs, k.transpose(-1, -2)).float() + bias.reshape(b, hkv, g * ql, n)), -1).to(
+                    v.dtype
+                ),
+                v,
+            ),
             "sdpa, bias mask, enable_gqa": lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias, enable_gqa=True),
+                q, k, v, attn_mask=bias, enable_gqa=True
+            ),
         }
         for name, fn in fused.items():
             print(f"N={n:6d} {'fused':6s} {name:28s} {timed(fn) * 1e3:8.1f} us", flush=True)

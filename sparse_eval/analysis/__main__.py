@@ -72,9 +72,13 @@ def summary(result: dict[str, Any]) -> str:
     head = module.summary(result)
     out: Path = result["out"]
     full = pd.read_csv(result["table_file"])
-    lines = [head.to_string(index=False, float_format=lambda x: f"{x:.4g}"), "",
-             f"full table ({len(full)} rows x {len(full.columns)} columns): {result['table_file']}", "",
-             f"wrote {out}:"]
+    lines = [
+        head.to_string(index=False, float_format=lambda x: f"{x:.4g}"),
+        "",
+        f"full table ({len(full)} rows x {len(full.columns)} columns): {result['table_file']}",
+        "",
+        f"wrote {out}:",
+    ]
     lines += [f"  {p.name}" for p in sorted(out.iterdir())]
     return "\n".join(lines)
 

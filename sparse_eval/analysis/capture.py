@@ -49,7 +49,7 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
     store: _Store | None = getattr(module, _STORE_ATTR, None)
     scaling = module.scaling if scaling is None else scaling
     if store is not None:
-        q = query if store.query_rows is None else query[:, :, -store.query_rows:]
+        q = query if store.query_rows is None else query[:, :, -store.query_rows :]
 
         def keep(x: torch.Tensor) -> torch.Tensor:
             x = x.detach()
@@ -66,8 +66,13 @@ AttentionMaskInterface.register(CAPTURE_NAME, sdpa_mask)
 
 
 @contextlib.contextmanager
-def capturing(model: torch.nn.Module, layers: Sequence[int] | None = None, query_rows: int | None = None,
-              dtype: torch.dtype | None = torch.float32, device: str | None = "cpu") -> Iterator[_Store]:
+def capturing(
+    model: torch.nn.Module,
+    layers: Sequence[int] | None = None,
+    query_rows: int | None = None,
+    dtype: torch.dtype | None = torch.float32,
+    device: str | None = "cpu",
+) -> Iterator[_Store]:
     """Inside the block, every forward of ``model`` records the attention inputs of ``layers`` (all: None)."""
     from ..models.inspection import attention_modules
 
@@ -89,9 +94,14 @@ def capturing(model: torch.nn.Module, layers: Sequence[int] | None = None, query
 
 
 @torch.inference_mode()
-def capture_qkv(model: torch.nn.Module, input_ids: torch.Tensor, layers: Sequence[int] | None = None,
-                query_rows: int | None = None, dtype: torch.dtype | None = torch.float32,
-                device: str | None = "cpu") -> dict[int, LayerQKV]:
+def capture_qkv(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    layers: Sequence[int] | None = None,
+    query_rows: int | None = None,
+    dtype: torch.dtype | None = torch.float32,
+    device: str | None = "cpu",
+) -> dict[int, LayerQKV]:
     """One forward of ``input_ids`` [B, T] (no cache, no padding); returns {layer: LayerQKV}.
 
     The query rows kept are the last ``query_rows`` positions (None: all): the query of the last position with
@@ -123,6 +133,7 @@ def capture_layer_inputs(model: torch.nn.Module, input_ids: torch.Tensor) -> dic
         def hook(module, args, kwargs):
             x = kwargs.get("hidden_states", args[0] if args else None)
             out.setdefault(idx, {})["hidden"] = x.detach().float().cpu()
+
         return hook
 
     def attn_hook(module, args, kwargs):

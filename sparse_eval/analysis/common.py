@@ -19,6 +19,7 @@ TEXT_SOURCES = ("bundled", "local")
 
 # -- options ------------------------------------------------------------------------------------------------
 
+
 def model_config(name: str = "stories260k", overrides: Mapping[str, Any] | None = None) -> ModelConfig:
     """``conf/model/<name>.yaml`` (as ``python -m sparse_eval model=<name>`` reads it) with ``overrides``."""
     from omegaconf import OmegaConf
@@ -44,6 +45,7 @@ def model_config(name: str = "stories260k", overrides: Mapping[str, Any] | None 
 
 # -- model and text -----------------------------------------------------------------------------------------
 
+
 def load(model: ModelConfig) -> tuple[Any, Any, int]:
     """(model in eval mode, tokenizer, usable context)."""
     m, tok = load_model(model)
@@ -62,8 +64,9 @@ def load_text(source: str = "bundled", data_dir: str | None = None, path: str | 
     return wikitext_text(WikitextConfig(source=source, path=path), Path(data_dir).expanduser() if data_dir else None)
 
 
-def token_windows(tokenizer: Any, text: str, length: int, count: int, add_bos: bool = True,
-                  skip: int = 0) -> torch.Tensor:
+def token_windows(
+    tokenizer: Any, text: str, length: int, count: int, add_bos: bool = True, skip: int = 0
+) -> torch.Tensor:
     """``count`` consecutive non-overlapping windows of ``length`` tokens of ``text`` (after the first ``skip``
     windows), each starting with BOS when the tokenizer has one and ``add_bos``: long [count, length]."""
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
@@ -75,10 +78,11 @@ def token_windows(tokenizer: Any, text: str, length: int, count: int, add_bos: b
     if len(ids) < need:
         raise ValueError(
             f"the text has {len(ids)} tokens; {count} windows of {length} tokens (after skipping {skip}) need {need}: "
-            "use fewer/shorter windows or a longer text (text=local with paths.data_dir, or text_path=<file>)")
+            "use fewer/shorter windows or a longer text (text=local with paths.data_dir, or text_path=<file>)"
+        )
     rows = []
     for i in range(skip, skip + count):
-        chunk = ids[i * body:(i + 1) * body]
+        chunk = ids[i * body : (i + 1) * body]
         rows.append(([bos] if bos is not None else []) + chunk)
     return torch.tensor(rows, dtype=torch.long)
 
@@ -115,12 +119,15 @@ def pick_layers(spec: Any, num_layers: int) -> list[int]:
     out = []
     for i in items:
         if not isinstance(i, int) or not -num_layers <= i < num_layers:
-            raise ValueError(f"layers={spec!r}: {i!r} is not a layer of this model (valid 0..{num_layers - 1}, or negative)")
+            raise ValueError(
+                f"layers={spec!r}: {i!r} is not a layer of this model (valid 0..{num_layers - 1}, or negative)"
+            )
         out.append(i % num_layers)
     return sorted(set(out))
 
 
 # -- output -------------------------------------------------------------------------------------------------
+
 
 def out_dir(path: str | None, analysis: str, model_name: str) -> Path:
     p = Path(path).expanduser() if path else Path("analysis") / analysis / model_name
@@ -152,8 +159,14 @@ def write_json(path: Path, obj: Any) -> Path:
 def provenance(model: ModelConfig, options: Any, text_origin: str | None = None) -> dict[str, Any]:
     from ..provenance import git_commit, versions
 
-    return {"model": dataclasses.asdict(model), "options": dataclasses.asdict(options), "text": text_origin,
-            "git": git_commit(), "versions": versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {
+        "model": dataclasses.asdict(model),
+        "options": dataclasses.asdict(options),
+        "text": text_origin,
+        "git": git_commit(),
+        "versions": versions(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def save_figure(fig: Any, out: Path, stem: str) -> list[Path]:
@@ -167,7 +180,9 @@ def save_figure(fig: Any, out: Path, stem: str) -> list[Path]:
     return paths
 
 
-def run_measured(name: str, model_cfg: ModelConfig, opts: Any, measure: Any, per_layer_table: Any, figures: Any) -> dict[str, Any]:
+def run_measured(
+    name: str, model_cfg: ModelConfig, opts: Any, measure: Any, per_layer_table: Any, figures: Any
+) -> dict[str, Any]:
     """The shape every per-layer analysis run takes: load the model, ``measure``, write ``<name>.json`` (with
     provenance) and ``<name>_per_layer.csv``, draw the figures."""
     opts.validate()
@@ -188,8 +203,9 @@ def layer_summary(table: Any, columns: list[str]) -> Any:
 
     cols = [c for c in columns if c in table]
     stats = table[cols].agg(["mean", "min", "max"]).T
-    return pd.DataFrame({"quantity": cols, "mean": stats["mean"].values, "min": stats["min"].values,
-                         "max": stats["max"].values})
+    return pd.DataFrame(
+        {"quantity": cols, "mean": stats["mean"].values, "min": stats["min"].values, "max": stats["max"].values}
+    )
 
 
 def progress(total: int, desc: str, unit: str = "step", show: bool = True):

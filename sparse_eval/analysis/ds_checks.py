@@ -62,13 +62,15 @@ class DSCheckOptions:
 
 # -- channel ranking ------------------------------------------------------------------------------------------
 
+
 def rank_channels(score: torch.Tensor) -> torch.Tensor:
     """[..., D] -> channel indices by decreasing score, ties by lower index (as ``sparse_eval.calibrate``)."""
     return torch.sort(score, dim=-1, descending=True, stable=True).indices
 
 
-def offline_scores(model: Any, blocks: torch.Tensor, channel_type: str, rope: str = "authors",
-                   progress: bool = False) -> torch.Tensor:
+def offline_scores(
+    model: Any, blocks: torch.Tensor, channel_type: str, rope: str = "authors", progress: bool = False
+) -> torch.Tensor:
     """Calibration statistic [L, H, D] (H = query heads for qk/q, KV heads for k), by calibrate.py's code."""
     from ..calibrate import channel_statistics
 
@@ -112,6 +114,7 @@ def topk_overlap(offline_rank: torch.Tensor, online_score: torch.Tensor, ratios:
 
 # -- Fig. 8 ---------------------------------------------------------------------------------------------------
 
+
 def layer_similarity(model: Any, ids: torch.Tensor) -> dict[str, list[float]]:
     """Mean over tokens of cos(x_l, x_{l+1}) (residual inputs) and of cos(q̂_{l+1}, q_{l+1}) (mean over heads),
     for l = 0 … L−2; also the same without the first token (the attention sink's huge activations)."""
@@ -143,6 +146,7 @@ def layer_similarity(model: Any, ids: torch.Tensor) -> dict[str, list[float]]:
 
 # -- the run --------------------------------------------------------------------------------------------------
 
+
 def measure(model: Any, tokenizer: Any, context: int, opts: DSCheckOptions, show: bool = True) -> dict[str, Any]:
     """The checks' raw numbers; ``show``: progress bars (calibration forwards, then the online windows and the
     layer similarity) with the time left."""
@@ -166,22 +170,28 @@ def measure(model: Any, tokenizer: Any, context: int, opts: DSCheckOptions, show
         bar.update()
         pre_rope = opts.rope == "before" or (opts.rope == "authors" and opts.channel_type in ("q", "k"))
         if pre_rope:  # the side of RoPE the calibration statistic was taken on
-            cap = _pre_rope_qk(model, online[i:i + 1], opts.num_queries)
+            cap = _pre_rope_qk(model, online[i : i + 1], opts.num_queries)
         else:
-            cap = {l: (c.q, c.k) for l, c in capture_qkv(model, online[i:i + 1], query_rows=opts.num_queries).items()}
+            cap = {l: (c.q, c.k) for l, c in capture_qkv(model, online[i : i + 1], query_rows=opts.num_queries).items()}
         for l, (q, k) in cap.items():
             s = online_scores(q, k, opts.channel_type)[0].transpose(0, 1)  # [Q, H, D]
             ov = topk_overlap(off_rank[l], s, ratios).mean(0)  # [H, F]
             acc[l] = acc[l] + ov if l in acc else ov
     overlap = {l: acc[l] / online.shape[0] for l in sorted(acc)}  # [H, F]
-    hidden = common.token_windows(tokenizer, text, block, opts.hidden_blocks, skip=opts.calib_blocks + opts.online_blocks) \
-        if _enough(tokenizer, text, block, opts.calib_blocks + opts.online_blocks + opts.hidden_blocks) else online
+    hidden = (
+        common.token_windows(tokenizer, text, block, opts.hidden_blocks, skip=opts.calib_blocks + opts.online_blocks)
+        if _enough(tokenizer, text, block, opts.calib_blocks + opts.online_blocks + opts.hidden_blocks)
+        else online
+    )
     bar.set_description("ds_checks: layer similarity")
     sim = layer_similarity(model, hidden)
     bar.update()
     bar.close()
     return {
-        "model_shape": shape, "text": origin, "block_size": block, "ratios": ratios,
+        "model_shape": shape,
+        "text": origin,
+        "block_size": block,
+        "ratios": ratios,
         "channel_type": opts.channel_type,
         "overlap_per_layer_head": [overlap[l] for l in range(shape["num_layers"])],  # [L][H][F]
         "overlap_per_layer": [overlap[l].mean(0) for l in range(shape["num_layers"])],  # [L][F]
@@ -251,8 +261,14 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: DSCheckOption
     fig, ax = plt.subplots(figsize=(7, 4.3), constrained_layout=True)
     cmap = plt.get_cmap("viridis")
     for l in range(nl):
-        ax.plot(ratios, _np((res["overlap_per_layer"][l])), lw=0.8, alpha=0.6,
-                color=cmap(l / max(nl - 1, 1)), label=f"layer {l}" if nl <= 12 else None)
+        ax.plot(
+            ratios,
+            _np((res["overlap_per_layer"][l])),
+            lw=0.8,
+            alpha=0.6,
+            color=cmap(l / max(nl - 1, 1)),
+            label=f"layer {l}" if nl <= 12 else None,
+        )
     ax.plot(ratios, _np((res["overlap_mean"])), color="black", lw=2, marker="o", label="mean over layers")
     ax.plot(ratios, res["random_overlap"], ls=":", color="grey", label="random channels (= ratio)")
     ax.axhline(0.95, ls="--", color="C3", lw=0.8, label="0.95 (paper, ratio > 0.25)")
@@ -261,9 +277,12 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: DSCheckOption
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    ax.set_title(f"DS offline vs online outlier channels (DS Fig. 7b) — {model_name}\n"
-                 f"{opts.channel_type} channels; calibration {opts.calib_blocks}×{res['block_size']} tokens, "
-                 f"online {opts.online_blocks}×{opts.num_queries} decoding steps", fontsize=10)
+    ax.set_title(
+        f"DS offline vs online outlier channels (DS Fig. 7b) — {model_name}\n"
+        f"{opts.channel_type} channels; calibration {opts.calib_blocks}×{res['block_size']} tokens, "
+        f"online {opts.online_blocks}×{opts.num_queries} decoding steps",
+        fontsize=10,
+    )
     paths += common.save_figure(fig, out, "ds_fig7b_channel_overlap")
 
     sim = res["layer_similarity"]
@@ -282,8 +301,11 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: DSCheckOption
     ax.set_ylim(lo, 1.05)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
     ax.grid(alpha=0.3, axis="y")
-    ax.set_title(f"Similarity of consecutive layers (DS Fig. 8) — {model_name}\n"
-                 f"{opts.hidden_blocks}×{res['block_size']}-token windows", fontsize=10)
+    ax.set_title(
+        f"Similarity of consecutive layers (DS Fig. 8) — {model_name}\n"
+        f"{opts.hidden_blocks}×{res['block_size']}-token windows",
+        fontsize=10,
+    )
     paths += common.save_figure(fig, out, "ds_fig8_layer_similarity")
     return paths
 

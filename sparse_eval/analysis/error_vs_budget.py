@@ -70,16 +70,20 @@ class ErrorOptions:
             raise ValueError(f"budgets={self.budgets!r}: each a ratio of the context in (0, 1]")
         for kl in self.magicpig:
             if not (isinstance(kl, (list, tuple)) and len(kl) == 2 and all(isinstance(x, int) and x >= 1 for x in kl)):
-                raise ValueError(f"magicpig={self.magicpig!r}: give a list of [K, L] pairs of positive ints, e.g. [[10,150],[8,75]]")
+                raise ValueError(
+                    f"magicpig={self.magicpig!r}: give a list of [K, L] pairs of positive ints, e.g. [[10,150],[8,75]]"
+                )
         if self.num_queries < 1 or self.repeats < 1 or self.passages < 1:
-            raise ValueError(f"num_queries={self.num_queries}, repeats={self.repeats}, passages={self.passages}: "
-                             "each must be >= 1")
+            raise ValueError(
+                f"num_queries={self.num_queries}, repeats={self.repeats}, passages={self.passages}: each must be >= 1"
+            )
         if self.sink < 0 or self.local < 0:
             raise ValueError(f"sink={self.sink}, local={self.local}: must be >= 0")
 
 
-def oracle_bound(q: torch.Tensor, k: torch.Tensor, scaling: float, sink: int, local: int,
-                 draws: torch.Tensor) -> torch.Tensor:
+def oracle_bound(
+    q: torch.Tensor, k: torch.Tensor, scaling: float, sink: int, local: int, draws: torch.Tensor
+) -> torch.Tensor:
     """Theorem 3.3: 1 + B·ε per row, ε = 1 − max_i w_i over the non-static keys the sampler draws from.
     q [B, Hq, Q, D], k [B, Hkv, N, D], draws [B, 1, Q, 1] -> [B, Hq, Q]."""
     b, _, ql, _ = q.shape
@@ -92,7 +96,9 @@ def oracle_bound(q: torch.Tensor, k: torch.Tensor, scaling: float, sink: int, lo
     return (1.0 + draws.squeeze(-1).double() * eps).float()
 
 
-def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progress: bool = False) -> list[dict[str, Any]]:
+def measure(
+    model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progress: bool = False
+) -> list[dict[str, Any]]:
     """Returns one record per (layer, method, setting, seed): error, cost2 and (oracle) unique count and bound.
     ``progress``: progress bars for the passage's forward and then every (layer, method, setting, seed), with the
     time left."""
@@ -109,12 +115,22 @@ def measure(model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progre
     n_min = length - opts.num_queries + 1  # keys of the first query row
     seeds = [opts.seed + r for r in range(opts.repeats)]
     kept = [b for b in opts.budgets if not (math.floor(float(b) * (n_min - opts.sink - opts.local)) < 1 and b < 1.0)]
-    per_layer = len(kept) * ((TopK.name in opts.methods) + len(seeds) * (OracleSampling.name in opts.methods)) \
-        + len(opts.magicpig) * len(seeds) * (MagicPIG.name in opts.methods)
+    per_layer = len(kept) * ((TopK.name in opts.methods) + len(seeds) * (OracleSampling.name in opts.methods)) + len(
+        opts.magicpig
+    ) * len(seeds) * (MagicPIG.name in opts.methods)
     records: list[dict[str, Any]] = []
     for p in range(opts.passages):
-        part = _measure_passage(model, ids[p:p + 1], layers, n_min, seeds, per_layer, opts,
-                                progress, f" (passage {p + 1}/{opts.passages})" if opts.passages > 1 else "")
+        part = _measure_passage(
+            model,
+            ids[p : p + 1],
+            layers,
+            n_min,
+            seeds,
+            per_layer,
+            opts,
+            progress,
+            f" (passage {p + 1}/{opts.passages})" if opts.passages > 1 else "",
+        )
         records += [dict(r, passage=p) for r in part]
     for r in records:
         r["length"] = length
@@ -162,14 +178,30 @@ def _measure_passage(model, ids, layers, n_min, seeds, per_layer, opts, progress
                     unique = (keep & ~stat).sum(-1).float()  # [B, Hq, Q]
                     draws = torch.floor(nval.double() * b).long()
                     bound = oracle_bound(q, k, c.scaling, opts.sink, opts.local, draws)
-                    records.append(_record(l, OracleSampling.name, st, budget=b, seed=s, unique=float(unique.mean()),
-                                           bound=float(bound.mean()), draws=float(draws.float().mean()),
-                                           unique_le_bound=float((unique <= bound + 1e-6).float().mean())))
+                    records.append(
+                        _record(
+                            l,
+                            OracleSampling.name,
+                            st,
+                            budget=b,
+                            seed=s,
+                            unique=float(unique.mean()),
+                            bound=float(bound.mean()),
+                            draws=float(draws.float().mean()),
+                            unique_le_bound=float((unique <= bound + 1e-6).float().mean()),
+                        )
+                    )
         if MagicPIG.name in opts.methods:
             for K, L in opts.magicpig:
                 for s in seeds:
-                    st = run(MagicPIG.name, seed=s, K=int(K), L=int(L), min_collisions=opts.min_collisions,
-                             center=opts.center)
+                    st = run(
+                        MagicPIG.name,
+                        seed=s,
+                        K=int(K),
+                        L=int(L),
+                        min_collisions=opts.min_collisions,
+                        center=opts.center,
+                    )
                     records.append(_record(l, MagicPIG.name, st, K=int(K), L=int(L), seed=s))
     bar.close()
     return records
@@ -180,9 +212,18 @@ def _record(layer: int, method: str, st: dict[str, Any], **extra: Any) -> dict[s
     w = rows.float()
     tot = float(w.sum().clamp_min(1))
     mean = lambda x: float((x.float() * w).sum() / tot)  # noqa: E731
-    rec = {"layer": layer, "method": method, "budget": None, "K": None, "L": None, "seed": None,
-           "error": mean(st["est_error"]), "error_max": float(st["est_error"][rows].max()) if rows.any() else float("nan"),
-           "cost2": mean(st["cost2"]), "static_frac": mean(st["static_frac"])}
+    rec = {
+        "layer": layer,
+        "method": method,
+        "budget": None,
+        "K": None,
+        "L": None,
+        "seed": None,
+        "error": mean(st["est_error"]),
+        "error_max": float(st["est_error"][rows].max()) if rows.any() else float("nan"),
+        "cost2": mean(st["cost2"]),
+        "static_frac": mean(st["static_frac"]),
+    }
     rec.update(extra)
     return rec
 
@@ -197,7 +238,11 @@ def summarize(records: list[dict[str, Any]]):
     if "passage" not in df:
         df["passage"] = 0
     keys = ["method", "budget", "K", "L"]
-    val = [c for c in ("error", "error_max", "cost2", "static_frac", "unique", "bound", "draws", "unique_le_bound") if c in df]
+    val = [
+        c
+        for c in ("error", "error_max", "cost2", "static_frac", "unique", "bound", "draws", "unique_le_bound")
+        if c in df
+    ]
     per = df.groupby(["passage", "layer", *keys], dropna=False)[val].mean().reset_index()  # mean over seeds
     per_mean = per.groupby(["passage", *keys], dropna=False)[val].mean().reset_index()  # mean over layers
     per_mean.insert(1, "layer", "mean")
@@ -232,8 +277,11 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
         settings += f", {n_passages} passages (band: 95 % bootstrap over passages)"
     if opts.sink or opts.local:
         settings += f", sink {opts.sink} + local {opts.local} static"
-    plot_layers = (common.pick_layers(opts.plot_layers, num_layers) if opts.plot_layers is not None
-                   else _default_plot_layers(layers, num_layers))
+    plot_layers = (
+        common.pick_layers(opts.plot_layers, num_layers)
+        if opts.plot_layers is not None
+        else _default_plot_layers(layers, num_layers)
+    )
     plot_layers = [l for l in plot_layers if l in layers]
     panels = ["mean", *plot_layers]
 
@@ -241,9 +289,10 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4), constrained_layout=True, squeeze=False)
     for ax, layer in zip(axes[0], panels):
         d = summary[summary["layer"] == layer]
-        for method, style, label in ((TopK.name, dict(color="C0", marker="o"), "TopK (x = keys kept)"),
-                                     (OracleSampling.name, dict(color="C1", marker="s"),
-                                      "oracle sampling (x = draws B)")):
+        for method, style, label in (
+            (TopK.name, dict(color="C0", marker="o"), "TopK (x = keys kept)"),
+            (OracleSampling.name, dict(color="C1", marker="s"), "oracle sampling (x = draws B)"),
+        ):
             dm = d[d["method"] == method].sort_values("budget")
             if len(dm):
                 ax.plot(dm["budget"], dm["error"], label=label, ms=4, **style)
@@ -251,10 +300,18 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
                     ax.fill_between(dm["budget"], dm["error_lo"], dm["error_hi"], color=style["color"], alpha=0.2, lw=0)
         dm = d[d["method"] == MagicPIG.name]
         if len(dm):
-            ax.scatter(dm["cost2"], dm["error"], color="C2", marker="^", zorder=3, label="MagicPIG (x = measured Cost2)")
+            ax.scatter(
+                dm["cost2"], dm["error"], color="C2", marker="^", zorder=3, label="MagicPIG (x = measured Cost2)"
+            )
             if banded:
-                ax.errorbar(dm["cost2"], dm["error"], yerr=[dm["error"] - dm["error_lo"], dm["error_hi"] - dm["error"]],
-                            fmt="none", ecolor="C2", alpha=0.6)
+                ax.errorbar(
+                    dm["cost2"],
+                    dm["error"],
+                    yerr=[dm["error"] - dm["error_lo"], dm["error_hi"] - dm["error"]],
+                    fmt="none",
+                    ecolor="C2",
+                    alpha=0.6,
+                )
         ax.set_xscale("log")
         plain_log_x(ax)
         if len(dm):
@@ -274,7 +331,9 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
         cmap = plt.get_cmap("viridis")
         for i, l in enumerate(layers):
             dl = d[d["layer"] == l].sort_values("budget")
-            ax.plot(dl["budget"], dl["error"], marker="o", ms=3, color=cmap(i / max(len(layers) - 1, 1)), label=f"layer {l}")
+            ax.plot(
+                dl["budget"], dl["error"], marker="o", ms=3, color=cmap(i / max(len(layers) - 1, 1)), label=f"layer {l}"
+            )
         ax.set_xscale("log")
         ax.set_xlabel("TopK budget (fraction of the context kept)")
         ax.set_ylabel("relative error ‖ô − o‖ / ‖o‖")
@@ -317,12 +376,18 @@ def run(model_cfg, opts: ErrorOptions) -> dict[str, Any]:
     summary = summarize(records)
     summary.attrs["length"] = records[0]["length"] if records else opts.length
     summary.to_csv(out / "error_vs_budget.csv", index=False)
-    common.write_json(out / "error_vs_budget.json", {
-        "provenance": common.provenance(model_cfg, opts, records[0]["text"] if records else None),
-        "records": records})
+    common.write_json(
+        out / "error_vs_budget.json",
+        {"provenance": common.provenance(model_cfg, opts, records[0]["text"] if records else None), "records": records},
+    )
     paths = figures(summary, out, model_cfg.name, opts, model_shape(model)["num_layers"])
-    return {"out": out, "summary": summary, "table_file": out / "error_vs_budget.csv", "records": records,
-            "figures": paths}
+    return {
+        "out": out,
+        "summary": summary,
+        "table_file": out / "error_vs_budget.csv",
+        "records": records,
+        "figures": paths,
+    }
 
 
 def summary(result: dict[str, Any]):

@@ -76,6 +76,7 @@ class GeometryOptions:
 
 # -- the measures (pure tensor functions; tests compare them with brute force) ---------------------------------
 
+
 def pairwise_cos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, ..., D] -> (mean, min) over the N(N−1)/2 pairs of the cosine similarity, each [...]."""
     n = x.shape[0]
@@ -134,18 +135,22 @@ def score_spread(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: flo
     o = torch.einsum("bhn,bhnd->bhd", w, vv)
     dev = torch.log((vv - o[:, :, None]).norm(dim=-1).clamp_min(1e-30))  # [B, Hq, N]
     return {
-        "score_std": s.std(-1).float(), "score_range": (s.amax(-1) - s.amin(-1)).float(),
-        "logdev_std": dev.std(-1).float(), "logdev_range": (dev.amax(-1) - dev.amin(-1)).float(),
-        "scores": s.float(), "log_dev": dev.float(),
+        "score_std": s.std(-1).float(),
+        "score_range": (s.amax(-1) - s.amin(-1)).float(),
+        "logdev_std": dev.std(-1).float(),
+        "logdev_range": (dev.amax(-1) - dev.amin(-1)).float(),
+        "scores": s.float(),
+        "log_dev": dev.float(),
     }
 
 
 # -- the run --------------------------------------------------------------------------------------------------
 
+
 def _batched(model, ids: torch.Tensor, batch: int, query_rows: int):
     """Captures every layer for ``ids`` [N, T] in batches; yields {layer: LayerQKV} per batch."""
     for start in range(0, ids.shape[0], batch):
-        yield capture_qkv(model, ids[start:start + batch], query_rows=query_rows)
+        yield capture_qkv(model, ids[start : start + batch], query_rows=query_rows)
 
 
 def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, show: bool = True) -> dict[str, Any]:
@@ -197,8 +202,13 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, sho
 
     # Fig. 2 and Fig. 10: `passages` passages of `length` tokens (after the windows used above when the text allows)
     try:
-        passages = common.token_windows(tokenizer, text, length, opts.passages,
-                                        skip=(opts.num_sentences * (opts.sentence_len - 1)) // max(length - 1, 1) + 1)
+        passages = common.token_windows(
+            tokenizer,
+            text,
+            length,
+            opts.passages,
+            skip=(opts.num_sentences * (opts.sentence_len - 1)) // max(length - 1, 1) + 1,
+        )
     except ValueError:
         passages = common.token_windows(tokenizer, text, length, opts.passages)
     fr = [float(f) for f in opts.fractions]
@@ -207,7 +217,7 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, sho
     for pi in range(opts.passages):
         tag = f" {pi + 1}/{opts.passages}" if opts.passages > 1 else ""
         bar.set_description(f"geometry: {length}-token passage{tag}")
-        cap = capture_qkv(model, passages[pi:pi + 1], query_rows=opts.num_queries)
+        cap = capture_qkv(model, passages[pi : pi + 1], query_rows=opts.num_queries)
         bar.update()
         bar.set_description(f"geometry: per layer{tag}")
         mass, mass_ns, mass_head, mass_ns_head = [], [], [], []
@@ -251,19 +261,35 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, sho
         "fractions": fr,
         "sink_cos": {"mean": list(sink_mean), "min": list(sink_min)},  # [L][Hkv]
         "kavg_cos": {"mean": list(avg_mean), "min": list(avg_min)},
-        "sink_avg_cos": {"mean": sink_avg,  # [L][Hkv]
-                         "lo": [b[0] for b in sink_avg_band], "hi": [b[1] for b in sink_avg_band]},  # [L], over windows
+        "sink_avg_cos": {
+            "mean": sink_avg,  # [L][Hkv]
+            "lo": [b[0] for b in sink_avg_band],
+            "hi": [b[1] for b in sink_avg_band],
+        },  # [L], over windows
         "passages": opts.passages,
-        "top_mass": {"with_sink": mass, "without_sink": mass_ns,  # [L][F]: mean over passages
-                     "with_sink_lo": mass_lo, "with_sink_hi": mass_hi,  # [L][F]: 95 % band over passages
-                     "without_sink_lo": mass_ns_lo, "without_sink_hi": mass_ns_hi,
-                     "with_sink_per_head": mass_head, "without_sink_per_head": mass_ns_head},  # [L][Hq][F]
-        "value_norms": {"mean": [vnorm[l].mean(0) for l in range(nl)],  # [L][T]
-                        "per_head": [vnorm[l] for l in range(nl)]},
-        "score_spread": {key: [s[key][0] for s in spread] for key in ("score_std", "score_range", "logdev_std", "logdev_range")},
-        "score_spread_example": {"layer": spread_layer, "head": 0,
-                                 "scores": spread[spread_layer]["scores"][0, 0],
-                                 "log_dev": spread[spread_layer]["log_dev"][0, 0]},
+        "top_mass": {
+            "with_sink": mass,
+            "without_sink": mass_ns,  # [L][F]: mean over passages
+            "with_sink_lo": mass_lo,
+            "with_sink_hi": mass_hi,  # [L][F]: 95 % band over passages
+            "without_sink_lo": mass_ns_lo,
+            "without_sink_hi": mass_ns_hi,
+            "with_sink_per_head": mass_head,
+            "without_sink_per_head": mass_ns_head,
+        },  # [L][Hq][F]
+        "value_norms": {
+            "mean": [vnorm[l].mean(0) for l in range(nl)],  # [L][T]
+            "per_head": [vnorm[l] for l in range(nl)],
+        },
+        "score_spread": {
+            key: [s[key][0] for s in spread] for key in ("score_std", "score_range", "logdev_std", "logdev_range")
+        },
+        "score_spread_example": {
+            "layer": spread_layer,
+            "head": 0,
+            "scores": spread[spread_layer]["scores"][0, 0],
+            "log_dev": spread[spread_layer]["log_dev"][0, 0],
+        },
     }
 
 
@@ -296,7 +322,8 @@ def per_layer_table(res: dict[str, Any]):
             for end in ("lo", "hi"):  # 95 % band over the passages
                 row[f"top{x * 100:g}%_mass_{end}"] = float(torch.as_tensor(res["top_mass"][f"with_sink_{end}"][l])[i])
                 row[f"top{x * 100:g}%_mass_no_sink_{end}"] = float(
-                    torch.as_tensor(res["top_mass"][f"without_sink_{end}"][l])[i])
+                    torch.as_tensor(res["top_mass"][f"without_sink_{end}"][l])[i]
+                )
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -306,6 +333,7 @@ def _np(x):
 
 
 # -- figures --------------------------------------------------------------------------------------------------
+
 
 def _title(res: dict[str, Any], model_name: str, what: str) -> str:
     return f"{what} — {model_name}"
@@ -320,12 +348,18 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
 
     # Fig. 5: three heatmaps layer x KV head
     panels = [
-        (_np(torch.stack([torch.as_tensor(x) for x in res["sink_cos"]["min"]])),
-         f"(a) k_sink across {opts.num_random} random inputs\n(min pairwise cos)"),
-        (_np(torch.stack([torch.as_tensor(x) for x in res["kavg_cos"]["min"]])),
-         f"(b) k_avg across {opts.num_sentences} text windows\n(min pairwise cos)"),
-        (_np(torch.stack([torch.as_tensor(x) for x in res["sink_avg_cos"]["mean"]])),
-         "(c) cos(k_sink, k_avg)\n(mean over windows)"),
+        (
+            _np(torch.stack([torch.as_tensor(x) for x in res["sink_cos"]["min"]])),
+            f"(a) k_sink across {opts.num_random} random inputs\n(min pairwise cos)",
+        ),
+        (
+            _np(torch.stack([torch.as_tensor(x) for x in res["kavg_cos"]["min"]])),
+            f"(b) k_avg across {opts.num_sentences} text windows\n(min pairwise cos)",
+        ),
+        (
+            _np(torch.stack([torch.as_tensor(x) for x in res["sink_avg_cos"]["mean"]])),
+            "(c) cos(k_sink, k_avg)\n(mean over windows)",
+        ),
     ]
     hkv = panels[0][0].shape[1]
     fig, axes = plt.subplots(1, 3, figsize=(4.2 * 3, 0.35 * nl + 2.4), constrained_layout=True)
@@ -338,22 +372,35 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
         ax.set_yticks(range(nl)) if nl <= 40 else None
         if mat.size <= 120:
             for (i, j), val in np.ndenumerate(mat):
-                ax.text(j, i, f"{val:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if abs(val) > 0.6 else "black")
+                ax.text(
+                    j,
+                    i,
+                    f"{val:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if abs(val) > 0.6 else "black",
+                )
     fig.colorbar(im, ax=axes, shrink=0.8, label="cosine similarity")
-    fig.suptitle(_title(res, model_name, "Key geometry (MagicPIG Fig. 5)") +
-                 f"; windows of {opts.sentence_len} tokens, keys post-RoPE", fontsize=11)
+    fig.suptitle(
+        _title(res, model_name, "Key geometry (MagicPIG Fig. 5)")
+        + f"; windows of {opts.sentence_len} tokens, keys post-RoPE",
+        fontsize=11,
+    )
     paths += common.save_figure(fig, out, "fig5_key_geometry")
 
     # Fig. 2a/b: top-x% mass per layer, with and without the sink
     fr = np.array(res["fractions"]) * 100
     cmap = plt.get_cmap("viridis")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True, sharey=True)
-    for ax, key, title in ((axes[0], "with_sink", "(a) all keys"),
-                           (axes[1], "without_sink", f"(b) without the sink (first {opts.sink_tokens} key(s) dropped)")):
+    for ax, key, title in (
+        (axes[0], "with_sink", "(a) all keys"),
+        (axes[1], "without_sink", f"(b) without the sink (first {opts.sink_tokens} key(s) dropped)"),
+    ):
         for l in range(nl):
-            ax.plot(fr, _np((res["top_mass"][key][l])), marker="o", ms=3,
-                    color=cmap(l / max(nl - 1, 1)), label=f"layer {l}")
+            ax.plot(
+                fr, _np((res["top_mass"][key][l])), marker="o", ms=3, color=cmap(l / max(nl - 1, 1)), label=f"layer {l}"
+            )
         ax.plot(fr, fr / 100, ls=":", color="grey", lw=1, label="uniform attention (x %)")
         ax.set_xscale("log")
         ax.set_xlabel("top keys used (% of the context, log scale)")
@@ -367,8 +414,11 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
         keep = [i for i in range(nl) if i % step == 0] + [nl]
         handles, labels = [handles[i] for i in keep], [labels[i] for i in keep]
     axes[1].legend(handles, labels, fontsize=7, loc="lower right", ncol=2)
-    fig.suptitle(_title(res, model_name, "Attention long tail (MagicPIG Fig. 2a/b)") +
-                 f"; last {opts.num_queries} query rows of a {res['length']}-token passage, mean over heads", fontsize=11)
+    fig.suptitle(
+        _title(res, model_name, "Attention long tail (MagicPIG Fig. 2a/b)")
+        + f"; last {opts.num_queries} query rows of a {res['length']}-token passage, mean over heads",
+        fontsize=11,
+    )
     paths += common.save_figure(fig, out, "fig2_top_mass")
 
     # per layer with bands: the smallest top-x% mass (Fig. 2, over passages) and cos(k_sink, k_avg) (Fig. 5c, over
@@ -385,20 +435,23 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
     axes[0].set_ylim(0, 1.02)
     axes[0].set_xlabel("layer")
     axes[0].set_ylabel(f"attention mass of the top {res['fractions'][0] * 100:g} % of keys")
-    axes[0].set_title(f"(Fig. 2) mean over {res['passages']} passage(s) of {res['length']} tokens, 95 % band",
-                      fontsize=10)
+    axes[0].set_title(
+        f"(Fig. 2) mean over {res['passages']} passage(s) of {res['length']} tokens, 95 % band", fontsize=10
+    )
     axes[0].legend(fontsize=8)
     sc = res["sink_avg_cos"]
     mid = np.array([float(torch.as_tensor(sc["mean"][l]).mean()) for l in range(nl)])
     axes[1].plot(layers, mid, marker="o", ms=3, color="C2")
-    axes[1].fill_between(layers, np.array(sc["lo"], dtype=float), np.array(sc["hi"], dtype=float), color="C2",
-                         alpha=0.2, lw=0)
+    axes[1].fill_between(
+        layers, np.array(sc["lo"], dtype=float), np.array(sc["hi"], dtype=float), color="C2", alpha=0.2, lw=0
+    )
     axes[1].axhline(0, color="grey", lw=0.8)
     axes[1].set_ylim(-1.02, 1.02)
     axes[1].set_xlabel("layer")
     axes[1].set_ylabel("cos(k_sink, k_avg), mean over KV heads")
-    axes[1].set_title(f"(Fig. 5c) mean over {opts.num_sentences} windows of {opts.sentence_len} tokens, 95 % band",
-                      fontsize=10)
+    axes[1].set_title(
+        f"(Fig. 5c) mean over {opts.num_sentences} windows of {opts.sentence_len} tokens, 95 % band", fontsize=10
+    )
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle(_title(res, model_name, "Per layer, with bands (MagicPIG Fig. 2, 5c)"), fontsize=11)
@@ -408,10 +461,18 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     ss = res["score_spread"]
     w = 0.38
-    axes[0].bar(layers - w / 2, [float(torch.as_tensor(ss["score_range"][l]).mean()) for l in range(nl)], w,
-                label=r"$q k_i^T/\sqrt{d}$")
-    axes[0].bar(layers + w / 2, [float(torch.as_tensor(ss["logdev_range"][l]).mean()) for l in range(nl)], w,
-                label=r"$\log\|v_i - o\|$")
+    axes[0].bar(
+        layers - w / 2,
+        [float(torch.as_tensor(ss["score_range"][l]).mean()) for l in range(nl)],
+        w,
+        label=r"$q k_i^T/\sqrt{d}$",
+    )
+    axes[0].bar(
+        layers + w / 2,
+        [float(torch.as_tensor(ss["logdev_range"][l]).mean()) for l in range(nl)],
+        w,
+        label=r"$\log\|v_i - o\|$",
+    )
     axes[0].set_xlabel("layer")
     axes[0].set_ylabel("range over the keys (max − min), mean over heads")
     axes[0].set_title("(a) spread in one decoding step, per layer", fontsize=10)
@@ -426,15 +487,17 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
     axes[1].set_ylabel("value − mean over keys (nats)")
     axes[1].set_title(f"(b) layer {ex['layer']}, head {ex['head']}, last query of the passage", fontsize=10)
     axes[1].legend(fontsize=8)
-    fig.suptitle(_title(res, model_name, "Score vs value-deviation spread (MagicPIG Fig. 10)") +
-                 f"; {res['length']}-token passage", fontsize=11)
+    fig.suptitle(
+        _title(res, model_name, "Score vs value-deviation spread (MagicPIG Fig. 10)")
+        + f"; {res['length']}-token passage",
+        fontsize=11,
+    )
     paths += common.save_figure(fig, out, "fig10_score_spread")
 
     # Fig. 11: value norms by position
     fig, ax = plt.subplots(figsize=(8, 4), constrained_layout=True)
     for l in range(nl):
-        ax.plot(_np((res["value_norms"]["mean"][l])), lw=0.9, color=cmap(l / max(nl - 1, 1)),
-                label=f"layer {l}")
+        ax.plot(_np((res["value_norms"]["mean"][l])), lw=0.9, color=cmap(l / max(nl - 1, 1)), label=f"layer {l}")
     ax.set_xlabel("token position i (0 = sink)")
     ax.set_ylabel(r"$\|v_i\|$ (mean over windows and KV heads)")
     allv = np.concatenate([_np((x)) for x in res["value_norms"]["mean"]])
@@ -446,8 +509,11 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
         step = math.ceil(nl / 12)
         handles, labels = handles[::step], labels[::step]
     ax.legend(handles, labels, fontsize=7, ncol=2)
-    ax.set_title(_title(res, model_name, "Value norms by position (MagicPIG Fig. 11)") +
-                 f"\n{opts.num_sentences} windows of {opts.sentence_len} tokens", fontsize=10)
+    ax.set_title(
+        _title(res, model_name, "Value norms by position (MagicPIG Fig. 11)")
+        + f"\n{opts.num_sentences} windows of {opts.sentence_len} tokens",
+        fontsize=10,
+    )
     paths += common.save_figure(fig, out, "fig11_value_norms")
     return paths
 
@@ -457,8 +523,15 @@ def summary(result: dict[str, Any]):
     fraction, is ``result["table_file"]``): sink and mean-key cosines, the first value's norm, score spread, and
     the attention mass of the smallest top-x fraction with and without the sink."""
     fr = result["result"]["fractions"][0]
-    cols = ["sink_cos_min", "kavg_cos_mean", "v0_norm_over_median", "score_std", "logdev_std",
-            f"top{fr * 100:g}%_mass", f"top{fr * 100:g}%_mass_no_sink"]
+    cols = [
+        "sink_cos_min",
+        "kavg_cos_mean",
+        "v0_norm_over_median",
+        "score_std",
+        "logdev_std",
+        f"top{fr * 100:g}%_mass",
+        f"top{fr * 100:g}%_mass_no_sink",
+    ]
     return common.layer_summary(result["table"], cols)
 
 

@@ -59,7 +59,9 @@ class MagicPIGKLOptions:
         if bad or not self.Ks:
             raise ValueError(f"Ks={self.Ks!r}: a list of positive ints (hash bits per table), e.g. [8, 9, 10]")
         if self.max_L < self.min_collisions or self.min_collisions < 1:
-            raise ValueError(f"max_L={self.max_L}, min_collisions={self.min_collisions}: need 1 <= min_collisions <= max_L")
+            raise ValueError(
+                f"max_L={self.max_L}, min_collisions={self.min_collisions}: need 1 <= min_collisions <= max_L"
+            )
         for name in ("passages", "num_queries", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -89,7 +91,8 @@ def bit_agreement(q: torch.Tensor, k: torch.Tensor, sink: int, local: int) -> tu
     mu = kk[:, first].mean(1, keepdim=True) if first.any() else torch.zeros_like(kk[:, :1])
     kc = (kk - mu).repeat_interleave(hq // hkv, 0)  # [Hq, N, D]
     cos = torch.einsum("hqd,hnd->hqn", q[0].double(), kc) / (
-        q[0].double().norm(dim=-1)[..., None] * kc.norm(dim=-1)[:, None, :]).clamp_min(1e-30)
+        q[0].double().norm(dim=-1)[..., None] * kc.norm(dim=-1)[:, None, :]
+    ).clamp_min(1e-30)
     p = collision_probability(cos).masked_fill(~cand[None], float("nan"))
     return p, static[0, 0].sum(-1).double()
 
@@ -118,7 +121,9 @@ def smallest_L(ps, K: int, target: float, m: int, max_L: int) -> int | None:
     return lo
 
 
-def measure(model: Any, tokenizer: Any, context: int, opts: MagicPIGKLOptions, progress: bool = False) -> list[dict[str, Any]]:
+def measure(
+    model: Any, tokenizer: Any, context: int, opts: MagicPIGKLOptions, progress: bool = False
+) -> list[dict[str, Any]]:
     """One record per K: the chosen L, its expected Cost2, and the method's measured Cost2 and est_error."""
     opts.validate()
     nl = model_shape(model)["num_layers"]
@@ -133,29 +138,54 @@ def measure(model: Any, tokenizer: Any, context: int, opts: MagicPIGKLOptions, p
     caps = []
     with common.progress(opts.passages, "magicpig_kl: forwards", "passage", progress) as bar:
         for p in range(opts.passages):
-            cap = capture_qkv(model, ids[p:p + 1], layers=layers, query_rows=opts.num_queries)
+            cap = capture_qkv(model, ids[p : p + 1], layers=layers, query_rows=opts.num_queries)
             caps += [cap[l] for l in layers]
             bar.update()
     ps = [bit_agreement(c.q, c.k, opts.sink, opts.local) for c in caps]
     static_frac = float(torch.stack([(st / ((~p.isnan()).sum(-1) + st)).mean() for p, st in ps]).mean())
     if static_frac >= opts.target_cost2:
-        raise ValueError(f"target_cost2={opts.target_cost2}: the static keys (sink {opts.sink} + local {opts.local}) "
-                         f"are already {static_frac:.3f} of a {length}-token row; give a longer analysis.length or a "
-                         f"higher target")
+        raise ValueError(
+            f"target_cost2={opts.target_cost2}: the static keys (sink {opts.sink} + local {opts.local}) "
+            f"are already {static_frac:.3f} of a {length}-token row; give a longer analysis.length or a "
+            f"higher target"
+        )
     records = []
     for K in opts.Ks:
         L = smallest_L(ps, K, opts.target_cost2, opts.min_collisions, opts.max_L)
-        rec = {"K": K, "L": L, "target_cost2": opts.target_cost2, "static_frac": static_frac, "expected_cost2": None, "measured_cost2": None,
-               "measured_cost2_sd": None, "est_error": None, "length": length, "passages": opts.passages,
-               "layers": list(layers), "text": origin}
+        rec = {
+            "K": K,
+            "L": L,
+            "target_cost2": opts.target_cost2,
+            "static_frac": static_frac,
+            "expected_cost2": None,
+            "measured_cost2": None,
+            "measured_cost2_sd": None,
+            "est_error": None,
+            "length": length,
+            "passages": opts.passages,
+            "layers": list(layers),
+            "text": origin,
+        }
         if L is not None:
             rec["expected_cost2"] = expected_cost2(ps, K, L, opts.min_collisions)
             runs = []
             for seed in range(opts.repeats):
                 c2, err = [], []
                 for c in caps:
-                    _, st = attend(MagicPIG.name, c.q, c.k, c.v, scaling=c.scaling, layer_idx=c.layer, K=K, L=L, min_collisions=opts.min_collisions, sink=opts.sink, local=opts.local,
-                                   seed=seed)
+                    _, st = attend(
+                        MagicPIG.name,
+                        c.q,
+                        c.k,
+                        c.v,
+                        scaling=c.scaling,
+                        layer_idx=c.layer,
+                        K=K,
+                        L=L,
+                        min_collisions=opts.min_collisions,
+                        sink=opts.sink,
+                        local=opts.local,
+                        seed=seed,
+                    )
                     c2.append(float(st["cost2"].float().mean()))
                     err.append(float(st["est_error"].float().mean()))
                 runs.append((sum(c2) / len(c2), sum(err) / len(err)))
@@ -183,8 +213,11 @@ def figures(records: list[dict[str, Any]], out: Path, model_name: str, opts: Mag
     axes[1].legend(fontsize=8)
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
-    fig.suptitle(f"MagicPIG (K, L) for Cost2 {opts.target_cost2:g} — {model_name}, "
-                 f"{opts.passages} passage(s) of {records[0]['length'] if records else opts.length} tokens", fontsize=10)
+    fig.suptitle(
+        f"MagicPIG (K, L) for Cost2 {opts.target_cost2:g} — {model_name}, "
+        f"{opts.passages} passage(s) of {records[0]['length'] if records else opts.length} tokens",
+        fontsize=10,
+    )
     return common.save_figure(fig, out, "magicpig_kl")
 
 
@@ -197,8 +230,10 @@ def run(model_cfg, opts: MagicPIGKLOptions) -> dict[str, Any]:
     out = common.out_dir(opts.out, "magicpig_kl", model_cfg.name)
     table = pd.DataFrame(records)
     table.to_csv(out / "magicpig_kl.csv", index=False)
-    common.write_json(out / "magicpig_kl.json", {
-        "provenance": common.provenance(model_cfg, opts, records[0]["text"] if records else None), "records": records})
+    common.write_json(
+        out / "magicpig_kl.json",
+        {"provenance": common.provenance(model_cfg, opts, records[0]["text"] if records else None), "records": records},
+    )
     paths = figures(records, out, model_cfg.name, opts)
     return {"out": out, "table": table, "table_file": out / "magicpig_kl.csv", "records": records, "figures": paths}
 

@@ -121,11 +121,14 @@ def layer_plan(method: Method, num_layers: int, sliding: dict[int, int] | list[i
         raise ValueError(
             f"method {method.name!r} would run in no layer: layers {sorted(dense)} are method.dense_layers and "
             f"{slide_dense} attend within a sliding window (method.sliding_layers='dense'); set "
-            f"method.sliding_layers=sparse to run the method in the sliding layers too, within their window")
+            f"method.sliding_layers=sparse to run the method in the sliding layers too, within their window"
+        )
     return both, slide_dense
 
 
-def check_sparse_layers(method: Any, num_layers: int, dense: set[int] | Sequence[int], model_name: str = "the model") -> None:
+def check_sparse_layers(
+    method: Any, num_layers: int, dense: set[int] | Sequence[int], model_name: str = "the model"
+) -> None:
     """Refuses a sparse method whose dense layers (``method.dense_layers`` resolved, plus sliding layers left
     dense) cover every layer of the model: it would run in no layer and report full attention's results as its
     own, with no Cost1, Cost2 or estimation error."""
@@ -135,14 +138,16 @@ def check_sparse_layers(method: Any, num_layers: int, dense: set[int] | Sequence
     raise ValueError(
         f"method.dense_layers={list(listed)} leaves no sparse layer: all {num_layers} layers of {model_name} would run "
         f"dense, so method={method.name} would compute full attention; leave at least one layer out (e.g. "
-        f"method.dense_layers=[0,1]), or use method=full")
+        f"method.dense_layers=[0,1]), or use method=full"
+    )
 
 
 class SparseSession:
     """A method attached to one model, with its protocol and the statistics of the calls it served."""
 
-    def __init__(self, method: Method, runtime: Runtime, num_layers: int, num_heads: int,
-                 sliding: dict[int, int] | None = None):
+    def __init__(
+        self, method: Method, runtime: Runtime, num_layers: int, num_heads: int, sliding: dict[int, int] | None = None
+    ):
         if runtime.protocol not in PROTOCOLS:
             raise ValueError(f"protocol={runtime.protocol!r}; valid: {list(PROTOCOLS)}")
         method.validate(num_layers=num_layers)
@@ -236,8 +241,17 @@ class SparseSession:
         self._mask_memo = (attention_mask, key, masks)
         return masks
 
-    def _full_sums(self, attention_mask, b: int, hq: int, q_len: int, kv_len: int, key_bytes: int,
-                   per_row: torch.Tensor | None, device) -> tuple[tuple[str, ...], torch.Tensor]:
+    def _full_sums(
+        self,
+        attention_mask,
+        b: int,
+        hq: int,
+        q_len: int,
+        kv_len: int,
+        key_bytes: int,
+        per_row: torch.Tensor | None,
+        device,
+    ) -> tuple[tuple[str, ...], torch.Tensor]:
         """``StatsRecorder.full_sums`` of a full-attention call, computed once per forward pass: they depend only on
         the pass's mask, counted rows, phase and shapes, so the layers of one pass reuse them (a layer with a
         mask of its own, e.g. a sliding window, gets its own entry).  The memo holds the objects it tests by
@@ -268,15 +282,22 @@ class SparseSession:
             out = dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
             if self.method.observes_dense and layer_idx not in self.dense_layers:
                 masks = self._masks(attention_mask, b, q_len, key.shape[2], query.device)
-                valid = masks.valid if masks is not None else key_validity(attention_mask, b, q_len, key.shape[2],
-                                                                          query.device)
+                valid = (
+                    masks.valid
+                    if masks is not None
+                    else key_validity(attention_mask, b, q_len, key.shape[2], query.device)
+                )
                 state = _layer_state(getattr(module, _CACHE_ATTR, None), layer_idx)
                 self.method.observe_dense(state, query, key, valid, scaling, layer_idx)
             return out
         if self.method.dense:  # dense attention; the recorded statistics depend only on the pass's masks
             out = dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
-            self.recorder.add_sums(layer_idx, *self._full_sums(attention_mask, b, hq, q_len, key.shape[2],
-                                                               2 * d * key.element_size(), per_row, query.device))
+            self.recorder.add_sums(
+                layer_idx,
+                *self._full_sums(
+                    attention_mask, b, hq, q_len, key.shape[2], 2 * d * key.element_size(), per_row, query.device
+                ),
+            )
             return out
         counted = self._count_mask(b, q_len, per_row)
         masks = self._masks(attention_mask, b, q_len, key.shape[2], query.device)
@@ -286,9 +307,20 @@ class SparseSession:
         state = _layer_state(getattr(module, _CACHE_ATTR, None), layer_idx)
         seeds = self.row_seeds if self.row_seeds is not None and self.row_seeds.shape[0] == b else None
         out, stats = sparse_attention(
-            self.method, query, key, value, valid, scaling, state, layer_idx,
-            compute_error=self.runtime.compute_error, query_chunk=self.runtime.query_chunk, masks=masks,
-            row_seeds=seeds, layer_inputs=self.layer_inputs, sparse_rows=per_row,
+            self.method,
+            query,
+            key,
+            value,
+            valid,
+            scaling,
+            state,
+            layer_idx,
+            compute_error=self.runtime.compute_error,
+            query_chunk=self.runtime.query_chunk,
+            masks=masks,
+            row_seeds=seeds,
+            layer_inputs=self.layer_inputs,
+            sparse_rows=per_row,
             generating=self.generating(),
         )
         self.recorder.add(layer_idx, stats, counted)
@@ -304,7 +336,9 @@ def dense_call(module, query, key, value, attention_mask, scaling=None, dropout=
     ``kernels.invariant.attention`` when each row's first key is known (``starts`` long [B], the engine's left
     padding; causal, with the layer's sliding window), else ``core.dense_attention`` over the mask."""
     if not invariance.enabled():
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     scaling = module.scaling if scaling is None else scaling
     b, _, q_len, _ = query.shape
     if starts is not None and starts.shape[0] == b:
@@ -340,8 +374,9 @@ def attach(model: torch.nn.Module, method: Method, runtime: Runtime | None = Non
     """Route ``model``'s attention through ``method``.  Returns the session (statistics, phases)."""
     detach(model)
     cfg = model.config.get_text_config()
-    session = SparseSession(method, runtime or Runtime(), cfg.num_hidden_layers, cfg.num_attention_heads,
-                            sliding_layers(model))
+    session = SparseSession(
+        method, runtime or Runtime(), cfg.num_hidden_layers, cfg.num_attention_heads, sliding_layers(model)
+    )
     session.modules = attention_modules(model)
     for m in session.modules:
         setattr(m, _SESSION_ATTR, session)

@@ -37,8 +37,9 @@ class StatsRecorder:
         """(stat keys, sums fp32 [1 + S, B, Hq]) of one call's ``stats`` (as in ``add``): entry 0 counts the
         counted rows with valid keys, entry i the i-th key's values summed over those rows."""
         rows = stats["rows"]
-        keys = tuple(k for k, v in stats.items()
-                     if k not in ("rows", "keep") and torch.is_tensor(v) and v.shape == rows.shape)
+        keys = tuple(
+            k for k, v in stats.items() if k not in ("rows", "keep") and torch.is_tensor(v) and v.shape == rows.shape
+        )
         w = rows if counted is None else rows & counted
         f32 = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in (w, *(stats[k] for k in keys))]
         mat = torch.stack(f32)  # [1 + S, B, Hq, Q]
@@ -52,30 +53,52 @@ class StatsRecorder:
         entry = (keys, sums.shape[1])  # calls of another batch size (lm-eval's own batches) are summed apart
         table[entry] = table[entry] + sums if entry in table else sums
 
-    def add_full(self, layer: int, static: torch.Tensor, n_valid: torch.Tensor, num_heads: int,
-                 counted: torch.Tensor | None = None, key_bytes: float | None = None) -> None:
+    def add_full(
+        self,
+        layer: int,
+        static: torch.Tensor,
+        n_valid: torch.Tensor,
+        num_heads: int,
+        counted: torch.Tensor | None = None,
+        key_bytes: float | None = None,
+    ) -> None:
         """Full attention in a would-be-sparse call: every valid key is attended, the output is exact.
         ``key_bytes``: one key's K and V rows, 2·D·e bytes (e = the cache dtype's element size); each row then
         records ``kv_bytes`` = n_valid · 2 · D · e (``core.kv_bytes_read`` of full attention)."""
         self.add_sums(layer, *self.full_sums(static, n_valid, num_heads, counted, key_bytes))
 
     @classmethod
-    def full_sums(cls, static: torch.Tensor, n_valid: torch.Tensor, num_heads: int,
-                  counted: torch.Tensor | None = None, key_bytes: float | None = None
-                  ) -> tuple[tuple[str, ...], torch.Tensor]:
+    def full_sums(
+        cls,
+        static: torch.Tensor,
+        n_valid: torch.Tensor,
+        num_heads: int,
+        counted: torch.Tensor | None = None,
+        key_bytes: float | None = None,
+    ) -> tuple[tuple[str, ...], torch.Tensor]:
         """``row_sums`` of a full-attention call (``add_full``): they depend only on the pass's masks, so every
         full layer of one pass can add the same sums."""
         rows = (n_valid > 0).squeeze(-1).expand(-1, num_heads, -1)  # [B, Hq, Q]
         frac = (static.sum(-1).float() / n_valid.squeeze(-1).clamp_min(1).float()).expand(-1, num_heads, -1)
         zeros = torch.zeros_like(frac)
         ones = torch.ones_like(frac)
-        stats = {"rows": rows, "empty": torch.zeros_like(rows), "cost1": zeros, "cost2": ones,
-                 "static_frac": frac, "est_error": zeros, "mass": ones, "topk_recall": ones}
+        stats = {
+            "rows": rows,
+            "empty": torch.zeros_like(rows),
+            "cost1": zeros,
+            "cost2": ones,
+            "static_frac": frac,
+            "est_error": zeros,
+            "mass": ones,
+            "topk_recall": ones,
+        }
         if key_bytes is not None:
             stats["kv_bytes"] = (n_valid.squeeze(-1).to(torch.float32) * float(key_bytes)).expand(-1, num_heads, -1)
         return cls.row_sums(stats, counted)
 
-    def _tables(self, row: int | None) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[str, dict[int, torch.Tensor]]]:
+    def _tables(
+        self, row: int | None
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[str, dict[int, torch.Tensor]]]:
         """(rows, empty, sums) per layer ([Hq] each) of batch row ``row`` (None: all rows), from the stacked sums."""
         rows: dict[int, torch.Tensor] = {}
         empty: dict[int, torch.Tensor] = {}
@@ -83,7 +106,9 @@ class StatsRecorder:
         if row is not None and len({b for entries in self._stacked.values() for _, b in entries}) > 1:
             raise ValueError("per-row statistics of calls with different batch sizes; reset between batches")
         if self._host is None:  # one copy per batch: the per-row summaries then run without device syncs
-            self._host = {layer: {e: acc.cpu() for e, acc in entries.items()} for layer, entries in self._stacked.items()}
+            self._host = {
+                layer: {e: acc.cpu() for e, acc in entries.items()} for layer, entries in self._stacked.items()
+            }
         for layer, entries in self._host.items():
             for (keys, _), acc in entries.items():
                 acc = acc.sum(1) if row is None else acc[:, row]  # [1 + S, Hq]

@@ -130,8 +130,11 @@ def _sum_dim(x, dim=None, keepdim=False, *, dtype=None):
 
 def _exact_sum(x, dim, keepdim, out_dtype):
     dims = _dims(x, dim)
-    shape = [1 if d in dims else s for d, s in enumerate(x.shape)] if keepdim else \
-        [s for d, s in enumerate(x.shape) if d not in dims]
+    shape = (
+        [1 if d in dims else s for d, s in enumerate(x.shape)]
+        if keepdim
+        else [s for d, s in enumerate(x.shape) if d not in dims]
+    )
     out = torch.empty(shape, dtype=out_dtype, device=x.device)
     return torch.sum(x, dim=dims, keepdim=keepdim, dtype=out_dtype, out=out)
 
@@ -217,7 +220,9 @@ def _cumsum(x, dim, *, dtype=None):
 # -- order ---------------------------------------------------------------------------------------------------------
 
 
-def deterministic_topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def deterministic_topk(
+    x: torch.Tensor, k: int, dim: int = -1, largest: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest (smallest) entries along ``dim``, sorted, equal values in index order.
 
     Entries of at most 32 bits are ranked by one unique int64 key per entry (an order-preserving image of the
@@ -226,8 +231,13 @@ def deterministic_topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = T
     dim = dim % max(x.dim(), 1)
     xm = x.movedim(dim, -1)
     n = xm.shape[-1]
-    if x.dtype in (torch.float16, torch.bfloat16, torch.float32) or x.dtype in (torch.int8, torch.uint8, torch.int16,
-                                                                             torch.int32, torch.bool):
+    if x.dtype in (torch.float16, torch.bfloat16, torch.float32) or x.dtype in (
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.bool,
+    ):
         if x.is_floating_point():
             bits = xm.to(torch.float32).contiguous().view(torch.int32)
             key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
@@ -266,9 +276,41 @@ def _sort(x, dim=-1, descending=False):
 # depended on where the batch put it.  Inside ``batch_invariant()`` they run on one thread (one chunk) over the
 # flattened operands padded to a multiple of 64 elements, so every element takes the vectorised loop.
 CPU_POINTWISE = (
-    "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "asin", "acos", "atan", "sinh",
-    "cosh", "tanh", "asinh", "acosh", "atanh", "sigmoid", "erf", "erfc", "erfinv", "lgamma", "digamma", "silu",
-    "gelu", "mish", "elu", "softplus", "logit", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "atan2", "logaddexp",
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log2",
+    "log10",
+    "log1p",
+    "sin",
+    "cos",
+    "tan",
+    "asin",
+    "acos",
+    "atan",
+    "sinh",
+    "cosh",
+    "tanh",
+    "asinh",
+    "acosh",
+    "atanh",
+    "sigmoid",
+    "erf",
+    "erfc",
+    "erfinv",
+    "lgamma",
+    "digamma",
+    "silu",
+    "gelu",
+    "mish",
+    "elu",
+    "softplus",
+    "logit",
+    "pow.Tensor_Scalar",
+    "pow.Tensor_Tensor",
+    "atan2",
+    "logaddexp",
     "hypot",
 )
 
@@ -281,8 +323,7 @@ def _cpu_pointwise(name: str):
     def run(*args, **kwargs):
         tensors = [a for a in args if torch.is_tensor(a)]
         shape = torch.broadcast_shapes(*(t.shape for t in tensors))
-        dtype = torch.result_type(*args[:2]) if len(tensors) > 1 or (len(args) > 1 and base == "pow") \
-            else args[0].dtype
+        dtype = torch.result_type(*args[:2]) if len(tensors) > 1 or (len(args) > 1 and base == "pow") else args[0].dtype
         if not dtype.is_floating_point:
             dtype = torch.get_default_dtype()
         n = math.prod(shape)
@@ -308,10 +349,23 @@ def _cpu_pointwise(name: str):
 
 # aten operator (overload) -> replacement; registered for CPU and CUDA inside ``batch_invariant()``
 OVERRIDDEN: dict[str, Any] = {
-    "mm": _mm, "addmm": _addmm, "bmm": _bmm, "baddbmm": _baddbmm, "mv": _mv, "dot": _dot,
-    "sum.dim_IntList": _sum_dim, "sum": _sum, "mean.dim": _mean_dim, "mean": _mean,
-    "_softmax": _softmax, "_log_softmax": _log_softmax, "logsumexp": _logsumexp,
-    "linalg_vector_norm": _vector_norm, "cumsum": _cumsum, "topk": _topk, "sort": _sort,
+    "mm": _mm,
+    "addmm": _addmm,
+    "bmm": _bmm,
+    "baddbmm": _baddbmm,
+    "mv": _mv,
+    "dot": _dot,
+    "sum.dim_IntList": _sum_dim,
+    "sum": _sum,
+    "mean.dim": _mean_dim,
+    "mean": _mean,
+    "_softmax": _softmax,
+    "_log_softmax": _log_softmax,
+    "logsumexp": _logsumexp,
+    "linalg_vector_norm": _vector_norm,
+    "cumsum": _cumsum,
+    "topk": _topk,
+    "sort": _sort,
 }
 
 
@@ -357,20 +411,74 @@ class InvarianceViolation(RuntimeError):
     """A floating-point reduction or product ran outside the invariant kernels."""
 
 
-_EXACT_REDUCTIONS = {"amax", "amin", "max", "min", "argmax", "argmin", "any", "all", "aminmax", "count_nonzero",
-                     "_local_scalar_dense"}
-_ORDER_DEPENDENT = {  # not tagged as reductions, but sum in an order their kernel picks
-    "cumprod", "logcumsumexp", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
-    "convolution", "native_layer_norm", "native_group_norm", "native_batch_norm", "addbmm", "addmv", "_cdist_forward",
-    "kthvalue", "median", "nanmedian", "mode", "histc", "_addmm_activation", "_int_mm", "_weight_int4pack_mm",
-    "index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "index_reduce",
-    "index_put", "index_put_", "_index_put_impl_", "embedding_bag", "_embedding_bag", "trace", "renorm", "vdot",
-    "tensordot", "_fused_rms_norm", "scaled_dot_product_attention",
+_EXACT_REDUCTIONS = {
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "argmax",
+    "argmin",
+    "any",
+    "all",
+    "aminmax",
+    "count_nonzero",
+    "_local_scalar_dense",
 }
-_INTEGRAL_OK = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
-                "index_put", "index_put_", "_index_put_impl_"}
+_ORDER_DEPENDENT = {  # not tagged as reductions, but sum in an order their kernel picks
+    "cumprod",
+    "logcumsumexp",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+    "convolution",
+    "native_layer_norm",
+    "native_group_norm",
+    "native_batch_norm",
+    "addbmm",
+    "addmv",
+    "_cdist_forward",
+    "kthvalue",
+    "median",
+    "nanmedian",
+    "mode",
+    "histc",
+    "_addmm_activation",
+    "_int_mm",
+    "_weight_int4pack_mm",
+    "index_add",
+    "index_add_",
+    "scatter_add",
+    "scatter_add_",
+    "scatter_reduce",
+    "scatter_reduce_",
+    "index_reduce",
+    "index_put",
+    "index_put_",
+    "_index_put_impl_",
+    "embedding_bag",
+    "_embedding_bag",
+    "trace",
+    "renorm",
+    "vdot",
+    "tensordot",
+    "_fused_rms_norm",
+    "scaled_dot_product_attention",
+}
+_INTEGRAL_OK = {
+    "index_add",
+    "index_add_",
+    "scatter_add",
+    "scatter_add_",
+    "scatter_reduce",
+    "scatter_reduce_",
+    "index_put",
+    "index_put_",
+    "_index_put_impl_",
+}
 
 
 def _op_name(func) -> tuple[str, str]:
@@ -408,7 +516,8 @@ class _Checker(TorchDispatchMode):
                 raise InvarianceViolation(
                     f"aten::{full} on floating-point tensors runs outside the batch-invariant kernels (its result "
                     f"depends on how its kernel splits the work); use an operator of sparse_eval.invariance.OVERRIDDEN "
-                    f"or an exact one")
+                    f"or an exact one"
+                )
         return func(*args, **kwargs)
 
 

@@ -24,8 +24,17 @@ from typing import Any
 
 import torch
 
-STATS = ("cost1", "cost2", "kv_bytes", "static_frac", "est_error", "mass", "topk_recall", "sparse_rows",
-         "empty_selections")
+STATS = (
+    "cost1",
+    "cost2",
+    "kv_bytes",
+    "static_frac",
+    "est_error",
+    "mass",
+    "topk_recall",
+    "sparse_rows",
+    "empty_selections",
+)
 
 
 def method_runs() -> list[tuple[str, str, dict[str, Any]]]:
@@ -87,13 +96,17 @@ def _samples(tokenizer, context: int, lengths, per_length: int, data_dir: str | 
 def _records(session, engine, pool, size: int) -> list[dict[str, Any]]:
     out = []
     for s0 in range(0, len(pool), size):
-        batch = pool[s0:s0 + size]
+        batch = pool[s0 : s0 + size]
         session.recorder.reset()
         results = engine.run_batch([req for _, _, req in batch])
         for i, ((task, sample, _), res) in enumerate(zip(batch, results)):
             stats = session.recorder.summary(row=i)
-            rec = {"id": sample.id, "tokens": res.tokens, "stopped_by": res.stopped_by,
-                   "score": task.score(sample, res).get("score")}
+            rec = {
+                "id": sample.id,
+                "tokens": res.tokens,
+                "stopped_by": res.stopped_by,
+                "score": task.score(sample, res).get("score"),
+            }
             rec |= {k: stats.get(k) for k in STATS}
             rec["per_layer_head"] = {k: stats.get(f"{k}_per_layer_head") for k in ("est_error", "cost2")}
             out.append(rec)
@@ -107,15 +120,22 @@ def _compare(ref: list[dict], other: list[dict], label: str) -> list[dict]:
         want = by_id[r["id"]]
         diff = sorted(k for k in want if want[k] != r[k])
         if diff:
-            bad.append({"id": r["id"], "run": label, "fields": diff,
-                        "tokens_identical": want["tokens"] == r["tokens"]})
+            bad.append({"id": r["id"], "run": label, "fields": diff, "tokens_identical": want["tokens"] == r["tokens"]})
     return bad
 
 
-def run_check(device: str | None = None, out: Path | None = None, model: str | None = None,
-              lengths: tuple[int, ...] | None = None, per_length: int = 25, alone: int = 10, max_new_tokens: int = 32,
-              data_dir: str | None = None, methods: tuple[str, ...] | None = None,
-              fast_path: tuple[str, ...] = ("full", "magicpig")) -> dict[str, Any]:
+def run_check(
+    device: str | None = None,
+    out: Path | None = None,
+    model: str | None = None,
+    lengths: tuple[int, ...] | None = None,
+    per_length: int = 25,
+    alone: int = 10,
+    max_new_tokens: int = 32,
+    data_dir: str | None = None,
+    methods: tuple[str, ...] | None = None,
+    fast_path: tuple[str, ...] = ("full", "magicpig"),
+) -> dict[str, Any]:
     """Runs the comparison; returns (and writes to ``out``) a JSON report with ``all_identical``."""
     from ..attention.plugin import Runtime, attach, detach
     from ..engine import Engine
@@ -125,8 +145,10 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
 
     runs = method_runs()
     if methods and set(methods) - {r[0] for r in runs}:
-        raise ValueError(f"--methods {sorted(set(methods) - {r[0] for r in runs})}: not a label of the check; valid: "
-                         f"{[r[0] for r in runs]}")
+        raise ValueError(
+            f"--methods {sorted(set(methods) - {r[0] for r in runs})}: not a label of the check; valid: "
+            f"{[r[0] for r in runs]}"
+        )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = model or default_model()
     data_dir = data_dir or os.environ.get("SPARSE_EVAL_DATA_DIR")
@@ -139,12 +161,20 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
     n = len(pool)
     alone_ids = sorted({round(i * (n - 1) / max(1, alone - 1)) for i in range(alone)}) if alone else []
     report: dict[str, Any] = {
-        "model": model, "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
-        "dtype": str(next(lm.parameters()).dtype), "torch": torch.__version__, "lengths": list(lengths),
-        "samples": n, "alone": len(alone_ids), "max_new_tokens": max_new_tokens,
+        "model": model,
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
+        "dtype": str(next(lm.parameters()).dtype),
+        "torch": torch.__version__,
+        "lengths": list(lengths),
+        "samples": n,
+        "alone": len(alone_ids),
+        "max_new_tokens": max_new_tokens,
         "subtasks": sorted({s.data.get("subtask", "") for _, s, _ in pool}),
         "haystack": (pool[0][0].config.haystack or "RULER's per subtask") if pool else None,
-        "setup_s": round(time.perf_counter() - t0, 1), "methods": {}, "mismatches": [], "fast_path": {},
+        "setup_s": round(time.perf_counter() - t0, 1),
+        "methods": {},
+        "mismatches": [],
+        "fast_path": {},
         "provenance": provenance(),
     }
 
@@ -178,13 +208,19 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
         report["mismatches"] += [dict(b, method=label) for b in bad]
         scores = [r["score"] for r in ref if r["score"] is not None]
         report["methods"][label] = {
-            "identical": not bad, "mismatched_samples": len({b["id"] for b in bad}),
+            "identical": not bad,
+            "mismatched_samples": len({b["id"] for b in bad}),
             "score": sum(scores) / len(scores) if scores else None,
-            "seconds": {f"batch {n}": round(res[n][1], 1), "batch 7": round(res[7][1], 1),
-                        f"alone ({len(alone_ids)})": round(res[1][1], 1)},
+            "seconds": {
+                f"batch {n}": round(res[n][1], 1),
+                "batch 7": round(res[7][1], 1),
+                f"alone ({len(alone_ids)})": round(res[1][1], 1),
+            },
         }
-        print(f"{label}: {'identical' if not bad else f'{len(bad)} mismatches'} {report['methods'][label]['seconds']}",
-              flush=True)
+        print(
+            f"{label}: {'identical' if not bad else f'{len(bad)} mismatches'} {report['methods'][label]['seconds']}",
+            flush=True,
+        )
         save()
     for label, name, opts in runs:
         if label not in fast_path or (methods and label not in methods):
@@ -193,18 +229,26 @@ def run_check(device: str | None = None, out: Path | None = None, model: str | N
         by_id = {r["id"]: r for r in res[n][0]}
         same_tokens = sum(by_id[r["id"]]["tokens"] == r["tokens"] for r in res[1][0])
         same_record = sum(not _compare([by_id[r["id"]]], [r], "") for r in res[1][0])
-        report["fast_path"][label] = {"alone": len(res[1][0]), "identical_tokens": same_tokens,
-                                      "identical_records": same_record}
-        print(f"fast path {label}: {same_tokens}/{len(res[1][0])} identical tokens, {same_record} identical records",
-              flush=True)
+        report["fast_path"][label] = {
+            "alone": len(res[1][0]),
+            "identical_tokens": same_tokens,
+            "identical_records": same_record,
+        }
+        print(
+            f"fast path {label}: {same_tokens}/{len(res[1][0])} identical tokens, {same_record} identical records",
+            flush=True,
+        )
         save()
     save()
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sparse_eval.invariance.check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m sparse_eval.invariance.check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", type=Path, required=True, help="the JSON report to write")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when present)")
     p.add_argument("--model", default=None, help="smollm2_135m | stories260k (default: SmolLM2 when present)")
@@ -216,8 +260,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="+", default=None, help="a subset of the labels")
     p.add_argument("--fast-path", nargs="*", default=["full", "magicpig"], help="methods also run without the mode")
     a = p.parse_args(argv)
-    rep = run_check(a.device, a.out, a.model, tuple(a.lengths) if a.lengths else None, a.per_length, a.alone,
-                    a.max_new_tokens, a.data_dir, tuple(a.methods) if a.methods else None, tuple(a.fast_path))
+    rep = run_check(
+        a.device,
+        a.out,
+        a.model,
+        tuple(a.lengths) if a.lengths else None,
+        a.per_length,
+        a.alone,
+        a.max_new_tokens,
+        a.data_dir,
+        tuple(a.methods) if a.methods else None,
+        tuple(a.fast_path),
+    )
     print(f"all identical: {rep['all_identical']} ({a.out})")
     return 0 if rep["all_identical"] else 1
 

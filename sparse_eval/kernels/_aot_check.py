@@ -19,49 +19,157 @@ import tempfile
 def _configs():
     from . import _tl_collisions, _tl_hash, _tl_labels, _tl_merge, _tl_scores, _tl_sparse_decode, _tl_topk
 
-    sd = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "IDX": "*i32", "CNT": "*i32", "PACC": "*fp32", "PM": "*fp32",
-          "PL": "*fp32", "O": "*bf16", "LSE": "*fp32"}
+    sd = {
+        "Q": "*bf16",
+        "K": "*bf16",
+        "V": "*bf16",
+        "IDX": "*i32",
+        "CNT": "*i32",
+        "PACC": "*fp32",
+        "PM": "*fp32",
+        "PL": "*fp32",
+        "O": "*bf16",
+        "LSE": "*fp32",
+    }
     sd32 = {**sd, "Q": "*fp32", "K": "*fp32", "V": "*fp32", "O": "*fp32", "IDX": "*i64"}
     base = dict(G=4, D=128, BLOCK_D=128, BLOCK_Q=16, BLOCK_N=64, INTERP=False, N_ITER=0, DENSE=False)
     out = []
     for qpi, cnt, single in ((4, False, False), (1, True, True)):
-        out.append((_tl_sparse_decode._sparse_decode_split, sd,
-                    dict(base, QPI=qpi, HAS_CNT=cnt, SINGLE=single, UPCAST=False), ("qk_scale",), 4))
+        out.append(
+            (
+                _tl_sparse_decode._sparse_decode_split,
+                sd,
+                dict(base, QPI=qpi, HAS_CNT=cnt, SINGLE=single, UPCAST=False),
+                ("qk_scale",),
+                4,
+            )
+        )
     # dense over row lengths (the captured full step) at its default 4 warps: ptxas spills 128 B there; measured on
     # the H200 it runs at 0.97x sdpa's speed (16K) and 8 warps (no spill) is no faster (experiments/ds_kernel_speed)
-    out.append((_tl_sparse_decode._sparse_decode_split, sd,
-                dict(base, QPI=4, HAS_CNT=True, SINGLE=False, UPCAST=False, DENSE=True), ("qk_scale",), 4, 256))
+    out.append(
+        (
+            _tl_sparse_decode._sparse_decode_split,
+            sd,
+            dict(base, QPI=4, HAS_CNT=True, SINGLE=False, UPCAST=False, DENSE=True),
+            ("qk_scale",),
+            4,
+            256,
+        )
+    )
     # float32 tiles multiply in IEEE fp32 (FMA, no tensor cores): BLOCK_N 32 at 8 warps
-    out.append((_tl_sparse_decode._sparse_decode_split, sd32,
-                dict(base, QPI=4, HAS_CNT=False, SINGLE=False, UPCAST=True, BLOCK_N=32), ("qk_scale",), 8))
-    out.append((_tl_sparse_decode._sparse_decode_reduce,
-                {"PACC": "*fp32", "PM": "*fp32", "PL": "*fp32", "O": "*bf16", "LSE": "*fp32"},
-                dict(D=128, BLOCK_D=128, BLOCK_S=4), (), 4))
+    out.append(
+        (
+            _tl_sparse_decode._sparse_decode_split,
+            sd32,
+            dict(base, QPI=4, HAS_CNT=False, SINGLE=False, UPCAST=True, BLOCK_N=32),
+            ("qk_scale",),
+            8,
+        )
+    )
+    out.append(
+        (
+            _tl_sparse_decode._sparse_decode_reduce,
+            {"PACC": "*fp32", "PM": "*fp32", "PL": "*fp32", "O": "*bf16", "LSE": "*fp32"},
+            dict(D=128, BLOCK_D=128, BLOCK_S=4),
+            (),
+            4,
+        )
+    )
     lab = {"QL": "*fp32", "SC": "*fp16", "ZE": "*fp16", "LEN": "*i32", "OUT": "*fp32"}
     for bits, lt in ((16, "*bf16"), (8, "*u8"), (4, "*u8")):
-        out.append((_tl_scores._label_scores_kernel, {**lab, "LAB": lt},
-                    dict(QPL=4, R=8, BLOCK_R=4 if bits == 4 else 8, BITS=bits, REDUCE=bits == 4, HAS_LEN=bits == 8,
-                         BLOCK_N=256), (), 4))
-    out.append((_tl_scores._page_scores_kernel,
-                {"Q": "*bf16", "KMIN": "*bf16", "KMAX": "*bf16", "NP": "*i32", "OUT": "*fp32"},
-                dict(G=4, D=128, BLOCK_D=128, REDUCE=True, HAS_NP=False, BLOCK_P=32), (), 4))
-    out.append((_tl_hash._simhash_kernel, {"X": "*bf16", "W": "*fp32", "OUT": "*i32"},
-                dict(D=128, K=10, BLOCK_M=64, BLOCK_D=128, BLOCK_L=32), (), 8))
+        out.append(
+            (
+                _tl_scores._label_scores_kernel,
+                {**lab, "LAB": lt},
+                dict(
+                    QPL=4,
+                    R=8,
+                    BLOCK_R=4 if bits == 4 else 8,
+                    BITS=bits,
+                    REDUCE=bits == 4,
+                    HAS_LEN=bits == 8,
+                    BLOCK_N=256,
+                ),
+                (),
+                4,
+            )
+        )
+    out.append(
+        (
+            _tl_scores._page_scores_kernel,
+            {"Q": "*bf16", "KMIN": "*bf16", "KMAX": "*bf16", "NP": "*i32", "OUT": "*fp32"},
+            dict(G=4, D=128, BLOCK_D=128, REDUCE=True, HAS_NP=False, BLOCK_P=32),
+            (),
+            4,
+        )
+    )
+    out.append(
+        (
+            _tl_hash._simhash_kernel,
+            {"X": "*bf16", "W": "*fp32", "OUT": "*i32"},
+            dict(D=128, K=10, BLOCK_M=64, BLOCK_D=128, BLOCK_L=32),
+            (),
+            8,
+        )
+    )
     # collision counts: decode (G·Q = 4 rows of int16 codes) and a block of 16 rows with int32 query codes
     for rows_block, qt in ((4, "*i16"), (16, "*i32")):
-        out.append((_tl_collisions._collision_kernel, {"QC": qt, "KC": "*i16", "OUT": "*i16"},
-                    dict(HKV=8, G=4, L=150, BLOCK_N=64, BLOCK_R=rows_block, BLOCK_LC=8192 // (64 * rows_block),
-                         L_PAD=-(-150 // (8192 // (64 * rows_block))) * (8192 // (64 * rows_block))), (), 8))
+        out.append(
+            (
+                _tl_collisions._collision_kernel,
+                {"QC": qt, "KC": "*i16", "OUT": "*i16"},
+                dict(
+                    HKV=8,
+                    G=4,
+                    L=150,
+                    BLOCK_N=64,
+                    BLOCK_R=rows_block,
+                    BLOCK_LC=8192 // (64 * rows_block),
+                    L_PAD=-(-150 // (8192 // (64 * rows_block))) * (8192 // (64 * rows_block)),
+                ),
+                (),
+                8,
+            )
+        )
     for bits, codes, sc in ((4, "*u8", "*fp16"), (8, "*u8", "*fp32"), (16, "*bf16", "*fp16")):
-        out.append((_tl_labels._append_labels_kernel,
-                    {"K": "*bf16", "CH": "*i32", "KVOF": "*i64", "CODES": codes, "SC": sc, "ZE": sc, "POS": "*i64"},
-                    dict(R=32, BLOCK_R=16 if bits == 4 else 32, BITS=bits), (), 1))
-    out.append((_tl_labels._query_labels_kernel, {"Q": "*bf16", "QCH": "*i32", "OUT": "*fp32"},
-                dict(R=32, BLOCK_R=32, BITS=4, QUANT=True), (), 1))
-    out.append((_tl_merge._attend_merge_kernel,
-                {"Q": "*bf16", "K1": "*bf16", "V1": "*bf16", "K2": "*bf16", "V2": "*bf16", "OO": "*fp32",
-                 "LO": "*fp32", "OUT": "*fp32", "LSE": "*fp32", "scale": "fp32"},
-                dict(G=4, G_P2=4, D=128, BLOCK_D=128, BLOCK_N=16, INTERP=False, IT1=0, IT2=0), (), 4))
+        out.append(
+            (
+                _tl_labels._append_labels_kernel,
+                {"K": "*bf16", "CH": "*i32", "KVOF": "*i64", "CODES": codes, "SC": sc, "ZE": sc, "POS": "*i64"},
+                dict(R=32, BLOCK_R=16 if bits == 4 else 32, BITS=bits),
+                (),
+                1,
+            )
+        )
+    out.append(
+        (
+            _tl_labels._query_labels_kernel,
+            {"Q": "*bf16", "QCH": "*i32", "OUT": "*fp32"},
+            dict(R=32, BLOCK_R=32, BITS=4, QUANT=True),
+            (),
+            1,
+        )
+    )
+    out.append(
+        (
+            _tl_merge._attend_merge_kernel,
+            {
+                "Q": "*bf16",
+                "K1": "*bf16",
+                "V1": "*bf16",
+                "K2": "*bf16",
+                "V2": "*bf16",
+                "OO": "*fp32",
+                "LO": "*fp32",
+                "OUT": "*fp32",
+                "LSE": "*fp32",
+                "scale": "fp32",
+            },
+            dict(G=4, G_P2=4, D=128, BLOCK_D=128, BLOCK_N=16, INTERP=False, IT1=0, IT2=0),
+            (),
+            4,
+        )
+    )
     tk = {"S": "*fp32", "CNT": "*i32", "H": "*i32", "ST": "*i32", "G": "*i32", "OUT": "*i32"}
     for rb, cnt in ((8, True), (4, False)):
         c = dict(HAS_CNT=cnt, BITS=rb, BLOCK_N=2048)
@@ -88,8 +196,9 @@ def main() -> int:
         sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
         name = f"{fn.__name__}{ {k: v for k, v in consts.items() if k in ('QPI', 'BITS', 'UPCAST', 'REDUCE', 'K', 'DENSE', 'PASS')} }"
         try:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
-                               options={"num_warps": warps})
+            k = triton.compile(
+                ASTSource(fn=fn, signature=sig, constexprs=consts), target=target, options={"num_warps": warps}
+            )
         except Exception as e:  # noqa: BLE001 - report every failure
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:800]}")
             bad += 1
@@ -100,10 +209,16 @@ def main() -> int:
                 src = os.path.join(d, "k.ptx")
                 with open(src, "w") as fh:
                     fh.write(k.asm["ptx"])
-                r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
-                                   capture_output=True, text=True)
-                info = " | ".join(line.split("info    :")[-1].strip() for line in r.stderr.splitlines()
-                                  if "registers" in line or "spill" in line)
+                r = subprocess.run(
+                    [ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                    capture_output=True,
+                    text=True,
+                )
+                info = " | ".join(
+                    line.split("info    :")[-1].strip()
+                    for line in r.stderr.splitlines()
+                    if "registers" in line or "spill" in line
+                )
                 if r.returncode != 0:
                     print(f"FAIL {name}: ptxas: {r.stderr[-800:]}")
                     bad += 1

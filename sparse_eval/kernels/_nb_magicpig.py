@@ -131,9 +131,20 @@ def to_f32_array(x, out):
 # on [0, 1/2] (z = s²), P a degree-11 least-squares fit at Chebyshev nodes (max |error| of acos over [-1, 1]
 # 4.4e-16, i.e. float64 rounding); |c| > 1/2 uses acos(|c|) = 2·asin(√((1 − |c|)/2)).  Branch-free (both halves
 # computed, then selected).
-_ASIN_P = (0.16666666666666646, 0.07500000000021978, 0.04464285710146497, 0.030381947490254527,
-           0.022372043664706378, 0.017355334434132383, 0.013928781847841392, 0.011882032645784928,
-           0.0077714397645414456, 0.016129764409156828, -0.010908304349000406, 0.028285381520428275)
+_ASIN_P = (
+    0.16666666666666646,
+    0.07500000000021978,
+    0.04464285710146497,
+    0.030381947490254527,
+    0.022372043664706378,
+    0.017355334434132383,
+    0.013928781847841392,
+    0.011882032645784928,
+    0.0077714397645414456,
+    0.016129764409156828,
+    -0.010908304349000406,
+    0.028285381520428275,
+)
 
 
 @njit(fastmath=_FAST, inline="always")
@@ -197,8 +208,7 @@ def _exp_nonpos(x):
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
-def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, v_early_max, n_keys, v_col, out, lse,
-                     bad):
+def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, v_early_max, n_keys, v_col, out, lse, bad):
     """q [B, Hq, D] f32; k, v [B, Hkv, ≥ n_keys, ≥ D] (uint16 bf16 bits / int16 fp16 bits / f32): key i's K is
     k[b, t, i, :D] and its V v[b, t, i, v_col:v_col + D] (v_col = D with k and v one buffer holding a token's K and V
     side by side; else 0); idx [B, Hq, S] int32;
@@ -362,7 +372,8 @@ def attention_kernel(q, k, v, idx, count, mean, scaling, logu, correct, pf, v_ea
             w3 = w[j0 + 3]
             for d in range(d_):
                 o[d] += (w0 * _to_f32(v[b, t, i0, v_col + d]) + w1 * _to_f32(v[b, t, i1, v_col + d])) + (
-                    w2 * _to_f32(v[b, t, i2, v_col + d]) + w3 * _to_f32(v[b, t, i3, v_col + d]))
+                    w2 * _to_f32(v[b, t, i2, v_col + d]) + w3 * _to_f32(v[b, t, i3, v_col + d])
+                )
         for j in range(n4, n):
             i = np.uint64(idx[b, h, j])
             wj = w[j]
@@ -541,7 +552,7 @@ def stream_read_kernel(x):
     partial = np.zeros(nchunks, np.float32)
     for c in prange(nchunks):
         lo = min(n, c * per)
-        partial[c] = _sum_f32(x[lo:min(n, lo + per)])
+        partial[c] = _sum_f32(x[lo : min(n, lo + per)])
     return partial.sum()
 
 

@@ -19,10 +19,27 @@ from ._common import next_pow2
 
 @triton.jit
 def _collision_kernel(
-    QC, KC, OUT, N, ROWS, QL,
-    sqb, sqh, sqt, sql, skb, skh, skn, skl,
-    HKV: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr, L_PAD: tl.constexpr,
+    QC,
+    KC,
+    OUT,
+    N,
+    ROWS,
+    QL,
+    sqb,
+    sqh,
+    sqt,
+    sql,
+    skb,
+    skh,
+    skn,
+    skl,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    L: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_LC: tl.constexpr,
+    L_PAD: tl.constexpr,
 ):
     pid_bh = tl.program_id(1)
     b = (pid_bh // HKV).to(tl.int64)
@@ -47,8 +64,9 @@ def _collision_kernel(
     tl.store(out, acc.to(tl.int16), mask=rmask[:, None] & nmask[None, :])
 
 
-def collision_counts(q_codes: torch.Tensor, k_codes: torch.Tensor, *, block_n: int | None = None,
-                     block_r: int | None = None) -> torch.Tensor:
+def collision_counts(
+    q_codes: torch.Tensor, k_codes: torch.Tensor, *, block_n: int | None = None, block_r: int | None = None
+) -> torch.Tensor:
     b, hq, ql, n_tables = q_codes.shape
     hkv, n = k_codes.shape[1], k_codes.shape[2]
     g = hq // hkv
@@ -63,9 +81,21 @@ def collision_counts(q_codes: torch.Tensor, k_codes: torch.Tensor, *, block_n: i
     l_pad = triton.cdiv(n_tables, block_lc) * block_lc
     grid = (triton.cdiv(n, block_n), b * hkv, triton.cdiv(rows, block_r))
     _collision_kernel[grid](
-        q_codes, k_codes, out, n, rows, ql,
-        *q_codes.stride(), *k_codes.stride(),
-        HKV=hkv, G=g, L=n_tables, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_LC=block_lc, L_PAD=l_pad,
+        q_codes,
+        k_codes,
+        out,
+        n,
+        rows,
+        ql,
+        *q_codes.stride(),
+        *k_codes.stride(),
+        HKV=hkv,
+        G=g,
+        L=n_tables,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        BLOCK_LC=block_lc,
+        L_PAD=l_pad,
         num_warps=8,
     )
     return out.view(b, hq, ql, n)

@@ -16,9 +16,20 @@ from ._common import as_rows, next_pow2
 
 @triton.jit
 def _simhash_kernel(
-    X, W, OUT, M, L,
-    stride_xm, stride_wd, stride_wc, stride_om,
-    D: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+    X,
+    W,
+    OUT,
+    M,
+    L,
+    stride_xm,
+    stride_wd,
+    stride_wc,
+    stride_om,
+    D: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -26,17 +37,20 @@ def _simhash_kernel(
     mmask = offs_m < M
     lmask = offs_l < L
     dmask = offs_d < D
-    x = tl.load(X + offs_m[:, None].to(tl.int64) * stride_xm + offs_d[None, :],
-                mask=mmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    x = tl.load(
+        X + offs_m[:, None].to(tl.int64) * stride_xm + offs_d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0
+    ).to(tl.float32)
     code = tl.zeros([BLOCK_M, BLOCK_L], tl.int32)
     for j in range(0, K):
         cols = offs_l * K + j
-        w = tl.load(W + offs_d[:, None] * stride_wd + cols[None, :] * stride_wc,
-                    mask=dmask[:, None] & lmask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(
+            W + offs_d[:, None] * stride_wd + cols[None, :] * stride_wc, mask=dmask[:, None] & lmask[None, :], other=0.0
+        ).to(tl.float32)
         proj = tl.dot(x, w, input_precision="ieee")  # [BLOCK_M, BLOCK_L]
         code = code | ((proj > 0).to(tl.int32) << j)
-    tl.store(OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_l[None, :], code,
-             mask=mmask[:, None] & lmask[None, :])
+    tl.store(
+        OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_l[None, :], code, mask=mmask[:, None] & lmask[None, :]
+    )
 
 
 def hash_codes(x, w, k_bits, n_tables, *, block_m=None, block_l=None):
@@ -52,8 +66,20 @@ def hash_codes(x, w, k_bits, n_tables, *, block_m=None, block_l=None):
     # ptxas (sm_90, D 128): a 64 × 32 tile spills heavily at 4 warps (fp32 FMA dot), none at 8
     warps = 8 if block_m * block_l >= 2048 else 4
     _simhash_kernel[grid](
-        x2, w, out, m, n_tables,
-        x2.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        D=d, K=k_bits, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_L=block_l, num_warps=warps,
+        x2,
+        w,
+        out,
+        m,
+        n_tables,
+        x2.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        D=d,
+        K=k_bits,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        BLOCK_L=block_l,
+        num_warps=warps,
     )
     return out.view(*lead, n_tables)

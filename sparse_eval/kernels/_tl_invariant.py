@@ -37,8 +37,9 @@ def _trips(n: int, block: int = ROW_BLOCK) -> dict:
 
 
 @triton.jit
-def _bmm_step(t, k0, a_ptrs, b_ptrs, sak, sbk, mmask, nmask, acc, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-              F64: tl.constexpr):
+def _bmm_step(
+    t, k0, a_ptrs, b_ptrs, sak, sbk, mmask, nmask, acc, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, F64: tl.constexpr
+):
     kk = k0 + t * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = kk >= 0  # the front tile reaches below index 0
     a = tl.load(a_ptrs + t * BLOCK_K * sak, mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -54,10 +55,30 @@ def _bmm_step(t, k0, a_ptrs, b_ptrs, sak, sbk, mmask, nmask, acc, BLOCK_K: tl.co
 
 @triton.jit
 def _bmm_kernel(
-    A, B, C, M, N, K,
-    sab, sam, sak, sbb, sbk, sbn, scb, scm, scn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr, F64: tl.constexpr, OUT: tl.constexpr, INTERP: tl.constexpr, NT: tl.constexpr,
+    A,
+    B,
+    C,
+    M,
+    N,
+    K,
+    sab,
+    sam,
+    sak,
+    sbb,
+    sbk,
+    sbn,
+    scb,
+    scm,
+    scn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    IEEE: tl.constexpr,
+    F64: tl.constexpr,
+    OUT: tl.constexpr,
+    INTERP: tl.constexpr,
+    NT: tl.constexpr,
 ):
     # tiles in groups of GROUP_M row tiles (L2 reuse of b's columns); the grouping decides only which program
     # computes a tile, never how
@@ -107,12 +128,32 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     bm, bn, bk, warps, stages = _MM_CONFIG[dt]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), bt)
     _bmm_kernel[grid](
-        a, b, out, m, n, k,
-        a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, IEEE=dt == torch.float32, F64=dt == torch.float64,
-        OUT=_TL[out_dtype], INTERP=triton_interpret(), NT=triton.cdiv(k, bk) if triton_interpret() else 1,
-        num_warps=warps, num_stages=stages,
+        a,
+        b,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        a.stride(2),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=8,
+        IEEE=dt == torch.float32,
+        F64=dt == torch.float64,
+        OUT=_TL[out_dtype],
+        INTERP=triton_interpret(),
+        NT=triton.cdiv(k, bk) if triton_interpret() else 1,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out
 
@@ -138,8 +179,9 @@ def _sum_step(base, start, t, acc, BLOCK: tl.constexpr, SQUARE: tl.constexpr, F6
 
 
 @triton.jit
-def _row_sum_kernel(X, OUT, n, sx, SQUARE: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr,
-                    INTERP: tl.constexpr, NT: tl.constexpr):
+def _row_sum_kernel(
+    X, OUT, n, sx, SQUARE: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr, NT: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     base = X + row * sx
     n_tiles = tl.cdiv(n, BLOCK)
@@ -192,8 +234,9 @@ def _softmax_out_step(base, obase, start, t, m, s, BLOCK: tl.constexpr, LOG: tl.
 
 
 @triton.jit
-def _softmax_kernel(X, OUT, n, sx, so, LOG: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr,
-                    INTERP: tl.constexpr, NT: tl.constexpr):
+def _softmax_kernel(
+    X, OUT, n, sx, so, LOG: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr, NT: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     base = X + row * sx
     obase = OUT + row * so
@@ -229,14 +272,38 @@ def softmax(x: torch.Tensor, log: bool) -> torch.Tensor:
     r, n = x.shape
     out = torch.empty(r, n, dtype=torch.float64 if f64 else torch.float32, device=x.device)
     if r and n:
-        _softmax_kernel[(r,)](x, out, n, x.stride(0), out.stride(0), LOG=log, F64=f64, BLOCK=ROW_BLOCK, **_trips(n),
-                              num_warps=4)
+        _softmax_kernel[(r,)](
+            x, out, n, x.stride(0), out.stride(0), LOG=log, F64=f64, BLOCK=ROW_BLOCK, **_trips(n), num_warps=4
+        )
     return out
 
 
 @triton.jit
-def _attention_step(t, t0, t1, start, N, q, qcol, K, V, kbase, vbase, skn, skd, svn, svd, offs_d, scale, WINDOW,
-                    m_i, l_i, acc, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _attention_step(
+    t,
+    t0,
+    t1,
+    start,
+    N,
+    q,
+    qcol,
+    K,
+    V,
+    kbase,
+    vbase,
+    skn,
+    skd,
+    svn,
+    svd,
+    offs_d,
+    scale,
+    WINDOW,
+    m_i,
+    l_i,
+    acc,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     offs_n = start + t * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = (offs_n >= 0) & (offs_n < N) & (t >= t0) & (t < t1)  # a tile outside [t0, t1) changes nothing
     nn = tl.where(nmask, offs_n, 0).to(tl.int64)
@@ -263,10 +330,39 @@ def _attention_step(t, t0, t1, start, N, q, qcol, K, V, kbase, vbase, skn, skd, 
 
 @triton.jit
 def _attention_kernel(
-    Q, K, V, O, START, QL, N, scale, WINDOW,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, INTERP: tl.constexpr, NT: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    START,
+    QL,
+    N,
+    scale,
+    WINDOW,
+    sqb,
+    sqh,
+    sqm,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    sob,
+    soh,
+    som,
+    sod,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+    NT: tl.constexpr,
 ):
     # program (block of rows, batch row b, KV head hk); the rows r = g·QL + i are query row i of query head
     # hk·G + g, so the G heads of a KV group share each K/V tile (decode: one tile load for G rows)
@@ -280,8 +376,11 @@ def _attention_kernel(
     head = hk * G + (offs_r // QL).to(tl.int64)
     offs_d = tl.arange(0, D)
     qcol = N - QL + qi  # the key column of each query row (causal: keys <= qcol)
-    q = tl.load(Q + b * sqb + head[:, None] * sqh + qi.to(tl.int64)[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=rmask[:, None], other=0.0)
+    q = tl.load(
+        Q + b * sqb + head[:, None] * sqh + qi.to(tl.int64)[:, None] * sqm + offs_d[None, :] * sqd,
+        mask=rmask[:, None],
+        other=0.0,
+    )
     # the keys this block's rows may attend: tiles laid from the row's first key (``start``)
     first_q = tl.min(tl.where(rmask, qcol, N), axis=0)
     last_q = tl.max(tl.where(rmask, qcol, 0), axis=0)
@@ -295,23 +394,73 @@ def _attention_kernel(
     vbase = V + b * svb + hk * svh
     if INTERP:  # the interpreter cannot take tensor loop bounds: every tile there, those outside [t0, t1) masked
         for t in range(0, NT):
-            m_i, l_i, acc = _attention_step(t, t0, t1, start, N, q, qcol, K, V, kbase, vbase, skn, skd, svn, svd,
-                                            offs_d, scale, WINDOW, m_i, l_i, acc, BLOCK_N, IEEE)
+            m_i, l_i, acc = _attention_step(
+                t,
+                t0,
+                t1,
+                start,
+                N,
+                q,
+                qcol,
+                K,
+                V,
+                kbase,
+                vbase,
+                skn,
+                skd,
+                svn,
+                svd,
+                offs_d,
+                scale,
+                WINDOW,
+                m_i,
+                l_i,
+                acc,
+                BLOCK_N,
+                IEEE,
+            )
     else:
         for t in range(t0, t1):
-            m_i, l_i, acc = _attention_step(t, t0, t1, start, N, q, qcol, K, V, kbase, vbase, skn, skd, svn, svd,
-                                            offs_d, scale, WINDOW, m_i, l_i, acc, BLOCK_N, IEEE)
+            m_i, l_i, acc = _attention_step(
+                t,
+                t0,
+                t1,
+                start,
+                N,
+                q,
+                qcol,
+                K,
+                V,
+                kbase,
+                vbase,
+                skn,
+                skd,
+                svn,
+                svd,
+                offs_d,
+                scale,
+                WINDOW,
+                m_i,
+                l_i,
+                acc,
+                BLOCK_N,
+                IEEE,
+            )
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(O + b * sob + head[:, None] * soh + qi.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
-             out.to(O.dtype.element_ty), mask=rmask[:, None])
+    tl.store(
+        O + b * sob + head[:, None] * soh + qi.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
+        out.to(O.dtype.element_ty),
+        mask=rmask[:, None],
+    )
 
 
 ATTN_BLOCK_M = 64
 ATTN_BLOCK_N = 64
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float,
-              window: int = 0) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float, window: int = 0
+) -> torch.Tensor:
     """Causal attention of q [B, Hq, Q, D] (the last Q positions) over k/v [B, Hkv, N, D], each row's keys from
     ``start[b]`` (left padding before), within a sliding ``window`` (0: none); -> [B, Hq, Q, D] in q's dtype.
     Online softmax over key tiles laid from the row's first key, so a row's order of additions depends only on its
@@ -325,9 +474,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Te
     if out.numel():
         grid = (triton.cdiv((hq // hkv) * ql, ATTN_BLOCK_M), b * hkv)
         _attention_kernel[grid](
-            q, k, v, out, start.to(torch.int32).contiguous(), ql, n, float(scale), int(window or 0),
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            HKV=hkv, G=hq // hkv, D=dp, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N, IEEE=q.dtype == torch.float32,
-            **_trips(n, ATTN_BLOCK_N), num_warps=4,
+            q,
+            k,
+            v,
+            out,
+            start.to(torch.int32).contiguous(),
+            ql,
+            n,
+            float(scale),
+            int(window or 0),
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *out.stride(),
+            HKV=hkv,
+            G=hq // hkv,
+            D=dp,
+            BLOCK_M=ATTN_BLOCK_M,
+            BLOCK_N=ATTN_BLOCK_N,
+            IEEE=q.dtype == torch.float32,
+            **_trips(n, ATTN_BLOCK_N),
+            num_warps=4,
         )
     return out[..., :d] if dp != d else out

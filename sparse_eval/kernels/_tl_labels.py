@@ -36,12 +36,24 @@ def _quantize(x, valid, s_ty, LEVELS: tl.constexpr):
 
 @triton.jit
 def _append_labels_kernel(
-    K, CH, KVOF, CODES, SC, ZE, POS,
-    stride_kb, stride_kh,
-    stride_cb, stride_cl, stride_cn,
-    stride_sb, stride_sl,
+    K,
+    CH,
+    KVOF,
+    CODES,
+    SC,
+    ZE,
+    POS,
+    stride_kb,
+    stride_kh,
+    stride_cb,
+    stride_cl,
+    stride_cn,
+    stride_sb,
+    stride_sl,
     HL,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, BITS: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // HL).to(tl.int64)
@@ -58,8 +70,7 @@ def _append_labels_kernel(
         x_e = tl.load(k_base + ch_e, mask=valid, other=0.0).to(tl.float32)
         x_o = tl.load(k_base + ch_o, mask=valid, other=0.0).to(tl.float32)
         lo = tl.minimum(tl.min(tl.where(valid, x_e, float("inf")), 0), tl.min(tl.where(valid, x_o, float("inf")), 0))
-        hi = tl.maximum(tl.max(tl.where(valid, x_e, float("-inf")), 0),
-                        tl.max(tl.where(valid, x_o, float("-inf")), 0))
+        hi = tl.maximum(tl.max(tl.where(valid, x_e, float("-inf")), 0), tl.max(tl.where(valid, x_o, float("-inf")), 0))
         scale = ((hi - lo) * (1.0 / 15.0)).to(SC.dtype.element_ty)
         zero = lo.to(SC.dtype.element_ty)
         s32 = scale.to(tl.float32)
@@ -94,18 +105,40 @@ def append_labels(k_new, channels, kv_of, codes, scale, zero, pos, bits):
     ze = zero if zero is not None else codes
     block_r = max(2, triton.next_power_of_2(r // 2 if bits == 4 else r))
     _append_labels_kernel[(b * hl,)](
-        k, ch, kv_of, codes, sc, ze, pos,
-        k.stride(0), k.stride(1),
-        codes.stride(0), codes.stride(1), codes.stride(2),
-        sc.stride(0) if scale is not None else 0, sc.stride(1) if scale is not None else 0,
-        hl, R=r, BLOCK_R=block_r, BITS=bits, num_warps=1,
+        k,
+        ch,
+        kv_of,
+        codes,
+        sc,
+        ze,
+        pos,
+        k.stride(0),
+        k.stride(1),
+        codes.stride(0),
+        codes.stride(1),
+        codes.stride(2),
+        sc.stride(0) if scale is not None else 0,
+        sc.stride(1) if scale is not None else 0,
+        hl,
+        R=r,
+        BLOCK_R=block_r,
+        BITS=bits,
+        num_warps=1,
     )
 
 
 @triton.jit
 def _query_labels_kernel(
-    Q, QCH, OUT, stride_qb, stride_qh, HQ,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+    Q,
+    QCH,
+    OUT,
+    stride_qb,
+    stride_qh,
+    HQ,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BITS: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // HQ).to(tl.int64)
@@ -133,7 +166,16 @@ def query_labels(q, q_channels, bits, quantize):
     ch = q_channels.to(torch.int32).contiguous() if q_channels.dtype != torch.int32 else q_channels.contiguous()
     out = torch.empty((b, hq, r), dtype=torch.float32, device=q.device)
     _query_labels_kernel[(b * hq,)](
-        qq, ch, out, qq.stride(0), qq.stride(1), hq,
-        R=r, BLOCK_R=max(2, triton.next_power_of_2(r)), BITS=bits, QUANT=bool(quantize and bits < 16), num_warps=1,
+        qq,
+        ch,
+        out,
+        qq.stride(0),
+        qq.stride(1),
+        hq,
+        R=r,
+        BLOCK_R=max(2, triton.next_power_of_2(r)),
+        BITS=bits,
+        QUANT=bool(quantize and bits < 16),
+        num_warps=1,
     )
     return out

@@ -24,15 +24,18 @@ from ._common import next_pow2, triton_interpret
 
 
 @triton.jit
-def _attend_block(q, k_base, v_base, stride_kn, stride_vn, start, n_part, offs_d, dmask, scale, m_i, l_i, acc,
-                  BLOCK_N: tl.constexpr):
+def _attend_block(
+    q, k_base, v_base, stride_kn, stride_vn, start, n_part, offs_d, dmask, scale, m_i, l_i, acc, BLOCK_N: tl.constexpr
+):
     offs_n = start + tl.arange(0, BLOCK_N)
     nmask = offs_n < n_part
     kv_mask = nmask[:, None] & dmask[None, :]
-    k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=kv_mask,
-                other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-    v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask,
-                other=0.0).to(tl.float32)
+    k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0).to(
+        tl.float32
+    )  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0).to(
+        tl.float32
+    )
     s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # [G, BLOCK_N], IEEE fp32 (no tf32)
     s = tl.where(nmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -46,14 +49,44 @@ def _attend_block(q, k_base, v_base, stride_kn, stride_vn, start, n_part, offs_d
 
 @triton.jit
 def _attend_merge_kernel(
-    Q, K1, V1, K2, V2, OO, LO, OUT, LSE,
-    stride_qb, stride_qh,
-    stride_k1b, stride_k1h, stride_k1n, stride_v1b, stride_v1h, stride_v1n,
-    stride_k2b, stride_k2h, stride_k2n, stride_v2b, stride_v2h, stride_v2n,
-    stride_ob, stride_oh, stride_lb,
-    HKV, N1, N2, scale,
-    G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERP: tl.constexpr, IT1: tl.constexpr, IT2: tl.constexpr,
+    Q,
+    K1,
+    V1,
+    K2,
+    V2,
+    OO,
+    LO,
+    OUT,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_k1b,
+    stride_k1h,
+    stride_k1n,
+    stride_v1b,
+    stride_v1h,
+    stride_v1n,
+    stride_k2b,
+    stride_k2h,
+    stride_k2n,
+    stride_v2b,
+    stride_v2h,
+    stride_v2n,
+    stride_ob,
+    stride_oh,
+    stride_lb,
+    HKV,
+    N1,
+    N2,
+    scale,
+    G: tl.constexpr,
+    G_P2: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERP: tl.constexpr,
+    IT1: tl.constexpr,
+    IT2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
@@ -74,23 +107,26 @@ def _attend_merge_kernel(
     v2 = V2 + b * stride_v2b + kvh * stride_v2h
     if INTERP:  # the interpreter takes no tensor loop bounds: constexpr trip counts, masked tails
         for it in range(0, IT1):
-            m_i, l_i, acc = _attend_block(q, k1, v1, stride_k1n, stride_v1n, it * BLOCK_N, N1, offs_d, dmask,
-                                          scale, m_i, l_i, acc, BLOCK_N)
+            m_i, l_i, acc = _attend_block(
+                q, k1, v1, stride_k1n, stride_v1n, it * BLOCK_N, N1, offs_d, dmask, scale, m_i, l_i, acc, BLOCK_N
+            )
         for it in range(0, IT2):
-            m_i, l_i, acc = _attend_block(q, k2, v2, stride_k2n, stride_v2n, it * BLOCK_N, N2, offs_d, dmask,
-                                          scale, m_i, l_i, acc, BLOCK_N)
+            m_i, l_i, acc = _attend_block(
+                q, k2, v2, stride_k2n, stride_v2n, it * BLOCK_N, N2, offs_d, dmask, scale, m_i, l_i, acc, BLOCK_N
+            )
     else:
         for start in range(0, N1, BLOCK_N):
-            m_i, l_i, acc = _attend_block(q, k1, v1, stride_k1n, stride_v1n, start, N1, offs_d, dmask, scale,
-                                          m_i, l_i, acc, BLOCK_N)
+            m_i, l_i, acc = _attend_block(
+                q, k1, v1, stride_k1n, stride_v1n, start, N1, offs_d, dmask, scale, m_i, l_i, acc, BLOCK_N
+            )
         for start in range(0, N2, BLOCK_N):
-            m_i, l_i, acc = _attend_block(q, k2, v2, stride_k2n, stride_v2n, start, N2, offs_d, dmask, scale,
-                                          m_i, l_i, acc, BLOCK_N)
+            m_i, l_i, acc = _attend_block(
+                q, k2, v2, stride_k2n, stride_v2n, start, N2, offs_d, dmask, scale, m_i, l_i, acc, BLOCK_N
+            )
     lse = m_i + tl.log(l_i)  # N1 + N2 ≥ 1: finite
     o = acc / l_i[:, None]
     lo = tl.load(LO + b * stride_lb + heads, mask=gmask, other=float("-inf")).to(tl.float32)
-    oo = tl.load(OO + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], mask=qm,
-                 other=0.0).to(tl.float32)
+    oo = tl.load(OO + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], mask=qm, other=0.0).to(tl.float32)
     top = tl.maximum(lse, lo)
     w1 = tl.exp(lse - top)
     w2 = tl.exp(lo - top)  # 0 for an empty other part
@@ -100,8 +136,9 @@ def _attend_merge_kernel(
     tl.store(LSE + b * stride_lb + heads, top + tl.log(tot), mask=gmask)
 
 
-def attend_and_merge(q, k1, v1, k2, v2, o_other, lse_other, scaling: float, block_n: int = 16,
-                     num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_and_merge(
+    q, k1, v1, k2, v2, o_other, lse_other, scaling: float, block_n: int = 16, num_warps: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, d = q.shape
     hkv = k1.shape[1]
     g = hq // hkv
@@ -115,14 +152,44 @@ def attend_and_merge(q, k1, v1, k2, v2, o_other, lse_other, scaling: float, bloc
     interp = triton_interpret()
     k1c, v1c, k2c, v2c = parts
     _attend_merge_kernel[(b * hkv,)](
-        q, k1c, v1c, k2c, v2c, oo, lo, out, lse,
-        q.stride(0), q.stride(1),
-        k1c.stride(0), k1c.stride(1), k1c.stride(2), v1c.stride(0), v1c.stride(1), v1c.stride(2),
-        k2c.stride(0), k2c.stride(1), k2c.stride(2), v2c.stride(0), v2c.stride(1), v2c.stride(2),
-        out.stride(0), out.stride(1), lse.stride(0),
-        hkv, n1, n2, scaling,
-        G=g, G_P2=max(2, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_N=block_n,
-        INTERP=interp, IT1=triton.cdiv(n1, block_n) if interp else 0, IT2=triton.cdiv(n2, block_n) if interp else 0,
+        q,
+        k1c,
+        v1c,
+        k2c,
+        v2c,
+        oo,
+        lo,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        k1c.stride(0),
+        k1c.stride(1),
+        k1c.stride(2),
+        v1c.stride(0),
+        v1c.stride(1),
+        v1c.stride(2),
+        k2c.stride(0),
+        k2c.stride(1),
+        k2c.stride(2),
+        v2c.stride(0),
+        v2c.stride(1),
+        v2c.stride(2),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        hkv,
+        n1,
+        n2,
+        scaling,
+        G=g,
+        G_P2=max(2, next_pow2(g)),
+        D=d,
+        BLOCK_D=max(16, next_pow2(d)),
+        BLOCK_N=block_n,
+        INTERP=interp,
+        IT1=triton.cdiv(n1, block_n) if interp else 0,
+        IT2=triton.cdiv(n2, block_n) if interp else 0,
         num_warps=num_warps,
     )
     return out, lse

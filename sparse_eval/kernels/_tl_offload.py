@@ -15,9 +15,23 @@ from ._common import next_pow2
 
 @triton.jit
 def _gather_rows_kernel(
-    SRC, IDX, DST, HS, S, G,
-    s_sb, s_sh, s_sn, i_sb, i_sh, d_sb, d_sh, d_ss,
-    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    SRC,
+    IDX,
+    DST,
+    HS,
+    S,
+    G,
+    s_sb,
+    s_sh,
+    s_sn,
+    i_sb,
+    i_sh,
+    d_sb,
+    d_sh,
+    d_ss,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // HS).to(tl.int64)
@@ -48,17 +62,43 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, g: int)
     block_s = max(1, min(64, 8192 // block_d))
     grid = (b * hs, triton.cdiv(n_sel, block_s))
     _gather_rows_kernel[grid](
-        s, idx, d, hs, n_sel, g,
-        s.stride(0), s.stride(1), s.stride(2), idx.stride(0), idx.stride(1), d.stride(0), d.stride(1), d.stride(2),
-        D=src.shape[-1], BLOCK_S=block_s, BLOCK_D=block_d,
+        s,
+        idx,
+        d,
+        hs,
+        n_sel,
+        g,
+        s.stride(0),
+        s.stride(1),
+        s.stride(2),
+        idx.stride(0),
+        idx.stride(1),
+        d.stride(0),
+        d.stride(1),
+        d.stride(2),
+        D=src.shape[-1],
+        BLOCK_S=block_s,
+        BLOCK_D=block_d,
     )
 
 
 @triton.jit
 def _put_rows_kernel(
-    SRC, DST, POS, H, T, N,
-    s_sb, s_sh, s_st, d_sb, d_sh, d_sn,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    SRC,
+    DST,
+    POS,
+    H,
+    T,
+    N,
+    s_sb,
+    s_sh,
+    s_st,
+    d_sb,
+    d_sh,
+    d_sn,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
@@ -83,7 +123,19 @@ def put_rows(src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:
     block_t = max(1, min(64, 8192 // block_d, next_pow2(t)))
     grid = (b * h, triton.cdiv(t, block_t))
     _put_rows_kernel[grid](
-        s, d, pos.reshape(1), h, t, dst.shape[2],
-        s.stride(0), s.stride(1), s.stride(2), d.stride(0), d.stride(1), d.stride(2),
-        D=dim, BLOCK_T=block_t, BLOCK_D=block_d,
+        s,
+        d,
+        pos.reshape(1),
+        h,
+        t,
+        dst.shape[2],
+        s.stride(0),
+        s.stride(1),
+        s.stride(2),
+        d.stride(0),
+        d.stride(1),
+        d.stride(2),
+        D=dim,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
     )

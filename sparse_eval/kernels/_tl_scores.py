@@ -16,14 +16,30 @@ from ._common import next_pow2
 
 @triton.jit
 def _label_scores_kernel(
-    QL, LAB, SC, ZE, LEN, OUT,
-    stride_qb, stride_qh,
-    stride_lb, stride_lh, stride_ln,
-    stride_sb, stride_sh,
-    stride_ob, stride_oh,
-    HL, N,
-    QPL: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BITS: tl.constexpr, REDUCE: tl.constexpr,
-    HAS_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
+    QL,
+    LAB,
+    SC,
+    ZE,
+    LEN,
+    OUT,
+    stride_qb,
+    stride_qh,
+    stride_lb,
+    stride_lh,
+    stride_ln,
+    stride_sb,
+    stride_sh,
+    stride_ob,
+    stride_oh,
+    HL,
+    N,
+    QPL: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BITS: tl.constexpr,
+    REDUCE: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // HL).to(tl.int64)
@@ -97,27 +113,59 @@ def label_scores(q_label, cache, *, reduce, lengths, block_n, num_warps):
     block_n = block_n or 512  # H200 sweep (bench_kernels.py's label tuning): 512-1024 x 4 warps best
     extra = {"num_warps": num_warps} if num_warps else {}
     _label_scores_kernel[(b * hl, triton.cdiv(n, block_n))](
-        ql, lab, sc, ze, lens, out,
-        ql.stride(0), ql.stride(1),
-        lab.stride(0), lab.stride(1), lab.stride(2),
-        s_strides[0], s_strides[1],
-        out.stride(0), out.stride(1),
-        hl, n,
-        QPL=qpl, R=cache.r, BLOCK_R=max(2, next_pow2(width)), BITS=cache.bits, REDUCE=bool(reduce),
-        HAS_LEN=lengths is not None, BLOCK_N=block_n, **extra,
+        ql,
+        lab,
+        sc,
+        ze,
+        lens,
+        out,
+        ql.stride(0),
+        ql.stride(1),
+        lab.stride(0),
+        lab.stride(1),
+        lab.stride(2),
+        s_strides[0],
+        s_strides[1],
+        out.stride(0),
+        out.stride(1),
+        hl,
+        n,
+        QPL=qpl,
+        R=cache.r,
+        BLOCK_R=max(2, next_pow2(width)),
+        BITS=cache.bits,
+        REDUCE=bool(reduce),
+        HAS_LEN=lengths is not None,
+        BLOCK_N=block_n,
+        **extra,
     )
     return out
 
 
 @triton.jit
 def _page_scores_kernel(
-    Q, KMIN, KMAX, NP, OUT,
-    stride_qb, stride_qh,
-    stride_mb, stride_mh, stride_mp,
-    stride_xb, stride_xh, stride_xp,
-    stride_ob, stride_oh,
-    HKV, P,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, REDUCE: tl.constexpr, HAS_NP: tl.constexpr,
+    Q,
+    KMIN,
+    KMAX,
+    NP,
+    OUT,
+    stride_qb,
+    stride_qh,
+    stride_mb,
+    stride_mh,
+    stride_mp,
+    stride_xb,
+    stride_xh,
+    stride_xp,
+    stride_ob,
+    stride_oh,
+    HKV,
+    P,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    REDUCE: tl.constexpr,
+    HAS_NP: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -128,10 +176,12 @@ def _page_scores_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     m2 = pmask[:, None] & dmask[None, :]
-    kmin = tl.load(KMIN + b * stride_mb + kvh * stride_mh + offs_p[:, None] * stride_mp + offs_d[None, :],
-                   mask=m2, other=0.0).to(tl.float32)
-    kmax = tl.load(KMAX + b * stride_xb + kvh * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :],
-                   mask=m2, other=0.0).to(tl.float32)
+    kmin = tl.load(
+        KMIN + b * stride_mb + kvh * stride_mh + offs_p[:, None] * stride_mp + offs_d[None, :], mask=m2, other=0.0
+    ).to(tl.float32)
+    kmax = tl.load(
+        KMAX + b * stride_xb + kvh * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :], mask=m2, other=0.0
+    ).to(tl.float32)
     keep = pmask
     if HAS_NP:
         keep = keep & (offs_p < tl.load(NP + b))
@@ -164,12 +214,29 @@ def page_scores(q, kmin, kmax, *, reduce, n_pages, block_p, num_warps):
     block_p = block_p or (32 if block_d <= 128 else 16)
     extra = {"num_warps": num_warps} if num_warps else {}
     _page_scores_kernel[(b * hkv, triton.cdiv(p, block_p))](
-        q, kmin, kmax, npg, out,
-        q.stride(0), q.stride(1),
-        kmin.stride(0), kmin.stride(1), kmin.stride(2),
-        kmax.stride(0), kmax.stride(1), kmax.stride(2),
-        out.stride(0), out.stride(1),
-        hkv, p,
-        G=g, D=d, BLOCK_D=block_d, REDUCE=bool(reduce), HAS_NP=n_pages is not None, BLOCK_P=block_p, **extra,
+        q,
+        kmin,
+        kmax,
+        npg,
+        out,
+        q.stride(0),
+        q.stride(1),
+        kmin.stride(0),
+        kmin.stride(1),
+        kmin.stride(2),
+        kmax.stride(0),
+        kmax.stride(1),
+        kmax.stride(2),
+        out.stride(0),
+        out.stride(1),
+        hkv,
+        p,
+        G=g,
+        D=d,
+        BLOCK_D=block_d,
+        REDUCE=bool(reduce),
+        HAS_NP=n_pages is not None,
+        BLOCK_P=block_p,
+        **extra,
     )
     return out

@@ -22,8 +22,25 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _attend_tile(n0, end, i_base, k_base, v_base, stride_kn, stride_vn, q, qk_scale, m_i, l_i, acc, offs_d, dmask,
-                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DENSE: tl.constexpr):
+def _attend_tile(
+    n0,
+    end,
+    i_base,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    q,
+    qk_scale,
+    m_i,
+    l_i,
+    acc,
+    offs_d,
+    dmask,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DENSE: tl.constexpr,
+):
     """One online-softmax step over BLOCK_N gathered rows (scores in log2 units).  UPCAST: K/V tiles in float32
     (the interpreter, fp32 caches); else the cache dtype goes to the tensor cores, P in that dtype for P·V (the
     flash-attention practice), accumulation in float32.  DENSE: the rows are the positions n0 .. n0+BLOCK_N−1
@@ -64,16 +81,46 @@ def _attend_tile(n0, end, i_base, k_base, v_base, stride_kn, stride_vn, q, qk_sc
 
 @triton.jit
 def _sparse_decode_split(
-    Q, K, V, IDX, CNT, PACC, PM, PL, O, LSE,
-    stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ib, stride_ih,
-    stride_cb, stride_ch,
-    HQ, HI, S, split_len, n_splits, qk_scale,
-    QPI: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_CNT: tl.constexpr, SINGLE: tl.constexpr, INTERP: tl.constexpr,
-    N_ITER: tl.constexpr, UPCAST: tl.constexpr, DENSE: tl.constexpr,
+    Q,
+    K,
+    V,
+    IDX,
+    CNT,
+    PACC,
+    PM,
+    PL,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ib,
+    stride_ih,
+    stride_cb,
+    stride_ch,
+    HQ,
+    HI,
+    S,
+    split_len,
+    n_splits,
+    qk_scale,
+    QPI: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_CNT: tl.constexpr,
+    SINGLE: tl.constexpr,
+    INTERP: tl.constexpr,
+    N_ITER: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DENSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     sid = tl.program_id(1)
@@ -110,14 +157,44 @@ def _sparse_decode_split(
         # the interpreter (numpy >= 2.4) cannot take tensor loop bounds: a constexpr trip count, masked tails
         for it in range(0, N_ITER):
             m_i, l_i, acc = _attend_tile(
-                start + it * BLOCK_N, end, i_base, k_base, v_base, stride_kn, stride_vn, q, qk_scale, m_i, l_i, acc,
-                offs_d, dmask, BLOCK_N, UPCAST, DENSE,
+                start + it * BLOCK_N,
+                end,
+                i_base,
+                k_base,
+                v_base,
+                stride_kn,
+                stride_vn,
+                q,
+                qk_scale,
+                m_i,
+                l_i,
+                acc,
+                offs_d,
+                dmask,
+                BLOCK_N,
+                UPCAST,
+                DENSE,
             )
     else:
         for n0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                n0, end, i_base, k_base, v_base, stride_kn, stride_vn, q, qk_scale, m_i, l_i, acc, offs_d, dmask,
-                BLOCK_N, UPCAST, DENSE,
+                n0,
+                end,
+                i_base,
+                k_base,
+                v_base,
+                stride_kn,
+                stride_vn,
+                q,
+                qk_scale,
+                m_i,
+                l_i,
+                acc,
+                offs_d,
+                dmask,
+                BLOCK_N,
+                UPCAST,
+                DENSE,
             )
 
     heads = h0 + offs_q
@@ -138,8 +215,15 @@ def _sparse_decode_split(
 
 @triton.jit
 def _sparse_decode_reduce(
-    PACC, PM, PL, O, LSE, n_splits,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    PACC,
+    PM,
+    PL,
+    O,
+    LSE,
+    n_splits,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # b * HQ + h
     offs_s = tl.arange(0, BLOCK_S)
@@ -225,19 +309,58 @@ def run(q, k, v, idx, *, scaling, count, out_dtype, block_n, num_splits, num_war
         pm = torch.empty((b * hq * splits,), dtype=torch.float32, device=dev)
         pl = torch.empty((b * hq * splits,), dtype=torch.float32, device=dev)
     _sparse_decode_split[(b * hi, splits)](
-        q, k, v, idx, cnt, pacc, pm, pl, o, lse,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        0 if dense else idx.stride(0), 0 if dense else idx.stride(1),
-        cnt.stride(0), cnt.stride(1),
-        hq, hi, s_len, per, splits, scaling * LOG2E,
-        QPI=qpi, G=g, D=d, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_N=block_n,
-        HAS_CNT=dense or count is not None, SINGLE=single, INTERP=interp, N_ITER=per // block_n if interp else 0,
-        UPCAST=upcast, DENSE=dense, **extra,
+        q,
+        k,
+        v,
+        idx,
+        cnt,
+        pacc,
+        pm,
+        pl,
+        o,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        0 if dense else idx.stride(0),
+        0 if dense else idx.stride(1),
+        cnt.stride(0),
+        cnt.stride(1),
+        hq,
+        hi,
+        s_len,
+        per,
+        splits,
+        scaling * LOG2E,
+        QPI=qpi,
+        G=g,
+        D=d,
+        BLOCK_D=block_d,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        HAS_CNT=dense or count is not None,
+        SINGLE=single,
+        INTERP=interp,
+        N_ITER=per // block_n if interp else 0,
+        UPCAST=upcast,
+        DENSE=dense,
+        **extra,
     )
     if not single:
         _sparse_decode_reduce[(b * hq,)](
-            pacc, pm, pl, o, lse, splits, D=d, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(splits)),
+            pacc,
+            pm,
+            pl,
+            o,
+            lse,
+            splits,
+            D=d,
+            BLOCK_D=block_d,
+            BLOCK_S=max(2, next_pow2(splits)),
         )
     return o, lse

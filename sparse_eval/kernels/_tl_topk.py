@@ -68,9 +68,21 @@ def _state(H, ST, row, rows, k, P: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _hist(S, CNT, H, ST, stride_s, N, K_MAX, rows,
-          PASS: tl.constexpr, HAS_CNT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-          ATOMIC: tl.constexpr):
+def _hist(
+    S,
+    CNT,
+    H,
+    ST,
+    stride_s,
+    N,
+    K_MAX,
+    rows,
+    PASS: tl.constexpr,
+    HAS_CNT: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
     """Pass PASS: the histogram of digit PASS of the tile's keys that match the prefix of the earlier digits,
     added into H[PASS, row]; tile 0 stores that prefix state in ST[PASS] for the next pass.  ATOMIC: one global
     atomic per matching key instead of a tile histogram (cheaper once few keys match the prefix)."""
@@ -91,16 +103,29 @@ def _hist(S, CNT, H, ST, stride_s, N, K_MAX, rows,
             tl.store(ST + (PASS * rows + row) * 2 + 1, k_rem)
     digit = ((key >> SHIFT) & (R - 1)).to(tl.int32)
     if ATOMIC:
-        tl.atomic_add(H + (PASS * rows + row) * R + digit, tl.full([BLOCK_N], 1, tl.int32), mask=match,
-                      sem="relaxed")
+        tl.atomic_add(H + (PASS * rows + row) * R + digit, tl.full([BLOCK_N], 1, tl.int32), mask=match, sem="relaxed")
     else:
         h = tl.histogram(digit, R, mask=match)  # [R]
         tl.atomic_add(H + (PASS * rows + row) * R + tl.arange(0, R), h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit
-def _count(S, CNT, H, ST, G, stride_s, N, K_MAX, rows, tiles,
-           PASSES: tl.constexpr, HAS_CNT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _count(
+    S,
+    CNT,
+    H,
+    ST,
+    G,
+    stride_s,
+    N,
+    K_MAX,
+    rows,
+    tiles,
+    PASSES: tl.constexpr,
+    HAS_CNT: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """G[0, row, tile] = #keys > thr, G[1, row, tile] = #finite keys == thr, in the tile (thr: the k-th key)."""
     row = tl.program_id(0)
     tile = tl.program_id(1)
@@ -117,9 +142,26 @@ def _count(S, CNT, H, ST, G, stride_s, N, K_MAX, rows, tiles,
 
 
 @triton.jit
-def _write(S, CNT, H, ST, G, OUT, stride_s, stride_o, N, K_MAX, rows, tiles,
-           PASSES: tl.constexpr, HAS_CNT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-           TILES_P2: tl.constexpr, PAD: tl.constexpr):
+def _write(
+    S,
+    CNT,
+    H,
+    ST,
+    G,
+    OUT,
+    stride_s,
+    stride_o,
+    N,
+    K_MAX,
+    rows,
+    tiles,
+    PASSES: tl.constexpr,
+    HAS_CNT: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILES_P2: tl.constexpr,
+    PAD: tl.constexpr,
+):
     """The tile's positions with key > thr, and its finite ties while fewer than k − #(> thr) were taken by the
     tiles before it, at slots after those tiles' (exclusive prefix sums of G); then −1 in this program's share
     [tile·PAD, (tile+1)·PAD) of the slots beyond the row's total."""
@@ -149,8 +191,9 @@ def _write(S, CNT, H, ST, G, OUT, stride_s, stride_o, N, K_MAX, rows, tiles,
     tl.store(out + s, tl.full([PAD], -1, tl.int32), mask=(s >= total) & (s < K_MAX))
 
 
-def select(scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n: int, num_warps: int,
-           atomic_from: int) -> torch.Tensor:
+def select(
+    scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n: int, num_warps: int, atomic_from: int
+) -> torch.Tensor:
     s2, lead = as_rows(scores)
     rows, n = s2.shape
     out = torch.empty((rows, k_max), dtype=torch.int32, device=scores.device)
@@ -169,6 +212,22 @@ def select(scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n:
     for p in range(passes):
         _hist[grid](s2, cnt, hist, state, s2.stride(0), n, k_max, rows, PASS=p, ATOMIC=p >= atomic_from, **common)
     _count[grid](s2, cnt, hist, state, g, s2.stride(0), n, k_max, rows, tiles, PASSES=passes, **common)
-    _write[grid](s2, cnt, hist, state, g, out, s2.stride(0), out.stride(0), n, k_max, rows, tiles, PASSES=passes,
-                 TILES_P2=next_pow2(tiles), PAD=next_pow2(triton.cdiv(k_max, tiles)), **common)
+    _write[grid](
+        s2,
+        cnt,
+        hist,
+        state,
+        g,
+        out,
+        s2.stride(0),
+        out.stride(0),
+        n,
+        k_max,
+        rows,
+        tiles,
+        PASSES=passes,
+        TILES_P2=next_pow2(tiles),
+        PAD=next_pow2(triton.cdiv(k_max, tiles)),
+        **common,
+    )
     return out.view(*lead, k_max)

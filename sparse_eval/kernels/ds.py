@@ -28,9 +28,23 @@ from . import sparse_decode
 from ._common import check_heads, resolve_gpu_backend
 
 __all__ = [
-    "LabelCache", "build_label_cache", "quantize_labels", "dequantize_labels", "gather_query_channels",
-    "label_channels", "pseudo_quantize", "query_labels", "query_labels_reference", "append_labels", "append_labels_reference",
-    "label_scores", "label_scores_reference", "TOPK_IMPLS", "topk_indices", "decode", "decode_reference",
+    "LabelCache",
+    "build_label_cache",
+    "quantize_labels",
+    "dequantize_labels",
+    "gather_query_channels",
+    "label_channels",
+    "pseudo_quantize",
+    "query_labels",
+    "query_labels_reference",
+    "append_labels",
+    "append_labels_reference",
+    "label_scores",
+    "label_scores_reference",
+    "TOPK_IMPLS",
+    "topk_indices",
+    "decode",
+    "decode_reference",
 ]
 
 LABEL_BITS = (4, 8, 16)
@@ -91,10 +105,15 @@ def quantize_labels(
     scale = ((hi - lo) * (1.0 / levels)).to(scale_dtype)
     zero = lo.to(scale_dtype)
     s32 = scale.float()
-    codes = torch.where(
-        s32.unsqueeze(-1) > 0, torch.round((xf - zero.float().unsqueeze(-1)) / s32.clamp_min(1e-30).unsqueeze(-1)),
-        torch.zeros_like(xf),
-    ).clamp(0, levels).to(torch.uint8)
+    codes = (
+        torch.where(
+            s32.unsqueeze(-1) > 0,
+            torch.round((xf - zero.float().unsqueeze(-1)) / s32.clamp_min(1e-30).unsqueeze(-1)),
+            torch.zeros_like(xf),
+        )
+        .clamp(0, levels)
+        .to(torch.uint8)
+    )
     if bits == 4:
         codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return LabelCache(labels=codes.contiguous(), bits=bits, r=r, scale=scale.contiguous(), zero=zero.contiguous())
@@ -116,19 +135,27 @@ def dequantize_labels(cache: LabelCache) -> torch.Tensor:
 
 def _label_to_kv(hl: int, hkv: int) -> torch.Tensor:
     if hl % hkv:
-        raise ValueError(f"label heads ({hl}) must be a multiple of KV heads ({hkv}): give channels per KV head "
-                         f"[Hkv, r] or per query head [Hq, r]")
+        raise ValueError(
+            f"label heads ({hl}) must be a multiple of KV heads ({hkv}): give channels per KV head "
+            f"[Hkv, r] or per query head [Hq, r]"
+        )
     return torch.arange(hl) // (hl // hkv)
 
 
 def build_label_cache(
-    k: torch.Tensor, channels: torch.Tensor, bits: int = 16, *, dtype: torch.dtype | None = None,
+    k: torch.Tensor,
+    channels: torch.Tensor,
+    bits: int = 16,
+    *,
+    dtype: torch.dtype | None = None,
     scale_dtype: torch.dtype = torch.float16,
 ) -> LabelCache:
     """k [B, Hkv, N, D], channels [Hl, r] (long, the calibrated channel ids per label head) -> LabelCache.
     Label head l holds k[:, l // (Hl/Hkv), :, channels[l]]."""
     if k.dim() != 4 or channels.dim() != 2:
-        raise ValueError(f"expected k [B, Hkv, N, D] and channels [Hl, r]; got {tuple(k.shape)}, {tuple(channels.shape)}")
+        raise ValueError(
+            f"expected k [B, Hkv, N, D] and channels [Hl, r]; got {tuple(k.shape)}, {tuple(channels.shape)}"
+        )
     b, hkv, n, d = k.shape
     hl, r = channels.shape
     if channels.numel() and (int(channels.min()) < 0 or int(channels.max()) >= d):
@@ -161,7 +188,7 @@ def pseudo_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
     x = x.float()
     if bits >= 16:
         return x
-    levels = 2 ** bits - 1
+    levels = 2**bits - 1
     lo = x.amin(-1, keepdim=True)
     hi = x.amax(-1, keepdim=True)
     rng = hi - lo
@@ -178,11 +205,14 @@ def query_labels_reference(q: torch.Tensor, q_channels: torch.Tensor, bits: int,
     return pseudo_quantize(ql, bits) if quantize else ql
 
 
-def query_labels(q: torch.Tensor, q_channels: torch.Tensor, bits: int, quantize: bool = True, *,
-                 backend: str = "auto") -> torch.Tensor:
+def query_labels(
+    q: torch.Tensor, q_channels: torch.Tensor, bits: int, quantize: bool = True, *, backend: str = "auto"
+) -> torch.Tensor:
     """``query_labels_reference`` in one launch on CUDA (bit-identical)."""
     if q.dim() != 3 or q_channels.dim() != 2 or q_channels.shape[0] != q.shape[1]:
-        raise ValueError(f"expected q [B, Hq, D] and q_channels [Hq, r]; got {tuple(q.shape)}, {tuple(q_channels.shape)}")
+        raise ValueError(
+            f"expected q [B, Hq, D] and q_channels [Hq, r]; got {tuple(q.shape)}, {tuple(q_channels.shape)}"
+        )
     if resolve_gpu_backend(backend, q, q_channels) == "torch":
         return query_labels_reference(q, q_channels, bits, quantize)
     from . import _tl_labels
@@ -190,22 +220,43 @@ def query_labels(q: torch.Tensor, q_channels: torch.Tensor, bits: int, quantize:
     return _tl_labels.query_labels(q, q_channels, bits, quantize)
 
 
-def append_labels_reference(k_new: torch.Tensor, channels: torch.Tensor, kv_of: torch.Tensor, codes: torch.Tensor,
-                            scale: torch.Tensor | None, zero: torch.Tensor | None, pos: torch.Tensor, bits: int) -> None:
+def append_labels_reference(
+    k_new: torch.Tensor,
+    channels: torch.Tensor,
+    kv_of: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    zero: torch.Tensor | None,
+    pos: torch.Tensor,
+    bits: int,
+) -> None:
     """The labels of one step's keys k_new [B, Hkv, 1, D] (label head l: KV head kv_of[l], channels[l]) quantized as
     ``quantize_labels`` and written at position pos (long [1], on the device) of a preallocated cache: codes
     [B, Hl, cap, r or r/2], scale / zero [B, Hl, cap] (8/4-bit).  In place."""
-    new = quantize_labels(label_channels(k_new, channels, kv_of), bits, dtype=codes.dtype if bits == 16 else None,
-                          scale_dtype=scale.dtype if scale is not None else torch.float16)
+    new = quantize_labels(
+        label_channels(k_new, channels, kv_of),
+        bits,
+        dtype=codes.dtype if bits == 16 else None,
+        scale_dtype=scale.dtype if scale is not None else torch.float16,
+    )
     codes.index_copy_(2, pos, new.labels)
     if bits != 16:
         scale.index_copy_(2, pos, new.scale)
         zero.index_copy_(2, pos, new.zero)
 
 
-def append_labels(k_new: torch.Tensor, channels: torch.Tensor, kv_of: torch.Tensor, codes: torch.Tensor,
-                  scale: torch.Tensor | None, zero: torch.Tensor | None, pos: torch.Tensor, bits: int, *,
-                  backend: str = "auto") -> None:
+def append_labels(
+    k_new: torch.Tensor,
+    channels: torch.Tensor,
+    kv_of: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    zero: torch.Tensor | None,
+    pos: torch.Tensor,
+    bits: int,
+    *,
+    backend: str = "auto",
+) -> None:
     """``append_labels_reference`` in one launch on CUDA (bit-identical codes, scales and zeros)."""
     _check_bits(bits)
     if k_new.dim() != 4 or k_new.shape[2] != 1:
@@ -243,14 +294,21 @@ def label_scores_reference(
     s = torch.einsum("bljr,blnr->bljn", q_label.float().view(b, hl, qpl, cache.r), lab)  # [B, Hl, QPL, N]
     s = s.sum(2) if reduce else s.reshape(b, hq, n)
     if lengths is not None:
-        s = s.masked_fill(torch.arange(n, device=s.device).view(1, 1, n) >= lengths.to(s.device).view(b, 1, 1),
-                          float("-inf"))
+        s = s.masked_fill(
+            torch.arange(n, device=s.device).view(1, 1, n) >= lengths.to(s.device).view(b, 1, 1), float("-inf")
+        )
     return s
 
 
 def label_scores(
-    q_label: torch.Tensor, cache: LabelCache, *, reduce: bool = False, lengths: torch.Tensor | None = None,
-    backend: str = "auto", block_n: int | None = None, num_warps: int | None = None,
+    q_label: torch.Tensor,
+    cache: LabelCache,
+    *,
+    reduce: bool = False,
+    lengths: torch.Tensor | None = None,
+    backend: str = "auto",
+    block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Label scores (see ``label_scores_reference``); Triton on CUDA."""
     _check_scores_args(q_label, cache, lengths)
@@ -259,8 +317,7 @@ def label_scores(
         return label_scores_reference(q_label, cache, reduce=reduce, lengths=lengths)
     from . import _tl_scores
 
-    return _tl_scores.label_scores(q_label, cache, reduce=reduce, lengths=lengths, block_n=block_n,
-                                   num_warps=num_warps)
+    return _tl_scores.label_scores(q_label, cache, reduce=reduce, lengths=lengths, block_n=block_n, num_warps=num_warps)
 
 
 TOPK_IMPLS = ("radix", "torch")
@@ -304,9 +361,18 @@ def _select(q, cache, channels, hkv, budget, gqa, lengths, backend, topk):
 
 
 def decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LabelCache, channels: torch.Tensor, budget: int, *,
-    gqa: str = "query_head", scaling: float | None = None, lengths: torch.Tensor | None = None,
-    backend: str = "auto", topk: str = "radix",
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LabelCache,
+    channels: torch.Tensor,
+    budget: int,
+    *,
+    gqa: str = "query_head",
+    scaling: float | None = None,
+    lengths: torch.Tensor | None = None,
+    backend: str = "auto",
+    topk: str = "radix",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Double Sparsity decode step.  q [B, Hq, D]; k, v [B, Hkv, N, D]; cache over the same N tokens;
     channels [Hl, r]; budget = k (tokens per selection); ``topk`` as in ``topk_indices``.  Returns (o [B, Hq, D],
@@ -317,8 +383,17 @@ def decode(
 
 
 def decode_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LabelCache, channels: torch.Tensor, budget: int, *,
-    gqa: str = "query_head", scaling: float | None = None, lengths: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LabelCache,
+    channels: torch.Tensor,
+    budget: int,
+    *,
+    gqa: str = "query_head",
+    scaling: float | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return decode(q, k, v, cache, channels, budget, gqa=gqa, scaling=scaling, lengths=lengths, backend="torch",
-                  topk="torch")
+    return decode(
+        q, k, v, cache, channels, budget, gqa=gqa, scaling=scaling, lengths=lengths, backend="torch", topk="torch"
+    )

@@ -37,8 +37,17 @@ import torch.nn.functional as F
 from ._common import next_pow2, resolve_gpu_backend
 
 __all__ = [
-    "MKL_BLOCK", "K_TILE", "acc_dtype", "tree_sum", "bmm", "bmm_reference", "row_sum", "row_sum_reference",
-    "softmax", "softmax_reference", "cumsum_reference",
+    "MKL_BLOCK",
+    "K_TILE",
+    "acc_dtype",
+    "tree_sum",
+    "bmm",
+    "bmm_reference",
+    "row_sum",
+    "row_sum_reference",
+    "softmax",
+    "softmax_reference",
+    "cumsum_reference",
 ]
 
 MKL_BLOCK = 16  # rows/columns of an MKL product are padded to a multiple of this (at least this many)
@@ -151,8 +160,9 @@ def _weight_product(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) ->
     return out[:m, :n].to(out_dtype)
 
 
-def bmm_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
-                  align: str = "end") -> torch.Tensor:
+def bmm_reference(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None, align: str = "end"
+) -> torch.Tensor:
     """a [Bt, M, K] @ b [Bt, K, N] -> [Bt, M, N] in ``out_dtype`` (default a's dtype), accumulated in
     ``acc_dtype`` (``_tiled_product``: K may be a key axis, padded on the left).  A ``b`` broadcast over the batch
     (stride 0: ``matmul`` of a non-contiguous activation with a weight) is a weight product (``mm_reference``), the
@@ -224,8 +234,15 @@ def attention_mask(start: torch.Tensor, q_len: int, n: int, window: int = 0, row
     return ok
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float,
-                        window: int = 0, element_budget: int = 1 << 26) -> torch.Tensor:
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    element_budget: int = 1 << 26,
+) -> torch.Tensor:
     """``attention``'s torch form, laid out from each row's first key like the kernel: every row's keys are moved to
     column 0 (its left padding to the end), then scores by ``bmm_reference`` (fp32), softmax over the visible keys
     by ``softmax_reference`` and probabilities (in v's dtype) times V by ``bmm_reference``, both start-aligned, so
@@ -244,7 +261,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
     step = max(1, element_budget // max(1, b * hq * n))
     outs = []
     for s0 in range(0, ql, step):
-        qc = q[:, :, s0:s0 + step]
+        qc = q[:, :, s0 : s0 + step]
         r = qc.shape[2]
         s = bmm_reference(qc.reshape(b * hkv, g * r, d), kt, torch.float32).reshape(b, hq, r, n) * scale
         qrel = (torch.arange(s0, s0 + r, device=k.device) + (n - ql))[None, :] - start.view(-1, 1)  # [B, r]
@@ -259,8 +276,15 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(q.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float,
-              window: int = 0, backend: str = "auto") -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Batch-invariant causal attention, each row's keys from ``start[b]`` (long [B]; the left padding before it),
     within a sliding ``window`` (0: none): q [B, Hq, Q, D] (the last Q positions), k/v [B, Hkv, N, D] (GQA) ->
     [B, Hq, Q, D].  Triton: online softmax over key tiles laid from the row's first key (``_tl_invariant``)."""

@@ -34,8 +34,13 @@ from ..simhash_probability import collision_probability as bit_agreement, log_sa
 from ._common import check_heads, resolve_gpu_backend
 
 __all__ = [
-    "collision_counts", "collision_counts_reference",
-    "hash_codes", "hash_codes_reference", "random_projections", "center_keys", "collision_probability",
+    "collision_counts",
+    "collision_counts_reference",
+    "hash_codes",
+    "hash_codes_reference",
+    "random_projections",
+    "center_keys",
+    "collision_probability",
     "collision_probability_from_cos",
 ]
 
@@ -47,8 +52,9 @@ def _check_kl(k_bits: int, n_tables: int) -> None:
         raise ValueError(f"L={n_tables}: the number of tables must be >= 1")
 
 
-def random_projections(d: int, k_bits: int, n_tables: int, *, seed: int = 0, device=None,
-                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def random_projections(
+    d: int, k_bits: int, n_tables: int, *, seed: int = 0, device=None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """W [D, K·L] with i.i.d. N(0, 1) entries (SimHash hyperplanes), from a fixed seed."""
     _check_kl(k_bits, n_tables)
     gen = torch.Generator().manual_seed(int(seed))
@@ -72,8 +78,16 @@ def hash_codes_reference(x: torch.Tensor, w: torch.Tensor, k_bits: int, n_tables
     return (bits * weights).sum(-1, dtype=torch.int32)
 
 
-def hash_codes(x: torch.Tensor, w: torch.Tensor, k_bits: int, n_tables: int, *, backend: str = "auto",
-               block_m: int | None = None, block_l: int | None = None) -> torch.Tensor:
+def hash_codes(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    k_bits: int,
+    n_tables: int,
+    *,
+    backend: str = "auto",
+    block_m: int | None = None,
+    block_l: int | None = None,
+) -> torch.Tensor:
     """SimHash codes; Triton on CUDA (one kernel: projections, signs, bit packing)."""
     _check_kl(k_bits, n_tables)
     if w.dim() != 2 or w.shape[0] != x.shape[-1] or w.shape[1] != k_bits * n_tables:
@@ -94,7 +108,9 @@ def collision_probability(a: torch.Tensor, n_tables: int, min_collisions: int = 
     return torch.exp(log_sampling_probability(a.double(), 1, n, m))
 
 
-def collision_probability_from_cos(cos: torch.Tensor, k_bits: int, n_tables: int, min_collisions: int = 2) -> torch.Tensor:
+def collision_probability_from_cos(
+    cos: torch.Tensor, k_bits: int, n_tables: int, min_collisions: int = 2
+) -> torch.Tensor:
     """u_i from cos(q, k̄_i): p = 1 − arccos(cos)/π (eq. 11), u = P[Binomial(L, p^K) ≥ m] by
     ``log_sampling_probability``."""
     return torch.exp(log_sampling_probability(bit_agreement(cos), int(k_bits), int(n_tables), int(min_collisions)))
@@ -102,8 +118,9 @@ def collision_probability_from_cos(cos: torch.Tensor, k_bits: int, n_tables: int
 
 def _check_codes(q_codes: torch.Tensor, k_codes: torch.Tensor) -> None:
     if q_codes.dim() != 4 or k_codes.dim() != 4:
-        raise ValueError(f"q_codes {tuple(q_codes.shape)}, k_codes {tuple(k_codes.shape)}: expected [B, Hq, Q, L] "
-                         f"and [B, Hkv, N, L]")
+        raise ValueError(
+            f"q_codes {tuple(q_codes.shape)}, k_codes {tuple(k_codes.shape)}: expected [B, Hq, Q, L] and [B, Hkv, N, L]"
+        )
     if q_codes.shape[0] != k_codes.shape[0] or q_codes.shape[3] != k_codes.shape[3]:
         raise ValueError(f"q_codes {tuple(q_codes.shape)}, k_codes {tuple(k_codes.shape)}: batch and L must agree")
     if q_codes.dtype.is_floating_point or k_codes.dtype.is_floating_point:
@@ -113,8 +130,9 @@ def _check_codes(q_codes: torch.Tensor, k_codes: torch.Tensor) -> None:
     check_heads(q_codes.shape[1], k_codes.shape[1])
 
 
-def collision_counts_reference(q_codes: torch.Tensor, k_codes: torch.Tensor,
-                               element_budget: int = 1 << 26) -> torch.Tensor:
+def collision_counts_reference(
+    q_codes: torch.Tensor, k_codes: torch.Tensor, element_budget: int = 1 << 26
+) -> torch.Tensor:
     """Number of tables in which each key's code equals the query's (Alg. 1 line 2), in torch.
 
     q_codes [B, Hq, Q, L], k_codes [B, Hkv, N, L] (query head h reads KV head h // G) -> int16 [B, Hq, Q, N].
@@ -130,21 +148,22 @@ def collision_counts_reference(q_codes: torch.Tensor, k_codes: torch.Tensor,
     rows = g * ql
     row_step = max(1, min(rows, element_budget // max(1, b * hkv * nt)))
     for r0 in range(0, rows, row_step):
-        qr = qg[:, :, r0:r0 + row_step]
+        qr = qg[:, :, r0 : r0 + row_step]
         per_key = b * hkv * qr.shape[2] * nt
         key_step = max(1, element_budget // per_key)
         for s in range(0, n, key_step):
-            kk = k_codes[:, :, None, s:s + key_step, :]  # [B, Hkv, 1, n', L]
+            kk = k_codes[:, :, None, s : s + key_step, :]  # [B, Hkv, 1, n', L]
             eq = qr == kk  # [B, Hkv, rows, n', L] bool
             if nt <= 255:  # summed as uint8 in place: a sum into int16 first copies the whole comparison to int16
-                out[:, :, r0:r0 + row_step, s:s + key_step] = eq.view(torch.uint8).sum(-1, dtype=torch.uint8)
+                out[:, :, r0 : r0 + row_step, s : s + key_step] = eq.view(torch.uint8).sum(-1, dtype=torch.uint8)
             else:
-                out[:, :, r0:r0 + row_step, s:s + key_step] = eq.sum(-1, dtype=torch.int16)
+                out[:, :, r0 : r0 + row_step, s : s + key_step] = eq.sum(-1, dtype=torch.int16)
     return out.reshape(b, hq, ql, n)
 
 
-def collision_counts(q_codes: torch.Tensor, k_codes: torch.Tensor, *, backend: str = "auto",
-                     element_budget: int = 1 << 26) -> torch.Tensor:
+def collision_counts(
+    q_codes: torch.Tensor, k_codes: torch.Tensor, *, backend: str = "auto", element_budget: int = 1 << 26
+) -> torch.Tensor:
     """``collision_counts_reference``'s counts, int16 [B, Hq, Q, N]; Triton on CUDA (each key block's codes read
     once for the G·Q query rows of its KV group, no comparison tensor in memory).  ``element_budget`` bounds the
     torch path's memory only; the counts are the same integers on every backend."""

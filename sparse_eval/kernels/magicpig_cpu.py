@@ -36,8 +36,17 @@ from ._common import check_heads, numba_available, resolve_cpu_backend
 from .magicpig import _check_kl, collision_probability_from_cos
 
 __all__ = [
-    "HashTables", "build_tables", "build_tables_reference", "sample", "sample_reference", "attention",
-    "attention_reference", "sample_and_attend", "set_num_threads", "get_num_threads", "cpu_features",
+    "HashTables",
+    "build_tables",
+    "build_tables_reference",
+    "sample",
+    "sample_reference",
+    "attention",
+    "attention_reference",
+    "sample_and_attend",
+    "set_num_threads",
+    "get_num_threads",
+    "cpu_features",
 ]
 
 
@@ -108,8 +117,11 @@ def _backend(backend: str) -> str:
     global _warned
     which = resolve_cpu_backend(backend)
     if backend == "auto" and which == "torch" and not _warned:
-        warnings.warn("numba is not installed: MagicPIG CPU kernels fall back to slow torch code "
-                      "(pip install numba)", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            "numba is not installed: MagicPIG CPU kernels fall back to slow torch code (pip install numba)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         _warned = True
     return which
 
@@ -166,8 +178,13 @@ def build_tables_reference(codes: torch.Tensor, k_bits: int, *, keep_codes: bool
     sorted_codes, perm = torch.sort(ct, dim=-1, stable=True)
     bounds = torch.arange((1 << k_bits) + 1, dtype=torch.int32).expand(*ct.shape[:3], -1).contiguous()
     offsets = torch.searchsorted(sorted_codes.contiguous(), bounds, right=False).to(torch.int32)
-    return HashTables(perm=perm.to(torch.int32), offsets=offsets, k_bits=k_bits, n_tables=ct.shape[2],
-                      codes=ct.to(torch.int32).to(torch.uint16) if keep_codes else None)
+    return HashTables(
+        perm=perm.to(torch.int32),
+        offsets=offsets,
+        k_bits=k_bits,
+        n_tables=ct.shape[2],
+        codes=ct.to(torch.int32).to(torch.uint16) if keep_codes else None,
+    )
 
 
 def build_tables(codes: torch.Tensor, k_bits: int, *, keep_codes: bool = False, backend: str = "auto") -> HashTables:
@@ -182,8 +199,13 @@ def build_tables(codes: torch.Tensor, k_bits: int, *, keep_codes: bool = False, 
     perm = np.empty((b, h, l_, n), np.int32)
     offsets = np.empty((b, h, l_, (1 << k_bits) + 1), np.int32)
     _nb().build_kernel(ct, perm, offsets)
-    return HashTables(perm=torch.from_numpy(perm), offsets=torch.from_numpy(offsets), k_bits=k_bits,
-                      n_tables=l_, codes=torch.from_numpy(ct.view(np.int16)).view(torch.uint16) if keep_codes else None)
+    return HashTables(
+        perm=torch.from_numpy(perm),
+        offsets=torch.from_numpy(offsets),
+        k_bits=k_bits,
+        n_tables=l_,
+        codes=torch.from_numpy(ct.view(np.int16)).view(torch.uint16) if keep_codes else None,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- sampling
@@ -205,7 +227,9 @@ def _pad_rows(rows: list[torch.Tensor], b: int, hq: int) -> tuple[torch.Tensor, 
     return idx.view(b, hq, width), count
 
 
-def sample_reference(key_codes: torch.Tensor, q_codes: torch.Tensor, min_collisions: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_reference(
+    key_codes: torch.Tensor, q_codes: torch.Tensor, min_collisions: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Brute force (no tables): key i of KV head h // G is sampled for query row (b, h) when
     #{l : key_codes[b, h//G, i, l] == q_codes[b, h, l]} ≥ min_collisions.
     key_codes [B, Hkv, N, L]; q_codes [B, Hq, L].  Returns (idx int32 [B, Hq, S] ascending, −1 padded;
@@ -246,9 +270,18 @@ def _extra_hits_reference(q_codes: np.ndarray, extra: np.ndarray, min_collisions
     return [[np.nonzero(hit[bi, h])[0] for h in range(hq)] for bi in range(b)]
 
 
-def sample(tables: HashTables, q_codes: torch.Tensor, min_collisions: int = 2, *, sort: bool = True,
-           backend: str = "auto", index_offset: int = 0, extra_codes: torch.Tensor | None = None,
-           extra_offset: int = 0, extra_count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    tables: HashTables,
+    q_codes: torch.Tensor,
+    min_collisions: int = 2,
+    *,
+    sort: bool = True,
+    backend: str = "auto",
+    index_offset: int = 0,
+    extra_codes: torch.Tensor | None = None,
+    extra_offset: int = 0,
+    extra_count: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample set of each query row from the tables (see ``sample_reference`` for the rule).
     q_codes [B, Hq, L] int (codes outside [0, 2^K) match nothing).  Returns (idx int32 [B, Hq, S_max],
     −1 padded, ascending when ``sort``; count int32 [B, Hq]).
@@ -264,8 +297,9 @@ def sample(tables: HashTables, q_codes: torch.Tensor, min_collisions: int = 2, *
     b, hkv, n = tables.shape
     hq = q_codes.shape[1]
     qc = q_codes.detach().cpu().to(torch.int32).contiguous()
-    if extra_codes is not None and (extra_codes.dim() != 4 or tuple(extra_codes.shape[:2]) != (b, hkv)
-                                    or extra_codes.shape[3] != tables.n_tables):
+    if extra_codes is not None and (
+        extra_codes.dim() != 4 or tuple(extra_codes.shape[:2]) != (b, hkv) or extra_codes.shape[3] != tables.n_tables
+    ):
         raise ValueError(f"extra_codes {tuple(extra_codes.shape)}: expected [B={b}, Hkv={hkv}, E, L={tables.n_tables}]")
     n_extra = 0 if extra_codes is None else extra_codes.shape[2]
     if extra_count is not None:
@@ -276,18 +310,29 @@ def sample(tables: HashTables, q_codes: torch.Tensor, min_collisions: int = 2, *
         idx, cnt = sample_reference(tables.key_codes(), qc, min_collisions)
         if not index_offset and not n_extra:
             return idx, cnt
-        hits = (_extra_hits_reference(qc.numpy(), extra_codes[:, :, :n_extra].detach().cpu().to(torch.int32).numpy(),
-                                      int(min_collisions)) if n_extra else None)
-        rows = [torch.cat([idx[bi, h, :cnt[bi, h]] + index_offset]
-                          + ([torch.from_numpy(hits[bi][h]).to(torch.int32) + extra_offset] if n_extra else []))
-                for bi in range(b) for h in range(hq)]
+        hits = (
+            _extra_hits_reference(
+                qc.numpy(), extra_codes[:, :, :n_extra].detach().cpu().to(torch.int32).numpy(), int(min_collisions)
+            )
+            if n_extra
+            else None
+        )
+        rows = [
+            torch.cat(
+                [idx[bi, h, : cnt[bi, h]] + index_offset]
+                + ([torch.from_numpy(hits[bi][h]).to(torch.int32) + extra_offset] if n_extra else [])
+            )
+            for bi in range(b)
+            for h in range(hq)
+        ]
         return _pad_rows(rows, b, hq)
     nb = _nb()
     out = _scratch(b * hq * max(n, 1)).reshape(b, hq, max(n, 1))
     cnt = np.empty((b, hq), np.int32)
     threads = nb.get_threads()
-    nb.sample_kernel(tables.perm.numpy(), tables.offsets.numpy(), qc.numpy(), int(min_collisions), threads,
-                     bool(sort), out, cnt)
+    nb.sample_kernel(
+        tables.perm.numpy(), tables.offsets.numpy(), qc.numpy(), int(min_collisions), threads, bool(sort), out, cnt
+    )
     hit_cnt = np.zeros((b, hq), np.int32)
     hit_idx = np.empty((b, hq, max(n_extra, 1)), np.int32)
     if n_extra:
@@ -302,8 +347,10 @@ def sample(tables: HashTables, q_codes: torch.Tensor, min_collisions: int = 2, *
 # ----------------------------------------------------------------------------------------------- attention
 def _check_attn(q, k, v, idx, count, k_mean):
     if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"expected q [B, Hq, D] and k, v [B, Hkv, N, D]; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"expected q [B, Hq, D] and k, v [B, Hkv, N, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     b, hq, d = q.shape
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim")
@@ -319,9 +366,18 @@ def _check_attn(q, k, v, idx, count, k_mean):
 
 
 def attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, count: torch.Tensor | None = None, *,
-    k_bits: int, n_tables: int, min_collisions: int = 2, scaling: float | None = None,
-    k_mean: torch.Tensor | None = None, correct: bool = True,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    count: torch.Tensor | None = None,
+    *,
+    k_bits: int,
+    n_tables: int,
+    min_collisions: int = 2,
+    scaling: float | None = None,
+    k_mean: torch.Tensor | None = None,
+    correct: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch gather + matmul with the −log u correction (eq. 11).  q [B, Hq, D]; k, v [B, Hkv, N, D];
     idx [B, Hq, S] (−1 = padding); count [B, Hq] optional; k_mean [B, Hkv, D] (the mean the keys were centred
@@ -403,8 +459,15 @@ def _side_by_side(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     of a C-contiguous [B, H, N', 2, D] cache (a token's K and V in one 512-byte row at D = 128 in bf16), else None."""
     b, h, n, d = k.shape
     st = k.stride()
-    if (v.stride() != st or v.dtype != k.dtype or st[3] != 1 or st[2] != 2 * d or st[1] % (2 * d)
-            or st[0] != h * st[1] or v.data_ptr() != k.data_ptr() + d * k.element_size()):
+    if (
+        v.stride() != st
+        or v.dtype != k.dtype
+        or st[3] != 1
+        or st[2] != 2 * d
+        or st[1] % (2 * d)
+        or st[0] != h * st[1]
+        or v.data_ptr() != k.data_ptr() + d * k.element_size()
+    ):
         return None
     rows = st[1] // (2 * d)
     if rows < n or (k.storage_offset() + b * st[0]) * k.element_size() > k.untyped_storage().nbytes():
@@ -423,9 +486,20 @@ def _kv_arrays(k: torch.Tensor, v: torch.Tensor) -> tuple[np.ndarray, np.ndarray
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, count: torch.Tensor | None = None, *,
-    k_bits: int, n_tables: int, min_collisions: int = 2, scaling: float | None = None,
-    k_mean: torch.Tensor | None = None, correct: bool = True, backend: str = "auto", prefetch: int | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    count: torch.Tensor | None = None,
+    *,
+    k_bits: int,
+    n_tables: int,
+    min_collisions: int = 2,
+    scaling: float | None = None,
+    k_mean: torch.Tensor | None = None,
+    correct: bool = True,
+    backend: str = "auto",
+    prefetch: int | None = None,
     prefetch_v_early: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled attention on CPU (see ``attention_reference`` for the arguments).  k, v: CPU tensors, last dim
@@ -443,8 +517,19 @@ def attention(
     if k.is_cuda or v.is_cuda:
         raise ValueError("magicpig_cpu.attention reads the KV cache from CPU memory; got CUDA tensors")
     if _backend(backend) == "torch":
-        return attention_reference(q, k, v, idx, count, k_bits=k_bits, n_tables=n_tables,
-                                   min_collisions=min_collisions, scaling=scaling, k_mean=k_mean, correct=correct)
+        return attention_reference(
+            q,
+            k,
+            v,
+            idx,
+            count,
+            k_bits=k_bits,
+            n_tables=n_tables,
+            min_collisions=min_collisions,
+            scaling=scaling,
+            k_mean=k_mean,
+            correct=correct,
+        )
     b, hq, d = q.shape
     hkv = k.shape[1]
     scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
@@ -477,20 +562,39 @@ def attention(
 
     with numba.parallel_chunksize(1):  # rows (query heads) handed out one at a time: sample sizes differ by head
         ka, va, v_col = _kv_arrays(k, v)
-        nb.attention_kernel(qn, ka, va, ixn, cn, mean, scaling, table, bool(correct), pf, v_early, k.shape[2], v_col,
-                            out, lse, bad)
+        nb.attention_kernel(
+            qn, ka, va, ixn, cn, mean, scaling, table, bool(correct), pf, v_early, k.shape[2], v_col, out, lse, bad
+        )
     if bad[0]:
         raise ValueError(f"idx: the first count entries of each row must lie in [0, N={k.shape[2]})")
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
 def sample_and_attend(
-    tables: HashTables, q_codes: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-    min_collisions: int = 2, scaling: float | None = None, k_mean: torch.Tensor | None = None,
+    tables: HashTables,
+    q_codes: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    min_collisions: int = 2,
+    scaling: float | None = None,
+    k_mean: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sample`` then ``attention``: (o [B, Hq, D] f32, lse [B, Hq] f32, count [B, Hq] int32)."""
     idx, cnt = sample(tables, q_codes, min_collisions, backend=backend)
-    o, lse = attention(q, k, v, idx, cnt, k_bits=tables.k_bits, n_tables=tables.n_tables,
-                       min_collisions=min_collisions, scaling=scaling, k_mean=k_mean, backend=backend)
+    o, lse = attention(
+        q,
+        k,
+        v,
+        idx,
+        cnt,
+        k_bits=tables.k_bits,
+        n_tables=tables.n_tables,
+        min_collisions=min_collisions,
+        scaling=scaling,
+        k_mean=k_mean,
+        backend=backend,
+    )
     return o, lse, cnt

@@ -39,8 +39,14 @@ def merge_by_lse(
 
 
 def attend_and_merge_reference(
-    q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor,
-    o_other: torch.Tensor, lse_other: torch.Tensor, scaling: float,
+    q: torch.Tensor,
+    k1: torch.Tensor,
+    v1: torch.Tensor,
+    k2: torch.Tensor,
+    v2: torch.Tensor,
+    o_other: torch.Tensor,
+    lse_other: torch.Tensor,
+    scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of q over the keys of two parts (k1, v1) and (k2, v2) -- MagicPIG's static keys: the sink
     and the local window, weight 1 (u = 1) -- merged by ``merge_by_lse`` with a partial output over other keys.
@@ -58,8 +64,16 @@ def attend_and_merge_reference(
 
 
 def attend_and_merge(
-    q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor,
-    o_other: torch.Tensor, lse_other: torch.Tensor, scaling: float, *, backend: str = "auto",
+    q: torch.Tensor,
+    k1: torch.Tensor,
+    v1: torch.Tensor,
+    k2: torch.Tensor,
+    v2: torch.Tensor,
+    o_other: torch.Tensor,
+    lse_other: torch.Tensor,
+    scaling: float,
+    *,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attend_and_merge_reference`` in one Triton launch on CUDA (one program per (row, KV head) for its query
     heads; the key parts may be strided views, e.g. a window of a larger buffer)."""
@@ -68,14 +82,18 @@ def attend_and_merge(
     b, hq, d = q.shape
     for name, k, v in (("k1", k1, v1), ("k2", k2, v2)):
         if k.dim() != 4 or v.shape != k.shape or k.shape[0] != b or k.shape[3] != d or k.shape[1] != k1.shape[1]:
-            raise ValueError(f"{name}: expected [B={b}, Hkv, N, D={d}] with its values alike; got keys "
-                             f"{tuple(k.shape)}, values {tuple(v.shape)}")
+            raise ValueError(
+                f"{name}: expected [B={b}, Hkv, N, D={d}] with its values alike; got keys "
+                f"{tuple(k.shape)}, values {tuple(v.shape)}"
+            )
     check_heads(hq, k1.shape[1])
     if k1.shape[2] + k2.shape[2] < 1:
         raise ValueError("attend_and_merge: the two key parts are empty (N1 + N2 = 0)")
     if tuple(o_other.shape) != (b, hq, d) or tuple(lse_other.shape) != (b, hq):
-        raise ValueError(f"o_other {tuple(o_other.shape)} / lse_other {tuple(lse_other.shape)}: expected "
-                         f"[{b}, {hq}, {d}] / [{b}, {hq}]")
+        raise ValueError(
+            f"o_other {tuple(o_other.shape)} / lse_other {tuple(lse_other.shape)}: expected "
+            f"[{b}, {hq}, {d}] / [{b}, {hq}]"
+        )
     if resolve_gpu_backend(backend, q, k1, k2, o_other) == "torch":
         return attend_and_merge_reference(q, k1, v1, k2, v2, o_other, lse_other, scaling)
     from . import _tl_merge

@@ -23,8 +23,10 @@ __all__ = ["gather_rows", "gather_rows_reference", "pinned_empty", "put_rows", "
 
 def _check(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> int:
     if src.dim() != 4 or idx.dim() != 3 or dst.dim() != 4:
-        raise ValueError(f"expected src [B, Hkv, N, D], idx [B, Hs, S], dst [B, Hs, S, D]; got {tuple(src.shape)}, "
-                         f"{tuple(idx.shape)}, {tuple(dst.shape)}")
+        raise ValueError(
+            f"expected src [B, Hkv, N, D], idx [B, Hs, S], dst [B, Hs, S, D]; got {tuple(src.shape)}, "
+            f"{tuple(idx.shape)}, {tuple(dst.shape)}"
+        )
     b, hkv, _, d = src.shape
     if idx.shape[0] != b or tuple(dst.shape) != (b, idx.shape[1], idx.shape[2], d):
         raise ValueError(f"idx {tuple(idx.shape)} / dst {tuple(dst.shape)} do not match src {tuple(src.shape)}")
@@ -53,7 +55,7 @@ def _is_pinned(x: torch.Tensor) -> bool:
 
 
 def _backend(backend: str, host: torch.Tensor, *gpu: torch.Tensor) -> str:
-    """"triton" or "torch" for a kernel between the ``gpu`` tensors and the cache ``host``: "auto" takes Triton when
+    """ "triton" or "torch" for a kernel between the ``gpu`` tensors and the cache ``host``: "auto" takes Triton when
     the ``gpu`` tensors are CUDA tensors and ``host`` is pinned (or on the GPU)."""
     if backend == "auto" and not (all(x.is_cuda for x in gpu) and (host.is_cuda or _is_pinned(host))):
         return "torch"
@@ -74,8 +76,9 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, *, back
 
 def _check_put(src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:
     if src.dim() != 4 or dst.dim() != 4 or src.shape[:2] != dst.shape[:2] or src.shape[3] != dst.shape[3]:
-        raise ValueError(f"expected src [B, Hkv, T, D] and dst [B, Hkv, N, D]; got {tuple(src.shape)}, "
-                         f"{tuple(dst.shape)}")
+        raise ValueError(
+            f"expected src [B, Hkv, T, D] and dst [B, Hkv, N, D]; got {tuple(src.shape)}, {tuple(dst.shape)}"
+        )
     if src.dtype != dst.dtype:
         raise ValueError(f"src dtype {src.dtype} != dst dtype {dst.dtype}")
     if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64):
@@ -90,7 +93,7 @@ def put_rows_reference(src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) 
     p = int(pos.reshape(()).item())
     if p < 0 or p + src.shape[2] > dst.shape[2]:
         raise IndexError(f"pos {p} + {src.shape[2]} rows is outside the cache's {dst.shape[2]} rows")
-    dst[:, :, p:p + src.shape[2]] = src.to(dst.device)
+    dst[:, :, p : p + src.shape[2]] = src.to(dst.device)
     return dst
 
 
@@ -124,8 +127,10 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = t.numel() * t.element_size()
         err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
         if int(getattr(err, "value", err)) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed ({err}): not enough lockable "
-                               f"host memory for the offloaded cache")
+            raise RuntimeError(
+                f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed ({err}): not enough lockable "
+                f"host memory for the offloaded cache"
+            )
         _PINNED[t.data_ptr()] = t
     return t
 

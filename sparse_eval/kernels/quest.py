@@ -22,7 +22,12 @@ from . import sparse_decode
 from ._common import check_heads, resolve_gpu_backend
 
 __all__ = [
-    "page_metadata", "page_scores", "page_scores_reference", "top_pages", "pages_to_tokens", "decode",
+    "page_metadata",
+    "page_scores",
+    "page_scores_reference",
+    "top_pages",
+    "pages_to_tokens",
+    "decode",
     "decode_reference",
 ]
 
@@ -49,8 +54,10 @@ def page_metadata(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.
 
 def _check(q, kmin, kmax, n_pages):
     if q.dim() != 3 or kmin.dim() != 4 or kmax.shape != kmin.shape:
-        raise ValueError(f"expected q [B, Hq, D], kmin/kmax [B, Hkv, P, D]; got {tuple(q.shape)}, "
-                         f"{tuple(kmin.shape)}, {tuple(kmax.shape)}")
+        raise ValueError(
+            f"expected q [B, Hq, D], kmin/kmax [B, Hkv, P, D]; got {tuple(q.shape)}, "
+            f"{tuple(kmin.shape)}, {tuple(kmax.shape)}"
+        )
     if q.shape[0] != kmin.shape[0] or q.shape[2] != kmin.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and kmin {tuple(kmin.shape)} disagree on batch or head dim")
     check_heads(q.shape[1], kmin.shape[1])
@@ -59,7 +66,11 @@ def _check(q, kmin, kmax, n_pages):
 
 
 def page_scores_reference(
-    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, reduce: bool = False,
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    *,
+    reduce: bool = False,
     n_pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """U(P) for every page: float32 [B, Hq, P], or [B, Hkv, P] summed over each KV group with ``reduce``.
@@ -72,14 +83,21 @@ def page_scores_reference(
     u = torch.maximum(qg * kmin.float().unsqueeze(2), qg * kmax.float().unsqueeze(2)).sum(-1)  # [B, Hkv, G, P]
     u = u.sum(2) if reduce else u.reshape(b, hq, p)
     if n_pages is not None:
-        u = u.masked_fill(torch.arange(p, device=u.device).view(1, 1, p) >= n_pages.to(u.device).view(b, 1, 1),
-                          float("-inf"))
+        u = u.masked_fill(
+            torch.arange(p, device=u.device).view(1, 1, p) >= n_pages.to(u.device).view(b, 1, 1), float("-inf")
+        )
     return u
 
 
 def page_scores(
-    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, reduce: bool = False,
-    n_pages: torch.Tensor | None = None, backend: str = "auto", block_p: int | None = None,
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    *,
+    reduce: bool = False,
+    n_pages: torch.Tensor | None = None,
+    backend: str = "auto",
+    block_p: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Page criticality (see ``page_scores_reference``); Triton on CUDA."""
@@ -88,8 +106,7 @@ def page_scores(
         return page_scores_reference(q, kmin, kmax, reduce=reduce, n_pages=n_pages)
     from . import _tl_scores
 
-    return _tl_scores.page_scores(q, kmin, kmax, reduce=reduce, n_pages=n_pages, block_p=block_p,
-                                  num_warps=num_warps)
+    return _tl_scores.page_scores(q, kmin, kmax, reduce=reduce, n_pages=n_pages, block_p=block_p, num_warps=num_warps)
 
 
 def top_pages(scores: torch.Tensor, n: int, *, backend: str = "auto", topk: str = "radix") -> torch.Tensor:
@@ -110,8 +127,17 @@ def pages_to_tokens(pages: torch.Tensor, page_size: int, n_tokens: int) -> torch
 
 
 def decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_size: int,
-    n_select: int, *, gqa: str = "query_head", scaling: float | None = None, backend: str = "auto",
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    page_size: int,
+    n_select: int,
+    *,
+    gqa: str = "query_head",
+    scaling: float | None = None,
+    backend: str = "auto",
     topk: str = "radix",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Quest decode step: score pages, keep the top ``n_select`` pages (``topk`` as in ``ds.topk_indices``),
@@ -121,8 +147,9 @@ def decode(
         raise ValueError(f"gqa={gqa!r}: valid values are {list(GQA_MODES)}")
     p_expected = -(-k.shape[2] // page_size)
     if kmin.shape[2] != p_expected:
-        raise ValueError(f"kmin has {kmin.shape[2]} pages; {k.shape[2]} tokens at page_size={page_size} make "
-                         f"{p_expected}")
+        raise ValueError(
+            f"kmin has {kmin.shape[2]} pages; {k.shape[2]} tokens at page_size={page_size} make {p_expected}"
+        )
     scores = page_scores(q, kmin, kmax, reduce=gqa == "kv_head", backend=backend)
     pages = top_pages(scores, n_select, backend=backend, topk=topk)
     idx = pages_to_tokens(pages, page_size, k.shape[2])
@@ -131,7 +158,15 @@ def decode(
 
 
 def decode_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_size: int,
-    n_select: int, *, gqa: str = "query_head", scaling: float | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    page_size: int,
+    n_select: int,
+    *,
+    gqa: str = "query_head",
+    scaling: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return decode(q, k, v, kmin, kmax, page_size, n_select, gqa=gqa, scaling=scaling, backend="torch", topk="torch")

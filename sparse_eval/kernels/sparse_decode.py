@@ -118,8 +118,17 @@ def attention(
     from . import _tl_sparse_decode
 
     return _tl_sparse_decode.run(
-        q, k, v, idx, scaling=scaling, count=count, out_dtype=out_dtype, block_n=block_n, num_splits=num_splits,
-        num_warps=num_warps, num_stages=num_stages,
+        q,
+        k,
+        v,
+        idx,
+        scaling=scaling,
+        count=count,
+        out_dtype=out_dtype,
+        block_n=block_n,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
@@ -131,7 +140,12 @@ def _check_dense(q, k, v, lengths):
 
 
 def dense_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *, scaling: float | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scaling: float | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of row b over its first ``lengths[b]`` keys of a preallocated cache: ``attention_reference``
@@ -144,9 +158,18 @@ def dense_attention_reference(
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *, scaling: float | None = None,
-    out_dtype: torch.dtype | None = None, backend: str = "auto", block_n: int | None = None,
-    num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scaling: float | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense split-K decode attention over a preallocated cache k, v [B, Hkv, N, D] whose row b holds
     ``lengths[b]`` (int [B], on the device) valid keys.  Shapes depend on N only, never on the lengths, so one CUDA
@@ -158,6 +181,16 @@ def dense_attention(
     from . import _tl_sparse_decode
 
     return _tl_sparse_decode.run(
-        q, k, v, None, scaling=scaling, count=None, out_dtype=out_dtype, block_n=block_n, num_splits=num_splits,
-        num_warps=num_warps, num_stages=num_stages, lengths=lengths,
+        q,
+        k,
+        v,
+        None,
+        scaling=scaling,
+        count=None,
+        out_dtype=out_dtype,
+        block_n=block_n,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        lengths=lengths,
     )

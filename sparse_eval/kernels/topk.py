@@ -51,8 +51,17 @@ def select_reference(scores: torch.Tensor, k_max: int, count: torch.Tensor | Non
     return out
 
 
-def select(scores: torch.Tensor, k_max: int, count: torch.Tensor | None = None, *, backend: str = "auto",
-           radix_bits: int = 8, block_n: int = 2048, num_warps: int = 4, atomic_from: int = 2) -> torch.Tensor:
+def select(
+    scores: torch.Tensor,
+    k_max: int,
+    count: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    radix_bits: int = 8,
+    block_n: int = 2048,
+    num_warps: int = 4,
+    atomic_from: int = 2,
+) -> torch.Tensor:
     """Top-k positions per row (see the module docstring): scores float32 [..., N]; k_max the slots per row (the
     budget when ``count`` is None); count int [...] per-row budgets ≤ k_max on the device.  int32 [..., k_max],
     positions in increasing order, then −1.  ``radix_bits``: digit width of a pass (32/radix_bits histogram
@@ -68,5 +77,6 @@ def select(scores: torch.Tensor, k_max: int, count: torch.Tensor | None = None, 
         raise ValueError(f"block_n={block_n}: must be a power of two >= 16")
     from . import _tl_topk
 
-    return _tl_topk.select(scores, k_max, count, radix_bits=radix_bits, block_n=block_n, num_warps=num_warps,
-                           atomic_from=atomic_from)
+    return _tl_topk.select(
+        scores, k_max, count, radix_bits=radix_bits, block_n=block_n, num_warps=num_warps, atomic_from=atomic_from
+    )

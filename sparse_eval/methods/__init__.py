@@ -57,7 +57,9 @@ def attend(
     elif options:
         raise ValueError("pass options either in the Method's config or as keyword arguments, not both")
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"expected q [B, Hq, Q, D] and k, v [B, Hkv, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"expected q [B, Hq, Q, D] and k, v [B, Hkv, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
     b, _, ql, d = q.shape
@@ -66,8 +68,16 @@ def attend(
     scaling = 1.0 / math.sqrt(d) if scaling is None else scaling
     valid = key_validity(attention_mask, b, ql, n, q.device)
     out, stats = sparse_attention(
-        method, q, k, v, valid, scaling, {} if state is None else state, layer_idx,
-        compute_error=compute_error, keep_masks=True,
+        method,
+        q,
+        k,
+        v,
+        valid,
+        scaling,
+        {} if state is None else state,
+        layer_idx,
+        compute_error=compute_error,
+        keep_masks=True,
     )
     if b == 1 and ql == 1:
         stats["indices"] = [torch.nonzero(stats["keep"][0, h, 0]).flatten() for h in range(q.shape[1])]
@@ -75,8 +85,19 @@ def attend(
 
 
 __all__ = [
-    "AttentionContext", "METHODS", "Method", "MethodConfig", "Selection", "attend", "build_method", "compare_names",
-    "is_dense", "make_config", "method_class", "register", "sparse_attention",
+    "AttentionContext",
+    "METHODS",
+    "Method",
+    "MethodConfig",
+    "Selection",
+    "attend",
+    "build_method",
+    "compare_names",
+    "is_dense",
+    "make_config",
+    "method_class",
+    "register",
+    "sparse_attention",
 ]
 
 

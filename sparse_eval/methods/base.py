@@ -165,7 +165,9 @@ def budget_bound(budget: float | int, n: int) -> int:
 def check_budget(budget: object, what: str = "budget", context: int | None = None) -> None:
     """Start-time check of a budget value: raises ValueError naming the parameter and the valid values."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"{what}={budget!r}: give a ratio of the context in (0, 1] (a float) or a token count >= 1 (an int)")
+        raise ValueError(
+            f"{what}={budget!r}: give a ratio of the context in (0, 1] (a float) or a token count >= 1 (an int)"
+        )
     if isinstance(budget, float) and not 0.0 < budget <= 1.0:
         raise ValueError(f"{what}={budget!r}: a ratio must lie in (0, 1] (write an int for a token count)")
     if isinstance(budget, int) and budget < 1:
@@ -178,8 +180,10 @@ DENSE_LAYER_WORDS = ("first", "mid", "last")
 
 
 def _dense_layer_error(spec: Any, detail: str) -> ValueError:
-    return ValueError(f"method.dense_layers={list(spec)}: {detail}; give layer indices (negative: from the end) or "
-                      f"the words {list(DENSE_LAYER_WORDS)} (mid = num_layers // 2), e.g. method.dense_layers=[0,mid]")
+    return ValueError(
+        f"method.dense_layers={list(spec)}: {detail}; give layer indices (negative: from the end) or "
+        f"the words {list(DENSE_LAYER_WORDS)} (mid = num_layers // 2), e.g. method.dense_layers=[0,mid]"
+    )
 
 
 def check_dense_layers(spec: Any) -> None:
@@ -205,8 +209,9 @@ def resolve_dense_layers(spec: Any, num_layers: int) -> list[int]:
         if i < 0:
             i += num_layers
         if not 0 <= i < num_layers:
-            raise _dense_layer_error(spec, f"{x} out of range for a model with {num_layers} layers "
-                                           f"(valid {-num_layers}..{num_layers - 1})")
+            raise _dense_layer_error(
+                spec, f"{x} out of range for a model with {num_layers} layers (valid {-num_layers}..{num_layers - 1})"
+            )
         out.append(i)
     return sorted(set(out))
 
@@ -316,8 +321,10 @@ class Method:
             )
         check_dense_layers(c.dense_layers)
         if c.sliding_layers not in SLIDING_LAYERS:
-            raise ValueError(f"method.sliding_layers={c.sliding_layers!r}; valid: {list(SLIDING_LAYERS)} (dense: layers "
-                             "with a sliding window attend densely within it; sparse: the method runs there too)")
+            raise ValueError(
+                f"method.sliding_layers={c.sliding_layers!r}; valid: {list(SLIDING_LAYERS)} (dense: layers "
+                "with a sliding window attend densely within it; sparse: the method runs there too)"
+            )
         if num_layers is not None:
             resolve_dense_layers(c.dense_layers, num_layers)
 
@@ -349,14 +356,22 @@ class Method:
         return None
 
     # -- per-layer index ------------------------------------------------------------------------
-    def prepare(self, state: dict[str, Any], k: torch.Tensor, v: torch.Tensor, layer_idx: int, module: Any = None,
-                **kwargs: Any) -> None:
+    def prepare(
+        self, state: dict[str, Any], k: torch.Tensor, v: torch.Tensor, layer_idx: int, module: Any = None, **kwargs: Any
+    ) -> None:
         """Bring the method's per-layer index up to date with the keys k [B, Hkv, N, D] (called once per
         attention call before any selection; with ``prepare_with_valid`` also ``valid=`` bool [B, 1, Q, N]).
         Default: nothing to index."""
 
-    def observe_dense(self, state: dict[str, Any], q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor,
-                      scaling: float, layer_idx: int) -> None:
+    def observe_dense(
+        self,
+        state: dict[str, Any],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        valid: torch.Tensor,
+        scaling: float,
+        layer_idx: int,
+    ) -> None:
         """With ``observes_dense``: called by the session for every attention call that runs dense in a layer the
         method runs in (a layer outside ``dense_layers`` that is dense only because of the protocol or phase), after
         the dense attention, with the call's query rows q [B, Hq, Q, D], the layer's keys k [B, Hkv, N, D] (the whole
@@ -384,8 +399,9 @@ class Method:
 
     # -- what the memory estimate asks (``sparse_eval.memory``), from a config ``params`` --------------------------
     @classmethod
-    def index_memory(cls, params: Mapping[str, Any], shape: Any, n: int, sparse_layers: int,
-                     building_rows: bool = False) -> dict[str, int]:
+    def index_memory(
+        cls, params: Mapping[str, Any], shape: Any, n: int, sparse_layers: int, building_rows: bool = False
+    ) -> dict[str, int]:
         """Bytes of one row's method index over ``n`` keys in ``sparse_layers`` layers, by part, on the accuracy
         path; ``shape`` the model's sizes (``memory.Shape``: layers, heads, kv_heads, head_dim), ``building_rows``
         whether a call's rows build the index (protocols S and B).  Default: no index."""

@@ -78,9 +78,17 @@ def pass_masks(valid: torch.Tensor, sink: int, local: int) -> PassMasks:
     static, n_valid = static_keys(valid, sink, local)
     candidates = valid & ~static
     n_rows = n_valid.squeeze(-1).clamp_min(1).float()
-    return PassMasks(valid=valid, invalid=~valid, static=static, n_valid=n_valid, candidates=candidates,
-                     not_candidates=~candidates, rows=(n_valid > 0).squeeze(-1), n_rows=n_rows,
-                     static_frac=static.sum(-1).float() / n_rows)
+    return PassMasks(
+        valid=valid,
+        invalid=~valid,
+        static=static,
+        n_valid=n_valid,
+        candidates=candidates,
+        not_candidates=~candidates,
+        rows=(n_valid > 0).squeeze(-1),
+        n_rows=n_rows,
+        static_frac=static.sum(-1).float() / n_rows,
+    )
 
 
 def scores_gqa(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -131,8 +139,14 @@ def _values_split8(pg: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return head.to(acc).add_(tail.to(acc)).to(v.dtype)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float,
-                    element_budget: int = 1 << 28) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    element_budget: int = 1 << 28,
+) -> torch.Tensor:
     """Full attention o = softmax(q Kᵀ · scaling over the valid keys) V, [B, Hq, Q, D] in q's dtype, through
     ``scores_gqa``, ``masked_softmax`` and ``weighted_values`` (the batch-invariant mode's dense attention, in place
     of ``scaled_dot_product_attention``).  q [B, Hq, Q, D], k/v [B, Hkv, N, D], valid bool [B, 1, Q, N].  Query rows
@@ -143,8 +157,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: to
     step = max(1, element_budget // max(1, b * hq * n))
     outs = []
     for s0 in range(0, ql, step):
-        vc = valid[:, :, s0:s0 + step]
-        scores = scores_gqa(q[:, :, s0:s0 + step], k, scaling)
+        vc = valid[:, :, s0 : s0 + step]
+        scores = scores_gqa(q[:, :, s0 : s0 + step], k, scaling)
         outs.append(weighted_values(masked_softmax(scores, vc), v))
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(q.dtype)
 
@@ -157,8 +171,9 @@ def masked_softmax(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.masked_fill(dropped, NEG_INF), dim=-1).masked_fill_(dropped, 0.0)
 
 
-def kept_mass_and_recall(scores: torch.Tensor, p_dense: torch.Tensor, keep: torch.Tensor,
-                         kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_mass_and_recall(
+    scores: torch.Tensor, p_dense: torch.Tensor, keep: torch.Tensor, kept: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two measures of how good a kept set is, per row [B, Hq, Q] (fp32):
 
     * attention mass captured: Σ_{i∈keep} softmax(s)_i, the dense attention's mass on the kept keys;
@@ -176,8 +191,9 @@ def kept_mass_and_recall(scores: torch.Tensor, p_dense: torch.Tensor, keep: torc
     return mass, recall
 
 
-def kv_bytes_read(method: Method, ctx: AttentionContext, sel: Selection, keep: torch.Tensor,
-                  kept: torch.Tensor | None = None) -> torch.Tensor:
+def kv_bytes_read(
+    method: Method, ctx: AttentionContext, sel: Selection, keep: torch.Tensor, kept: torch.Tensor | None = None
+) -> torch.Tensor:
     """KV-cache bytes the method's system reads for each query-head row, fp32 [B, Hq, Q]:
 
         kv_bytes = index_bytes + |keep| · (2 if not index_reads_keys else 1) · D · e
@@ -246,9 +262,22 @@ def sparse_attention(
         qc, vc, n_valid = q[:, :, start:stop], m.valid, m.n_valid
         scores = scores_gqa(qc, k, scaling).masked_fill(m.invalid, NEG_INF)
         ctx = AttentionContext(
-            q=qc, k=k, v=v, scores=scores, valid=vc, static=m.static, n_valid=n_valid, scaling=scaling,
-            layer_idx=layer_idx, state=state, generator_seed=hash((cfg.seed, layer_idx)) & 0x7FFFFFFF,
-            row_seeds=row_seeds, layer_inputs=layer_inputs, query_offset=start, candidate_mask=m.candidates, not_candidate_mask=m.not_candidates,
+            q=qc,
+            k=k,
+            v=v,
+            scores=scores,
+            valid=vc,
+            static=m.static,
+            n_valid=n_valid,
+            scaling=scaling,
+            layer_idx=layer_idx,
+            state=state,
+            generator_seed=hash((cfg.seed, layer_idx)) & 0x7FFFFFFF,
+            row_seeds=row_seeds,
+            layer_inputs=layer_inputs,
+            query_offset=start,
+            candidate_mask=m.candidates,
+            not_candidate_mask=m.not_candidates,
             sparse_rows=None if sparse_rows is None else sparse_rows[:, None, start:stop, None],
             generating=generating,
         )
@@ -279,8 +308,11 @@ def sparse_attention(
             "empty": empty & rows,
         }
         c1 = method.cost1(ctx, sel)
-        st["cost1"] = torch.full((b, hq, stop - start), float(c1), device=q.device) \
-            if not torch.is_tensor(c1) or c1.dim() == 0 else c1.float().expand(b, hq, stop - start)
+        st["cost1"] = (
+            torch.full((b, hq, stop - start), float(c1), device=q.device)
+            if not torch.is_tensor(c1) or c1.dim() == 0
+            else c1.float().expand(b, hq, stop - start)
+        )
         st["kv_bytes"] = kv_bytes_read(method, ctx, sel, keep, kept=n_keep_f)
         if compute_error:
             # masked_softmax(scores, valid): scores are already -inf wherever a key is not valid

@@ -63,7 +63,9 @@ from typing import Any
 
 import torch
 
-from sparse_eval.kernels.ds import pseudo_quantize  # the query-label quantization, shared with the system path's kernels
+from sparse_eval.kernels.ds import (
+    pseudo_quantize,
+)  # the query-label quantization, shared with the system path's kernels
 
 from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
 from .labels import budget_label, budget_level, count_label, fraction_label
@@ -96,7 +98,11 @@ def user_calibration_dir() -> Path:
     env = os.environ.get(CALIBRATION_ENV)
     if env:
         return Path(env).expanduser()
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share").expanduser() / "sparse_eval" / "calibration"
+    return (
+        Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share").expanduser()
+        / "sparse_eval"
+        / "calibration"
+    )
 
 
 def calibration_dirs() -> list[Path]:
@@ -120,8 +126,7 @@ def calibration_description(cal: dict[str, Any]) -> str:
     what = " ".join(str(text[k]) for k in ("dataset", "split") if text.get(k))
     origin = text.get("origin") or cal.get("data") or "text of unknown origin"
     tokens = cal.get("tokens")
-    return (f"{what + ' from ' if what else ''}{origin}"
-            f"{f' ({tokens:,} tokens)' if isinstance(tokens, int) else ''}")
+    return f"{what + ' from ' if what else ''}{origin}{f' ({tokens:,} tokens)' if isinstance(tokens, int) else ''}"
 
 
 @dataclass
@@ -160,8 +165,10 @@ def load_channels(path: Path, channel_type: str, rewrite: str = "") -> tuple[tor
         if not isinstance(data, dict) or not isinstance(data.get("channels", {}), dict):
             raise ValueError("not a calibration file (no 'channels' mapping)")
     except (ValueError, UnicodeDecodeError) as exc:  # json.JSONDecodeError is a ValueError
-        raise ValueError(f"calibration file {path} is corrupt ({exc}); write it again with:  "
-                         f"{rewrite or 'python -m sparse_eval.calibrate model=<name>'}") from None
+        raise ValueError(
+            f"calibration file {path} is corrupt ({exc}); write it again with:  "
+            f"{rewrite or 'python -m sparse_eval.calibrate model=<name>'}"
+        ) from None
     chans = data.get("channels", {})
     if channel_type not in chans:
         if channel_type == "random":
@@ -215,8 +222,11 @@ class DoubleSparsity(Method):
         config), the same with DS-Offload's prediction (in a model: from layer l−1's input; on bare tensors it falls
         back to the layer's own query), and a ratio β per KV group with unquantized labels."""
         plain = {"beta": 8, "channel_type": "random"}
-        return [plain, plain | {"offload": True},
-                {"beta": 0.1, "channel_type": "random", "gqa": "kv_head", "label_bits": 16, "quantize_query": False}]
+        return [
+            plain,
+            plain | {"offload": True},
+            {"beta": 0.1, "channel_type": "random", "gqa": "kv_head", "label_bits": 16, "quantize_query": False},
+        ]
 
     @classmethod
     def model_contract_configs(cls):
@@ -235,8 +245,9 @@ class DoubleSparsity(Method):
         return {
             "ds": dict(name=cls.name, beta=0.02),
             "ds_offload": dict(name=cls.name, beta=0.02, offload=True),
-            "ds_offload_attn_input": dict(name=cls.name, beta=0.05, offload=True, offload_input="attn_input",
-                                          dense_layers=[0]),
+            "ds_offload_attn_input": dict(
+                name=cls.name, beta=0.05, offload=True, offload_input="attn_input", dense_layers=[0]
+            ),
         }
 
     @classmethod
@@ -267,12 +278,16 @@ class DoubleSparsity(Method):
         if c.channel_type not in CHANNEL_TYPES:
             raise ValueError(f"method.channel_type={c.channel_type!r}; valid: {list(CHANNEL_TYPES)}")
         if c.channel_type == "random" and (c.channels is not None or c.channels_file):
-            raise ValueError("method.channel_type='random' draws its channels from the run's seed: drop method.channels "
-                             "/ method.channels_file (or pick a calibrated type: qk, q, k)")
+            raise ValueError(
+                "method.channel_type='random' draws its channels from the run's seed: drop method.channels "
+                "/ method.channels_file (or pick a calibrated type: qk, q, k)"
+            )
         if c.offload_input not in OFFLOAD_INPUTS:
             raise ValueError(f"method.offload_input={c.offload_input!r}; valid: {list(OFFLOAD_INPUTS)}")
         if not isinstance(c.offload, bool) or not isinstance(c.quantize_query, bool):
-            raise ValueError(f"method.offload={c.offload!r} / method.quantize_query={c.quantize_query!r}: must be true or false")
+            raise ValueError(
+                f"method.offload={c.offload!r} / method.quantize_query={c.quantize_query!r}: must be true or false"
+            )
 
     def describe(self) -> str:
         c = self.config
@@ -292,7 +307,7 @@ class DoubleSparsity(Method):
 
     @classmethod
     def label(cls, params):
-        """"α=…, β=…, b-bit, <channels>"."""
+        """ "α=…, β=…, b-bit, <channels>"."""
         a, b = params.get("alpha"), params.get("beta")
         bits, ch = count_label(params.get("label_bits")), params.get("channel_type")
         return f"α={a:g}, β={budget_label(b)}, {bits}-bit, {ch}"
@@ -332,7 +347,11 @@ class DoubleSparsity(Method):
         """The calibration file ``setup`` reads for ``model_name`` (None when the channels need no file)."""
         if self.config.channels is not None or self.config.channel_type == "random":
             return None
-        return Path(self.config.channels_file).expanduser() if self.config.channels_file else default_channels_file(model_name)
+        return (
+            Path(self.config.channels_file).expanduser()
+            if self.config.channels_file
+            else default_channels_file(model_name)
+        )
 
     def external_inputs(self, model_name: str) -> dict[str, Any]:
         """The calibration file's sha256 (``missing`` when absent: ``setup`` then refuses, naming the command)."""
@@ -363,12 +382,17 @@ class DoubleSparsity(Method):
         if self._calibration is None or self._channels_source is None:
             return None
         cal, path = self._calibration, self._channels_source
-        fix = (f"calibrate on text the run does not evaluate: {calibration_command(self._model_name)} (WikiText-2 "
-               f"validation; add data=<text file> for another) writes the file method=double_sparsity reads first; "
-               f"or point method.channels_file at such a file, or use method.channel_type=random")
-        return CalibrationText(label=f"method=double_sparsity's calibration file {path}",
-                               description=calibration_description(cal), fingerprint=cal.get("text_fingerprint"),
-                               fix=fix)
+        fix = (
+            f"calibrate on text the run does not evaluate: {calibration_command(self._model_name)} (WikiText-2 "
+            f"validation; add data=<text file> for another) writes the file method=double_sparsity reads first; "
+            f"or point method.channels_file at such a file, or use method.channel_type=random"
+        )
+        return CalibrationText(
+            label=f"method=double_sparsity's calibration file {path}",
+            description=calibration_description(cal),
+            fingerprint=cal.get("text_fingerprint"),
+            fix=fix,
+        )
 
     def setup(self, model: Any, model_name: str) -> None:
         """Loads the model's calibrated channels (unless given directly) and, for offload, finds each layer's
@@ -386,7 +410,9 @@ class DoubleSparsity(Method):
                     f"Double Sparsity needs offline-calibrated channels for model {model_name!r} and found no file at "
                     f"{path}. Make one with:  {calibration_command(model_name)}  (or point method.channels_file at one)"
                 )
-            rewrite = calibration_command(model_name) + ("" if path == default_channels_file(model_name) else f" output={path}")
+            rewrite = calibration_command(model_name) + (
+                "" if path == default_channels_file(model_name) else f" output={path}"
+            )
             chans, meta = load_channels(path, self.config.channel_type, rewrite)
             m = meta.get("model", {})
             got = (m.get("num_layers"), m.get("head_dim"))
@@ -447,7 +473,9 @@ class DoubleSparsity(Method):
         raw = math.floor(float(self.config.alpha) * d + 1e-9)
         r = max(1, raw)
         if ch.shape[-1] < r:
-            raise ValueError(f"method.channels gives {ch.shape[-1]} channels per head, alpha={self.config.alpha} needs {r}")
+            raise ValueError(
+                f"method.channels gives {ch.shape[-1]} channels per head, alpha={self.config.alpha} needs {r}"
+            )
         if ch.shape[0] == hkv and hkv != hq:  # per KV head ("k" outliers): each query head uses its group's
             ch = ch.repeat_interleave(hq // hkv, 0)
         if ch.shape[0] != hq:
@@ -466,7 +494,7 @@ class DoubleSparsity(Method):
         if given is not None and hkv != hq:
             ch = given[layer_idx] if given.dim() == 3 else given
             if ch.shape[0] == hkv:
-                return ch[:, :per_query.shape[1]].long()
+                return ch[:, : per_query.shape[1]].long()
         return per_query.long()
 
     def _labels(self, x: torch.Tensor, ch: torch.Tensor, groups: int) -> torch.Tensor:
@@ -486,7 +514,11 @@ class DoubleSparsity(Method):
         bits = self.config.label_bits
         st = ctx.state.get("ds")
         fresh = (
-            st is None or st["n"] > n or st["batch"] != b or st["bits"] != bits or not torch.equal(st["channels"], ch)
+            st is None
+            or st["n"] > n
+            or st["batch"] != b
+            or st["bits"] != bits
+            or not torch.equal(st["channels"], ch)
             or (st["n"] > 0 and not torch.equal(st["last_key"], k[:, :, st["n"] - 1]))
         )
         if fresh:
@@ -496,12 +528,19 @@ class DoubleSparsity(Method):
             if st["n"] < n:  # append in place; the buffer grows geometrically (no copy of the whole cache per step)
                 if n > buf.shape[2]:
                     grown = buf.new_empty(b, buf.shape[1], max(n, 2 * buf.shape[2]), buf.shape[3])
-                    grown[:, :, :st["n"]] = buf[:, :, :st["n"]]
+                    grown[:, :, : st["n"]] = buf[:, :, : st["n"]]
                     buf = grown
-                buf[:, :, st["n"]:n] = pseudo_quantize(self._labels(k[:, :, st["n"]:], ch, ctx.groups), bits)
+                buf[:, :, st["n"] : n] = pseudo_quantize(self._labels(k[:, :, st["n"] :], ch, ctx.groups), bits)
         labels = buf[:, :, :n]
-        ctx.state["ds"] = {"n": n, "batch": b, "bits": bits, "channels": ch, "buf": buf, "labels": labels,
-                           "last_key": k[:, :, n - 1].clone() if n else None}
+        ctx.state["ds"] = {
+            "n": n,
+            "batch": b,
+            "bits": bits,
+            "channels": ch,
+            "buf": buf,
+            "labels": labels,
+            "last_key": k[:, :, n - 1].clone() if n else None,
+        }
         return labels
 
     # -- offload prediction --------------------------------------------------------------------
@@ -522,11 +561,12 @@ class DoubleSparsity(Method):
         start = ctx.query_offset
         if pos is None or h.shape[0] != b or h.shape[1] < start + ql:
             return None
-        cos, sin = pos[0][:, start:start + ql], pos[1][:, start:start + ql]
-        return self.predict_query(attn, layer, h[:, start:start + ql], cos, sin, d)
+        cos, sin = pos[0][:, start : start + ql], pos[1][:, start : start + ql]
+        return self.predict_query(attn, layer, h[:, start : start + ql], cos, sin, d)
 
-    def predict_query(self, attn: Any, layer_idx: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      head_dim: int) -> torch.Tensor | None:
+    def predict_query(
+        self, attn: Any, layer_idx: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+    ) -> torch.Tensor | None:
         """DS-Offload's query prediction (§5.1), the one rule both paths use: layer ``layer_idx``'s approximate query
         q̂ = RoPE(q_proj(h)) from h [B, Q, H], layer ``layer_idx − 1``'s attention input (``offload_input`` =
         "attn_input"), or that layer's residual stream divided by its input norm's weight ("residual"); with a
@@ -538,8 +578,10 @@ class DoubleSparsity(Method):
             return None
         if self.config.offload_input == "residual":
             if layer_idx - 1 not in self._norm_w:
-                raise ValueError("DS-Offload with offload_input='residual' needs method.setup(model, ...) first (it "
-                                 "finds each layer's input norm)")
+                raise ValueError(
+                    "DS-Offload with offload_input='residual' needs method.setup(model, ...) first (it "
+                    "finds each layer's input norm)"
+                )
             w = self._norm_w[layer_idx - 1]
             h = h / torch.where(w == 0, torch.ones_like(w), w).to(h.dtype)
         b, ql = h.shape[:2]
@@ -590,7 +632,9 @@ class DoubleSparsity(Method):
             keep, _ = self._select_with(ctx, qp.to(ctx.q.dtype), ch, labels, want)
             stats["offload_own_query"] = torch.zeros(b, hq, ql, device=ctx.q.device)
         n_own = own.sum(-1).float()
-        stats["offload_recall"] = torch.where(n_own > 0, (own & keep).sum(-1).float() / n_own.clamp_min(1), torch.ones_like(n_own))
+        stats["offload_recall"] = torch.where(
+            n_own > 0, (own & keep).sum(-1).float() / n_own.clamp_min(1), torch.ones_like(n_own)
+        )
         return Selection(keep=keep, stats=stats)
 
     def cost1(self, ctx: AttentionContext, sel: Selection) -> torch.Tensor:

@@ -145,14 +145,17 @@ class H2O(Method):
         super().validate(num_layers, context)
         check_budget(self.config.heavy, "method.heavy", context)
         if self.config.scores not in SCORES:
-            raise ValueError(f"method.scores={self.config.scores!r}; valid: {list(SCORES)} (kept: the attention over "
-                             "the kept keys, Algorithm 1 and the authors' caches; full: the full row, their lm-eval "
-                             "simulation)")
+            raise ValueError(
+                f"method.scores={self.config.scores!r}; valid: {list(SCORES)} (kept: the attention over "
+                "the kept keys, Algorithm 1 and the authors' caches; full: the full row, their lm-eval "
+                "simulation)"
+            )
 
     # -- state ------------------------------------------------------------------------------------------------------
     @staticmethod
-    def _state(state: dict[str, Any], b: int, hq: int, n: int,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _state(
+        state: dict[str, Any], b: int, hq: int, n: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(score float32 [B, Hq, N], alive bool [B, Hq, N]) of the layer, extended to ``n`` key columns."""
         st = state.get("h2o")
         if st is not None:
@@ -163,8 +166,9 @@ class H2O(Method):
                     score = torch.cat([score, score.new_zeros(b, hq, extra)], -1)
                     alive = torch.cat([alive, alive.new_ones(b, hq, extra)], -1)
                 return score, alive
-        return torch.zeros(b, hq, n, dtype=torch.float32, device=device), torch.ones(b, hq, n, dtype=torch.bool,
-                                                                                     device=device)
+        return torch.zeros(b, hq, n, dtype=torch.float32, device=device), torch.ones(
+            b, hq, n, dtype=torch.bool, device=device
+        )
 
     @staticmethod
     def _accumulate(score: torch.Tensor, alive: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -181,8 +185,8 @@ class H2O(Method):
         score, alive = self._state(state, b, hq, n, q.device)
         step = max(1, (1 << 24) // max(1, b * hq * n))  # rows per block of scores
         for s0 in range(0, ql, step):
-            vb = valid[:, :, s0:s0 + step]  # [B, 1, Qb, N]
-            s = scores_gqa(q[:, :, s0:s0 + step], k, scaling).masked_fill(~vb, NEG_INF)  # [B, Hq, Qb, N] fp32
+            vb = valid[:, :, s0 : s0 + step]  # [B, 1, Qb, N]
+            s = scores_gqa(q[:, :, s0 : s0 + step], k, scaling).masked_fill(~vb, NEG_INF)  # [B, Hq, Qb, N] fp32
             p = masked_softmax(s, vb)  # the full rows (zeros for a row with no valid key: padding)
             for i in range(p.shape[2]):
                 score = self._accumulate(score, alive, p[:, :, i])
@@ -244,6 +248,6 @@ class H2O(Method):
 
     @classmethod
     def label(cls, params):
-        """"<heavy> heavy + <window> recent" (the authors' heavy and recent budgets), and the scores if full rows."""
+        """ "<heavy> heavy + <window> recent" (the authors' heavy and recent budgets), and the scores if full rows."""
         text = f"{budget_label(params.get('heavy'))} heavy + {params.get('local')} recent"
         return text + (", full-row scores" if params.get("scores") == "full" else "")

@@ -50,8 +50,12 @@ from typing import Any
 import torch
 
 from ..kernels.magicpig import collision_counts  # Alg. 1 line 2: the one count, Triton on CUDA
-from ..simhash_probability import (upper_terms, collision_probability, log_sampling_probability,  # eq. 10
-                                   sampling_probability)
+from ..simhash_probability import (
+    upper_terms,
+    collision_probability,
+    log_sampling_probability,  # eq. 10
+    sampling_probability,
+)
 from .base import AttentionContext, Method, MethodConfig, Selection
 from .core import static_keys
 from .labels import count_label
@@ -120,13 +124,18 @@ def check_sampling_reachable(K: int, L: int, min_collisions: int) -> None:
     u = float(sampling_probability(p, K, L, min_collisions))
     if u >= MIN_SAMPLING_PROBABILITY:
         return
-    ok = [k for k in range(1, _MAX_K + 1) if float(sampling_probability(p, k, L, min_collisions)) >= MIN_SAMPLING_PROBABILITY]
+    ok = [
+        k
+        for k in range(1, _MAX_K + 1)
+        if float(sampling_probability(p, k, L, min_collisions)) >= MIN_SAMPLING_PROBABILITY
+    ]
     valid = f"K <= {max(ok)} at L={L}" if ok else f"no K at L={L}"
     raise ValueError(
         f"method.K={K} with method.L={L}, method.min_collisions={min_collisions}: a key at cosine {REFERENCE_COS} "
         f"with its query is sampled with probability {u:.3g} (eq. 10, below {MIN_SAMPLING_PROBABILITY:g}), so "
         f"practically every selection would be empty; valid: {valid} (the paper: K 8-10, L 75-220); lower "
-        f"method.K, raise method.L or lower method.min_collisions")
+        f"method.K, raise method.L or lower method.min_collisions"
+    )
 
 
 def code_dtype(K: int) -> torch.dtype:
@@ -181,14 +190,19 @@ class MagicPIG(Method):
     def contract_configs(cls):
         """A small (K, L) in a small static window (the end-to-end checks' config), the textbook rule without
         centering under the eq. 8 transform, and the defaults (K, L) = (10, 150)."""
-        return [{"K": 4, "L": 20, "local": 8, "dense_layers": [0]},
-                {"K": 3, "L": 12, "min_collisions": 1, "center": False, "mips": True}, {}]
+        return [
+            {"K": 4, "L": 20, "local": 8, "dense_layers": [0]},
+            {"K": 3, "L": 12, "min_collisions": 1, "center": False, "mips": True},
+            {},
+        ]
 
     @classmethod
     def system_contract_configs(cls):
         """A small (K, L) in a small static window (hash tables, CPU kernel and LSE merge), and the defaults."""
-        return {"magicpig": dict(name=cls.name, K=10, L=20, local=16, dense_layers=[0]),
-                "magicpig_default": dict(name=cls.name, dense_layers=[0, 2])}
+        return {
+            "magicpig": dict(name=cls.name, K=10, L=20, local=16, dense_layers=[0]),
+            "magicpig_default": dict(name=cls.name, dense_layers=[0, 2]),
+        }
 
     @classmethod
     def keep_all_options(cls, n):
@@ -199,17 +213,24 @@ class MagicPIG(Method):
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
         c = self.config
-        for what, val, lo in (("K", c.K, 1), ("L", c.L, 1), ("min_collisions", c.min_collisions, 1),
-                              ("projection_group", c.projection_group, 1)):
+        for what, val, lo in (
+            ("K", c.K, 1),
+            ("L", c.L, 1),
+            ("min_collisions", c.min_collisions, 1),
+            ("projection_group", c.projection_group, 1),
+        ):
             if isinstance(val, bool) or not isinstance(val, int) or val < lo:
                 raise ValueError(f"method.{what}={val!r}: must be an integer >= {lo}")
         if c.K > _MAX_K:
-            raise ValueError(f"method.K={c.K}: a table's code must fit a 64-bit integer; valid: 1..{_MAX_K} "
-                             f"(the paper: 8-10); lower method.K")
+            raise ValueError(
+                f"method.K={c.K}: a table's code must fit a 64-bit integer; valid: 1..{_MAX_K} "
+                f"(the paper: 8-10); lower method.K"
+            )
         if c.min_collisions > c.L:
             raise ValueError(
                 f"method.min_collisions={c.min_collisions} > method.L={c.L}: a key can collide in at most L tables, "
-                f"so none would ever be sampled; valid: 1..{c.L} (eq. 10: 2), or raise method.L")
+                f"so none would ever be sampled; valid: 1..{c.L} (eq. 10: 2), or raise method.L"
+            )
         check_sampling_reachable(c.K, c.L, c.min_collisions)
         for what in ("center", "mips"):
             if not isinstance(getattr(c, what), bool):
@@ -230,17 +251,21 @@ class MagicPIG(Method):
         code = 2 if K <= 15 else 4 if K <= 31 else 8
         dim = shape.head_dim + (1 if params.get("mips") else 0)
         groups = math.ceil(shape.layers / max(1, int(params.get("projection_group", 1) or 1)))
-        out = {"hash codes": sparse_layers * shape.kv_heads * n * L * code * 2,
-               "projections": groups * dim * K * L * 4,
-               "hashing": shape.heads * L * code + 8 * shape.kv_heads * K * L}
+        out = {
+            "hash codes": sparse_layers * shape.kv_heads * n * L * code * 2,
+            "projections": groups * dim * K * L * 4,
+            "hashing": shape.heads * L * code + 8 * shape.kv_heads * K * L,
+        }
         if building_rows:
             out["build"] = shape.kv_heads * n * K * L
         return out
 
     @classmethod
     def index_too_large(cls, params, need):
-        return (f"method.L={params.get('L')} with method.K={params.get('K')}: MagicPIG's tables {need}; lower "
-                f"method.L (the paper: 75-300) or method.K")
+        return (
+            f"method.L={params.get('L')} with method.K={params.get('K')}: MagicPIG's tables {need}; lower "
+            f"method.L (the paper: 75-300) or method.K"
+        )
 
     @classmethod
     def label(cls, params):
@@ -276,7 +301,9 @@ class MagicPIG(Method):
         """Items per chunk so that a chunk holds about ``element_budget`` elements."""
         return max(1, self.element_budget // max(1, per_item))
 
-    def _hash(self, x: torch.Tensor, mean: torch.Tensor | None, r: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+    def _hash(
+        self, x: torch.Tensor, mean: torch.Tensor | None, r: torch.Tensor | None, w: torch.Tensor
+    ) -> torch.Tensor:
         """Codes [B', H, n, L] of x [B', H, n, D] (keys in any dtype, or queries), taken in chunks along n:
         x − mean (centering, ``mean`` [B', H, D]), then with ``r`` [B', H] (eq. 8) the extra coordinate
         √(r² − |x − μ|²) (clamped at 0 for a later key longer than r), projected on W and packed."""
@@ -285,13 +312,13 @@ class MagicPIG(Method):
         out = torch.empty(b, h, n, c.L, dtype=code_dtype(c.K), device=x.device)
         step = self._chunk(8 * b * h * c.K * c.L)
         for s in range(0, n, step):
-            xs = x[:, :, s:s + step].float()
+            xs = x[:, :, s : s + step].float()
             if mean is not None:
                 xs = xs - mean[:, :, None]
             if r is not None:
                 extra = (r[:, :, None] ** 2 - xs.pow(2).sum(-1)).clamp_min(0.0).sqrt()
                 xs = torch.cat([xs, extra.unsqueeze(-1)], dim=-1)
-            out[:, :, s:s + step] = pack_signs(torch.matmul(xs, w), c.K, c.L)
+            out[:, :, s : s + step] = pack_signs(torch.matmul(xs, w), c.K, c.L)
         return out
 
     def _fix_center(self, k: torch.Tensor, wts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,15 +337,18 @@ class MagicPIG(Method):
             for r0 in range(0, b, rows):
                 for s0 in range(first, n, step):
                     lo = max(0, s0)
-                    mean[r0:r0 + rows] += torch.einsum("bn,bhnd->bhd", wts[r0:r0 + rows, lo:s0 + step],
-                                                       k[r0:r0 + rows, :, lo:s0 + step].double())
+                    mean[r0 : r0 + rows] += torch.einsum(
+                        "bn,bhnd->bhd",
+                        wts[r0 : r0 + rows, lo : s0 + step],
+                        k[r0 : r0 + rows, :, lo : s0 + step].double(),
+                    )
             mean /= wts.sum(-1)[:, None, None]
         mean = mean.float()
         r = torch.zeros(b, h, dtype=torch.float32, device=k.device)
         if c.mips:
             for s0 in range(0, n, step):
-                norms = (k[:, :, s0:s0 + step].float() - mean[:, :, None]).norm(dim=-1)
-                norms = norms.masked_fill(wts[:, None, s0:s0 + step] == 0, 0.0)
+                norms = (k[:, :, s0 : s0 + step].float() - mean[:, :, None]).norm(dim=-1)
+                norms = norms.masked_fill(wts[:, None, s0 : s0 + step] == 0, 0.0)
                 r = torch.maximum(r, norms.amax(-1))
         return mean, r
 
@@ -329,8 +359,16 @@ class MagicPIG(Method):
         return self._fix_center(k, ones)[0]
 
     # -- index ------------------------------------------------------------------------------------
-    def prepare(self, state: dict[str, Any], k: torch.Tensor, v: torch.Tensor, layer_idx: int, module: Any = None,
-                valid: torch.Tensor | None = None, **kwargs: Any) -> None:
+    def prepare(
+        self,
+        state: dict[str, Any],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_idx: int,
+        module: Any = None,
+        valid: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Hash codes of the keys, kept in ``state["magicpig"]``:
 
         codes [B, Hkv, capacity, L] (K-bit integers), n (keys indexed), mean [B, Hkv, D] (centering μ),
@@ -357,7 +395,12 @@ class MagicPIG(Method):
             st = None
         if st is None:
             st = {
-                "n": 0, "b": b, "hkv": hkv, "d": d, "device": str(dev), "sig": sig,
+                "n": 0,
+                "b": b,
+                "hkv": hkv,
+                "d": d,
+                "device": str(dev),
+                "sig": sig,
                 "codes": torch.empty(b, hkv, max(n, 16), c.L, dtype=code_dtype(c.K), device=dev),
                 "mean": torch.zeros(b, hkv, d, dtype=torch.float32, device=dev),
                 "r": torch.zeros(b, hkv, dtype=torch.float32, device=dev),
@@ -390,7 +433,9 @@ class MagicPIG(Method):
             if old is None:
                 st["codes"][:, :, done:n] = self._hash(k[:, :, done:n], st["mean"], r, w)
             elif old.numel():
-                st["codes"][old, :, done:n] = self._hash(k[old, :, done:n], st["mean"][old], None if r is None else r[old], w)
+                st["codes"][old, :, done:n] = self._hash(
+                    k[old, :, done:n], st["mean"][old], None if r is None else r[old], w
+                )
         if idx is not None:  # (re)hash every key of the rows whose μ was just fixed
             st["codes"][idx, :, :n] = self._hash(k[idx], st["mean"][idx], None if r is None else r[idx], w)
         st["n"] = n
@@ -420,13 +465,16 @@ class MagicPIG(Method):
         count = cand.sum(-1).clamp_min(1.0)[:, None, :, None]  # [B, 1, Q, 1]
         kd = k.double()
         if c.center:
-            mean = (torch.einsum("bqn,bhnd->bhqd", cand, kd) / count)  # [B, Hkv, Q, D]
+            mean = torch.einsum("bqn,bhnd->bhqd", cand, kd) / count  # [B, Hkv, Q, D]
         else:
             mean = torch.zeros(b, hkv, ql, d, dtype=torch.float64, device=k.device)
         r = torch.zeros(b, hkv, ql, dtype=torch.float64, device=k.device)
         if c.mips:  # |k_i − μ_t|² = |k_i|² − 2 k_i·μ_t + |μ_t|²
-            sq = (kd.pow(2).sum(-1)[:, :, None, :] - 2 * torch.einsum("bhnd,bhqd->bhqn", kd, mean)
-                  + mean.pow(2).sum(-1)[..., None]).clamp_min(0.0)
+            sq = (
+                kd.pow(2).sum(-1)[:, :, None, :]
+                - 2 * torch.einsum("bhnd,bhqd->bhqn", kd, mean)
+                + mean.pow(2).sum(-1)[..., None]
+            ).clamp_min(0.0)
             r = sq.masked_fill(cand[:, None] == 0, 0.0).amax(-1).sqrt()
         mean, r = mean.float(), r.float()
         old = torch.ones(b, dtype=torch.bool, device=k.device)
@@ -436,8 +484,9 @@ class MagicPIG(Method):
             r[old] = st["r"][old][:, :, None].expand(-1, -1, ql)
         return mean, r
 
-    def _row_counts(self, ctx: AttentionContext, q_codes: torch.Tensor, mean: torch.Tensor, r: torch.Tensor,
-                    w: torch.Tensor) -> torch.Tensor:
+    def _row_counts(
+        self, ctx: AttentionContext, q_codes: torch.Tensor, mean: torch.Tensor, r: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
         """Collision counts [B, Hq, Q, N] when key i is hashed for row t as k_i − μ_t (with mips: and the extra
         coordinate of r_t): bit j of table l is k_i·w_j > μ_t·w_j (+ the extra coordinate's term), so the keys'
         projections are taken once and each row only shifts the thresholds.  Keys that are not a candidate of any
@@ -498,8 +547,15 @@ class MagicPIG(Method):
         den = knorm * qnorm
         return torch.where(den > 0, dot / den.clamp_min(1e-300), torch.zeros_like(den))
 
-    def _bias_sampled(self, q: torch.Tensor, k: torch.Tensor, mean_rows: torch.Tensor, r_rows: torch.Tensor,
-                      keep: torch.Tensor, g: int) -> torch.Tensor:
+    def _bias_sampled(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        mean_rows: torch.Tensor,
+        r_rows: torch.Tensor,
+        keep: torch.Tensor,
+        g: int,
+    ) -> torch.Tensor:
         """bias [B, Hq, Q, N] float32: −log u_i (eq. 11) on the sampled (row, key) pairs only, 0 elsewhere.
         mean_rows [B, Hkv, Q, D] and r_rows [B, Hkv, Q] are each row's μ_t and r_t.  One host sync (the pairs'
         count), then chunks of pairs."""
@@ -509,19 +565,26 @@ class MagicPIG(Method):
         bi, hi, qi, ni = torch.nonzero(keep, as_tuple=True)  # the sampled (row, key) pairs only
         step = self._chunk(4 * (d + max(1, c.L - c.min_collisions + 1)))
         for s in range(0, bi.numel(), step):
-            bs, hs, qs, ns = bi[s:s + step], hi[s:s + step] // g, qi[s:s + step], ni[s:s + step]
+            bs, hs, qs, ns = bi[s : s + step], hi[s : s + step] // g, qi[s : s + step], ni[s : s + step]
             # eq. 10 on the hashed vectors: cos(q, k̄_i), k̄_i the centered (with mips: transformed) key, float64
             kr = k[bs, hs, ns].double() - mean_rows[bs, hs, qs].double()  # [M, D]
-            qr = q[bs, hi[s:s + step], qs].double()
+            qr = q[bs, hi[s : s + step], qs].double()
             knorm = kr.norm(dim=-1)
             if c.mips:
                 knorm = torch.maximum(knorm, r_rows[bs, hs, qs].double())
             cos = self._cos((kr * qr).sum(-1), knorm, qr.norm(dim=-1))
-            bias[bs, hi[s:s + step], qs, ns] = self._neg_log_u(cos)  # eq. 11: s_i − log u_i
+            bias[bs, hi[s : s + step], qs, ns] = self._neg_log_u(cos)  # eq. 11: s_i − log u_i
         return bias
 
-    def _bias_dense(self, q: torch.Tensor, k: torch.Tensor, mean: torch.Tensor, r: torch.Tensor | None,
-                    keep: torch.Tensor, terms: int) -> torch.Tensor:
+    def _bias_dense(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        mean: torch.Tensor,
+        r: torch.Tensor | None,
+        keep: torch.Tensor,
+        terms: int,
+    ) -> torch.Tensor:
         """``_bias_sampled``'s values for rows sharing the index's μ [B, Hkv, D] (and r [B, Hkv] under eq. 8):
         −log u_i computed for every (row, key) from cos(q, k_i − μ) = q·(k_i − μ) / (|q| |k_i − μ|) in float64
         (one product per KV group), then kept where ``keep``.  No host sync and no loop over pairs; keys in chunks of
@@ -536,12 +599,12 @@ class MagicPIG(Method):
         bias = torch.empty(b, hkv, rows, n, dtype=torch.float32, device=q.device)
         step = max(1, min(self._chunk(b * hq * ql * terms), self._chunk(b * hkv * d)))
         for s in range(0, n, step):
-            kr = k[:, :, s:s + step].double() - mu  # [B, Hkv, n', D]
+            kr = k[:, :, s : s + step].double() - mu  # [B, Hkv, n', D]
             knorm = kr.norm(dim=-1)
             if r is not None:
                 knorm = torch.maximum(knorm, r.double()[:, :, None])
             cos = self._cos(torch.matmul(qg, kr.transpose(-1, -2)), knorm[:, :, None], qnorm)  # [B, Hkv, R, n']
-            bias[..., s:s + step] = torch.where(keep_g[..., s:s + step], self._neg_log_u(cos), 0.0)
+            bias[..., s : s + step] = torch.where(keep_g[..., s : s + step], self._neg_log_u(cos), 0.0)
         return bias.reshape(b, hq, ql, n)
 
     # -- selection --------------------------------------------------------------------------------
@@ -563,8 +626,9 @@ class MagicPIG(Method):
             counts = self._row_counts(ctx, q_codes, mean_rows, r_rows, w)
         else:
             mean_rows, r_rows = st["mean"][:, :, None].expand(-1, -1, ql, -1), st["r"][:, :, None].expand(-1, -1, ql)
-            counts = collision_counts(q_codes, st["codes"][:, :, :n], backend=self.collision_backend,
-                                      element_budget=self.element_budget)  # [B, Hq, Q, N] int16
+            counts = collision_counts(
+                q_codes, st["codes"][:, :, :n], backend=self.collision_backend, element_budget=self.element_budget
+            )  # [B, Hq, Q, N] int16
         keep = (counts >= c.min_collisions) & ctx.candidates
         terms = c.min_collisions + upper_terms(c.min_collisions, c.L)  # eq. 10's terms per (row, key)
         if st.get("row_center") is None and b * hq * ql * n * terms <= self.dense_bias_elements:

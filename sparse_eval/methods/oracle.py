@@ -75,7 +75,11 @@ class OracleSampling(Method):
         dev = s.device
         head = torch.arange(hq, device=dev).view(1, hq, 1, 1)
         j = torch.arange(bmax, device=dev).view(1, 1, 1, bmax)
-        rows = ctx.row_seeds.view(-1, 1, 1, 1) if ctx.row_seeds is not None else torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+        rows = (
+            ctx.row_seeds.view(-1, 1, 1, 1)
+            if ctx.row_seeds is not None
+            else torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+        )
         # a draw is a pure function of (seed, layer, sample, head, query position, draw index): the row's
         # context size n_valid identifies its query position
         u = uniforms(ctx.generator_seed, rows, head, ctx.n_valid.view(-1, 1, ql, 1), j)  # [B, Hq, Q, Bmax]

@@ -107,8 +107,9 @@ def page_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch
     mn = torch.where(torch.isfinite(kmin), kmin, torch.zeros_like(kmin)).float()
     mx = torch.where(torch.isfinite(kmax), kmax, torch.zeros_like(kmax)).float()
     qg = q.float().reshape(b, hkv, (hq // hkv) * ql, d)  # a group's heads as G·Q rows (no copies of M, m)
-    u = torch.matmul(qg.clamp_min(0), mx.transpose(-1, -2)) \
-        + torch.matmul(qg.clamp_max(0), mn.transpose(-1, -2))  # [B, Hkv, G·Q, P]
+    u = torch.matmul(qg.clamp_min(0), mx.transpose(-1, -2)) + torch.matmul(
+        qg.clamp_max(0), mn.transpose(-1, -2)
+    )  # [B, Hkv, G·Q, P]
     u = u.masked_fill(empty.view(b, hkv, 1, -1), float("-inf"))
     return u.reshape(b, hq, ql, -1)
 
@@ -168,15 +169,21 @@ class Quest(Method):
     def contract_configs(cls):
         """Pages of 4 in a small static window (the end-to-end checks' config), pages of 8 selected per KV group
         with the Quest repo's floor of 3 pages, and the defaults (pages of 16)."""
-        return [{"page_size": 4, "budget": 8, "local": 8},
-                {"page_size": 8, "budget": 0.1, "gqa": "kv_head", "min_pages": 3}, {}]
+        return [
+            {"page_size": 4, "budget": 8, "local": 8},
+            {"page_size": 8, "budget": 0.1, "gqa": "kv_head", "min_pages": 3},
+            {},
+        ]
 
     @classmethod
     def system_contract_configs(cls):
         """A ratio budget over pages of 8, and a token count over pages of 4 per KV group."""
-        return {"quest": dict(name=cls.name, budget=0.1, page_size=8, local=16, dense_layers=[0]),
-                "quest_kv_head_tokens": dict(name=cls.name, gqa="kv_head", budget=40, page_size=4, sink=2, local=8,
-                                             dense_layers=[0])}
+        return {
+            "quest": dict(name=cls.name, budget=0.1, page_size=8, local=16, dense_layers=[0]),
+            "quest_kv_head_tokens": dict(
+                name=cls.name, gqa="kv_head", budget=40, page_size=4, sink=2, local=8, dense_layers=[0]
+            ),
+        }
 
     @classmethod
     def static_step_contract_configs(cls):
@@ -198,7 +205,9 @@ class Quest(Method):
         check_budget(self.config.budget, "method.budget", context)
         mp = self.config.min_pages
         if isinstance(mp, bool) or not isinstance(mp, int) or mp < 1:
-            raise ValueError(f"method.min_pages={mp!r}: must be an int >= 1 (default 1; the Quest repo's evaluation: 3)")
+            raise ValueError(
+                f"method.min_pages={mp!r}: must be an int >= 1 (default 1; the Quest repo's evaluation: 3)"
+            )
         if not isinstance(self.config.update_pages, bool):
             raise ValueError(f"method.update_pages={self.config.update_pages!r}: must be true or false")
 
@@ -225,8 +234,12 @@ class Quest(Method):
         b, hkv, n, d = k.shape
         st = ctx.state.get("quest")
         fresh = (
-            st is None or st["n"] > n or st["batch"] != b or st["page_size"] != ps
-            or not torch.equal(st["first"], first) or st["kmin"].shape[-1] != d
+            st is None
+            or st["n"] > n
+            or st["batch"] != b
+            or st["page_size"] != ps
+            or not torch.equal(st["first"], first)
+            or st["kmin"].shape[-1] != d
             or (st["n"] > 0 and not torch.equal(st["last_key"], k[:, :, st["n"] - 1]))
         )
         if not self.config.update_pages:
@@ -239,8 +252,16 @@ class Quest(Method):
                 pid = page_ids(first, n, ps)
                 pid = torch.where((pid >= 0) & (pid < whole.unsqueeze(1)), pid, torch.full_like(pid, -1))
                 kmin, kmax = build_pages(k, pid, pages)
-                st = {"n": n, "batch": b, "page_size": ps, "first": first, "kmin": kmin, "kmax": kmax,
-                      "frozen_end": first + whole * ps, "last_key": k[:, :, n - 1].clone()}
+                st = {
+                    "n": n,
+                    "batch": b,
+                    "page_size": ps,
+                    "first": first,
+                    "kmin": kmin,
+                    "kmax": kmax,
+                    "frozen_end": first + whole * ps,
+                    "last_key": k[:, :, n - 1].clone(),
+                }
                 ctx.state["quest"] = st
             return st
         pages = int(torch.div((n - first).clamp_min(0) + ps - 1, ps, rounding_mode="floor").max().item()) if b else 0
@@ -256,8 +277,16 @@ class Quest(Method):
             old = st["n"]
             pid_new = page_ids(first, n, ps)[:, old:]
             kmin, kmax = _absorb(kmin, kmax, k[:, :, old:], pid_new)
-        st = {"n": n, "batch": b, "page_size": ps, "first": first, "kmin": kmin, "kmax": kmax,
-              "frozen_end": None, "last_key": k[:, :, n - 1].clone() if n else None}
+        st = {
+            "n": n,
+            "batch": b,
+            "page_size": ps,
+            "first": first,
+            "kmin": kmin,
+            "kmax": kmax,
+            "frozen_end": None,
+            "last_key": k[:, :, n - 1].clone() if n else None,
+        }
         ctx.state["quest"] = st
         return st
 
@@ -289,8 +318,12 @@ class Quest(Method):
         in_page = (pid >= 0).view(b, 1, 1, n)
         # pages that hold at least one candidate key of the row: [B, 1, Q, P]
         target = torch.where(pid >= 0, pid, torch.full_like(pid, num_pages)).view(b, 1, 1, n).expand(b, 1, ql, n)
-        cand_pages = torch.zeros(b, 1, ql, num_pages + 1, device=dev).scatter_add_(
-            -1, target, (cand & in_page).float())[..., :num_pages] > 0
+        cand_pages = (
+            torch.zeros(b, 1, ql, num_pages + 1, device=dev).scatter_add_(-1, target, (cand & in_page).float())[
+                ..., :num_pages
+            ]
+            > 0
+        )
 
         u = page_bound(ctx.q, kmin, kmax)  # [B, Hq, Q, P]
         if ql > 1 and num_pages > 0:

@@ -113,10 +113,11 @@ class SnapKV(Method):
     def contract_configs(cls):
         """A token capacity that compresses the 96-key synthetic rows (max pooling, the defaults' k = 7), a ratio with
         average pooling and one selection per KV group, and the defaults (1024 tokens: rows that short keep all)."""
-        return [{"max_capacity_prompt": 40, "window_size": 8},
-                {"max_capacity_prompt": 0.3, "window_size": 4, "kernel_size": 5, "pooling": "avgpool",
-                 "gqa": "kv_head"},
-                {}]
+        return [
+            {"max_capacity_prompt": 40, "window_size": 8},
+            {"max_capacity_prompt": 0.3, "window_size": 4, "kernel_size": 5, "pooling": "avgpool", "gqa": "kv_head"},
+            {},
+        ]
 
     @classmethod
     def model_contract_configs(cls):
@@ -136,12 +137,20 @@ class SnapKV(Method):
             raise ValueError(f"method.window_size={c.window_size!r}: an int >= 1 (the observation window's queries)")
         if isinstance(c.max_capacity_prompt, int) and c.max_capacity_prompt <= c.window_size:
             # the authors assert max_capacity_prompt - window_size > 0 (snapkv_utils.py:27)
-            raise ValueError(f"method.max_capacity_prompt={c.max_capacity_prompt} must exceed method.window_size="
-                             f"{c.window_size} (it counts the window's keys too)")
-        if isinstance(c.kernel_size, bool) or not isinstance(c.kernel_size, int) or c.kernel_size < 1 \
-                or c.kernel_size % 2 == 0:
-            raise ValueError(f"method.kernel_size={c.kernel_size!r}: an odd int >= 1 (padding kernel_size // 2 keeps "
-                             "one pooled vote per key only for odd kernels)")
+            raise ValueError(
+                f"method.max_capacity_prompt={c.max_capacity_prompt} must exceed method.window_size="
+                f"{c.window_size} (it counts the window's keys too)"
+            )
+        if (
+            isinstance(c.kernel_size, bool)
+            or not isinstance(c.kernel_size, int)
+            or c.kernel_size < 1
+            or c.kernel_size % 2 == 0
+        ):
+            raise ValueError(
+                f"method.kernel_size={c.kernel_size!r}: an odd int >= 1 (padding kernel_size // 2 keeps "
+                "one pooled vote per key only for odd kernels)"
+            )
         if c.pooling not in POOLINGS:
             raise ValueError(f"method.pooling={c.pooling!r}; valid: {list(POOLINGS)}")
 
@@ -189,8 +198,9 @@ class SnapKV(Method):
         self._remember(ctx.state, ctx.q, ctx.valid)
         return Selection(keep=keep)
 
-    def _prompt_rows(self, ctx: AttentionContext, q: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor,
-                     n_valid: torch.Tensor) -> torch.Tensor:
+    def _prompt_rows(
+        self, ctx: AttentionContext, q: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor
+    ) -> torch.Tensor:
         """bool [B, Hq, Q, N]: each row's SnapKV selection of its own prompt (the keys before it).  q [B, Hq, Q, D],
         scores [B, Hq, Q, N] (−inf where not valid), valid bool [B, 1, Q, N], n_valid long [B, 1, Q, 1]."""
         c = self.config
@@ -214,7 +224,7 @@ class SnapKV(Method):
         probs = masked_softmax(torch.cat([ws, scores], 2), torch.cat([wv, valid], 2))  # [B, Hq, w+Q, N] rows' attention
         votes = probs[:, :, 0:ql].clone()  # [B, Hq, Q, N]: Σ over the window rows t−w … t−1 (line 55)
         for i in range(1, w):
-            votes += probs[:, :, i:i + ql]
+            votes += probs[:, :, i : i + ql]
         if c.gqa == "kv_head":
             votes = ctx.group_sum(votes)
         votes = votes.masked_fill(~prefix, 0.0)  # only the prefix votes (line 55: columns :-window_size)
@@ -242,8 +252,9 @@ class SnapKV(Method):
         n = ctx.k.shape[2]
         frozen = ctx.state.get("snapkv_frozen")
         if frozen is None or frozen[0].shape[0] != b:
-            keep0 = self._prompt_rows(ctx, ctx.q[:, :, :1], ctx.scores[:, :, :1], ctx.valid[:, :, :1],
-                                      ctx.n_valid[:, :, :1])  # [B, Hq, 1, N]
+            keep0 = self._prompt_rows(
+                ctx, ctx.q[:, :, :1], ctx.scores[:, :, :1], ctx.valid[:, :, :1], ctx.n_valid[:, :, :1]
+            )  # [B, Hq, 1, N]
             frozen = (keep0, ctx.valid[:, :, :1])  # the selection and the keys the first generated row saw
             ctx.state["snapkv_frozen"] = frozen
         keep0, seen = frozen
@@ -261,14 +272,18 @@ class SnapKV(Method):
     def index_memory(cls, params, shape, n, sparse_layers, building_rows=False):
         """Per sparse layer: the window's queries (float32 at most) and key masks, and the frozen selection."""
         w = int(params.get("window_size", 32))
-        return {"observation window": sparse_layers * (shape.heads * w * shape.head_dim * 4 + w * n),
-                "selection": sparse_layers * (shape.heads + 1) * n}
+        return {
+            "observation window": sparse_layers * (shape.heads * w * shape.head_dim * 4 + w * n),
+            "selection": sparse_layers * (shape.heads + 1) * n,
+        }
 
     @classmethod
     def label(cls, params):
-        """"<capacity> cap, window <w>, <pooling> <k>", the authors' max_capacity_prompt, window_size, pooling."""
-        return (f"{budget_label(params.get('max_capacity_prompt'))} cap, window "
-                f"{count_label(params.get('window_size'))}, {params.get('pooling')} {count_label(params.get('kernel_size'))}")
+        """ "<capacity> cap, window <w>, <pooling> <k>", the authors' max_capacity_prompt, window_size, pooling."""
+        return (
+            f"{budget_label(params.get('max_capacity_prompt'))} cap, window "
+            f"{count_label(params.get('window_size'))}, {params.get('pooling')} {count_label(params.get('kernel_size'))}"
+        )
 
     @classmethod
     def level(cls, params, context):

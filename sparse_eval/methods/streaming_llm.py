@@ -54,5 +54,5 @@ class StreamingLLM(Method):
 
     @classmethod
     def label(cls, params):
-        """"<sinks> sink + <window> recent", the authors' start_size + recent_size."""
+        """ "<sinks> sink + <window> recent", the authors' start_size + recent_size."""
         return f"{params.get('sink')} sink + {params.get('local')} recent"

@@ -66,7 +66,9 @@ class TopK(Method):
         k = resolve_budget(self.config.budget, ctx.n_valid, "method.budget")  # [B, 1, Q, 1]
         score = ctx.scores.masked_fill(ctx.not_candidates, float("-inf"))
         if self.config.gqa == "kv_head":
-            score = ctx.group_sum(torch.softmax(ctx.scores, -1).nan_to_num(0.0)).masked_fill(ctx.not_candidates, float("-inf"))
+            score = ctx.group_sum(torch.softmax(ctx.scores, -1).nan_to_num(0.0)).masked_fill(
+                ctx.not_candidates, float("-inf")
+            )
         return Selection(keep=topk_mask(score, k, budget_bound(self.config.budget, score.shape[-1])))
 
     def cost1(self, ctx, sel):

@@ -132,7 +132,9 @@ def postprocess(dataset: str, prediction: str) -> str:
     return prediction
 
 
-def score_sample(dataset: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None = None) -> float:
+def score_sample(
+    dataset: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None = None
+) -> float:
     """LongBench ``scorer`` for one sample: post-process, then the max over the ground truths, in [0, 1]."""
     try:
         metric = METRICS[DATASET_METRIC[dataset]]

@@ -14,7 +14,11 @@ import torch
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The self-attention modules of a decoder (Llama, Mistral, Qwen2/3, ...): they carry ``layer_idx`` and
     ``num_key_value_groups`` and are called through the attention interface."""
-    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups") and hasattr(m, "scaling")]
+    mods = [
+        m
+        for m in model.modules()
+        if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups") and hasattr(m, "scaling")
+    ]
     if not mods:
         raise ValueError(f"found no attention modules with layer_idx/num_key_value_groups in {type(model).__name__}")
     return mods

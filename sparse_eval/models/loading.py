@@ -19,8 +19,16 @@ log = logging.getLogger("sparse_eval")
 BUILTIN_DIR = Path(__file__).resolve().parent
 MODEL_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
 # files of a local checkpoint that decide its outputs (weights, architecture, tokenizer)
-MODEL_FILE_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model",
-                       "tokenizer_config.json", "special_tokens_map.json", "*.safetensors", "*.bin")
+MODEL_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "*.safetensors",
+    "*.bin",
+)
 BUILTIN_PREFIX = "builtin:"
 DTYPES = ("float32", "bfloat16", "float16")  # model.dtype besides auto (torch dtypes of the same names)
 
@@ -51,13 +59,17 @@ def resolve_device(device: str) -> "torch.device":
     except (RuntimeError, TypeError, ValueError):
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"model.device={device!r} is not a device this package runs on; valid here: {valid} "
-                         f"(auto: CUDA when present, else the CPU)")
+        raise ValueError(
+            f"model.device={device!r} is not a device this package runs on; valid here: {valid} "
+            f"(auto: CUDA when present, else the CPU)"
+        )
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"model.device={device!r} but CUDA is not available; valid here: 'auto', 'cpu'")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"model.device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
-                         f"valid here: cuda:0..cuda:{torch.cuda.device_count() - 1}")
+        raise ValueError(
+            f"model.device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+            f"valid here: cuda:0..cuda:{torch.cuda.device_count() - 1}"
+        )
     return dev
 
 
@@ -75,7 +87,7 @@ def resolve_path(cfg: ModelConfig) -> str:
     """A local directory or a hub id; refuses a missing local path with a message that says how to get it."""
     p = cfg.path
     if p.startswith(BUILTIN_PREFIX):
-        local = BUILTIN_DIR / p[len(BUILTIN_PREFIX):]
+        local = BUILTIN_DIR / p[len(BUILTIN_PREFIX) :]
         if not (local / "config.json").exists():
             valid = sorted(d.name for d in BUILTIN_DIR.iterdir() if (d / "config.json").exists())
             raise FileNotFoundError(f"model.path={p!r}: no shipped model there; shipped models: {valid}")
@@ -88,9 +100,12 @@ def resolve_path(cfg: ModelConfig) -> str:
             raise FileNotFoundError(f"model.path: {target} does not exist.{hint}")
         if not cfg.gguf_file and local.is_dir() and not (local / "config.json").is_file():
             ggufs = sorted(f.name for f in local.glob("*.gguf"))
-            fix = (f"give model.gguf_file={ggufs[0]}" + (f" (one of {ggufs})" if len(ggufs) > 1 else "")
-                   if ggufs else "give a folder holding a checkpoint (config.json, weights, tokenizer), a hub id, or "
-                                 "model=NAME of conf/model")
+            fix = (
+                f"give model.gguf_file={ggufs[0]}" + (f" (one of {ggufs})" if len(ggufs) > 1 else "")
+                if ggufs
+                else "give a folder holding a checkpoint (config.json, weights, tokenizer), a hub id, or "
+                "model=NAME of conf/model"
+            )
             raise FileNotFoundError(f"model.path={p!r} is not a model checkpoint: {local} has no config.json; {fix}")
         return str(local)
     return p  # a hub id
@@ -99,8 +114,10 @@ def resolve_path(cfg: ModelConfig) -> str:
 def _load_error(cfg: ModelConfig, exc: BaseException, what: str = "the model") -> FileNotFoundError:
     """One line for a checkpoint that transformers could not load, naming ``model.path`` and how to get it."""
     reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-    hint = cfg.how_to_get or (f"Download it once (huggingface-cli download {cfg.path} --local-dir DIR) and set "
-                              f"model.path=DIR, or check the hub id")
+    hint = cfg.how_to_get or (
+        f"Download it once (huggingface-cli download {cfg.path} --local-dir DIR) and set "
+        f"model.path=DIR, or check the hub id"
+    )
     return FileNotFoundError(f"model.path={cfg.path!r}: cannot load {what} ({reason}). {hint}")
 
 
@@ -180,7 +197,9 @@ def named_config(name: str, paths: dict[str, Any] | None = None) -> dict[str, An
         return None
     node = OmegaConf.load(path)
     try:
-        node = OmegaConf.to_container(OmegaConf.create({"paths": dict(paths or {}), "model": node}), resolve=True)["model"]
+        node = OmegaConf.to_container(OmegaConf.create({"paths": dict(paths or {}), "model": node}), resolve=True)[
+            "model"
+        ]
     except OmegaConfBaseException:
         node = OmegaConf.to_container(node, resolve=False)
     node.pop("defaults", None)
@@ -196,14 +215,20 @@ def model_label(cfg: ModelConfig, paths: dict[str, Any] | None = None) -> str:
     conf = named_config(cfg.name, paths)
     if conf is None or (conf.get("path"), conf.get("gguf_file")) == (cfg.path, cfg.gguf_file):
         return cfg.name
-    base = cfg.path[len(BUILTIN_PREFIX):] if cfg.path.startswith(BUILTIN_PREFIX) else cfg.path
+    base = cfg.path[len(BUILTIN_PREFIX) :] if cfg.path.startswith(BUILTIN_PREFIX) else cfg.path
     label = Path(base.rstrip("/")).name or base
     if cfg.gguf_file:
         label += f"-{Path(cfg.gguf_file).stem}"
     label = label.replace("/", "_")
-    log.warning("model.path=%s%s is not what conf/model/%s.yaml loads (%s); results are filed under model %r "
-                "(set model.name to choose another label)", cfg.path,
-                f" model.gguf_file={cfg.gguf_file}" if cfg.gguf_file else "", cfg.name, conf.get("path"), label)
+    log.warning(
+        "model.path=%s%s is not what conf/model/%s.yaml loads (%s); results are filed under model %r "
+        "(set model.name to choose another label)",
+        cfg.path,
+        f" model.gguf_file={cfg.gguf_file}" if cfg.gguf_file else "",
+        cfg.name,
+        conf.get("path"),
+        label,
+    )
     return label
 
 

@@ -33,8 +33,13 @@ def write_report(path, out) -> dict:
         written.append(p)
     figs, f_skipped = build_figures(df, out / "figures")
     shown = ", ".join(map(str, path)) if isinstance(path, (list, tuple)) else str(path)
-    lines = [f"# Report: {shown}", "", f"{len(df)} result rows, {df['model'].nunique()} model(s), "
-             f"{df['task'].nunique()} task(s): {', '.join(sorted(map(str, df['task'].unique())))}.", ""]
+    lines = [
+        f"# Report: {shown}",
+        "",
+        f"{len(df)} result rows, {df['model'].nunique()} model(s), "
+        f"{df['task'].nunique()} task(s): {', '.join(sorted(map(str, df['task'].unique())))}.",
+        "",
+    ]
     lines += [to_markdown(t) for t in tables]
     lines += ["## Figures", ""] + [f"- `{p.relative_to(out)}`" for p in figs if p.suffix == ".png"]
     if t_skipped or f_skipped:
@@ -42,9 +47,26 @@ def write_report(path, out) -> dict:
         lines += [f"- table `{k}`: {v}" for k, v in t_skipped.items()]
         lines += [f"- figure `{k}`: {v}" for k, v in f_skipped.items()]
     (out / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return {"data": df, "tables": tables, "figures": figs, "files": written, "skipped_tables": t_skipped,
-            "skipped_figures": f_skipped, "report": out / "report.md"}
+    return {
+        "data": df,
+        "tables": tables,
+        "figures": figs,
+        "files": written,
+        "skipped_tables": t_skipped,
+        "skipped_figures": f_skipped,
+        "report": out / "report.md",
+    }
 
 
-__all__ = ["FIGURES", "TABLES", "Table", "build_figures", "build_tables", "load_results", "normalize", "to_latex",
-           "to_markdown", "write_report"]
+__all__ = [
+    "FIGURES",
+    "TABLES",
+    "Table",
+    "build_figures",
+    "build_tables",
+    "load_results",
+    "normalize",
+    "to_latex",
+    "to_markdown",
+    "write_report",
+]

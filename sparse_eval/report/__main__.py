@@ -8,10 +8,16 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sparse_eval.report",
-                                 description="The MagicPIG / Double Sparsity tables and figures from collected results.")
-    ap.add_argument("path", nargs="+", help="a table written by `python -m sparse_eval.collect` (.csv/.parquet) or "
-                    "a runs folder; several: their rows are reported together")
+    ap = argparse.ArgumentParser(
+        prog="python -m sparse_eval.report",
+        description="The MagicPIG / Double Sparsity tables and figures from collected results.",
+    )
+    ap.add_argument(
+        "path",
+        nargs="+",
+        help="a table written by `python -m sparse_eval.collect` (.csv/.parquet) or "
+        "a runs folder; several: their rows are reported together",
+    )
     ap.add_argument("--out", help="output folder (default: <first path's folder>/report)")
     args = ap.parse_args(argv)
     from . import write_report

@@ -55,7 +55,9 @@ def load_results(path: str | Path | list | tuple):
             tables = [p / f"results{s}" for s in (".parquet", ".csv")]
             found = [t for t in tables if t.exists()]
             if not found:
-                raise ValueError(f"{p} holds no run directories (config.yaml + samples.jsonl) and no results.csv/parquet")
+                raise ValueError(
+                    f"{p} holds no run directories (config.yaml + samples.jsonl) and no results.csv/parquet"
+                )
             return load_results(found[0])
     if df.empty:
         raise ValueError(f"{p}: the results table is empty")
@@ -90,7 +92,7 @@ def method_params(row: Any) -> dict[str, Any]:
     """A row's method config {field: value} from its ``method.<field>`` columns and the static-key counts every
     method shares (``sink``, ``local``: columns of their own in ``collect``'s table); missing values left out."""
     items = list(row.items()) if hasattr(row, "items") else []
-    out = {str(k)[len("method."):]: _num(v) for k, v in items if str(k).startswith("method.")}
+    out = {str(k)[len("method.") :]: _num(v) for k, v in items if str(k).startswith("method.")}
     out.update({k: _num(v) for k, v in items if k in ("sink", "local") and f"method.{k}" not in out})
     return {k: v for k, v in out.items() if v is not None}
 
@@ -167,12 +169,15 @@ def normalize(df):
     for col in ("subtask", "length", "protocol", "cost1", "cost2", "est_error", "dense_layers", "sink", "local"):
         if col not in df.columns:
             df[col] = None
-    df["subtask"] = df["subtask"].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+    df["subtask"] = df["subtask"].map(
+        lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+    )
     df["length"] = pd.to_numeric(df["length"], errors="coerce")
     for col in ("score", "cost1", "cost2", "est_error"):
         df[col] = pd.to_numeric(df[col], errors="coerce")
     df["dense_layers"] = df["dense_layers"].map(
-        lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+        lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+    )
     df["method_name"] = [method_display(r) for _, r in df.iterrows()]
     df["config"] = [config_label(r) for _, r in df.iterrows()]
     df["cost_total"] = df["cost1"].fillna(0) + df["cost2"]

@@ -44,7 +44,9 @@ def _with_settings(method: str, params: dict[str, Any]) -> dict[str, Any]:
     return {**PAPER_SETTINGS.get(method, {}), **params}
 
 
-def _rows(table: str, model: str, spec: list[tuple[str, dict[str, Any], list[float | None]]], cols: list[str]) -> list[PaperRow]:
+def _rows(
+    table: str, model: str, spec: list[tuple[str, dict[str, Any], list[float | None]]], cols: list[str]
+) -> list[PaperRow]:
     return [PaperRow(table, model, m, _with_settings(m, p), dict(zip(cols, vals))) for m, p, vals in spec]
 
 
@@ -76,65 +78,126 @@ for _model, _spec in {
     PAPER += _rows("MagicPIG Table 1", _model, _spec, MP_T1_COLS)
 
 # MagicPIG Table 2: LongBench (QASPER, RepoBench-P, LCC, PassageRetrieval-en, TREC, TriviaQA)
-PAPER += _rows("MagicPIG Table 2", "llama3_1_8b_instruct", [
-    ("full", {}, [44.9, 52.1, 66.8, 100.0, 71.3, 91.8, 71.2, 0.00, 1.00, 1.00]),
-    ("magicpig", {"K": 10, "L": 150}, [43.2, 50.2, 64.4, 100.0, 71.3, 92.2, 70.3, 0.00, 0.02, 0.02]),
-    ("magicpig", {"K": 8, "L": 75}, [43.5, 50.4, 67.0, 100.0, 71.7, 91.7, 70.7, 0.00, 0.05, 0.05]),
-    ("quest", {"page_size": 16, "budget": 0.05}, [45.7, 49.7, 64.9, 100.0, 71.7, 91.5, 70.6, 0.06, 0.05, 0.11]),
-    ("quest", {"page_size": 32, "budget": 0.1}, [44.4, 50.5, 65.1, 100.0, 71.3, 91.6, 70.5, 0.03, 0.10, 0.13]),
-], MP_T2_COLS)
-PAPER += _rows("MagicPIG Table 2", "codellama_13b_16k", [
-    ("full", {}, [_N, 58.5, 74.7, _N, _N, _N, 66.6, 0.00, 1.00, 1.00]),
-    ("magicpig", {"K": 10, "L": 150}, [_N, 56.9, 74.0, _N, _N, _N, 65.5, 0.00, 0.03, 0.03]),
-    ("quest", {"page_size": 16, "budget": 0.05}, [_N, 56.4, 74.4, _N, _N, _N, 65.4, 0.06, 0.05, 0.11]),
-], MP_T2_COLS)
+PAPER += _rows(
+    "MagicPIG Table 2",
+    "llama3_1_8b_instruct",
+    [
+        ("full", {}, [44.9, 52.1, 66.8, 100.0, 71.3, 91.8, 71.2, 0.00, 1.00, 1.00]),
+        ("magicpig", {"K": 10, "L": 150}, [43.2, 50.2, 64.4, 100.0, 71.3, 92.2, 70.3, 0.00, 0.02, 0.02]),
+        ("magicpig", {"K": 8, "L": 75}, [43.5, 50.4, 67.0, 100.0, 71.7, 91.7, 70.7, 0.00, 0.05, 0.05]),
+        ("quest", {"page_size": 16, "budget": 0.05}, [45.7, 49.7, 64.9, 100.0, 71.7, 91.5, 70.6, 0.06, 0.05, 0.11]),
+        ("quest", {"page_size": 32, "budget": 0.1}, [44.4, 50.5, 65.1, 100.0, 71.3, 91.6, 70.5, 0.03, 0.10, 0.13]),
+    ],
+    MP_T2_COLS,
+)
+PAPER += _rows(
+    "MagicPIG Table 2",
+    "codellama_13b_16k",
+    [
+        ("full", {}, [_N, 58.5, 74.7, _N, _N, _N, 66.6, 0.00, 1.00, 1.00]),
+        ("magicpig", {"K": 10, "L": 150}, [_N, 56.9, 74.0, _N, _N, _N, 65.5, 0.00, 0.03, 0.03]),
+        ("quest", {"page_size": 16, "budget": 0.05}, [_N, 56.4, 74.4, _N, _N, _N, 65.4, 0.06, 0.05, 0.11]),
+    ],
+    MP_T2_COLS,
+)
 
 # MagicPIG Table 3: RULER (13 tasks, 50 examples each), average by context length
-_QUEST_T3 = [({"page_size": 16, "budget": 0.04}, 0.06, 0.04), ({"page_size": 32, "budget": 0.06}, 0.03, 0.06),
-             ({"page_size": 64, "budget": 0.08}, 0.02, 0.08)]
-PAPER += _rows("MagicPIG Table 3", "llama3_1_8b_instruct", [
-    ("full", {}, [94.2, 91.5, 86.1, 83.0, 88.7, 0.00, 1.00, 1.00]),
-    ("magicpig", {"K": 10, "L": 150}, [91.8, 88.9, 84.8, 80.0, 86.4, 0.00, 0.02, 0.02]),
-    ("magicpig", {"K": 9, "L": 120}, [93.4, 90.6, 84.7, 81.5, 87.6, 0.00, 0.04, 0.04]),
-    ("magicpig", {"K": 8, "L": 75}, [92.9, 90.2, 84.9, 81.7, 87.4, 0.00, 0.05, 0.05]),
-    ("quest", _QUEST_T3[0][0], [86.3, 85.4, 81.9, 74.9, 82.1, 0.06, 0.04, 0.10]),
-    ("quest", _QUEST_T3[1][0], [84.3, 84.0, 80.1, 74.4, 80.7, 0.03, 0.06, 0.09]),
-    ("quest", _QUEST_T3[2][0], [85.2, 84.3, 77.0, 74.2, 80.2, 0.02, 0.08, 0.10]),
-], MP_T3_COLS)
-PAPER += _rows("MagicPIG Table 3", "megabeam_mistral_7b_512k", [
-    ("full", {}, [91.7, 88.1, 83.5, 83.7, 86.8, 0.00, 1.00, 1.00]),
-    ("magicpig", {"K": 10, "L": 150}, [89.8, 86.5, 81.7, 80.7, 84.7, 0.00, 0.02, 0.02]),
-    ("magicpig", {"K": 9, "L": 120}, [90.7, 88.5, 82.9, 82.4, 86.1, 0.00, 0.04, 0.04]),
-    ("magicpig", {"K": 8, "L": 75}, [90.6, 86.4, 82.8, 81.6, 85.4, 0.00, 0.05, 0.05]),
-    ("quest", _QUEST_T3[0][0], [83.3, 83.2, 79.3, 78.6, 81.1, 0.06, 0.04, 0.10]),
-    ("quest", _QUEST_T3[1][0], [81.5, 80.8, 76.7, 74.4, 78.4, 0.03, 0.06, 0.09]),
-    ("quest", _QUEST_T3[2][0], [79.6, 77.5, 73.8, 73.7, 76.1, 0.02, 0.08, 0.10]),
-], MP_T3_COLS)
-PAPER += _rows("MagicPIG Table 3", "llama3_8b_prolong_512k", [
-    ("full", {}, [93.5, 90.8, 85.1, 83.5, 88.2, 0.00, 1.00, 1.00]),
-    ("magicpig", {"K": 10, "L": 170}, [89.0, 88.7, 82.8, 80.0, 85.1, 0.00, 0.025, 0.025]),
-], MP_T3_COLS)
+_QUEST_T3 = [
+    ({"page_size": 16, "budget": 0.04}, 0.06, 0.04),
+    ({"page_size": 32, "budget": 0.06}, 0.03, 0.06),
+    ({"page_size": 64, "budget": 0.08}, 0.02, 0.08),
+]
+PAPER += _rows(
+    "MagicPIG Table 3",
+    "llama3_1_8b_instruct",
+    [
+        ("full", {}, [94.2, 91.5, 86.1, 83.0, 88.7, 0.00, 1.00, 1.00]),
+        ("magicpig", {"K": 10, "L": 150}, [91.8, 88.9, 84.8, 80.0, 86.4, 0.00, 0.02, 0.02]),
+        ("magicpig", {"K": 9, "L": 120}, [93.4, 90.6, 84.7, 81.5, 87.6, 0.00, 0.04, 0.04]),
+        ("magicpig", {"K": 8, "L": 75}, [92.9, 90.2, 84.9, 81.7, 87.4, 0.00, 0.05, 0.05]),
+        ("quest", _QUEST_T3[0][0], [86.3, 85.4, 81.9, 74.9, 82.1, 0.06, 0.04, 0.10]),
+        ("quest", _QUEST_T3[1][0], [84.3, 84.0, 80.1, 74.4, 80.7, 0.03, 0.06, 0.09]),
+        ("quest", _QUEST_T3[2][0], [85.2, 84.3, 77.0, 74.2, 80.2, 0.02, 0.08, 0.10]),
+    ],
+    MP_T3_COLS,
+)
+PAPER += _rows(
+    "MagicPIG Table 3",
+    "megabeam_mistral_7b_512k",
+    [
+        ("full", {}, [91.7, 88.1, 83.5, 83.7, 86.8, 0.00, 1.00, 1.00]),
+        ("magicpig", {"K": 10, "L": 150}, [89.8, 86.5, 81.7, 80.7, 84.7, 0.00, 0.02, 0.02]),
+        ("magicpig", {"K": 9, "L": 120}, [90.7, 88.5, 82.9, 82.4, 86.1, 0.00, 0.04, 0.04]),
+        ("magicpig", {"K": 8, "L": 75}, [90.6, 86.4, 82.8, 81.6, 85.4, 0.00, 0.05, 0.05]),
+        ("quest", _QUEST_T3[0][0], [83.3, 83.2, 79.3, 78.6, 81.1, 0.06, 0.04, 0.10]),
+        ("quest", _QUEST_T3[1][0], [81.5, 80.8, 76.7, 74.4, 78.4, 0.03, 0.06, 0.09]),
+        ("quest", _QUEST_T3[2][0], [79.6, 77.5, 73.8, 73.7, 76.1, 0.02, 0.08, 0.10]),
+    ],
+    MP_T3_COLS,
+)
+PAPER += _rows(
+    "MagicPIG Table 3",
+    "llama3_8b_prolong_512k",
+    [
+        ("full", {}, [93.5, 90.8, 85.1, 83.5, 88.2, 0.00, 1.00, 1.00]),
+        ("magicpig", {"K": 10, "L": 170}, [89.0, 88.7, 82.8, 80.0, 85.1, 0.00, 0.025, 0.025]),
+    ],
+    MP_T3_COLS,
+)
 # MagicPIG Table 5 (v4): Llama-3.1-70B-Instruct on RULER, layers {0, 16, 32, 48} dense
-PAPER += _rows("MagicPIG Table 5", "llama3_1_70b_instruct", [
-    ("full", {}, [96.4, 94.6, 89.2, 80.8, 90.3, 0.00, 1.00, 1.00]),
-    ("magicpig", {"K": 10, "L": 150}, [94.7, 93.5, 87.5, 79.3, 88.8, 0.00, 0.02, 0.02]),
-], MP_T3_COLS)
+PAPER += _rows(
+    "MagicPIG Table 5",
+    "llama3_1_70b_instruct",
+    [
+        ("full", {}, [96.4, 94.6, 89.2, 80.8, 90.3, 0.00, 1.00, 1.00]),
+        ("magicpig", {"K": 10, "L": 150}, [94.7, 93.5, 87.5, 79.3, 88.8, 0.00, 0.02, 0.02]),
+    ],
+    MP_T3_COLS,
+)
 
 # MagicPIG Table 9: empirical Cost2 by (K, L) (Llama-3.1-8B-Instruct)
-for (_k, _l), _c in {(10, 75): 0.005, (10, 100): 0.009, (10, 120): 0.015, (10, 150): 0.02, (10, 200): 0.03,
-                     (10, 300): 0.06, (9, 120): 0.04, (8, 75): 0.05, (7, 150): 0.35}.items():
-    PAPER.append(PaperRow("MagicPIG Table 9", "llama3_1_8b_instruct", "magicpig",
-                          _with_settings("magicpig", {"K": _k, "L": _l}), {"Cost2": _c}))
+for (_k, _l), _c in {
+    (10, 75): 0.005,
+    (10, 100): 0.009,
+    (10, 120): 0.015,
+    (10, 150): 0.02,
+    (10, 200): 0.03,
+    (10, 300): 0.06,
+    (9, 120): 0.04,
+    (8, 75): 0.05,
+    (7, 150): 0.35,
+}.items():
+    PAPER.append(
+        PaperRow(
+            "MagicPIG Table 9",
+            "llama3_1_8b_instruct",
+            "magicpig",
+            _with_settings("magicpig", {"K": _k, "L": _l}),
+            {"Cost2": _c},
+        )
+    )
 # MagicPIG Table 12: equal ~4 % cost, RULER 16K, Llama-3.1-8B-Instruct
 for (_k, _l), _s in {(10, 240): 94.2, (9, 120): 92.8, (8, 65): 92.3, (7, 35): 88.5}.items():
-    PAPER.append(PaperRow("MagicPIG Table 12", "llama3_1_8b_instruct", "magicpig",
-                          _with_settings("magicpig", {"K": _k, "L": _l}),
-                          {"16K": _s, "Cost2": 0.04}))
+    PAPER.append(
+        PaperRow(
+            "MagicPIG Table 12",
+            "llama3_1_8b_instruct",
+            "magicpig",
+            _with_settings("magicpig", {"K": _k, "L": _l}),
+            {"16K": _s, "Cost2": 0.04},
+        )
+    )
 # MagicPIG Table 13: L = 120, K varies, RULER 16K, Llama-3.1-8B-Instruct
 for _k, (_c, _s) in {10: (0.012, 92.8), 9: (0.04, 92.8), 8: (0.11, 94.1), 7: (0.27, 94.3)}.items():
-    PAPER.append(PaperRow("MagicPIG Table 13", "llama3_1_8b_instruct", "magicpig",
-                          _with_settings("magicpig", {"K": _k, "L": 120}),
-                          {"16K": _s, "Cost2": _c}))
+    PAPER.append(
+        PaperRow(
+            "MagicPIG Table 13",
+            "llama3_1_8b_instruct",
+            "magicpig",
+            _with_settings("magicpig", {"K": _k, "L": 120}),
+            {"16K": _s, "Cost2": _c},
+        )
+    )
 
 # Double Sparsity Table 2: WikiText-2 perplexity at sparsity levels (token and channel sparsity alike)
 for _model, _off, _vals in [
@@ -145,8 +208,15 @@ for _model, _off, _vals in [
     ("llama2_7b_chat", True, [6.94, 6.94, 6.97, 6.92, 7.33, 20.08]),
     ("mistral_7b", False, [5.25, 5.25, 5.26, 5.27, 5.37, 14.55]),
 ]:
-    PAPER.append(PaperRow("DS Table 2", _model, "double_sparsity", {"offload": _off, "channel_type": "qk"},
-                          dict(zip(DS_T2_COLS, _vals))))
+    PAPER.append(
+        PaperRow(
+            "DS Table 2",
+            _model,
+            "double_sparsity",
+            {"offload": _off, "channel_type": "qk"},
+            dict(zip(DS_T2_COLS, _vals)),
+        )
+    )
 # Double Sparsity Table 3: outlier types at 1/16 (N/A: "GQA models are incompatible with K outlier channel")
 for _model, _vals in [
     ("llama2_7b", [5.47, 8.62, 6.45, 6.61, 5.76]),

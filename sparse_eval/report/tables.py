@@ -20,15 +20,41 @@ import numpy as np
 from ..methods.double_sparsity import DoubleSparsity
 from ..methods.magicpig import MagicPIG, sampling_probability
 from . import paper as P
-from .load import (config_label, is_reference, keys_per_row, method_display, method_params, reference_rows, run_rows,
-                   subtask_rows)
+from .load import (
+    config_label,
+    is_reference,
+    keys_per_row,
+    method_display,
+    method_params,
+    reference_rows,
+    run_rows,
+    subtask_rows,
+)
 
 KEY_COLS = ["Model", "Method", "Config"]
-PARAM_NAMES = ("K", "L", "page_size", "budget", "offload", "channel_type", "center", "min_collisions", "mips",
-               "alpha", "beta", "label_bits")
+PARAM_NAMES = (
+    "K",
+    "L",
+    "page_size",
+    "budget",
+    "offload",
+    "channel_type",
+    "center",
+    "min_collisions",
+    "mips",
+    "alpha",
+    "beta",
+    "label_bits",
+)
 LM_EVAL_COLUMNS = (("gsm8k", "GSM"), ("coqa", "COQA"), ("mmlu", "MMLU"))
-LONGBENCH_COLUMNS = {"qasper": "QaS", "repobench-p": "RbP", "lcc": "LCC", "passage_retrieval_en": "PrE",
-                     "trec": "TrC", "triviaqa": "TrQ"}
+LONGBENCH_COLUMNS = {
+    "qasper": "QaS",
+    "repobench-p": "RbP",
+    "lcc": "LCC",
+    "passage_retrieval_en": "PrE",
+    "trec": "TrC",
+    "triviaqa": "TrQ",
+}
 RULER_LENGTHS = {16384: "16K", 32768: "32K", 65536: "64K", 98304: "96K"}
 PAPER_RULER_LENGTH = 16384  # MagicPIG Tables 12 and 13
 COST_COLS = ["Cost1", "Cost2", "Cost_total"]
@@ -72,6 +98,7 @@ class Table:
 
 # -- helpers --------------------------------------------------------------------------------------------------
 
+
 def _params(row: Any) -> dict[str, Any]:
     from .load import param
 
@@ -108,8 +135,19 @@ def _sort_key(r: dict[str, Any]):
     return (str(r["Model"]), order.get(r["Method"], 9), _natural(r["Config"]))
 
 
-def _build(values, costs, d, name: str, title: str, caption: str, columns: list[str], paper_tables: list[str],
-           avg: bool = True, digits: dict[str, int] | None = None, with_costs: bool = True) -> Table:
+def _build(
+    values,
+    costs,
+    d,
+    name: str,
+    title: str,
+    caption: str,
+    columns: list[str],
+    paper_tables: list[str],
+    avg: bool = True,
+    digits: dict[str, int] | None = None,
+    with_costs: bool = True,
+) -> Table:
     """values: DataFrame with group cols + 'col' + 'score'; costs: DataFrame with group cols + cost1/cost2."""
     gcols = _group_cols(d)
     rows, papers, sources = [], [], []
@@ -158,16 +196,27 @@ def _build(values, costs, d, name: str, title: str, caption: str, columns: list[
     if avg and any(papers):
         caption += " The paper's Avg is compared only where the row has every column the paper averaged."
     if incomplete:
-        caption += (" Rows marked incomplete are over the samples their runs finished (n of the expected): not "
-                    "comparable with complete rows.")
+        caption += (
+            " Rows marked incomplete are over the samples their runs finished (n of the expected): not "
+            "comparable with complete rows."
+        )
     dg = {"Cost1": 3, "Cost2": 3, "Cost_total": 3}
     dg.update(digits or {})
-    return Table(name, title, caption, key_cols, value_cols, [rows[i] for i in order], [papers[i] for i in order],
-                 [sources[i] for i in order], dg)
+    return Table(
+        name,
+        title,
+        caption,
+        key_cols,
+        value_cols,
+        [rows[i] for i in order],
+        [papers[i] for i in order],
+        [sources[i] for i in order],
+        dg,
+    )
 
 
 def _incomplete(grp) -> str | None:
-    """"n/N" when runs of the group scored fewer samples than they expected (cut short, or samples that failed)."""
+    """ "n/N" when runs of the group scored fewer samples than they expected (cut short, or samples that failed)."""
     if "samples" not in grp.columns or "expected_samples" not in grp.columns:
         return None
     short = grp[grp["samples"] < grp["expected_samples"]]
@@ -186,6 +235,7 @@ def _with_col(d, col_of: Callable[[Any], str | None], scale: float = 1.0):
 
 # -- MagicPIG tables ------------------------------------------------------------------------------------------
 
+
 def magicpig_table1(df) -> Table:
     """lm-eval-harness (GSM8K-CoT, CoQA, MMLU-Flan-CoT); lm-eval's fractions shown as %."""
     sub = subtask_rows(df, "lm_eval")
@@ -200,12 +250,22 @@ def magicpig_table1(df) -> Table:
     if vals.empty:
         raise Skip("lm_eval runs have none of gsm8k*, coqa*, mmlu* tasks")
     costs = run_rows(df, "lm_eval")
-    ran = "; ".join(f"{lab}: {', '.join(sorted(set(vals.loc[vals['col'] == lab, 'subtask'])))}"
-                    for _, lab in LM_EVAL_COLUMNS if (vals["col"] == lab).any())
-    return _build(vals, costs, sub, "magicpig_table1_lm_eval", "MagicPIG Table 1: lm-eval-harness",
-                  "Scores in % (lm-eval's headline metric ×100: GSM8K-CoT exact match, CoQA F1, MMLU-Flan-CoT exact "
-                  f"match); Avg over the columns present; costs measured over the decode steps. lm-eval tasks run: {ran}.",
-                  ["GSM", "COQA", "MMLU"], ["MagicPIG Table 1"])
+    ran = "; ".join(
+        f"{lab}: {', '.join(sorted(set(vals.loc[vals['col'] == lab, 'subtask'])))}"
+        for _, lab in LM_EVAL_COLUMNS
+        if (vals["col"] == lab).any()
+    )
+    return _build(
+        vals,
+        costs,
+        sub,
+        "magicpig_table1_lm_eval",
+        "MagicPIG Table 1: lm-eval-harness",
+        "Scores in % (lm-eval's headline metric ×100: GSM8K-CoT exact match, CoQA F1, MMLU-Flan-CoT exact "
+        f"match); Avg over the columns present; costs measured over the decode steps. lm-eval tasks run: {ran}.",
+        ["GSM", "COQA", "MMLU"],
+        ["MagicPIG Table 1"],
+    )
 
 
 def magicpig_table2(df) -> Table:
@@ -214,9 +274,16 @@ def magicpig_table2(df) -> Table:
         raise Skip("no longbench runs")
     vals = _with_col(sub, lambda r: LONGBENCH_COLUMNS.get(str(r["subtask"]), str(r["subtask"])))
     cols = [c for c in LONGBENCH_COLUMNS.values()] + sorted(set(vals["col"]) - set(LONGBENCH_COLUMNS.values()))
-    return _build(vals, run_rows(df, "longbench"), sub, "magicpig_table2_longbench", "MagicPIG Table 2: LongBench",
-                  "LongBench scores (0-100, LongBench's metric per dataset); Avg over the datasets present.",
-                  cols, ["MagicPIG Table 2"])
+    return _build(
+        vals,
+        run_rows(df, "longbench"),
+        sub,
+        "magicpig_table2_longbench",
+        "MagicPIG Table 2: LongBench",
+        "LongBench scores (0-100, LongBench's metric per dataset); Avg over the datasets present.",
+        cols,
+        ["MagicPIG Table 2"],
+    )
 
 
 def _length_label(n: Any) -> str | None:
@@ -232,30 +299,51 @@ def _ruler(df, name: str, title: str, models_in: Callable[[str], bool], paper_ta
     if runs.empty:
         if name.startswith("magicpig_table5"):
             others = sorted(set(run_rows(df, "ruler")["model"].dropna()))
-            raise Skip(f"no ruler runs of {MAGICPIG_70B} (Table 5 is the 70B model"
-                       + (f"; ruler runs exist of: {', '.join(others)}, which Table 3 shows)" if others else ")"))
+            raise Skip(
+                f"no ruler runs of {MAGICPIG_70B} (Table 5 is the 70B model"
+                + (f"; ruler runs exist of: {', '.join(others)}, which Table 3 shows)" if others else ")")
+            )
         raise Skip("no ruler runs")
     vals = _with_col(runs, lambda r: _length_label(r["length"]))
     labels = sorted(set(vals["col"]), key=lambda s: float(s[:-1]))
     cols = [c for c in RULER_LENGTHS.values()] + [c for c in labels if c not in RULER_LENGTHS.values()]
     cols = sorted(cols, key=lambda s: float(s[:-1]))
-    return _build(vals, runs, runs, name, title,
-                  "RULER: mean over the subtasks run of RULER's score (0-100), one column per context length; Avg over "
-                  "the lengths present; costs: mean over the lengths' runs.", cols, paper_tables)
+    return _build(
+        vals,
+        runs,
+        runs,
+        name,
+        title,
+        "RULER: mean over the subtasks run of RULER's score (0-100), one column per context length; Avg over "
+        "the lengths present; costs: mean over the lengths' runs.",
+        cols,
+        paper_tables,
+    )
 
 
 def magicpig_table3(df) -> Table:
-    return _ruler(df, "magicpig_table3_ruler", "MagicPIG Table 3: RULER by context length",
-                  lambda m: m != MAGICPIG_70B, ["MagicPIG Table 3"])
+    return _ruler(
+        df,
+        "magicpig_table3_ruler",
+        "MagicPIG Table 3: RULER by context length",
+        lambda m: m != MAGICPIG_70B,
+        ["MagicPIG Table 3"],
+    )
 
 
 def magicpig_table5(df) -> Table:
-    return _ruler(df, "magicpig_table5_ruler_70b", "MagicPIG Table 5: RULER, Llama-3.1-70B-Instruct",
-                  lambda m: m == MAGICPIG_70B, ["MagicPIG Table 5"])
+    return _ruler(
+        df,
+        "magicpig_table5_ruler_70b",
+        "MagicPIG Table 5: RULER, Llama-3.1-70B-Instruct",
+        lambda m: m == MAGICPIG_70B,
+        ["MagicPIG Table 5"],
+    )
 
 
-def _magicpig_kl(df, name: str, title: str, keep: Callable[[int, int], bool], paper_table: str,
-                 with_score: bool) -> Table:
+def _magicpig_kl(
+    df, name: str, title: str, keep: Callable[[int, int], bool], paper_table: str, with_score: bool
+) -> Table:
     """Tables 9 (Cost2 by (K, L)) and 12 / 13 (RULER score and Cost2 by (K, L)).  Rows are model × task × length ×
     config × setting: Cost2 depends on the context length.  Tables 12 and 13 are RULER 16K in the paper; they take
     the RULER lengths present (16K alone when there is 16K data) and say so in the title; the paper's numbers are
@@ -280,9 +368,15 @@ def _magicpig_kl(df, name: str, title: str, keep: Callable[[int, int], bool], pa
         first = grp.iloc[0]
         K, L, mc = param(first, "K"), param(first, "L"), param(first, "min_collisions") or 2
         length = key[2]
-        row = {"Model": key[0], "Task": key[1], "Length": _length_label(length) or "–", "Config": key[3],
-               "Setting": key[4], "Cost2": _mean(grp["cost2"]),
-               "u(p=1/2)": float(sampling_probability(0.5, int(K), int(L), int(mc)))}
+        row = {
+            "Model": key[0],
+            "Task": key[1],
+            "Length": _length_label(length) or "–",
+            "Config": key[3],
+            "Setting": key[4],
+            "Cost2": _mean(grp["cost2"]),
+            "u(p=1/2)": float(sampling_probability(0.5, int(K), int(L), int(mc))),
+        }
         if with_score:
             row["Score"] = _mean(grp["score"])
         pr = P.lookup(paper_table, key[0], MagicPIG.name, _params(first))
@@ -293,42 +387,75 @@ def _magicpig_kl(df, name: str, title: str, keep: Callable[[int, int], bool], pa
         rows.append(row)
         papers.append(pv)
         sources.append(pr.table if pr else None)
-    order = sorted(range(len(rows)), key=lambda i: (rows[i]["Model"], rows[i]["Task"], _natural(rows[i]["Length"]),
-                                                    _natural(rows[i]["Config"])))
+    order = sorted(
+        range(len(rows)),
+        key=lambda i: (rows[i]["Model"], rows[i]["Task"], _natural(rows[i]["Length"]), _natural(rows[i]["Config"])),
+    )
     vals = (["Score"] if with_score else []) + ["Cost2", "u(p=1/2)"]
-    caption = ("Cost2 measured (mean over the runs; static keys included), u(p=1/2): eq. 10's sampling "
-               "probability of a key orthogonal to the query (p = 1/2), the paper's analytic estimate of Cost2.")
+    caption = (
+        "Cost2 measured (mean over the runs; static keys included), u(p=1/2): eq. 10's sampling "
+        "probability of a key orthogonal to the query (p = 1/2), the paper's analytic estimate of Cost2."
+    )
     if with_score:
         lengths = sorted({int(x) for x in runs["length"].dropna()})
         here = "/".join(_length_label(x) for x in lengths)
         if lengths != [PAPER_RULER_LENGTH]:
             title = f"{title} (the paper: RULER 16K; here: RULER {here})"
-            caption = (f"Score: RULER's score (0-100), mean over the subtasks run, at {here} tokens: the paper's 16K "
-                       "was not run, so its numbers are not put beside these. ") + caption
+            caption = (
+                f"Score: RULER's score (0-100), mean over the subtasks run, at {here} tokens: the paper's 16K "
+                "was not run, so its numbers are not put beside these. "
+            ) + caption
         else:
             title = f"{title} (RULER 16K)"
             caption = "Score: RULER's score (0-100) at 16K, mean over the subtasks run. " + caption
-    return Table(name, title, caption, ["Model", "Task", "Length", "Config", "Setting"], vals,
-                 [rows[i] for i in order], [papers[i] for i in order], [sources[i] for i in order],
-                 {"Cost2": 4, "u(p=1/2)": 4, "Score": 1})
+    return Table(
+        name,
+        title,
+        caption,
+        ["Model", "Task", "Length", "Config", "Setting"],
+        vals,
+        [rows[i] for i in order],
+        [papers[i] for i in order],
+        [sources[i] for i in order],
+        {"Cost2": 4, "u(p=1/2)": 4, "Score": 1},
+    )
 
 
 def magicpig_table9(df) -> Table:
-    return _magicpig_kl(df, "magicpig_table9_cost_by_KL", "MagicPIG Table 9: Cost2 by (K, L)", lambda k, l: True,
-                        "MagicPIG Table 9", with_score=False)
+    return _magicpig_kl(
+        df,
+        "magicpig_table9_cost_by_KL",
+        "MagicPIG Table 9: Cost2 by (K, L)",
+        lambda k, l: True,
+        "MagicPIG Table 9",
+        with_score=False,
+    )
 
 
 def magicpig_table12(df) -> Table:
-    return _magicpig_kl(df, "magicpig_table12_equal_cost", "MagicPIG Table 12: RULER at about equal cost",
-                        lambda k, l: (k, l) in {(10, 240), (9, 120), (8, 65), (7, 35)}, "MagicPIG Table 12", True)
+    return _magicpig_kl(
+        df,
+        "magicpig_table12_equal_cost",
+        "MagicPIG Table 12: RULER at about equal cost",
+        lambda k, l: (k, l) in {(10, 240), (9, 120), (8, 65), (7, 35)},
+        "MagicPIG Table 12",
+        True,
+    )
 
 
 def magicpig_table13(df) -> Table:
-    return _magicpig_kl(df, "magicpig_table13_L120", "MagicPIG Table 13: RULER with L = 120", lambda k, l: l == 120,
-                        "MagicPIG Table 13", True)
+    return _magicpig_kl(
+        df,
+        "magicpig_table13_L120",
+        "MagicPIG Table 13: RULER with L = 120",
+        lambda k, l: l == 120,
+        "MagicPIG Table 13",
+        True,
+    )
 
 
 # -- Double Sparsity tables -----------------------------------------------------------------------------------
+
 
 def _level_label(x: float | None) -> str | None:
     """A sparsity level as the paper writes it: 1, 1/2, 1/4, ... (other values as a decimal)."""
@@ -363,10 +490,18 @@ def ds_table2(df) -> Table:
             short.append(f"{r['model']} {param(r, 'channel_type')} at {lab}: {cut}")
         same = tok is not None and chan is not None and math.isclose(min(chan, 1.0), tok, rel_tol=1e-6)
 
-        recs.append({"model": r["model"], "Variant": r["method_name"], "Channels": param(r, "channel_type"),
-                     "Channel sparsity": "= token" if same else f"{_level_label(chan)}",
-                     "col": lab, "score": r["score"], "offload": bool(param(r, "offload")),
-                     "setting": r["setting"]})
+        recs.append(
+            {
+                "model": r["model"],
+                "Variant": r["method_name"],
+                "Channels": param(r, "channel_type"),
+                "Channel sparsity": "= token" if same else f"{_level_label(chan)}",
+                "col": lab,
+                "score": r["score"],
+                "offload": bool(param(r, "offload")),
+                "setting": r["setting"],
+            }
+        )
     import pandas as pd
 
     d = pd.DataFrame(recs)
@@ -380,26 +515,51 @@ def ds_table2(df) -> Table:
         f = full[full["model"] == key[0]]
         if row["1"] is None and not f.empty:
             row["1"] = _mean(f["score"])  # level 1 = the dense model
-        pr = P.lookup("DS Table 2", key[0], DoubleSparsity.name,
-                      {"offload": bool(grp["offload"].iloc[0]), "channel_type": key[2]}) if key[3] == "= token" else None
+        pr = (
+            P.lookup(
+                "DS Table 2",
+                key[0],
+                DoubleSparsity.name,
+                {"offload": bool(grp["offload"].iloc[0]), "channel_type": key[2]},
+            )
+            if key[3] == "= token"
+            else None
+        )
         rows.append(row)
         papers.append(dict(pr.values) if pr else {})
         sources.append(pr.table if pr else None)
     ch_order = {"qk": 0, "q": 1, "k": 2, "random": 3}
-    order = sorted(range(len(rows)), key=lambda i: (str(rows[i]["Model"]), str(rows[i]["Variant"]),
-                                                    ch_order.get(rows[i]["Channels"], 9), str(rows[i]["Channel sparsity"]),
-                                                    str(rows[i]["Setting"])))
+    order = sorted(
+        range(len(rows)),
+        key=lambda i: (
+            str(rows[i]["Model"]),
+            str(rows[i]["Variant"]),
+            ch_order.get(rows[i]["Channels"], 9),
+            str(rows[i]["Channel sparsity"]),
+            str(rows[i]["Setting"]),
+        ),
+    )
     rows, papers, sources = [rows[i] for i in order], [papers[i] for i in order], [sources[i] for i in order]
     value_cols = [c for c in cols if any(r[c] is not None for r in rows)]
-    return Table("ds_table2_ppl_by_sparsity", "Double Sparsity Table 2: WikiText-2 perplexity by sparsity level",
-                 "Columns: token sparsity level (β as a ratio of the context; an absolute β over a W-token window counts "
-                 "as β / (W/2)); 'Channel sparsity' = α·label_bits/16 (the label cache's share of the K cache), '= token' "
-                 "when equal to the column's level as in the paper; column 1 = full attention.  Paper values are "
-                 "compared only for qk channels with channel = token sparsity." +
-                 (f" Incomplete runs, over the windows they finished (n of the expected): {'; '.join(short)}."
-                  if short else ""),
-                 ["Model", "Variant", "Channels", "Channel sparsity", "Setting"], value_cols, rows, papers, sources,
-                 {c: 2 for c in value_cols})
+    return Table(
+        "ds_table2_ppl_by_sparsity",
+        "Double Sparsity Table 2: WikiText-2 perplexity by sparsity level",
+        "Columns: token sparsity level (β as a ratio of the context; an absolute β over a W-token window counts "
+        "as β / (W/2)); 'Channel sparsity' = α·label_bits/16 (the label cache's share of the K cache), '= token' "
+        "when equal to the column's level as in the paper; column 1 = full attention.  Paper values are "
+        "compared only for qk channels with channel = token sparsity."
+        + (
+            f" Incomplete runs, over the windows they finished (n of the expected): {'; '.join(short)}."
+            if short
+            else ""
+        ),
+        ["Model", "Variant", "Channels", "Channel sparsity", "Setting"],
+        value_cols,
+        rows,
+        papers,
+        sources,
+        {c: 2 for c in value_cols},
+    )
 
 
 def _frac(s: str) -> float:
@@ -422,8 +582,12 @@ def ds_table3(df) -> Table:
     sel = []
     for _, r in ds.iterrows():
         tok, chan = ds_levels(r)
-        if tok is not None and chan is not None and math.isclose(tok, 1 / 16, rel_tol=1e-6) and \
-                math.isclose(chan, 1 / 16, rel_tol=1e-6):
+        if (
+            tok is not None
+            and chan is not None
+            and math.isclose(tok, 1 / 16, rel_tol=1e-6)
+            and math.isclose(chan, 1 / 16, rel_tol=1e-6)
+        ):
             sel.append(r)
     if not sel:
         raise Skip("no double_sparsity wikitext runs at token and channel sparsity 1/16")
@@ -444,21 +608,42 @@ def ds_table3(df) -> Table:
         papers.append(dict(pr.values) if pr else {})
         sources.append(pr.table if pr else None)
     cols = [c for c in P.DS_T3_COLS if any(r[c] is not None for r in rows)]
-    caption = ("WikiText-2 perplexity with token and channel sparsity 1/16 by the channel type: random channels, or "
-               "the calibrated q / k / qk outliers; Original = full attention.")
+    caption = (
+        "WikiText-2 perplexity with token and channel sparsity 1/16 by the channel type: random channels, or "
+        "the calibrated q / k / qk outliers; Original = full attention."
+    )
     if seeds:
-        caption += " random: r = α·d channels drawn uniformly per layer and KV head from the run's seed, " + "; ".join(
-            f"{m}: mean over {len(v)} seed(s) ({', '.join(str(x) for x in sorted(v, key=str))})"
-            for m, v in sorted(seeds.items())) + "."
+        caption += (
+            " random: r = α·d channels drawn uniformly per layer and KV head from the run's seed, "
+            + "; ".join(
+                f"{m}: mean over {len(v)} seed(s) ({', '.join(str(x) for x in sorted(v, key=str))})"
+                for m, v in sorted(seeds.items())
+            )
+            + "."
+        )
     missing = [c for c in ("random", "q", "k", "qk") if c not in cols]
     if missing:
         caption += f" No runs of: {', '.join(missing)}."
-    return Table("ds_table3_channel_types", "Double Sparsity Table 3: outlier channel types at sparsity 1/16",
-                 caption, ["Model"], cols, rows, papers, sources, {c: 2 for c in cols})
+    return Table(
+        "ds_table3_channel_types",
+        "Double Sparsity Table 3: outlier channel types at sparsity 1/16",
+        caption,
+        ["Model"],
+        cols,
+        rows,
+        papers,
+        sources,
+        {c: 2 for c in cols},
+    )
 
 
 def _interval(lo: Any, hi: Any, digits: int = 1) -> str | None:
-    if lo is None or hi is None or (isinstance(lo, float) and math.isnan(lo)) or (isinstance(hi, float) and math.isnan(hi)):
+    if (
+        lo is None
+        or hi is None
+        or (isinstance(lo, float) and math.isnan(lo))
+        or (isinstance(hi, float) and math.isnan(hi))
+    ):
         return None
     return f"[{lo:.{digits}f}, {hi:.{digits}f}]"
 
@@ -475,7 +660,7 @@ def _present(v: Any) -> bool:
 
 
 def _seeds_cell(r: Any, stochastic: Any) -> str:
-    """"–" for a deterministic method; a stochastic one's seed count and the range of its per-seed scores, or
+    """ "–" for a deterministic method; a stochastic one's seed count and the range of its per-seed scores, or
     "1 †" for a single seed (its interval omits the seed variation)."""
     if stochastic is not True:
         return "–"
@@ -496,8 +681,11 @@ def score_intervals(df) -> Table:
     if "score_lo" not in runs.columns or runs["score_lo"].isna().all():
         raise Skip("no run has a score interval (results collected before intervals were recorded)")
     pooled = "pooled_score" in runs.columns and "seed_group" in runs.columns
-    groups = (runs.groupby(["seed_group", "length"], dropna=False, sort=False) if pooled
-              else runs.groupby(runs.index, sort=False))
+    groups = (
+        runs.groupby(["seed_group", "length"], dropna=False, sort=False)
+        if pooled
+        else runs.groupby(runs.index, sort=False)
+    )
     rows, single, short_rows = [], False, False
     for _, grp in groups:
         r = grp.iloc[0]
@@ -505,7 +693,11 @@ def score_intervals(df) -> Table:
         score, lo, hi = g("pooled_score", "score"), g("pooled_lo", "score_lo"), g("pooled_hi", "score_hi")
         n = g("pooled_n", "samples")
         diff, sig = g("pooled_diff", "diff_vs_full"), g("pooled_significant", "significant")
-        dlo, dhi, npair = g("pooled_diff_lo", "diff_lo"), g("pooled_diff_hi", "diff_hi"), g("pooled_n_paired", "n_paired")
+        dlo, dhi, npair = (
+            g("pooled_diff_lo", "diff_lo"),
+            g("pooled_diff_hi", "diff_hi"),
+            g("pooled_n_paired", "n_paired"),
+        )
         has_diff = not is_reference(r) and _present(diff)
         stochastic = _num_bool(r.get("stochastic")) if "stochastic" in runs.columns else None
         single |= stochastic is True and int(r.get("seeds") or 1) == 1
@@ -513,38 +705,66 @@ def score_intervals(df) -> Table:
         cut = _incomplete(grp)
         if cut:
             config, short_rows = f"{config} (incomplete: {cut})", True
-        rows.append({
-            "Model": r.get("model"), "Task": r.get("task"), "Length": _length_label(r.get("length")) or r.get("length"),
-            "Method": method_display(r), "Config": config,
-            "n": n if _present(n) else None, "Score": score, "95% CI": _interval(lo, hi),
-            "Seeds": _seeds_cell(r, stochastic) if pooled else None,
-            "Δ vs full": f"{diff:+.1f}{' *' if _num_bool(sig) is True and not cut else ''}" if has_diff else None,
-            "Δ 95% CI": _interval(dlo, dhi) if has_diff else None,
-            "n paired": npair if has_diff and _present(npair) else None,
-            "Cost2": _mean(grp["cost2"]),
-            "KV KiB/row": _kib(_mean(grp["kv_bytes"])) if "kv_bytes" in grp.columns else None,
-        })
-    rows.sort(key=lambda x: (str(x["Model"]), str(x["Task"]), _natural(x["Length"]), x["Δ vs full"] is not None,
-                             _natural(x["Method"]), _natural(x["Config"])))
-    caption = ("Score: the task's metric over n samples with its 95 % percentile-bootstrap interval (samples resampled "
-               "within each subtask). A stochastic method run over several seeds (Seeds: their number and the range "
-               "of their scores) is scored by the mean over its seeds on the samples every seed finished, and its "
-               "interval is a two-level bootstrap over prompts and seeds (sparse_eval.statistics). Δ vs full: the "
-               "score minus full attention's on the n paired samples both finished, with its 95 % paired bootstrap "
-               "interval (over seeds too); * marks a difference whose interval excludes 0 (significant at the 5 % "
-               "level). KV KiB/row: the KV-cache bytes the method's system reads per sparse layer, query head and step "
-               "(kept keys' K and V plus the method's index: all keys' K to score for full/TopK/oracle, page min/max "
-               "for Quest, labels for DS, bucket ids for MagicPIG; GQA sharing not deducted), in KiB.")
+        rows.append(
+            {
+                "Model": r.get("model"),
+                "Task": r.get("task"),
+                "Length": _length_label(r.get("length")) or r.get("length"),
+                "Method": method_display(r),
+                "Config": config,
+                "n": n if _present(n) else None,
+                "Score": score,
+                "95% CI": _interval(lo, hi),
+                "Seeds": _seeds_cell(r, stochastic) if pooled else None,
+                "Δ vs full": f"{diff:+.1f}{' *' if _num_bool(sig) is True and not cut else ''}" if has_diff else None,
+                "Δ 95% CI": _interval(dlo, dhi) if has_diff else None,
+                "n paired": npair if has_diff and _present(npair) else None,
+                "Cost2": _mean(grp["cost2"]),
+                "KV KiB/row": _kib(_mean(grp["kv_bytes"])) if "kv_bytes" in grp.columns else None,
+            }
+        )
+    rows.sort(
+        key=lambda x: (
+            str(x["Model"]),
+            str(x["Task"]),
+            _natural(x["Length"]),
+            x["Δ vs full"] is not None,
+            _natural(x["Method"]),
+            _natural(x["Config"]),
+        )
+    )
+    caption = (
+        "Score: the task's metric over n samples with its 95 % percentile-bootstrap interval (samples resampled "
+        "within each subtask). A stochastic method run over several seeds (Seeds: their number and the range "
+        "of their scores) is scored by the mean over its seeds on the samples every seed finished, and its "
+        "interval is a two-level bootstrap over prompts and seeds (sparse_eval.statistics). Δ vs full: the "
+        "score minus full attention's on the n paired samples both finished, with its 95 % paired bootstrap "
+        "interval (over seeds too); * marks a difference whose interval excludes 0 (significant at the 5 % "
+        "level). KV KiB/row: the KV-cache bytes the method's system reads per sparse layer, query head and step "
+        "(kept keys' K and V plus the method's index: all keys' K to score for full/TopK/oracle, page min/max "
+        "for Quest, labels for DS, bucket ids for MagicPIG; GQA sharing not deducted), in KiB."
+    )
     if single:
-        caption += (" 1 †: a single seed of a stochastic method: its interval omits the seed-to-seed variation.")
+        caption += " 1 †: a single seed of a stochastic method: its interval omits the seed-to-seed variation."
     if short_rows:
-        caption += (" Rows marked incomplete are over the samples their runs finished (n of the expected; failed or "
-                    "missing samples): not comparable with complete rows, and never marked significant.")
-    value_cols = ["n", "Score", "95% CI"] + (["Seeds"] if pooled else []) + ["Δ vs full", "Δ 95% CI", "n paired",
-                                                                              "Cost2", "KV KiB/row"]
-    return Table("score_intervals", "Scores with 95 % intervals and paired differences against full attention",
-                 caption, ["Model", "Task", "Length", "Method", "Config"], value_cols,
-                 rows, digits={"n": 0, "n paired": 0, "Score": 1, "Cost2": 3, "KV KiB/row": 1})
+        caption += (
+            " Rows marked incomplete are over the samples their runs finished (n of the expected; failed or "
+            "missing samples): not comparable with complete rows, and never marked significant."
+        )
+    value_cols = (
+        ["n", "Score", "95% CI"]
+        + (["Seeds"] if pooled else [])
+        + ["Δ vs full", "Δ 95% CI", "n paired", "Cost2", "KV KiB/row"]
+    )
+    return Table(
+        "score_intervals",
+        "Scores with 95 % intervals and paired differences against full attention",
+        caption,
+        ["Model", "Task", "Length", "Method", "Config"],
+        value_cols,
+        rows,
+        digits={"n": 0, "n paired": 0, "Score": 1, "Cost2": 3, "KV KiB/row": 1},
+    )
 
 
 def _num_bool(v: Any) -> Any:
@@ -558,9 +778,15 @@ def _num_bool(v: Any) -> Any:
 
 TABLES: dict[str, Callable[[Any], Table]] = {
     "score_intervals": score_intervals,
-    "magicpig_table1": magicpig_table1, "magicpig_table2": magicpig_table2, "magicpig_table3": magicpig_table3,
-    "magicpig_table5": magicpig_table5, "magicpig_table9": magicpig_table9, "magicpig_table12": magicpig_table12,
-    "magicpig_table13": magicpig_table13, "ds_table2": ds_table2, "ds_table3": ds_table3,
+    "magicpig_table1": magicpig_table1,
+    "magicpig_table2": magicpig_table2,
+    "magicpig_table3": magicpig_table3,
+    "magicpig_table5": magicpig_table5,
+    "magicpig_table9": magicpig_table9,
+    "magicpig_table12": magicpig_table12,
+    "magicpig_table13": magicpig_table13,
+    "ds_table2": ds_table2,
+    "ds_table3": ds_table3,
 }
 
 
@@ -576,6 +802,7 @@ def build_tables(df) -> tuple[list[Table], dict[str, str]]:
 
 
 # -- writers --------------------------------------------------------------------------------------------------
+
 
 def _fmt(v: Any, digits: int) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -625,8 +852,18 @@ def to_markdown(t: Table) -> str:
 
 # characters LaTeX's text mode lacks (pandas' escape="latex" covers & % $ # _ { } ~ ^ and the backslash)
 _TEX_SYMBOLS = {"α": r"$\alpha$", "β": r"$\beta$", "–": "--", "−": "-", "≥": r"$\geq$"}
-_TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
-                "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}"}
+_TEX_SPECIAL = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\^{}",
+}
 
 
 def _tex_symbols(s: str) -> str:
@@ -642,9 +879,21 @@ def to_latex(t: Table) -> str:
     """A ``table`` float (booktabs rules) by ``Styler.to_latex``: caption and label from the table, key columns
     left-aligned, value columns right-aligned, cells and header escaped by pandas."""
     caption = f"{_tex_caption(t.title)}. {_tex_caption(t.caption)}" + (
-        " Cells: ours (paper, ours $-$ paper)." if any(t.paper_source) else "")
-    styler = (display_frame(t).style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
-              .set_table_styles([{"selector": "small", "props": ":;"}], overwrite=True))
-    tex = styler.to_latex(column_format="l" * len(t.key_cols) + "r" * len(t.value_cols), position="t",
-                          position_float="centering", hrules=True, label=f"tab:{t.name}", caption=caption)
+        " Cells: ours (paper, ours $-$ paper)." if any(t.paper_source) else ""
+    )
+    styler = (
+        display_frame(t)
+        .style.hide(axis="index")
+        .format(escape="latex")
+        .format_index(escape="latex", axis=1)
+        .set_table_styles([{"selector": "small", "props": ":;"}], overwrite=True)
+    )
+    tex = styler.to_latex(
+        column_format="l" * len(t.key_cols) + "r" * len(t.value_cols),
+        position="t",
+        position_float="centering",
+        hrules=True,
+        label=f"tab:{t.name}",
+        caption=caption,
+    )
     return _tex_symbols(tex)

@@ -9,5 +9,12 @@ from .decoding import DecodeOptions, DecodeResult, decode
 from .layers import SYSTEM_LAYERS, register_layer
 from .session import SystemSession, build_layers
 
-__all__ = ["SYSTEM_LAYERS", "DecodeOptions", "DecodeResult", "SystemSession", "build_layers", "decode",
-           "register_layer"]
+__all__ = [
+    "SYSTEM_LAYERS",
+    "DecodeOptions",
+    "DecodeResult",
+    "SystemSession",
+    "build_layers",
+    "decode",
+    "register_layer",
+]

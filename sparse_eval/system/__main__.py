@@ -52,9 +52,11 @@ def _prompts(tok: Any, context: int, batch: int) -> torch.Tensor:
     ids = tok(BUNDLED.read_text(encoding="utf-8"), verbose=False)["input_ids"]  # one long text, cut into rows
     need = context * batch
     if len(ids) < need:
-        raise ValueError(f"context={context} x batch={batch} needs {need} tokens; the shipped text has {len(ids)} "
-                         f"for this tokenizer (use fewer rows or a shorter context)")
-    return torch.tensor([ids[i * context:(i + 1) * context] for i in range(batch)])
+        raise ValueError(
+            f"context={context} x batch={batch} needs {need} tokens; the shipped text has {len(ids)} "
+            f"for this tokenizer (use fewer rows or a shorter context)"
+        )
+    return torch.tensor([ids[i * context : (i + 1) * context] for i in range(batch)])
 
 
 def run(cfg: Any) -> dict[str, Any]:
@@ -77,29 +79,53 @@ def run(cfg: Any) -> dict[str, Any]:
             raise ValueError(f"random_shape={cfg.random_shape!r}; valid: {sorted(SHAPES)}")
         dev = resolve_device(cfg.model.device)
         model = random_model(cfg.random_shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        ids = torch.randint(0, model.config.vocab_size, (cfg.batch, cfg.context), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(
+            0, model.config.vocab_size, (cfg.batch, cfg.context), generator=torch.Generator().manual_seed(0)
+        )
         name = cfg.random_shape
     else:
         model, tok = load_model(cfg.model)
         limit = max_context(cfg.model, model)
         if cfg.context + cfg.new_tokens > limit:
-            raise ValueError(f"context={cfg.context} + new_tokens={cfg.new_tokens} exceeds {cfg.model.name}'s "
-                             f"context of {limit} tokens")
+            raise ValueError(
+                f"context={cfg.context} + new_tokens={cfg.new_tokens} exceeds {cfg.model.name}'s "
+                f"context of {limit} tokens"
+            )
         ids = _prompts(tok, cfg.context, cfg.batch)
         name = cfg.model.name
     method.setup(model, name)
-    res = decode(model, method, ids, cfg.new_tokens, DecodeOptions(
-        repeat_batch=cfg.repeat_batch, cuda_graph=cfg.cuda_graph, topk=cfg.topk, phase_times=cfg.phase_times,
-        interleave=cfg.interleave))
+    res = decode(
+        model,
+        method,
+        ids,
+        cfg.new_tokens,
+        DecodeOptions(
+            repeat_batch=cfg.repeat_batch,
+            cuda_graph=cfg.cuda_graph,
+            topk=cfg.topk,
+            phase_times=cfg.phase_times,
+            interleave=cfg.interleave,
+        ),
+    )
     steady = res.step_ms[2:] or res.step_ms  # the first steps include compilation and index builds
     med = statistics.median(steady)
     record: dict[str, Any] = {
-        "model": name, "random_weights": bool(cfg.random_shape), "method": dataclass_dict(method.config),
-        "context": cfg.context, "batch": res.batch, "new_tokens": cfg.new_tokens, "cuda_graph": cfg.cuda_graph,
-        "interleave": cfg.interleave, "topk": cfg.topk, "phase_times": cfg.phase_times,
+        "model": name,
+        "random_weights": bool(cfg.random_shape),
+        "method": dataclass_dict(method.config),
+        "context": cfg.context,
+        "batch": res.batch,
+        "new_tokens": cfg.new_tokens,
+        "cuda_graph": cfg.cuda_graph,
+        "interleave": cfg.interleave,
+        "topk": cfg.topk,
+        "phase_times": cfg.phase_times,
         "device": str(next(model.parameters()).device),
-        "prefill_ms": res.prefill_ms, "ms_per_step_median": med, "tokens_per_s": res.batch * 1e3 / med,
-        "memory_bytes": res.memory, "stats": res.stats,
+        "prefill_ms": res.prefill_ms,
+        "ms_per_step_median": med,
+        "tokens_per_s": res.batch * 1e3 / med,
+        "memory_bytes": res.memory,
+        "stats": res.stats,
     }
     if cfg.compare_accuracy_path and tok is not None:
         record["agreement_with_accuracy_path"] = _compare(model, tok, method, name, ids, res.tokens, cfg.new_tokens)
@@ -133,8 +159,12 @@ def _compare(model, tok, method, name, ids, tokens, new) -> dict[str, Any]:
             same_tokens += sum(a == b for a, b in zip(ref, got))
     finally:
         detach(model)
-    return {"rows_identical": same_rows, "rows": int(ids.shape[0]), "tokens_identical": same_tokens,
-            "tokens": int(ids.shape[0]) * new}
+    return {
+        "rows_identical": same_rows,
+        "rows": int(ids.shape[0]),
+        "tokens_identical": same_tokens,
+        "tokens": int(ids.shape[0]) * new,
+    }
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="system")
@@ -146,22 +176,32 @@ def main(cfg) -> None:
     except (ValueError, FileNotFoundError) as exc:
         fail(str(exc), EXIT_USAGE)  # one line, exit status 2
     m = rec["method"]["name"] + (" (offload)" if rec["method"].get("offload") else "")
-    print(f"{rec['model']} on {rec['device']}, method {m}: context {rec['context']}, batch {rec['batch']}, "
-          f"{rec['new_tokens']} new tokens" + (", static step (CUDA graph on GPU)" if rec["cuda_graph"] else ""))
-    print(f"  prefill {rec['prefill_ms']:.1f} ms; decode {rec['ms_per_step_median']:.2f} ms/step (median), "
-          f"{rec['tokens_per_s']:.1f} tokens/s")
+    print(
+        f"{rec['model']} on {rec['device']}, method {m}: context {rec['context']}, batch {rec['batch']}, "
+        f"{rec['new_tokens']} new tokens" + (", static step (CUDA graph on GPU)" if rec["cuda_graph"] else "")
+    )
+    print(
+        f"  prefill {rec['prefill_ms']:.1f} ms; decode {rec['ms_per_step_median']:.2f} ms/step (median), "
+        f"{rec['tokens_per_s']:.1f} tokens/s"
+    )
     mem = rec["memory_bytes"]
-    print(f"  cache: {mem.get('cache_gpu', 0) / 2**20:.1f} MiB on the GPU, {mem.get('cache_cpu', 0) / 2**20:.1f} MiB in CPU memory"
-          + (f"; GPU peak {mem['gpu_peak'] / 2**30:.2f} GiB" if "gpu_peak" in mem else ""))
+    print(
+        f"  cache: {mem.get('cache_gpu', 0) / 2**20:.1f} MiB on the GPU, {mem.get('cache_cpu', 0) / 2**20:.1f} MiB in CPU memory"
+        + (f"; GPU peak {mem['gpu_peak'] / 2**30:.2f} GiB" if "gpu_peak" in mem else "")
+    )
     phases = rec["stats"].get("phase_ms")
     if phases:
         n = max(1, rec["stats"]["phase_steps"])
-        print(f"  phases, ms per step over the {n} steps after the first (the steps synchronise at each phase): "
-              + ", ".join(f"{k} {v / n:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
+        print(
+            f"  phases, ms per step over the {n} steps after the first (the steps synchronise at each phase): "
+            + ", ".join(f"{k} {v / n:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
+        )
     agree = rec.get("agreement_with_accuracy_path")
     if agree:
-        print(f"  accuracy path: {agree['rows_identical']}/{agree['rows']} rows and {agree['tokens_identical']}/"
-              f"{agree['tokens']} tokens identical")
+        print(
+            f"  accuracy path: {agree['rows_identical']}/{agree['rows']} rows and {agree['tokens_identical']}/"
+            f"{agree['tokens']} tokens identical"
+        )
     if cfg.output:
         Path(cfg.output).write_text(json.dumps(rec, indent=1, default=str))
         print(f"  wrote {cfg.output}")

@@ -188,4 +188,3 @@ class StaticRun:
         for layer in self.session.layers:
             layer.static = None
             layer.n += len(self.out)
-

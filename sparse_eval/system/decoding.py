@@ -58,14 +58,18 @@ class DecodeOptions:
         if self.topk not in TOPK_IMPLS:
             raise ValueError(f"topk={self.topk!r}: valid values are {list(TOPK_IMPLS)}")
         if self.interleave not in (1, 2):
-            raise ValueError(f"interleave={self.interleave!r}: valid values are 1 (one decode) and 2 (two halves "
-                             f"interleaved)")
+            raise ValueError(
+                f"interleave={self.interleave!r}: valid values are 1 (one decode) and 2 (two halves interleaved)"
+            )
         if self.interleave == 2 and not self.cuda_graph:
-            raise ValueError("interleave=2 interleaves the captured steps of two halves of the batch: it needs "
-                             "cuda_graph=true")
+            raise ValueError(
+                "interleave=2 interleaves the captured steps of two halves of the batch: it needs cuda_graph=true"
+            )
         if self.cuda_graph and self.phase_times:
-            raise ValueError("phase_times=true times eager steps; a captured step (cuda_graph=true) has no host-side "
-                             "phases. Valid: one of them")
+            raise ValueError(
+                "phase_times=true times eager steps; a captured step (cuda_graph=true) has no host-side "
+                "phases. Valid: one of them"
+            )
 
 
 @dataclass
@@ -161,18 +165,19 @@ def _halves(input_ids: torch.Tensor, repeat_batch: int, interleave: int) -> list
         return [(input_ids, repeat_batch)]
     b = input_ids.shape[0]
     if b >= 2 and repeat_batch == 1:
-        return [(input_ids[: b // 2], 1), (input_ids[b // 2:], 1)]
+        return [(input_ids[: b // 2], 1), (input_ids[b // 2 :], 1)]
     if b == 1 and repeat_batch >= 2:
         return [(input_ids, repeat_batch // 2), (input_ids, repeat_batch - repeat_batch // 2)]
-    raise ValueError(f"interleave=2 splits the rows in two: it needs batch >= 2 with repeat_batch = 1, or batch 1 "
-                     f"with repeat_batch >= 2; got batch {b}, repeat_batch {repeat_batch}")
-
-
+    raise ValueError(
+        f"interleave=2 splits the rows in two: it needs batch >= 2 with repeat_batch = 1, or batch 1 "
+        f"with repeat_batch >= 2; got batch {b}, repeat_batch {repeat_batch}"
+    )
 
 
 @torch.inference_mode()
-def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: int,
-           options: DecodeOptions | None = None) -> DecodeResult:
+def decode(
+    model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: int, options: DecodeOptions | None = None
+) -> DecodeResult:
     """Prefill ``input_ids`` [B, T] (equal lengths, no padding) densely, then ``max_new_tokens`` greedy steps with
     ``method`` (no stop token: every row decodes the same number of steps, as a throughput run does), run as
     ``options`` say (``DecodeOptions``).  ``method`` must be set up for the model (``method.setup(model, name)``)
@@ -195,9 +200,20 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
 
     def open_session(phase_times: PhaseTimes | None = None) -> tuple[SystemSession, dict[str, Any]]:
         """A session with its own layers, attached to the model; and the model's cache arguments for it."""
-        session = SystemSession(model, method, build_layers(
-            model, method, t + max_new_tokens, label_scale_dtype=opts.label_scale_dtype, backend_gpu=opts.backend_gpu,
-            backend_cpu=opts.backend_cpu, topk=opts.topk), phase_times)
+        session = SystemSession(
+            model,
+            method,
+            build_layers(
+                model,
+                method,
+                t + max_new_tokens,
+                label_scale_dtype=opts.label_scale_dtype,
+                backend_gpu=opts.backend_gpu,
+                backend_cpu=opts.backend_cpu,
+                topk=opts.topk,
+            ),
+            phase_times,
+        )
         sessions.append(session)
         attach(model, session)
         return session, cache_kwargs(model, session.cache)
@@ -207,8 +223,7 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
             prefill_ms, first_ms, firsts = 0.0, [], []
             for ids_h, rep_h in halves:
                 session, kw = open_session()
-                got_ms, first, nxt = _prefill_for_static(model, session, kw, ids_h.to(dev), rep_h, max_new_tokens,
-                                                         cuda)
+                got_ms, first, nxt = _prefill_for_static(model, session, kw, ids_h.to(dev), rep_h, max_new_tokens, cuda)
                 prefill_ms += got_ms[0]
                 first_ms = [a + c for a, c in zip(first_ms, got_ms[1:])] if first_ms else got_ms[1:]
                 firsts.append(first)
@@ -218,9 +233,15 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
             stats = collections.Counter()
             for session in sessions:
                 stats.update(session.stats)
-            return DecodeResult(tokens=tokens.cpu(), prefill_ms=prefill_ms, step_ms=first_ms + steps,
-                                batch=b * repeat_batch, context=t, stats=dict(stats, **extra),
-                                memory=_memory(sessions, dev))
+            return DecodeResult(
+                tokens=tokens.cpu(),
+                prefill_ms=prefill_ms,
+                step_ms=first_ms + steps,
+                batch=b * repeat_batch,
+                context=t,
+                stats=dict(stats, **extra),
+                memory=_memory(sessions, dev),
+            )
         session, kw = open_session(phases)
         timer = _Timer(cuda)
         timer.mark()
@@ -246,9 +267,15 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
         if phases is not None:
             session.stats["phase_ms"] = dict(phases.ms)
             session.stats["phase_steps"] = max(0, max_new_tokens - 2)
-        return DecodeResult(tokens=torch.cat(out, 1).cpu(), prefill_ms=prefill_ms, step_ms=steps,
-                            batch=b * repeat_batch, context=t, stats=dict(session.stats),
-                            memory=_memory(sessions, dev))
+        return DecodeResult(
+            tokens=torch.cat(out, 1).cpu(),
+            prefill_ms=prefill_ms,
+            step_ms=steps,
+            batch=b * repeat_batch,
+            context=t,
+            stats=dict(session.stats),
+            memory=_memory(sessions, dev),
+        )
     finally:
         for run in runs:
             run.close()
@@ -260,9 +287,15 @@ def decode(model: Any, method: Method, input_ids: torch.Tensor, max_new_tokens: 
         koff.unpin_all()
 
 
-def _prefill_for_static(model: Any, session: SystemSession, kw: dict[str, Any], input_ids: torch.Tensor,
-                        repeat_batch: int, max_new_tokens: int, cuda: bool
-                        ) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
+def _prefill_for_static(
+    model: Any,
+    session: SystemSession,
+    kw: dict[str, Any],
+    input_ids: torch.Tensor,
+    repeat_batch: int,
+    max_new_tokens: int,
+    cuda: bool,
+) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
     """The prefill of one static decode, then (for layers that build at their first step: MagicPIG's tables) one
     eager step at batch B, then the tiling.  Returns (ms of the prefill and of that step, the tokens so far [B', 1]
     each, the next input [B', 1])."""
@@ -283,8 +316,6 @@ def _prefill_for_static(model: Any, session: SystemSession, kw: dict[str, Any], 
         first = _tile_rows(session, first, repeat_batch)
         nxt = first[-1]
     return ms, first, nxt
-
-
 
 
 def _tile_rows(session: SystemSession, tokens: list[torch.Tensor], times: int) -> list[torch.Tensor]:

@@ -49,8 +49,9 @@ def weight_bytes(shape: dict[str, Any], num_layers: int | None = None, bytes_per
     return sum(p.numel() for p in model.parameters()) * bytes_per_param
 
 
-def bytes_per_row(cfg: dict[str, Any], context: int, steps: int, shape: dict[str, Any],
-                  num_layers: int) -> tuple[int, int]:
+def bytes_per_row(
+    cfg: dict[str, Any], context: int, steps: int, shape: dict[str, Any], num_layers: int
+) -> tuple[int, int]:
     """(GPU bytes, host bytes) of one row's caches for the method config ``cfg`` (with its ``name``) at ``context``
     prompt tokens plus ``steps`` decode steps: the dense layers' KV caches on the GPU (every layer of a dense method)
     and, in each sparse layer, what its layer kind keeps where (``FullLayer.row_bytes`` and its overrides)."""
@@ -68,12 +69,24 @@ def bytes_per_row(cfg: dict[str, Any], context: int, steps: int, shape: dict[str
     return int(gpu), int(cpu)
 
 
-def plan_batch(cfg: dict[str, Any], context: int, steps: int, shape: dict[str, Any], num_layers: int,
-               gpu_free: float, cpu_free: float, max_batch: int) -> tuple[int, dict[str, int]]:
+def plan_batch(
+    cfg: dict[str, Any],
+    context: int,
+    steps: int,
+    shape: dict[str, Any],
+    num_layers: int,
+    gpu_free: float,
+    cpu_free: float,
+    max_batch: int,
+) -> tuple[int, dict[str, int]]:
     """The largest batch (at most ``max_batch``) whose caches fit ``gpu_free`` and ``cpu_free`` bytes, with the
     bytes per row and the batch each memory alone would allow."""
     gpu, cpu = bytes_per_row(cfg, context, steps, shape, num_layers)
     b_gpu = int(gpu_free // gpu) if gpu else max_batch
     b_cpu = int(cpu_free // cpu) if cpu else max_batch
-    return max(0, min(max_batch, b_gpu, b_cpu)), {"gpu_bytes_per_row": gpu, "cpu_bytes_per_row": cpu,
-                                                  "fit_gpu": b_gpu, "fit_cpu": b_cpu}
+    return max(0, min(max_batch, b_gpu, b_cpu)), {
+        "gpu_bytes_per_row": gpu,
+        "cpu_bytes_per_row": cpu,
+        "fit_gpu": b_gpu,
+        "fit_cpu": b_cpu,
+    }

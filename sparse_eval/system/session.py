@@ -49,7 +49,9 @@ class SystemCache(Cache):
 def _system_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     session: SystemSession | None = getattr(module, _ATTR, None)
     if session is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     return session.attention(module, query, key, value, module.scaling if scaling is None else scaling)
 
 
@@ -63,9 +65,16 @@ AttentionInterface.register(ATTENTION_NAME, _system_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
 
 
-
-def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype: torch.dtype | None = None,
-                 backend_gpu: str = "auto", backend_cpu: str = "auto", topk: str = "radix") -> list[FullLayer]:
+def build_layers(
+    model: Any,
+    method: Method,
+    capacity: int,
+    *,
+    label_scale_dtype: torch.dtype | None = None,
+    backend_gpu: str = "auto",
+    backend_cpu: str = "auto",
+    topk: str = "radix",
+) -> list[FullLayer]:
     """One cache layer per decoder layer for ``method`` (set up already: DS has its channels); ``topk`` the
     top-k of DS and Quest ("radix": ``kernels.topk`` on CUDA; "torch": ``torch.topk``).  ``label_scale_dtype``
     (DS's label scales): float16 on CUDA, float32 on the CPU by default.
@@ -82,16 +91,28 @@ def build_layers(model: Any, method: Method, capacity: int, *, label_scale_dtype
     method.validate(num_layers=n_layers)
     window = attention_window(model)
     if window is not None and capacity > window:
-        raise ValueError(f"{type(model).__name__} attends within a {window}-token sliding window, which the system "
-                         f"path's cache layers do not apply: {capacity} tokens (prompt + new tokens) exceed it; "
-                         f"run at most {window} tokens here, or use the accuracy path (python -m sparse_eval)")
+        raise ValueError(
+            f"{type(model).__name__} attends within a {window}-token sliding window, which the system "
+            f"path's cache layers do not apply: {capacity} tokens (prompt + new tokens) exceed it; "
+            f"run at most {window} tokens here, or use the accuracy path (python -m sparse_eval)"
+        )
     dense = set(range(n_layers)) if is_dense(method.name) else layer_plan(method, n_layers, sliding_layers(model))[0]
     if label_scale_dtype is None:
         label_scale_dtype = torch.float16 if next(model.parameters()).is_cuda else torch.float32
-    opts = LayerOptions(capacity=capacity, hq=hq, hkv=hkv, d=d, label_scale_dtype=label_scale_dtype,
-                        backend_gpu=backend_gpu, backend_cpu=backend_cpu, topk=topk)
-    return [FullLayer(i, capacity, backend=backend_gpu) if i in dense else build_layer(i, method, opts)
-            for i in range(n_layers)]
+    opts = LayerOptions(
+        capacity=capacity,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        label_scale_dtype=label_scale_dtype,
+        backend_gpu=backend_gpu,
+        backend_cpu=backend_cpu,
+        topk=topk,
+    )
+    return [
+        FullLayer(i, capacity, backend=backend_gpu) if i in dense else build_layer(i, method, opts)
+        for i in range(n_layers)
+    ]
 
 
 class PhaseTimes:
@@ -162,8 +183,9 @@ class SystemSession:
             return  # the layer falls back to its own query
         h, (cos, sin) = got
         nxt = self.layers[i + 1]
-        qp = self.method.predict_query(self.modules[i + 1], i + 1, h[:, -1:], cos[:, -1:], sin[:, -1:],
-                                       nxt.keys.shape[-1])
+        qp = self.method.predict_query(
+            self.modules[i + 1], i + 1, h[:, -1:], cos[:, -1:], sin[:, -1:], nxt.keys.shape[-1]
+        )
         if qp is None:
             return  # no rotary function in the model's module: the layer uses its own query
         self.pending[i + 1] = nxt.predict(self, qp[:, :, 0])
@@ -185,8 +207,13 @@ class SystemSession:
         slot = layer_idx % 2
         buf = self._buffers.get(slot)
         layer = self.layers[layer_idx]
-        if buf is None or buf[0].shape[0] < shape[0] or buf[0].shape[1] < shape[1] or buf[0].shape[2] < shape[2] \
-                or buf[0].dtype != dtype:
+        if (
+            buf is None
+            or buf[0].shape[0] < shape[0]
+            or buf[0].shape[1] < shape[1]
+            or buf[0].shape[2] < shape[2]
+            or buf[0].dtype != dtype
+        ):
             full = (shape[0], shape[1], max(shape[2], layer.budget(layer.capacity) + 1), shape[3])
             if buf is not None and self.side_stream is not None:
                 torch.cuda.current_stream(device).wait_stream(self.side_stream)

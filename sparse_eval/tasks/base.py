@@ -40,11 +40,11 @@ def from_hub(what: str, hub: str, expected: Path | str | None, fix: str = "") ->
         if not hub_error:
             raise
         reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        where = (f"expected {expected}" if expected is not None
-                 else "paths.data_dir is unset (env SPARSE_EVAL_DATA_DIR)")
+        where = f"expected {expected}" if expected is not None else "paths.data_dir is unset (env SPARSE_EVAL_DATA_DIR)"
         raise DataNotFoundError(
             f"{what}: no local copy ({where}) and the hub ({hub}) failed: {reason}. Put the file there or set "
-            f"paths.data_dir=<folder holding it>" + (f"; {fix}" if fix else "")) from None
+            f"paths.data_dir=<folder holding it>" + (f"; {fix}" if fix else "")
+        ) from None
 
 
 @dataclass
@@ -127,8 +127,9 @@ class Task:
         from ..statistics import ScoreTerms
 
         scored = [r for r in records if r.get("score") is not None]
-        return ScoreTerms([r["id"] for r in scored], [r["score"] for r in scored], [1.0] * len(scored),
-                          [0] * len(scored))
+        return ScoreTerms(
+            [r["id"] for r in scored], [r["score"] for r in scored], [1.0] * len(scored), [0] * len(scored)
+        )
 
     def evaluated_texts(self, samples: list[Sample], tokenizer: Any) -> list[str] | None:
         """The text the run evaluates, which calibration text must not overlap (``sparse_eval.overlap``): by

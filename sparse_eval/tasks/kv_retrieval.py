@@ -41,7 +41,7 @@ from .prompting import CHAT_MODES, context_split, encode, render_chat, use_chat
 TEMPLATE = (
     "Extract the value corresponding to the specified key in the JSON object below.\n\n"
     "JSON data:\n{formatted_kv_records}\n\n"
-    "Key: \"{key}\"\n"
+    'Key: "{key}"\n'
     "Corresponding value:"
 )
 PUBLISHED_DIR = "lost-in-the-middle/kv_retrieval_data"
@@ -121,28 +121,44 @@ class KVRetrieval(Task):
                 raise ValueError(f"task.template must contain {field_name}")
         if c.source == "published":
             if c.length is not None:
-                raise ValueError("task.length applies to source=generated only (the published files have fixed key counts)")
+                raise ValueError(
+                    "task.length applies to source=generated only (the published files have fixed key counts)"
+                )
             if c.num_keys is None and not c.data_path:
                 raise ValueError("task.source=published needs task.num_keys (75 or 140) or task.data_path")
         else:
             if c.length is not None and c.num_keys is not None:
-                raise ValueError(f"task.length={c.length} and task.num_keys={c.num_keys}: give one (set the other to null)")
+                raise ValueError(
+                    f"task.length={c.length} and task.num_keys={c.num_keys}: give one (set the other to null)"
+                )
             if c.length is None and c.num_keys is None:
                 raise ValueError("task.source=generated needs task.num_keys or task.length")
             if c.num_keys is not None and c.num_keys < 2:
-                raise ValueError(f"task.num_keys={c.num_keys}: must be >= 2 (the paper's prompt needs at least 2 pairs)")
+                raise ValueError(
+                    f"task.num_keys={c.num_keys}: must be >= 2 (the paper's prompt needs at least 2 pairs)"
+                )
             if c.length is not None and c.length < 1:
                 raise ValueError(f"task.length={c.length}: must be >= 1")
             if c.gold_position == "original":
-                raise ValueError("task.gold_position=original applies to source=published only; "
-                                 f"valid here: an index, a list of indices, {list(POSITION_WORDS[:2])}")
+                raise ValueError(
+                    "task.gold_position=original applies to source=published only; "
+                    f"valid here: an index, a list of indices, {list(POSITION_WORDS[:2])}"
+                )
         gp = c.gold_position
         if isinstance(gp, str):
             if gp not in POSITION_WORDS:
-                raise ValueError(f"task.gold_position={gp!r}; valid: an int index, a list of ints, {list(POSITION_WORDS)}")
-        elif isinstance(gp, bool) or not (isinstance(gp, int) or (isinstance(gp, (list, tuple)) and gp
-                                                                  and all(isinstance(x, int) and not isinstance(x, bool) for x in gp))):
-            raise ValueError(f"task.gold_position={gp!r}; valid: an int index, a non-empty list of ints, {list(POSITION_WORDS)}")
+                raise ValueError(
+                    f"task.gold_position={gp!r}; valid: an int index, a list of ints, {list(POSITION_WORDS)}"
+                )
+        elif isinstance(gp, bool) or not (
+            isinstance(gp, int)
+            or (
+                isinstance(gp, (list, tuple)) and gp and all(isinstance(x, int) and not isinstance(x, bool) for x in gp)
+            )
+        ):
+            raise ValueError(
+                f"task.gold_position={gp!r}; valid: an int index, a non-empty list of ints, {list(POSITION_WORDS)}"
+            )
 
     # ---- data -------------------------------------------------------------------------------------------
     def published_path(self) -> Path:
@@ -153,11 +169,17 @@ class KVRetrieval(Task):
                 raise FileNotFoundError(f"task.data_path: {p} does not exist")
             return p
         if self.data_dir is None:
-            raise FileNotFoundError("task.source=published needs paths.data_dir (a folder holding "
-                                    f"{PUBLISHED_DIR}/) or task.data_path; get the files from nelson-liu/lost-in-the-middle")
+            raise FileNotFoundError(
+                "task.source=published needs paths.data_dir (a folder holding "
+                f"{PUBLISHED_DIR}/) or task.data_path; get the files from nelson-liu/lost-in-the-middle"
+            )
         p = self.data_dir / PUBLISHED_DIR / PUBLISHED_NAME.format(n=c.num_keys)
         if not p.is_file():
-            have = sorted(x.name for x in (self.data_dir / PUBLISHED_DIR).glob("*.jsonl.gz")) if (self.data_dir / PUBLISHED_DIR).is_dir() else []
+            have = (
+                sorted(x.name for x in (self.data_dir / PUBLISHED_DIR).glob("*.jsonl.gz"))
+                if (self.data_dir / PUBLISHED_DIR).is_dir()
+                else []
+            )
             raise FileNotFoundError(f"task.num_keys={c.num_keys}: no {p}; available: {have or 'none'}")
         return p
 
@@ -187,13 +209,15 @@ class KVRetrieval(Task):
         if gp == "all":
             return list(range(n))
         out = []
-        for p in ([gp] if isinstance(gp, int) else list(gp)):
+        for p in [gp] if isinstance(gp, int) else list(gp):
             if not -n <= p < n:
                 raise ValueError(f"task.gold_position={p} is outside the {n} pairs of the prompt; valid: {-n}..{n - 1}")
             out.append(p % n)
         return out
 
-    def render(self, records: list[tuple[str, str]], key: str, tokenizer: Any, templated: bool) -> tuple[str, list[int]]:
+    def render(
+        self, records: list[tuple[str, str]], key: str, tokenizer: Any, templated: bool
+    ) -> tuple[str, list[int]]:
         prompt = self.config.template.format(formatted_kv_records=format_kv_records(records), key=key)
         text = render_chat(tokenizer, prompt) if templated else prompt
         return text, encode(tokenizer, text, templated)
@@ -224,8 +248,10 @@ class KVRetrieval(Task):
         c = self.config
         templated = use_chat(tokenizer, c.chat_template)
         if c.length is not None and c.length + c.max_new_tokens > max_context:
-            raise ValueError(f"task.length={c.length} + max_new_tokens={c.max_new_tokens} exceeds the model's "
-                             f"context ({max_context} tokens)")
+            raise ValueError(
+                f"task.length={c.length} + max_new_tokens={c.max_new_tokens} exceeds the model's "
+                f"context ({max_context} tokens)"
+            )
         if c.source == "published":
             examples = self.published_examples()
         else:
@@ -250,20 +276,34 @@ class KVRetrieval(Task):
                     raise ValueError(
                         f"kv_retrieval example {i}: {n} pairs make a {len(ids)}-token prompt, which with "
                         f"max_new_tokens={c.max_new_tokens} exceeds the model's context ({max_context}); use fewer "
-                        "task.num_keys or task.length")
+                        "task.num_keys or task.length"
+                    )
                 question = c.template[q_start:].format(formatted_kv_records="", key=key)
                 split = text.rfind(question)
                 context_len = context_split(tokenizer, text, split, templated, ids) if split > 0 else len(ids) - 1
-                out.append(Sample(id=f"n{n}-e{i:04d}-g{pos:04d}", data={
-                    "input_ids": ids, "context_len": context_len, "value": value, "key": key,
-                    "num_keys": n, "gold_position": pos, "source": ex["origin"], "chat_template": templated}))
+                out.append(
+                    Sample(
+                        id=f"n{n}-e{i:04d}-g{pos:04d}",
+                        data={
+                            "input_ids": ids,
+                            "context_len": context_len,
+                            "value": value,
+                            "key": key,
+                            "num_keys": n,
+                            "gold_position": pos,
+                            "source": ex["origin"],
+                            "chat_template": templated,
+                        },
+                    )
+                )
         return out
 
     # ---- scoring ----------------------------------------------------------------------------------------
     def request(self, sample: Sample) -> GenerationRequest:
         d = sample.data
-        return GenerationRequest(d["input_ids"], max_new_tokens=self.config.max_new_tokens,
-                                 context_len=d["context_len"], key=sample.id)
+        return GenerationRequest(
+            d["input_ids"], max_new_tokens=self.config.max_new_tokens, context_len=d["context_len"], key=sample.id
+        )
 
     def score(self, sample: Sample, gen: GenerationResult) -> dict[str, Any]:
         d = sample.data

@@ -59,11 +59,11 @@ PROMPTS = {
     "qasper": (
         "You are given a scientific article and a question. Answer the question as concisely as you can, using a "
         "single phrase or sentence if possible. If the question cannot be answered based on the information in the "
-        "article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or "
-        "\"unanswerable\". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on "
+        'article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or '
+        '"unanswerable". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on '
         "the above article as concisely as you can, using a single phrase or sentence if possible. If the question "
-        "cannot be answered based on the information in the article, write \"unanswerable\". If the question is a "
-        "yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\n"
+        'cannot be answered based on the information in the article, write "unanswerable". If the question is a '
+        'yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\n'
         "Question: {input}\n\nAnswer:"
     ),
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
@@ -71,12 +71,11 @@ PROMPTS = {
     "passage_retrieval_en": (
         "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the "
         "abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of "
-        "the paragraph that the abstract is from. The answer format must be like \"Paragraph 1\", \"Paragraph 2\", "
+        'the paragraph that the abstract is from. The answer format must be like "Paragraph 1", "Paragraph 2", '
         "etc.\n\nThe answer is: "
     ),
     "trec": (
-        "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n"
-        "{input}"
+        "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}"
     ),
     "triviaqa": (
         "Answer the question based on the given passage. Only give me the answer and do not output any other "
@@ -136,9 +135,19 @@ def _shared_triviaqa(path: Path) -> list[dict[str, Any]]:
     rows = json.loads(path.read_text(encoding="utf-8"))
     out = []
     for i, r in enumerate(rows):
-        out.append({"input": r["input"], "context": "", "answers": list(r["answers"]), "length": None,
-                    "dataset": "triviaqa", "language": "en", "all_classes": None, "_id": f"shared-{i:04d}",
-                    "context_missing": True})
+        out.append(
+            {
+                "input": r["input"],
+                "context": "",
+                "answers": list(r["answers"]),
+                "length": None,
+                "dataset": "triviaqa",
+                "language": "en",
+                "all_classes": None,
+                "_id": f"shared-{i:04d}",
+                "context_missing": True,
+            }
+        )
     return out
 
 
@@ -162,8 +171,11 @@ def load_local(name: str, data_path: str | None, data_dir: Path | None) -> tuple
                 return rows, str(c)
     if name == "triviaqa" and data_dir is not None and (data_dir / SHARED_TRIVIAQA).is_file():
         path = data_dir / SHARED_TRIVIAQA
-        log.warning("longbench/triviaqa: reading %s, whose few-shot context was dropped: scores are not "
-                    "comparable to published LongBench TriviaQA numbers", path)
+        log.warning(
+            "longbench/triviaqa: reading %s, whose few-shot context was dropped: scores are not "
+            "comparable to published LongBench TriviaQA numbers",
+            path,
+        )
         return _shared_triviaqa(path), str(path)
     return None
 
@@ -231,7 +243,8 @@ class LongBench(Task):
                 where = [x for x in (c.data_path, self.data_dir and str(self.data_dir / "longbench")) if x]
                 raise FileNotFoundError(
                     f"task.source=local: no {name}.jsonl (or data.zip) in {where or 'nothing (data_path and paths.data_dir unset)'}; "
-                    f"get LongBench's data.zip from https://huggingface.co/datasets/{c.hub_id} or use task.source=hub")
+                    f"get LongBench's data.zip from https://huggingface.co/datasets/{c.hub_id} or use task.source=hub"
+                )
         log.info("longbench/%s: no local file; loading from the hub (%s)", name, c.hub_id)
         return load_hub(name, c.hub_id)
 
@@ -239,7 +252,9 @@ class LongBench(Task):
         c = self.config
         max_new = c.max_new_tokens or MAX_NEW_TOKENS[name]
         if max_new >= max_context:
-            raise ValueError(f"max_new_tokens={max_new} leaves no room for a prompt in the model's {max_context}-token context")
+            raise ValueError(
+                f"max_new_tokens={max_new} leaves no room for a prompt in the model's {max_context}-token context"
+            )
         max_length = c.max_length if c.max_length is not None else max_context - max_new
         prompt = PROMPTS[name].format(context=row.get("context") or "", input=row.get("input") or "")
         ids = encode(tokenizer, prompt, templated=False)
@@ -292,8 +307,9 @@ class LongBench(Task):
 
     def request(self, sample: Sample) -> GenerationRequest:
         d = sample.data
-        return GenerationRequest(d["input_ids"], max_new_tokens=d["max_new_tokens"], context_len=d["context_len"],
-                                 key=sample.id)
+        return GenerationRequest(
+            d["input_ids"], max_new_tokens=d["max_new_tokens"], context_len=d["context_len"], key=sample.id
+        )
 
     def score(self, sample: Sample, gen: GenerationResult) -> dict[str, Any]:
         d = sample.data
@@ -338,6 +354,12 @@ class LongBench(Task):
         from ..statistics import ScoreTerms
 
         scored = [r for r in records if r.get("score") is not None]
-        order = {s: k for k, s in enumerate(dict.fromkeys([*self.config.subtasks, *sorted(r["subtask"] for r in scored)]))}
-        return ScoreTerms([r["id"] for r in scored], [r["score"] for r in scored], [1.0] * len(scored),
-                          [order[r["subtask"]] for r in scored])
+        order = {
+            s: k for k, s in enumerate(dict.fromkeys([*self.config.subtasks, *sorted(r["subtask"] for r in scored)]))
+        }
+        return ScoreTerms(
+            [r["id"] for r in scored],
+            [r["score"] for r in scored],
+            [1.0] * len(scored),
+            [order[r["subtask"]] for r in scored],
+        )

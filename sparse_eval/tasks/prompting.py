@@ -68,7 +68,7 @@ def middle_truncate(ids: Sequence[int], max_length: int) -> tuple[list[int], lis
     if len(ids) <= max_length:
         return None
     half = int(max_length / 2)
-    return list(ids[:half]), list(ids[len(ids) - half:])
+    return list(ids[:half]), list(ids[len(ids) - half :])
 
 
 def context_split(tokenizer: Any, text: str, split_at: int, templated: bool, full_ids: Sequence[int]) -> int:

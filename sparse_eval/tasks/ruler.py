@@ -92,20 +92,30 @@ class Ruler(Task):
         if c.haystack is not None:
             h = rd.HAYSTACK_ALIASES.get(c.haystack, c.haystack)
             if h not in rd.HAYSTACKS:
-                raise ValueError(f"task.haystack={c.haystack!r}; valid: null, {list(rd.HAYSTACKS)} "
-                                 f"(or {list(rd.HAYSTACK_ALIASES)})")
+                raise ValueError(
+                    f"task.haystack={c.haystack!r}; valid: null, {list(rd.HAYSTACKS)} (or {list(rd.HAYSTACK_ALIASES)})"
+                )
             c.haystack = None if h == "essay" else h
         if c.qa_source not in QA_SOURCES:
             raise ValueError(f"task.qa_source={c.qa_source!r}; valid: {list(QA_SOURCES)}")
         if c.max_new_tokens is not None and (isinstance(c.max_new_tokens, bool) or c.max_new_tokens < 1):
-            raise ValueError(f"task.max_new_tokens={c.max_new_tokens}: give a count >= 1, or null for RULER's own "
-                             "per-subtask count (the papers' setting)")
+            raise ValueError(
+                f"task.max_new_tokens={c.max_new_tokens}: give a count >= 1, or null for RULER's own "
+                "per-subtask count (the papers' setting)"
+            )
         rd.check_essay(c.subtasks, c.haystack, c.essay_path, self.data_dir)
 
     def resources(self) -> rd.Resources:
         c = self.config
-        return rd.Resources(seed=c.seed, haystack=c.haystack, essay_path=c.essay_path, data_dir=self.data_dir,
-                            squad_path=c.squad_path, hotpotqa_path=c.hotpotqa_path, qa_source=c.qa_source)
+        return rd.Resources(
+            seed=c.seed,
+            haystack=c.haystack,
+            essay_path=c.essay_path,
+            data_dir=self.data_dir,
+            squad_path=c.squad_path,
+            hotpotqa_path=c.hotpotqa_path,
+            qa_source=c.qa_source,
+        )
 
     def generate(self, tokenizer: Any, keep_text: bool = False) -> list[rd.Generated]:
         c = self.config
@@ -117,8 +127,14 @@ class Ruler(Task):
         for sub in c.subtasks:
             t0 = time.perf_counter()
             out += rd.generate(sub, c.num_samples, c.length, prompter, res, keep_text=keep_text)
-            log.info("ruler: %s: %d sample%s at %d tokens in %.1f s", sub, c.num_samples, "" if c.num_samples == 1 else "s",
-                     c.length, time.perf_counter() - t0)
+            log.info(
+                "ruler: %s: %d sample%s at %d tokens in %.1f s",
+                sub,
+                c.num_samples,
+                "" if c.num_samples == 1 else "s",
+                c.length,
+                time.perf_counter() - t0,
+            )
         self.chat_applied = prompter.chat
         for name, path in res.files.items():
             self.record_file(name, path)
@@ -127,13 +143,21 @@ class Ruler(Task):
     def samples(self, tokenizer: Any, max_context: int) -> list[Sample]:
         c = self.config
         if c.length > max_context:
-            raise ValueError(f"task.length={c.length} exceeds the model's context ({max_context} tokens); "
-                             f"use task.length <= {max_context}")
+            raise ValueError(
+                f"task.length={c.length} exceeds the model's context ({max_context} tokens); "
+                f"use task.length <= {max_context}"
+            )
         return [
             Sample(
                 id=f"{g.subtask}-{g.index:04d}",
-                data={"subtask": g.subtask, "input_ids": g.input_ids, "context_len": g.context_len,
-                      "answers": g.answers, "units": g.units, "chat_template": self.chat_applied},
+                data={
+                    "subtask": g.subtask,
+                    "input_ids": g.input_ids,
+                    "context_len": g.context_len,
+                    "answers": g.answers,
+                    "units": g.units,
+                    "chat_template": self.chat_applied,
+                },
             )
             for g in self.generate(tokenizer)
         ]
@@ -143,8 +167,7 @@ class Ruler(Task):
         n = rd.tokens_to_generate(d["subtask"])
         if self.config.max_new_tokens is not None:
             n = min(n, self.config.max_new_tokens)
-        return GenerationRequest(d["input_ids"], max_new_tokens=n,
-                                 context_len=d["context_len"], key=sample.id)
+        return GenerationRequest(d["input_ids"], max_new_tokens=n, context_len=d["context_len"], key=sample.id)
 
     def score(self, sample: Sample, res: GenerationResult) -> dict[str, Any]:
         d = sample.data
@@ -189,6 +212,12 @@ class Ruler(Task):
         from ..statistics import ScoreTerms
 
         scored = [r for r in records if r.get("score") is not None]
-        order = {s: k for k, s in enumerate(dict.fromkeys([*self.config.subtasks, *sorted(r["subtask"] for r in scored)]))}
-        return ScoreTerms([r["id"] for r in scored], [r["score"] for r in scored], [1.0] * len(scored),
-                          [order[r["subtask"]] for r in scored])
+        order = {
+            s: k for k, s in enumerate(dict.fromkeys([*self.config.subtasks, *sorted(r["subtask"] for r in scored)]))
+        }
+        return ScoreTerms(
+            [r["id"] for r in scored],
+            [r["score"] for r in scored],
+            [1.0] * len(scored),
+            [order[r["subtask"]] for r in scored],
+        )

@@ -163,13 +163,18 @@ FILL_TOLERANCE_MIN, FILL_TOLERANCE_FRACTION = 32, 0.0005
 
 def fill_tolerance(length: int) -> float:
     return max(FILL_TOLERANCE_MIN, FILL_TOLERANCE_FRACTION * length)
+
+
 VT_ICL_MAX_TOKENS = 500  # the in-context example of vt is sized to at most 500 tokens (no template, no BOS)
 CWE_SMALL_BELOW = 4096  # below this length cwe uses x6 / x1 repeats and a 20-word example (else 30/3, 40 words)
 
 ESSAY_FILE = "paul-graham-essays/PaulGrahamEssays.json"
 SQUAD_FILE = "squad-v2-dev-half/dev-v2.0.json"
 HOTPOTQA_FILE = "hotpotqa-dev-sample/hotpotqa_100.json"
-HUB = {"squad": ("rajpurkar/squad_v2", None, "validation"), "hotpotqa": ("hotpotqa/hotpot_qa", "distractor", "validation")}
+HUB = {
+    "squad": ("rajpurkar/squad_v2", None, "validation"),
+    "hotpotqa": ("hotpotqa/hotpot_qa", "distractor", "validation"),
+}
 
 
 def tokens_to_generate(subtask: str) -> int:
@@ -219,7 +224,9 @@ def wonderwords_list(kind: str) -> tuple[str, ...]:
 
         text = (files("wonderwords") / "assets" / f"{kind}list.txt").read_text(encoding="utf-8")
     except ModuleNotFoundError:
-        raise ModuleNotFoundError("RULER needs the word lists of the `wonderwords` package: pip install wonderwords") from None
+        raise ModuleNotFoundError(
+            "RULER needs the word lists of the `wonderwords` package: pip install wonderwords"
+        ) from None
     return tuple(w.strip() for w in text.splitlines() if w.strip())
 
 
@@ -236,8 +243,34 @@ def cwe_words() -> tuple[str, ...]:
     return tuple(sorted(set(wonderwords_list("noun") + wonderwords_list("adjective") + wonderwords_list("verb"))))
 
 
-_ABBREV = {"mr.", "mrs.", "ms.", "dr.", "prof.", "sr.", "jr.", "st.", "vs.", "etc.", "inc.", "ltd.", "co.",
-           "corp.", "no.", "fig.", "al.", "approx.", "cf.", "ed.", "eds.", "vol.", "p.", "pp.", "mt.", "gen."}
+_ABBREV = {
+    "mr.",
+    "mrs.",
+    "ms.",
+    "dr.",
+    "prof.",
+    "sr.",
+    "jr.",
+    "st.",
+    "vs.",
+    "etc.",
+    "inc.",
+    "ltd.",
+    "co.",
+    "corp.",
+    "no.",
+    "fig.",
+    "al.",
+    "approx.",
+    "cf.",
+    "ed.",
+    "eds.",
+    "vol.",
+    "p.",
+    "pp.",
+    "mt.",
+    "gen.",
+}
 _BOUNDARY = re.compile(r"[.!?][\"')\]]* (?=[\"'(\[]?[A-Z0-9])")
 _INITIALS = re.compile(r"(?:[A-Za-z]\.)+")
 
@@ -277,7 +310,7 @@ class Essay:
             words = (self.words * reps)[:n]
             ends = sentence_ends(words)
         else:
-            ends = ends[:bisect.bisect_left(ends, n)] + [n]
+            ends = ends[: bisect.bisect_left(ends, n)] + [n]
         # RULER splits " ".join(words[:n]).strip(); empty words (from leading whitespace) vanish in the join
         out, start = [], 0
         for e in ends:
@@ -310,21 +343,35 @@ def read_squad(data: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
             own = index[p["context"]]
             for q in p["qas"]:
                 if not q.get("is_impossible", not q["answers"]):
-                    qas.append({"query": q["question"], "outputs": [a["text"] for a in q["answers"]],
-                                "context": [own], "more_context": [i for i in article if i != own]})
+                    qas.append(
+                        {
+                            "query": q["question"],
+                            "outputs": [a["text"] for a in q["answers"]],
+                            "context": [own],
+                            "more_context": [i for i in article if i != own],
+                        }
+                    )
     return qas, docs
 
 
 def read_hotpotqa(data: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
     """RULER's ``read_hotpotqa``: documents = sorted unique ``title\\nparagraph``; each question's own 10
     paragraphs (gold + HotpotQA's distractors) are always in its context."""
+
     def doc(t: str, p: Sequence[str]) -> str:
         return f"{t}\n{''.join(p)}"
 
     docs = sorted({doc(t, p) for d in data for t, p in d["context"]})
     index = {c: i for i, c in enumerate(docs)}
-    qas = [{"query": d["question"], "outputs": [d["answer"]], "context": [index[doc(t, p)] for t, p in d["context"]],
-            "more_context": []} for d in data]
+    qas = [
+        {
+            "query": d["question"],
+            "outputs": [d["answer"]],
+            "context": [index[doc(t, p)] for t, p in d["context"]],
+            "more_context": [],
+        }
+        for d in data
+    ]
     return qas, docs
 
 
@@ -336,14 +383,21 @@ def _squad_from_hub(rows: Any) -> dict[str, Any]:
         if not art["paragraphs"] or art["paragraphs"][-1]["context"] != r["context"]:
             art["paragraphs"].append({"context": r["context"], "qas": []})
         texts = list(r["answers"]["text"])
-        art["paragraphs"][-1]["qas"].append({"question": r["question"], "answers": [{"text": t} for t in texts],
-                                             "is_impossible": not texts})
+        art["paragraphs"][-1]["qas"].append(
+            {"question": r["question"], "answers": [{"text": t} for t in texts], "is_impossible": not texts}
+        )
     return {"data": list(articles.values())}
 
 
 def _hotpot_from_hub(rows: Any) -> list[dict[str, Any]]:
-    return [{"question": r["question"], "answer": r["answer"],
-             "context": [[t, list(s)] for t, s in zip(r["context"]["title"], r["context"]["sentences"])]} for r in rows]
+    return [
+        {
+            "question": r["question"],
+            "answer": r["answer"],
+            "context": [[t, list(s)] for t, s in zip(r["context"]["title"], r["context"]["sentences"])],
+        }
+        for r in rows
+    ]
 
 
 @lru_cache(maxsize=4)
@@ -356,24 +410,31 @@ def _load_qa_file(dataset: str, path: str) -> tuple[list, list, str]:
 def load_qa(dataset: str, path: str | None, data_dir: Path | None, source: str) -> tuple[list, list, str]:
     """(qas, docs, origin).  ``source``: auto (``path``, else the file under ``paths.data_dir``, else the hub),
     local, hub."""
-    local = Path(path).expanduser() if path else (data_dir / (SQUAD_FILE if dataset == "squad" else HOTPOTQA_FILE)
-                                                   if data_dir else None)
+    local = (
+        Path(path).expanduser()
+        if path
+        else (data_dir / (SQUAD_FILE if dataset == "squad" else HOTPOTQA_FILE) if data_dir else None)
+    )
     if source in ("auto", "local") and local is not None and local.exists():
         return _load_qa_file(dataset, str(local))
     elif source == "local" or (path and source == "auto"):
         opt = "squad_path" if dataset == "squad" else "hotpotqa_path"
         raise FileNotFoundError(
             f"RULER {dataset} data not found at {local if local else '(paths.data_dir unset)'}; set task.{opt} "
-            f"or paths.data_dir (with {SQUAD_FILE if dataset == 'squad' else HOTPOTQA_FILE}), or task.qa_source=hub")
+            f"or paths.data_dir (with {SQUAD_FILE if dataset == 'squad' else HOTPOTQA_FILE}), or task.qa_source=hub"
+        )
     else:
         from .base import from_hub
 
         hub_id, cfg, split = HUB[dataset]
         name = SQUAD_FILE if dataset == "squad" else HOTPOTQA_FILE
-        with from_hub(f"RULER {'qa_1' if dataset == 'squad' else 'qa_2'} ({dataset})", hub_id,
-                      local if local is not None else f"<paths.data_dir>/{name}",
-                      f"or task.{'squad_path' if dataset == 'squad' else 'hotpotqa_path'}=<that JSON file>, or leave "
-                      f"{'qa_1' if dataset == 'squad' else 'qa_2'} out of task.subtasks"):
+        with from_hub(
+            f"RULER {'qa_1' if dataset == 'squad' else 'qa_2'} ({dataset})",
+            hub_id,
+            local if local is not None else f"<paths.data_dir>/{name}",
+            f"or task.{'squad_path' if dataset == 'squad' else 'hotpotqa_path'}=<that JSON file>, or leave "
+            f"{'qa_1' if dataset == 'squad' else 'qa_2'} out of task.subtasks",
+        ):
             import datasets
 
             rows = datasets.load_dataset(hub_id, cfg, split=split)
@@ -429,17 +490,19 @@ class Prompter:
             rendered = self._render(f" {self.SENTINEL} ")
             i = rendered.index(self.SENTINEL)
             j = i + len(self.SENTINEL)
-            self.trim = not (rendered[i - 1:i] == " " and rendered[j:j + 1] == " ")
-            self.head, self.tail = (rendered[:i], rendered[j:]) if self.trim else (rendered[:i - 1], rendered[j + 1:])
+            self.trim = not (rendered[i - 1 : i] == " " and rendered[j : j + 1] == " ")
+            self.head, self.tail = (rendered[:i], rendered[j:]) if self.trim else (rendered[: i - 1], rendered[j + 1 :])
             check = "Check: the template\nkeeps the text."
             if self._render(check) != self.head + check + self.tail:
-                raise ValueError("the tokenizer's chat template does not keep a user message verbatim; "
-                                 "use task.chat_template=false")
+                raise ValueError(
+                    "the tokenizer's chat template does not keep a user message verbatim; use task.chat_template=false"
+                )
         self.backend = self._backend()
 
     def _render(self, user: str) -> str:
-        return self.tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                            add_generation_prompt=True)
+        return self.tok.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+        )
 
     def wrap(self, user: str) -> tuple[str, int]:
         """(templated turn, offset of the user text in it)."""
@@ -472,7 +535,9 @@ class Prompter:
             return None
         probe = "Check: 12 words.\nWhat are\tthey?  " + self.head + "Done" + self.tail
         for add in (True, False):
-            if be.encode(probe, add_special_tokens=add).ids != list(self.tok(probe, add_special_tokens=add)["input_ids"]):
+            if be.encode(probe, add_special_tokens=add).ids != list(
+                self.tok(probe, add_special_tokens=add)["input_ids"]
+            ):
                 return None
         return be
 
@@ -537,8 +602,15 @@ class TooShort(Exception):
         self.units, self.tokens = units, tokens
 
 
-def largest_fit(budget: int, lo: int, step: int, start: int | None = None, slope: float | None = None,
-                prove: bool = True, tol: float = 0.0) -> Generator[int, int, tuple[int, int, float]]:
+def largest_fit(
+    budget: int,
+    lo: int,
+    step: int,
+    start: int | None = None,
+    slope: float | None = None,
+    prove: bool = True,
+    tol: float = 0.0,
+) -> Generator[int, int, tuple[int, int, float]]:
     """A coroutine: yields haystack sizes ``n`` on the grid ``lo + k*step`` (k >= 0), is sent their token count,
     and returns ``(n, count(n), slope)``: the largest size that fits, ``count(n) <= budget``.
 
@@ -580,8 +652,9 @@ def largest_fit(budget: int, lo: int, step: int, start: int | None = None, slope
             if s > 0:
                 slope = s
         unit = max(slope or 1.0, 1e-6) * step
-        if good is not None and ((bad is not None and bad - good <= step)
-                                 or (not prove and budget - seen[good] < max(accept_unit, tol))):
+        if good is not None and (
+            (bad is not None and bad - good <= step) or (not prove and budget - seen[good] < max(accept_unit, tol))
+        ):
             if lo in seen and good > lo:  # report the mean tokens per unit over the whole range searched
                 slope = (seen[good] - seen[lo]) / (good - lo)
             return good, seen[good], slope or 1.0
@@ -639,7 +712,7 @@ class Generator_:
 
 def _random_value(rng: random.Random, kind: str) -> str:
     if kind == "numbers":
-        return str(rng.randint(10 ** 6, 10 ** 7 - 1))
+        return str(rng.randint(10**6, 10**7 - 1))
     if kind == "words":
         adjs, nouns = niah_word_parts()
         return f"{rng.choice(adjs)}-{rng.choice(nouns)}"
@@ -659,8 +732,10 @@ class NIAH(Generator_):
         tmpl, prefix = self.kind.template, self.kind.answer_prefix
         type_v = a["type_v"]
         if self.singular:  # RULER's edits of the template for a single answer
+
             def fix(s: str) -> str:
                 return s.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")
+
             tmpl, prefix = fix(tmpl), fix(prefix)
             type_v = type_v[:-1]
         self.template, self.prefix, self.type_v_text = tmpl, prefix, type_v
@@ -681,7 +756,9 @@ class NIAH(Generator_):
         answers = [v for i in picked for v in values[i]]
         query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
         lo = 1 if self.haystack == "essay" else len(needles)
-        return State(answers, rng.getrandbits(64), lo, dict(needles=needles, depths=depths, query=query, keys=set(keys)))
+        return State(
+            answers, rng.getrandbits(64), lo, dict(needles=needles, depths=depths, query=query, keys=set(keys))
+        )
 
     def compose(self, state, n):
         x = state.extra
@@ -692,7 +769,7 @@ class NIAH(Generator_):
             cuts = [0] + sorted(int(len(sents) * (d / 100)) for d in x["depths"]) + [len(sents)]
             pieces = []
             for i in range(1, len(cuts)):
-                pieces.append(" ".join(sents[cuts[i - 1]:cuts[i]]))
+                pieces.append(" ".join(sents[cuts[i - 1] : cuts[i]]))
                 if i - 1 < len(needles):
                     pieces.append(needles[i - 1])
             context = " ".join(pieces)
@@ -734,7 +811,7 @@ class VariableTracking(Generator_):
                 names.append(v)
         groups, chains = [], []
         for i in range(0, len(names), hops + 1):
-            vs = names[i:i + hops + 1]
+            vs = names[i : i + hops + 1]
             groups.append(vs)
             value = "12345" if icl else str(rng.randint(10000, 99998))  # np.random.randint(10000, 99999)
             chains.append([f"VAR {vs[0]} = {value}"] + [f"VAR {vs[j + 1]} = VAR {vs[j]} " for j in range(hops)])
@@ -779,7 +856,7 @@ class VariableTracking(Generator_):
 
     def _randomize_icl(self, rng: random.Random) -> str:
         icl = self.icl
-        for name in icl.strip().split()[-(min(10, self.hops) + 1):]:
+        for name in icl.strip().split()[-(min(10, self.hops) + 1) :]:
             new = name
             while new == name or new == "VAR":
                 new = "".join(rng.choices(string.ascii_uppercase, k=len(name)))
@@ -852,7 +929,9 @@ class CommonWords(Generator_):
         before = []
         for ctx, common in state.extra["shots"]:  # each example: the full templated prompt + its answer
             turn, _ = self.prompter.wrap(pre + ctx + post)
-            before.append(turn + self.kind.answer_prefix + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(common)))
+            before.append(
+                turn + self.kind.answer_prefix + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(common))
+            )
         ctx = self._example(random.Random(state.seed), list(state.answers), n, *self.main_repeats)
         return Parts(pre, ctx, post, self.kind.answer_prefix, before="\n".join(before) + "\n")
 
@@ -862,8 +941,13 @@ def zeta(s: float) -> float:
     if s <= 1:
         raise ValueError(f"fwe alpha={s}: the Zipf law needs alpha > 1")
     n = 64
-    return (sum(k ** -s for k in range(1, n)) + n ** (1 - s) / (s - 1) + 0.5 * n ** -s + s * n ** (-s - 1) / 12
-            - s * (s + 1) * (s + 2) * n ** (-s - 3) / 720)
+    return (
+        sum(k**-s for k in range(1, n))
+        + n ** (1 - s) / (s - 1)
+        + 0.5 * n**-s
+        + s * n ** (-s - 1) / 12
+        - s * (s + 1) * (s + 2) * n ** (-s - 3) / 720
+    )
 
 
 class FreqWords(Generator_):
@@ -894,7 +978,7 @@ class FreqWords(Generator_):
         vocab = state.extra["vocab"]
         words = []
         for k, w in enumerate(vocab, start=1):
-            words += [w] * int(n * (k ** -self.alpha) / self.z)
+            words += [w] * int(n * (k**-self.alpha) / self.z)
         random.Random(state.seed).shuffle(words)
         pre, post = self.kind.template.split("{context}")
         return Parts(pre, " ".join(words), post, self.kind.answer_prefix)
@@ -909,8 +993,10 @@ class QA(Generator_):
 
     def draw(self, rng, index):
         if index >= len(self.qas):
-            raise ValueError(f"RULER {self.name}: sample {index} asked but {self.origin} has {len(self.qas)} "
-                             f"questions; lower task.num_samples or use the full data set (task.qa_source=hub)")
+            raise ValueError(
+                f"RULER {self.name}: sample {index} asked but {self.origin} has {len(self.qas)} "
+                f"questions; lower task.num_samples or use the full data set (task.qa_source=hub)"
+            )
         q = self.qas[index]  # RULER takes the questions in file order
         return State(list(q["outputs"]), rng.getrandbits(64), max(1, len(q["context"])), dict(qa=q))
 
@@ -950,8 +1036,13 @@ class QA(Generator_):
         return sum(self.doc_tokens[i] for i in self._chosen(state, n)) + self.per_doc * n
 
 
-GENERATORS = {"niah": NIAH, "variable_tracking": VariableTracking, "common_words_extraction": CommonWords,
-              "freq_words_extraction": FreqWords, "qa": QA}
+GENERATORS = {
+    "niah": NIAH,
+    "variable_tracking": VariableTracking,
+    "common_words_extraction": CommonWords,
+    "freq_words_extraction": FreqWords,
+    "qa": QA,
+}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -980,7 +1071,8 @@ def check_essay(subtasks: Sequence[str], haystack: str | None, essay_path: str |
             f"{'looked at ' + str(where) if where else 'paths.data_dir and task.essay_path are unset'}. "
             f"Set paths.data_dir to a folder holding {ESSAY_FILE} (or task.essay_path to that JSON file), or run "
             f"with task.haystack=noise to use RULER's noise haystack instead (those subtasks then differ from "
-            f"RULER's), or leave them out of task.subtasks.")
+            f"RULER's), or leave them out of task.subtasks."
+        )
 
 
 @dataclass
@@ -1028,9 +1120,17 @@ class Generated:
     text: str | None = None
 
 
-def generate(subtask: str, num_samples: int, length: int, prompter: Prompter, resources: Resources,
-             keep_text: bool = False, batch: int = 64, indices: Sequence[int] | None = None,
-             prove: bool = False) -> list[Generated]:
+def generate(
+    subtask: str,
+    num_samples: int,
+    length: int,
+    prompter: Prompter,
+    resources: Resources,
+    keep_text: bool = False,
+    batch: int = 64,
+    indices: Sequence[int] | None = None,
+    prove: bool = False,
+) -> list[Generated]:
     """The samples ``indices`` (default ``range(num_samples)``) of one subtask, each sized to ``length``;
     ``prove``: every sample's size is shown maximal (``n + step`` tokenized and over), else the room left is
     under one step's tokens or ``fill_tolerance(length)``, or ``n + step`` was seen over (``largest_fit``)."""
@@ -1046,7 +1146,8 @@ def generate(subtask: str, num_samples: int, length: int, prompter: Prompter, re
         return ValueError(
             f"task.length={length} is too short for RULER {subtask}: with the smallest haystack ({exc.units} "
             f"{gen.unit}) the prompt has {exc.tokens} tokens, and {gen.kind.tokens_to_generate} more are generated; "
-            f"use a larger task.length or leave {subtask} out of task.subtasks")
+            f"use a larger task.length or leave {subtask} out of task.subtasks"
+        )
 
     def build(state: State, n: int) -> tuple[str, int]:
         return prompter.assemble(gen.compose(state, n))
@@ -1060,7 +1161,7 @@ def generate(subtask: str, num_samples: int, length: int, prompter: Prompter, re
             while pending:
                 items = list(pending.items())
                 for at in range(0, len(items), batch):
-                    chunk = items[at:at + batch]
+                    chunk = items[at : at + batch]
                     built = [build(states[i], n) for i, n in chunk]
                     encs = prompter.encode([t for t, _ in built])
                     for (i, n), (text, q), enc in zip(chunk, built, encs):
@@ -1088,8 +1189,9 @@ def generate(subtask: str, num_samples: int, length: int, prompter: Prompter, re
 
     # the probe: the first sample searched from the smallest haystack, as RULER searches one example
     tol = 0.0 if prove else fill_tolerance(length)
-    ((n0, ids0, _, _, slope),) = run([largest_fit(budget, probe_state.lo, gen.step, start=gen.start, prove=prove,
-                                                  tol=tol)], [probe_state])
+    ((n0, ids0, _, _, slope),) = run(
+        [largest_fit(budget, probe_state.lo, gen.step, start=gen.start, prove=prove, tol=tol)], [probe_state]
+    )
     # every sample: started where the probe's line leaves a room mid-way into the accepted [0, max(step, tol))
     # (so that most samples fit at once: one tokenization), with the probe's slope, all tokenized together
     unit = slope * gen.step
@@ -1097,13 +1199,32 @@ def generate(subtask: str, num_samples: int, length: int, prompter: Prompter, re
     starts = [n0 + math.floor((budget - margin - len(ids0)) / unit) * gen.step] * len(states)
     if hasattr(gen, "estimate"):  # samples whose haystack units differ in size (qa): start from each one's own
         base = len(ids0) - gen.estimate(probe_state, n0)  # estimate, calibrated on the probe
-        starts = [_largest_estimate(lambda n, st=st: base + gen.estimate(st, n), budget - margin, st.lo, gen.step, n0)
-                  for st in states]
-    found = run([largest_fit(budget, s.lo, gen.step, start=max(n, s.lo), slope=slope, prove=prove, tol=tol)
-                 for s, n in zip(states, starts)], states)
-    return [Generated(subtask, idx, ids, ctx, list(st.answers), n, gen.unit, gen.step, slope * gen.step,
-                      text if keep_text else None)
-            for idx, st, (n, ids, ctx, text, _) in zip(indices, states, found)]
+        starts = [
+            _largest_estimate(lambda n, st=st: base + gen.estimate(st, n), budget - margin, st.lo, gen.step, n0)
+            for st in states
+        ]
+    found = run(
+        [
+            largest_fit(budget, s.lo, gen.step, start=max(n, s.lo), slope=slope, prove=prove, tol=tol)
+            for s, n in zip(states, starts)
+        ],
+        states,
+    )
+    return [
+        Generated(
+            subtask,
+            idx,
+            ids,
+            ctx,
+            list(st.answers),
+            n,
+            gen.unit,
+            gen.step,
+            slope * gen.step,
+            text if keep_text else None,
+        )
+        for idx, st, (n, ids, ctx, text, _) in zip(indices, states, found)
+    ]
 
 
 def _largest_estimate(est: Callable[[int], float], target: float, lo: int, step: int, hint: int) -> int:
@@ -1119,7 +1240,9 @@ def _largest_estimate(est: Callable[[int], float], target: float, lo: int, step:
     return lo + lo_k * step
 
 
-def compose_text(subtask: str, index: int, n: int, length: int, prompter: Prompter, resources: Resources) -> tuple[str, int]:
+def compose_text(
+    subtask: str, index: int, n: int, length: int, prompter: Prompter, resources: Resources
+) -> tuple[str, int]:
     """The prompt text (and question offset) of sample ``index`` with ``n`` haystack units -- for checks."""
     gen = GENERATORS[SUBTASKS[subtask].kind](subtask, length, resources)
     gen.prepare(prompter)

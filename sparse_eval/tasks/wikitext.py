@@ -52,9 +52,12 @@ def load_text(cfg: WikitextConfig, data_dir: Path | None) -> tuple[str, str]:
             f"task.source=local but {local if local else 'paths.data_dir (unset)'} has no {LOCAL_NAME}; "
             "set paths.data_dir to a folder holding it, or use task.source=hub / bundled"
         )
-    with from_hub("task=wikitext", f"{HUB_ID}/{HUB_CONFIG}",
-                  (data_dir / LOCAL_NAME) if data_dir else f"<paths.data_dir>/{LOCAL_NAME}",
-                  "or task=wikitext_head for the 47 KB head shipped in the package"):
+    with from_hub(
+        "task=wikitext",
+        f"{HUB_ID}/{HUB_CONFIG}",
+        (data_dir / LOCAL_NAME) if data_dir else f"<paths.data_dir>/{LOCAL_NAME}",
+        "or task=wikitext_head for the 47 KB head shipped in the package",
+    ):
         import datasets
 
         ds = datasets.load_dataset(HUB_ID, HUB_CONFIG, split="test")
@@ -89,7 +92,7 @@ class Wikitext(Task):
             raise ValueError(f"the text ({len(ids)} tokens) is shorter than one window ({window})")
         count = n if self.config.num_samples is None else min(n, self.config.num_samples)
         return [
-            Sample(id=f"w{i:05d}", data={"input_ids": ids[i * window:(i + 1) * window], "source": origin})
+            Sample(id=f"w{i:05d}", data={"input_ids": ids[i * window : (i + 1) * window], "source": origin})
             for i in range(count)
         ]
 
@@ -98,7 +101,12 @@ class Wikitext(Task):
 
     def score(self, sample: Sample, result: LoglikelihoodResult) -> dict[str, Any]:
         nll, count = result.nll_sum, result.tokens
-        return {"nll_sum": nll, "tokens": count, "score": math.exp(nll / count), "prompt_tokens": len(sample.data["input_ids"])}
+        return {
+            "nll_sum": nll,
+            "tokens": count,
+            "score": math.exp(nll / count),
+            "prompt_tokens": len(sample.data["input_ids"]),
+        }
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         tokens = sum(r["tokens"] for r in records)
@@ -110,5 +118,10 @@ class Wikitext(Task):
         """Perplexity exp(Σ NLL / Σ tokens) over windows: the bootstrap resamples windows."""
         from ..statistics import ScoreTerms
 
-        return ScoreTerms([r["id"] for r in records], [r["nll_sum"] for r in records],
-                          [r["tokens"] for r in records], [0] * len(records), transform="exp")
+        return ScoreTerms(
+            [r["id"] for r in records],
+            [r["nll_sum"] for r in records],
+            [r["tokens"] for r in records],
+            [0] * len(records),
+            transform="exp",
+        )

@@ -26,14 +26,29 @@ from .magicpig import fig1_topk, fig6c_oracle_vs_topk, fig9a_centering, fig9bc_m
 from .plotting import INTERVAL_NOTE
 from .tradeoff import pareto
 
-__all__ = ["FIGURES", "INTERVAL_NOTE", "build_figures", "ds_fig1_ppl", "ds_fig4_retrieval", "fig1_topk",
-           "fig6c_oracle_vs_topk", "fig9a_centering", "fig9bc_magicpig_vs_topk", "pareto", "ppl_grid"]
+__all__ = [
+    "FIGURES",
+    "INTERVAL_NOTE",
+    "build_figures",
+    "ds_fig1_ppl",
+    "ds_fig4_retrieval",
+    "fig1_topk",
+    "fig6c_oracle_vs_topk",
+    "fig9a_centering",
+    "fig9bc_magicpig_vs_topk",
+    "pareto",
+    "ppl_grid",
+]
 
 
 FIGURES: dict[str, Callable[[Any, Path], list[Path]]] = {
-    "fig1_topk_retrieval_vs_aggregation": fig1_topk, "fig6c_oracle_vs_topk": fig6c_oracle_vs_topk,
-    "fig9a_centering": fig9a_centering, "fig9bc_magicpig_vs_topk": fig9bc_magicpig_vs_topk,
-    "ds_fig4_retrieval": ds_fig4_retrieval, "ds_fig1_ppl_sparsity": ds_fig1_ppl, "pareto": pareto,
+    "fig1_topk_retrieval_vs_aggregation": fig1_topk,
+    "fig6c_oracle_vs_topk": fig6c_oracle_vs_topk,
+    "fig9a_centering": fig9a_centering,
+    "fig9bc_magicpig_vs_topk": fig9bc_magicpig_vs_topk,
+    "ds_fig4_retrieval": ds_fig4_retrieval,
+    "ds_fig1_ppl_sparsity": ds_fig1_ppl,
+    "pareto": pareto,
 }
 
 

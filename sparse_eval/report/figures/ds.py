@@ -10,8 +10,20 @@ from ...methods import is_dense
 from ...methods.double_sparsity import DoubleSparsity
 from ..load import method_level, param, point_label, reference_rows, run_rows
 from ..tables import Skip, ds_levels
-from .plotting import (MARKERS, error_bars, frac_ticks, full_line, interval_note, n_text, panels, plain_log_axis, save,
-                       score_points, setting_text, wikitext_text)
+from .plotting import (
+    MARKERS,
+    error_bars,
+    frac_ticks,
+    full_line,
+    interval_note,
+    n_text,
+    panels,
+    plain_log_axis,
+    save,
+    score_points,
+    setting_text,
+    wikitext_text,
+)
 
 
 def _retrieval_label(r) -> str:
@@ -47,14 +59,26 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
             if fs is not None:
                 xs, ys = [1.0] + xs, [fs] + ys
                 los, his = [fp["lo"].iloc[0]] + los, [fp["hi"].iloc[0]] + his
-            ax.plot([x * dodge for x in xs], ys, marker=MARKERS.get(name, "o"), color=f"C{j}",
-                    ls=("-", "--", "-.")[j % 3] if name == DoubleSparsity.display_name else ":",
-                    markersize=max(4.0, 8.0 - 1.5 * j), zorder=2 + j,
-                    label=f"{name}, {int(L)} tokens" if L is not None else name)
+            ax.plot(
+                [x * dodge for x in xs],
+                ys,
+                marker=MARKERS.get(name, "o"),
+                color=f"C{j}",
+                ls=("-", "--", "-.")[j % 3] if name == DoubleSparsity.display_name else ":",
+                markersize=max(4.0, 8.0 - 1.5 * j),
+                zorder=2 + j,
+                label=f"{name}, {int(L)} tokens" if L is not None else name,
+            )
             drawn |= error_bars(ax, [x * dodge for x in xs], ys, los, his, color=f"C{j}", zorder=1.5 + j)
         if sparse.empty and fs is not None:
-            ax.plot([dodge], [fs], marker=MARKERS["Full"], color=f"C{j}", ls="none",
-                    label=f"Full, {int(L)} tokens" if L is not None else "Full")
+            ax.plot(
+                [dodge],
+                [fs],
+                marker=MARKERS["Full"],
+                color=f"C{j}",
+                ls="none",
+                label=f"Full, {int(L)} tokens" if L is not None else "Full",
+            )
             drawn |= error_bars(ax, [dodge], [fs], fp["lo"], fp["hi"], color=f"C{j}")
     ax.set_xscale("log", base=2)
     frac_ticks(ax)
@@ -67,19 +91,38 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
     # (b) vs context length, one line per method config (Full first, then DS by level)
     ax = axes[1]
     if len(lengths) >= 2:
-        order = sorted(runs.groupby("label"), key=lambda kv: (not is_dense(kv[1]["method"].iloc[0]),
-                                                                -(kv[1]["level"].dropna().mean() if kv[1]["level"].notna().any() else 2)))
+        order = sorted(
+            runs.groupby("label"),
+            key=lambda kv: (
+                not is_dense(kv[1]["method"].iloc[0]),
+                -(kv[1]["level"].dropna().mean() if kv[1]["level"].notna().any() else 2),
+            ),
+        )
         for i, (lab, dd) in enumerate(order):
             m = score_points(dd, "length")
             if len(m) >= 2:
                 name = dd["method_name"].iloc[0]
                 full = is_dense(dd["method"].iloc[0])
                 dodge = 2 ** (0.03 * (i - (len(order) - 1) / 2))
-                ax.plot([x * dodge for x in m.index], m["score"], marker=MARKERS.get(name, "o"),
-                        color="black" if full else f"C{i}", ls="--" if full else "-",
-                        markersize=max(3.0, 9.0 - 1.0 * i), zorder=2 + i, label=lab)
-                drawn |= error_bars(ax, [x * dodge for x in m.index], m["score"], m["lo"], m["hi"],
-                                     color="black" if full else f"C{i}", zorder=1.5 + i)
+                ax.plot(
+                    [x * dodge for x in m.index],
+                    m["score"],
+                    marker=MARKERS.get(name, "o"),
+                    color="black" if full else f"C{i}",
+                    ls="--" if full else "-",
+                    markersize=max(3.0, 9.0 - 1.0 * i),
+                    zorder=2 + i,
+                    label=lab,
+                )
+                drawn |= error_bars(
+                    ax,
+                    [x * dodge for x in m.index],
+                    m["score"],
+                    m["lo"],
+                    m["hi"],
+                    color="black" if full else f"C{i}",
+                    zorder=1.5 + i,
+                )
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [str(int(x)) for x in lengths])
         ax.minorticks_off()
@@ -91,8 +134,13 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
     ax.set_ylim(-3, 103)
     ax.set_title(f"(b) by context length; {n_text(runs)}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    fig.text(0.5, -0.02, "Points of different lines are shifted slightly sideways so that equal values stay visible.",
-             ha="center", fontsize=7)
+    fig.text(
+        0.5,
+        -0.02,
+        "Points of different lines are shifted slightly sideways so that equal values stay visible.",
+        ha="center",
+        fontsize=7,
+    )
     interval_note(fig, drawn, y=-0.04)
     models = ", ".join(sorted(runs["model"].unique()))
     fig.suptitle(f"Key-value retrieval (DS Fig. 4) — {models}; {setting_text(runs)}", fontsize=10)
@@ -116,19 +164,34 @@ def ds_fig1_ppl(df, out: Path) -> list[Path]:
     drawn = False
     for ax, model in zip(axes, models):
         d = ds[ds["model"] == model]
-        diag = d[[t is not None and c is not None and math.isclose(t, min(c, 1.0), rel_tol=1e-6) for t, c in zip(d["tok"], d["chan"])]]
+        diag = d[
+            [
+                t is not None and c is not None and math.isclose(t, min(c, 1.0), rel_tol=1e-6)
+                for t, c in zip(d["tok"], d["chan"])
+            ]
+        ]
         groups = sorted(diag.groupby(["ctype", "offload"]), key=lambda kv: (kv[0][0] != "qk", kv[0]))
         for i, ((ct, off), dd) in enumerate(groups):
             m = score_points(dd, "tok").sort_index(ascending=False)
             seeds = dd["seed"].nunique()
             lab = f"{DoubleSparsity.display({'offload': off})}, {ct} channels" + (
-                f" (mean of {seeds} seeds)" if ct == "random" and seeds > 1 else "")
+                f" (mean of {seeds} seeds)" if ct == "random" and seeds > 1 else ""
+            )
             if len(m) == 1:
                 lab += f" (1/{1 / m.index[0]:g} only)"
-            line = ax.plot([1 / x for x in m.index], m["score"], marker=shapes.get(ct, "o"), ls="-" if len(m) > 1 else "none",
-                           markersize=max(4.0, 9.0 - 1.5 * i), mfc="none" if i else None, zorder=3 + i, label=lab)
-            drawn |= error_bars(ax, [1 / x for x in m.index], m["score"], m["lo"], m["hi"],
-                                 color=line[0].get_color(), zorder=2.5 + i)
+            line = ax.plot(
+                [1 / x for x in m.index],
+                m["score"],
+                marker=shapes.get(ct, "o"),
+                ls="-" if len(m) > 1 else "none",
+                markersize=max(4.0, 9.0 - 1.5 * i),
+                mfc="none" if i else None,
+                zorder=3 + i,
+                label=lab,
+            )
+            drawn |= error_bars(
+                ax, [1 / x for x in m.index], m["score"], m["lo"], m["hi"], color=line[0].get_color(), zorder=2.5 + i
+            )
         full = reference_rows(runs[runs["model"] == model])
         drawn |= full_line(ax, full)
         ax.set_xscale("log", base=2)
@@ -145,7 +208,9 @@ def ds_fig1_ppl(df, out: Path) -> list[Path]:
     paths += save(fig, out, "ds_fig1_ppl_sparsity")
     # Fig. 9: token x channel grid of the qk channels (the paper's), when present
     qk = ds[(ds["ctype"] == "qk") & ~ds["offload"]]
-    grids = [m for m in models if qk[qk["model"] == m]["tok"].nunique() >= 2 and qk[qk["model"] == m]["chan"].nunique() >= 2]
+    grids = [
+        m for m in models if qk[qk["model"] == m]["tok"].nunique() >= 2 and qk[qk["model"] == m]["chan"].nunique() >= 2
+    ]
     if grids:
         import numpy as np
 
@@ -166,8 +231,10 @@ def ds_fig1_ppl(df, out: Path) -> list[Path]:
             ax.set_title(f"{model}; qk channels; {wikitext_text(d)}", fontsize=9)
             cb = fig.colorbar(im, ax=ax, label="WikiText-2 perplexity")
             plain_log_axis(cb.ax.yaxis)
-        fig.suptitle(f"Perplexity by token and channel sparsity (DS Fig. 9) — {setting_text(qk)}; empty cells: not run",
-                     fontsize=10)
+        fig.suptitle(
+            f"Perplexity by token and channel sparsity (DS Fig. 9) — {setting_text(qk)}; empty cells: not run",
+            fontsize=10,
+        )
         paths += save(fig, out, "ds_fig9_ppl_grid")
     return paths
 

@@ -11,8 +11,23 @@ from ...methods.oracle import OracleSampling
 from ...methods.topk import TopK
 from ..load import param, reference_rows, run_rows, subtask_rows
 from ..tables import Skip
-from .plotting import (COLORS, MARKERS, annotate_spread, error_bars, full_line, interval_note, len_label, n_text,
-                       panels, plain_log_x, save, score_label, score_limits, score_points, setting_text)
+from .plotting import (
+    COLORS,
+    MARKERS,
+    annotate_spread,
+    error_bars,
+    full_line,
+    interval_note,
+    len_label,
+    n_text,
+    panels,
+    plain_log_x,
+    save,
+    score_label,
+    score_limits,
+    score_points,
+    setting_text,
+)
 
 NIAH_PREFIX = "niah"
 
@@ -59,8 +74,9 @@ def fig1_topk(df, out: Path) -> list[Path]:
         ax.set_title(f"{model}, RULER {len_label(length)}; {n_text(d)}", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.suptitle(f"TopK on retrieval (niah) vs aggregation (cwe, fwe) (MagicPIG Fig. 1) — {setting_text(topk)}",
-                 fontsize=10)
+    fig.suptitle(
+        f"TopK on retrieval (niah) vs aggregation (cwe, fwe) (MagicPIG Fig. 1) — {setting_text(topk)}", fontsize=10
+    )
     interval_note(fig, drawn)
     return save(fig, out, "fig1_topk_retrieval_vs_aggregation")
 
@@ -74,7 +90,11 @@ def fig6c_oracle_vs_topk(df, out: Path) -> list[Path]:
     fig, axes = panels(len(both))
     drawn = False
     for ax, (model, task, length) in zip(axes, both):
-        g = d[(d["model"] == model) & (d["task"] == task) & ((d["length"] == length) if length == length else d["length"].isna())]
+        g = d[
+            (d["model"] == model)
+            & (d["task"] == task)
+            & ((d["length"] == length) if length == length else d["length"].isna())
+        ]
         notes: list[tuple[float, float, str]] = []
         for cls in (TopK, OracleSampling):
             name = cls.display_name
@@ -125,7 +145,9 @@ def fig9a_centering(df, out: Path) -> list[Path]:
         s = sub[sub["run_dir"].isin(rows["run_dir"])] if "run_dir" in sub else sub.iloc[0:0]
         series = []
         if task == "ruler" and not s.empty:
-            s = _group_score(s, lambda x: "niah (mean of niah_*)" if x.startswith(NIAH_PREFIX) else (x if x == "fwe" else None))
+            s = _group_score(
+                s, lambda x: "niah (mean of niah_*)" if x.startswith(NIAH_PREFIX) else (x if x == "fwe" else None)
+            )
             for grp, dd in s.groupby("group"):
                 series.append((grp, dd.merge(rows[["run_dir", "L", "center"]], on="run_dir")))
         if not series:
@@ -135,9 +157,17 @@ def fig9a_centering(df, out: Path) -> list[Path]:
                 m = score_points(dd[dd["center"] == center], "L")
                 # later series drawn smaller on top, so that equal scores stay visible
                 drawn |= error_bars(ax, m.index, m["score"], m["lo"], m["hi"], color=f"C{i}", zorder=1.5 + i)
-                ax.plot(m.index, m["score"], ls=ls, marker="o" if center else "X", color=f"C{i}",
-                        markersize=max(3.0, 10.0 - 3.0 * i), zorder=2 + i, mfc="none" if center else f"C{i}",
-                        label=f"{grp}, {'centered' if center else 'no centering'}")
+                ax.plot(
+                    m.index,
+                    m["score"],
+                    ls=ls,
+                    marker="o" if center else "X",
+                    color=f"C{i}",
+                    markersize=max(3.0, 10.0 - 3.0 * i),
+                    zorder=2 + i,
+                    mfc="none" if center else f"C{i}",
+                    label=f"{grp}, {'centered' if center else 'no centering'}",
+                )
         ax.set_xlabel(f"L (hash tables), K = {int(K)}")
         ax.set_ylabel(score_label(task))
         score_limits(ax, task)

@@ -8,10 +8,24 @@ import math
 from pathlib import Path
 from typing import Any
 
-MARKERS = {"Full": "*", "TopK": "o", "Oracle sampling": "s", "MagicPIG": "^", "Quest": "D", "DS": "v",
-           "DS-Offload": "P"}
-COLORS = {"Full": "black", "TopK": "C0", "Oracle sampling": "C1", "MagicPIG": "C2", "Quest": "C3", "DS": "C4",
-          "DS-Offload": "C5"}
+MARKERS = {
+    "Full": "*",
+    "TopK": "o",
+    "Oracle sampling": "s",
+    "MagicPIG": "^",
+    "Quest": "D",
+    "DS": "v",
+    "DS-Offload": "P",
+}
+COLORS = {
+    "Full": "black",
+    "TopK": "C0",
+    "Oracle sampling": "C1",
+    "MagicPIG": "C2",
+    "Quest": "C3",
+    "DS": "C4",
+    "DS-Offload": "C5",
+}
 
 
 def save(fig, out: Path, stem: str) -> list[Path]:
@@ -39,7 +53,13 @@ def panels(n: int, w: float = 4.6, h: float = 3.8):
 
 
 def len_label(n: Any) -> str:
-    return "" if n is None or (isinstance(n, float) and math.isnan(n)) else f"{int(n) // 1024}K" if int(n) >= 1024 else str(int(n))
+    return (
+        ""
+        if n is None or (isinstance(n, float) and math.isnan(n))
+        else f"{int(n) // 1024}K"
+        if int(n) >= 1024
+        else str(int(n))
+    )
 
 
 def setting_text(d) -> str:
@@ -57,8 +77,11 @@ def frac_ticks(ax) -> None:
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: "1" if v == 1 else f"1/{v:g}"))
 
 
-PERCENT_TASKS = {"ruler": "RULER score (0-100)", "kv_retrieval": "retrieval accuracy (%)",
-                 "longbench": "LongBench score (0-100)"}
+PERCENT_TASKS = {
+    "ruler": "RULER score (0-100)",
+    "kv_retrieval": "retrieval accuracy (%)",
+    "longbench": "LongBench score (0-100)",
+}
 
 
 def score_label(task: str, metric: str | None = None) -> str:
@@ -86,14 +109,18 @@ def n_text(d) -> str:
     if "task" in d and set(d["task"].dropna()) == {"lm_eval"}:
         from ..load import task_config
 
-        lims = sorted({task_config(r).get("limit") or task_config(r).get("num_samples") for _, r in d.iterrows()} - {None})
+        lims = sorted(
+            {task_config(r).get("limit") or task_config(r).get("num_samples") for _, r in d.iterrows()} - {None}
+        )
         return f"{'/'.join(f'{x:g}' for x in lims)} document(s) per lm-eval task" if lims else ""
     lo, hi = int(d["samples"].min()), int(d["samples"].max())
     return f"n = {lo} sample{'s' if hi > 1 else ''} per point" if lo == hi else f"n = {lo}-{hi} samples per point"
 
 
-INTERVAL_NOTE = ("Error bars (and the shaded band of a Full line): 95 % bootstrap interval of a single run's score (collect's score_lo / "
-                 "score_hi); a point that averages several runs has none.")
+INTERVAL_NOTE = (
+    "Error bars (and the shaded band of a Full line): 95 % bootstrap interval of a single run's score (collect's score_lo / "
+    "score_hi); a point that averages several runs has none."
+)
 
 
 def score_points(d, by, **extra):
@@ -125,8 +152,9 @@ def error_bars(ax, x, y, lo, hi, color: Any = None, zorder: float = 2.5) -> bool
     if not ok.any():
         return False
     yerr = np.vstack([np.clip(y[ok] - lo[ok], 0, None), np.clip(hi[ok] - y[ok], 0, None)])
-    ax.errorbar(x[ok], y[ok], yerr=yerr, fmt="none", ecolor=color, elinewidth=0.8, capsize=2.5, alpha=0.85,
-                zorder=zorder)
+    ax.errorbar(
+        x[ok], y[ok], yerr=yerr, fmt="none", ecolor=color, elinewidth=0.8, capsize=2.5, alpha=0.85, zorder=zorder
+    )
     return True
 
 
@@ -220,9 +248,15 @@ def annotate_spread(ax, points: list[tuple[float, float, str]], fontsize: float 
                 break
         placed.append(box)
         moved = dy != 3  # a moved label gets a thin leader line to its point
-        ax.annotate(text, (x, y), fontsize=fontsize, xytext=(-4 if left else 4, dy), textcoords="offset points",
-                    ha="right" if left else "left",
-                    arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5", shrinkA=0, shrinkB=2) if moved else None)
+        ax.annotate(
+            text,
+            (x, y),
+            fontsize=fontsize,
+            xytext=(-4 if left else 4, dy),
+            textcoords="offset points",
+            ha="right" if left else "left",
+            arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5", shrinkA=0, shrinkB=2) if moved else None,
+        )
 
 
 def value_text(v: Any) -> str:

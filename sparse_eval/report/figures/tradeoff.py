@@ -6,8 +6,24 @@ from pathlib import Path
 
 from ..load import point_label, run_rows
 from ..tables import Skip
-from .plotting import (COLORS, MARKERS, annotate_spread, distinct_labels, error_bars, interval_note, len_label, n_text,
-                       panels, plain_log_axis, plain_log_x, save, score_label, score_limits, setting_text, wikitext_text)
+from .plotting import (
+    COLORS,
+    MARKERS,
+    annotate_spread,
+    distinct_labels,
+    error_bars,
+    interval_note,
+    len_label,
+    n_text,
+    panels,
+    plain_log_axis,
+    plain_log_x,
+    save,
+    score_label,
+    score_limits,
+    setting_text,
+    wikitext_text,
+)
 
 
 def pareto(df, out: Path) -> list[Path]:
@@ -20,8 +36,10 @@ def pareto(df, out: Path) -> list[Path]:
         d = d.copy()
         # one panel per context length and, for runs of a single subtask (an lm-eval task, a LongBench set), per subtask
         d["panel_sub"] = [None if not isinstance(st, str) or st == "all" else st for st in d["subtask"]]
-        keys = sorted({(None if ln != ln else ln, st) for ln, st in zip(d["length"], d["panel_sub"])},
-                      key=lambda k: (k[0] or 0, str(k[1])))
+        keys = sorted(
+            {(None if ln != ln else ln, st) for ln, st in zip(d["length"], d["panel_sub"])},
+            key=lambda k: (k[0] or 0, str(k[1])),
+        )
         fig, axes = panels(len(keys), 5.6, 4.4)
         drawn = False
         metric = str(d["metric"].iloc[0])
@@ -33,10 +51,19 @@ def pareto(df, out: Path) -> list[Path]:
             g = g.drop_duplicates(subset=["method_name", "config", "setting", "cost2", "score"])
             labels = []
             for name, dd in g.groupby("method_name"):
-                ax.scatter(dd["cost2"], dd["score"], marker=MARKERS.get(name, "o"), color=COLORS.get(name), label=name,
-                           s=30, zorder=3)
+                ax.scatter(
+                    dd["cost2"],
+                    dd["score"],
+                    marker=MARKERS.get(name, "o"),
+                    color=COLORS.get(name),
+                    label=name,
+                    s=30,
+                    zorder=3,
+                )
                 if "score_lo" in dd.columns and "score_hi" in dd.columns:  # one run per point
-                    drawn |= error_bars(ax, dd["cost2"], dd["score"], dd["score_lo"], dd["score_hi"], color=COLORS.get(name))
+                    drawn |= error_bars(
+                        ax, dd["cost2"], dd["score"], dd["score_lo"], dd["score_hi"], color=COLORS.get(name)
+                    )
                 if len(dd) <= 12:
                     rows = [r for _, r in dd.iterrows() if r["config"] != "–"]
                     texts = distinct_labels(rows, [_short_config(r) for r in rows])
@@ -49,8 +76,16 @@ def pareto(df, out: Path) -> list[Path]:
                     best = s_
             if front:
                 front.append((pts[-1][0], front[-1][1]))  # the best score stays reachable up to the dearest point
-                ax.step([c for c, _ in front], [s_ for _, s_ in front], where="post", color="grey", lw=1, ls="--",
-                        label="Pareto front", zorder=2)
+                ax.step(
+                    [c for c, _ in front],
+                    [s_ for _, s_ in front],
+                    where="post",
+                    color="grey",
+                    lw=1,
+                    ls="--",
+                    label="Pareto front",
+                    zorder=2,
+                )
             ax.set_xscale("log")
             plain_log_x(ax)
             ax.set_xlabel("measured Cost2 (fraction of keys attended, log scale)")

@@ -37,5 +37,16 @@ from .full import FullLayer  # noqa: E402
 from .magicpig import MagicPIGLayer  # noqa: E402
 from .quest import QuestLayer  # noqa: E402
 
-__all__ = ["FullLayer", "DSLayer", "DSOffloadLayer", "MagicPIGLayer", "QuestLayer", "StaticStep",
-           "SYSTEM_LAYERS", "LayerOptions", "build_layer", "layer_class", "register_layer"]
+__all__ = [
+    "FullLayer",
+    "DSLayer",
+    "DSOffloadLayer",
+    "MagicPIGLayer",
+    "QuestLayer",
+    "StaticStep",
+    "SYSTEM_LAYERS",
+    "LayerOptions",
+    "build_layer",
+    "layer_class",
+    "register_layer",
+]

@@ -62,7 +62,6 @@ class StaticStep:
         self._budgets.clear()
 
 
-
 def host_token_major(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     b, h, n, d = shape
     return koff.pinned_empty((n, b, h, d), dtype).permute(1, 2, 0, 3)
@@ -87,9 +86,8 @@ def tile(x: torch.Tensor, times: int, pin: bool = True) -> torch.Tensor:
     else:
         out = host_token_major(shape, x.dtype) if pin else host_empty(shape, x.dtype)
     for i in range(times):
-        out[i * x.shape[0]:(i + 1) * x.shape[0]].copy_(x)
+        out[i * x.shape[0] : (i + 1) * x.shape[0]].copy_(x)
     return out
-
 
 
 def check_topk(topk: str) -> str:
@@ -104,7 +102,6 @@ class SelectsTopK:
     def _topk_backend(self) -> str:
         """The backend of ``kernels.topk.select`` ("torch": its reference, a sorted ``torch.topk``)."""
         return self.backend if self.topk == "radix" else "torch"
-
 
 
 def to_device(dev: torch.device, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -46,8 +46,10 @@ class _Labels:
         if not self._dev:
             hl, r = self.channels.shape
             if hl % hkv or hq % hl:
-                raise ValueError(f"DS channels for {hl} label heads: must be a multiple of the {hkv} KV heads and "
-                                 f"divide the {hq} query heads")
+                raise ValueError(
+                    f"DS channels for {hl} label heads: must be a multiple of the {hkv} KV heads and "
+                    f"divide the {hq} query heads"
+                )
             if self.channels.numel() and not (0 <= int(self.channels.min()) and int(self.channels.max()) < d):
                 raise ValueError(f"DS channels must lie in [0, {d})")
             self._dev = {
@@ -61,8 +63,9 @@ class _Labels:
         """k [B, Hkv, T, D] -> the quantized labels of these T keys (``kernels.ds.build_label_cache`` with the
         channel indices already on the device)."""
         ix = self.device_index(hq, k.shape[1], k.shape[3], k.device)
-        return kds.quantize_labels(kds.label_channels(k, ix["ch"], ix["kv_of"]), self.bits,
-                                   scale_dtype=self.scale_dtype)
+        return kds.quantize_labels(
+            kds.label_channels(k, ix["ch"], ix["kv_of"]), self.bits, scale_dtype=self.scale_dtype
+        )
 
     def append(self, k: torch.Tensor, capacity: int, hq: int) -> None:
         new = self.labels_of(k, hq)
@@ -73,10 +76,10 @@ class _Labels:
                 self.scale = torch.empty((b, hl, capacity), dtype=new.scale.dtype, device=k.device)
                 self.zero = torch.empty_like(self.scale)
         t = k.shape[2]
-        self.codes[:, :, self.n:self.n + t] = new.labels
+        self.codes[:, :, self.n : self.n + t] = new.labels
         if new.scale is not None:
-            self.scale[:, :, self.n:self.n + t] = new.scale
-            self.zero[:, :, self.n:self.n + t] = new.zero
+            self.scale[:, :, self.n : self.n + t] = new.scale
+            self.zero[:, :, self.n : self.n + t] = new.zero
         self.n += t
 
     def append_at(self, k: torch.Tensor, pos: torch.Tensor, hq: int, backend: str = "auto") -> None:
@@ -86,16 +89,19 @@ class _Labels:
         kds.append_labels(k, ix["ch"], ix["kv_of"], self.codes, self.scale, self.zero, pos, self.bits, backend=backend)
 
     def view(self, n: int) -> kds.LabelCache:
-        return kds.LabelCache(labels=self.codes[:, :, :n], bits=self.bits, r=self.channels.shape[1],
-                              scale=None if self.scale is None else self.scale[:, :, :n],
-                              zero=None if self.zero is None else self.zero[:, :, :n])
+        return kds.LabelCache(
+            labels=self.codes[:, :, :n],
+            bits=self.bits,
+            r=self.channels.shape[1],
+            scale=None if self.scale is None else self.scale[:, :, :n],
+            zero=None if self.zero is None else self.zero[:, :, :n],
+        )
 
     def repeat_batch(self, times: int) -> None:
         for name in ("codes", "scale", "zero"):
             x = getattr(self, name)
             if x is not None:
                 setattr(self, name, x.repeat(times, *([1] * (x.dim() - 1))))
-
 
 
 @register_layer("double_sparsity")
@@ -108,9 +114,22 @@ class DSLayer(SelectsTopK, FullLayer):
 
     kind = "double_sparsity"
 
-    def __init__(self, layer_idx: int, capacity: int, channels: torch.Tensor, *, hq: int, beta: float | int, bits: int = 4,
-                 quantize_query: bool = True, gqa: str = "query_head", scale_dtype: torch.dtype = torch.float16,
-                 backend: str = "auto", kv_device=None, topk: str = "radix"):
+    def __init__(
+        self,
+        layer_idx: int,
+        capacity: int,
+        channels: torch.Tensor,
+        *,
+        hq: int,
+        beta: float | int,
+        bits: int = 4,
+        quantize_query: bool = True,
+        gqa: str = "query_head",
+        scale_dtype: torch.dtype = torch.float16,
+        backend: str = "auto",
+        kv_device=None,
+        topk: str = "radix",
+    ):
         super().__init__(layer_idx, capacity, kv_device, backend=backend)
         if gqa not in kds.GQA_MODES:
             raise ValueError(f"gqa={gqa!r}: valid values are {list(kds.GQA_MODES)}")
@@ -170,8 +189,9 @@ class DSLayer(SelectsTopK, FullLayer):
         q3 = q[:, :, 0]
         scores = self.label_scores(self.query_labels(q3), n)  # Alg. 1 line 4
         idx = kds.topk_indices(scores, self.budget(n), backend=self.backend, topk=self.topk)  # line 5
-        o, _ = ksd.attention(q3, self.keys[:, :, :n], self.values[:, :, :n], idx, scaling=scaling,
-                             backend=self.backend)  # lines 6-7
+        o, _ = ksd.attention(
+            q3, self.keys[:, :, :n], self.values[:, :, :n], idx, scaling=scaling, backend=self.backend
+        )  # lines 6-7
         return o.unsqueeze(2)
 
     def _decode_static(self, q, scaling):
@@ -185,10 +205,10 @@ class DSLayer(SelectsTopK, FullLayer):
         scores = self.label_scores(self.query_labels(q3), self.capacity, st.lengths)  # line 4, [B, Hs, capacity]
         count = st.budget_rows(self.beta, scores.shape[1])  # [B, Hs]; all finite: budget ≤ n
         ids = ktopk.select(scores, self.budget(self.capacity), count, backend=self._topk_backend())  # line 5
-        o, _ = ksd.attention(q3, self.keys, self.values, ids, count=count, scaling=scaling,
-                             backend=self.backend)  # lines 6-7
+        o, _ = ksd.attention(
+            q3, self.keys, self.values, ids, count=count, scaling=scaling, backend=self.backend
+        )  # lines 6-7
         return o.unsqueeze(2)
-
 
     @classmethod
     def variant(cls, cfg):
@@ -197,9 +217,11 @@ class DSLayer(SelectsTopK, FullLayer):
     @classmethod
     def check_options(cls, cfg):
         if cfg.get("label_bits") not in kds.LABEL_BITS:
-            raise ValueError(f"method.label_bits={cfg.get('label_bits')!r}: the system path's label cache packs "
-                             f"{list(kds.LABEL_BITS)} bits (the accuracy path, python -m sparse_eval, takes 1..8 and "
-                             f"16)")
+            raise ValueError(
+                f"method.label_bits={cfg.get('label_bits')!r}: the system path's label cache packs "
+                f"{list(kds.LABEL_BITS)} bits (the accuracy path, python -m sparse_eval, takes 1..8 and "
+                f"16)"
+            )
 
     @classmethod
     def label_bytes(cls, cfg: dict[str, Any], n: int, hkv: int, d: int) -> int:
@@ -220,12 +242,24 @@ class DSLayer(SelectsTopK, FullLayer):
         (``DoubleSparsity.label_channels``)."""
         c = method.config
         if c.sink or c.local:
-            raise ValueError(f"method.sink={c.sink}, method.local={c.local}: the DS system layers keep no static "
-                             f"keys (the paper's setting); set both to 0")
+            raise ValueError(
+                f"method.sink={c.sink}, method.local={c.local}: the DS system layers keep no static "
+                f"keys (the paper's setting); set both to 0"
+            )
         layer_cls = cls.variant({"offload": c.offload})
-        return layer_cls(layer_idx, opts.capacity, method.label_channels(layer_idx, opts.hq, opts.hkv, opts.d),
-                         hq=opts.hq, beta=c.beta, bits=c.label_bits, quantize_query=c.quantize_query, gqa=c.gqa,
-                         scale_dtype=opts.label_scale_dtype, backend=opts.backend_gpu, topk=opts.topk)
+        return layer_cls(
+            layer_idx,
+            opts.capacity,
+            method.label_channels(layer_idx, opts.hq, opts.hkv, opts.d),
+            hq=opts.hq,
+            beta=c.beta,
+            bits=c.label_bits,
+            quantize_query=c.quantize_query,
+            gqa=c.gqa,
+            scale_dtype=opts.label_scale_dtype,
+            backend=opts.backend_gpu,
+            topk=opts.topk,
+        )
 
 
 class DSOffloadLayer(DSLayer):
@@ -239,8 +273,10 @@ class DSOffloadLayer(DSLayer):
     @classmethod
     def check_ready(cls, method):
         if method.config.offload_input == "residual" and not method.has_input_norms:
-            raise ValueError("DS-Offload with offload_input='residual' needs method.setup(model, ...) first (it finds "
-                             "each layer's input norm)")
+            raise ValueError(
+                "DS-Offload with offload_input='residual' needs method.setup(model, ...) first (it finds "
+                "each layer's input norm)"
+            )
 
     @classmethod
     def row_bytes(cls, cfg, n, steps, hkv, d):
@@ -267,8 +303,9 @@ class DSOffloadLayer(DSLayer):
         self._new = (key_states, value_states)
         return out
 
-    def _side_gather(self, session, ids: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor,
-                     record: bool) -> torch.cuda.Event | None:
+    def _side_gather(
+        self, session, ids: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor, record: bool
+    ) -> torch.cuda.Event | None:
         """Gather the host rows ``ids`` [B, Hs, S] into ``buf_k``/``buf_v`` [B, Hs, S, D], on the session's side
         stream when on CUDA (returns the event the compute stream waits for), else at once.  ``record``: tell
         the allocator that ``ids`` is used on the side stream (an eager step drops it before the wait; a static
@@ -300,11 +337,20 @@ class DSOffloadLayer(DSLayer):
         vals, ids = torch.topk(self.label_scores(ql, n_old), k_old, dim=-1, sorted=True)
         ids = ids.to(torch.int32)
         hs = ids.shape[1]
-        buf_k, buf_v = session.buffer(self.layer_idx, (ids.shape[0], hs, k_tot + 1, self.keys.shape[-1]),
-                                      self.keys.dtype, q_pred.device)
+        buf_k, buf_v = session.buffer(
+            self.layer_idx, (ids.shape[0], hs, k_tot + 1, self.keys.shape[-1]), self.keys.dtype, q_pred.device
+        )
         event = self._side_gather(session, ids, buf_k[:, :, :k_old], buf_v[:, :, :k_old], record=True)
-        return {"event": event, "buf_k": buf_k, "buf_v": buf_v, "vals": vals, "ql": ql, "k_tot": k_tot,
-                "k_old": k_old, "n_old": n_old}
+        return {
+            "event": event,
+            "buf_k": buf_k,
+            "buf_v": buf_v,
+            "vals": vals,
+            "ql": ql,
+            "k_tot": k_tot,
+            "k_old": k_old,
+            "n_old": n_old,
+        }
 
     def _predict_static(self, session, q_pred: torch.Tensor) -> dict[str, Any]:
         """``predict`` with static shapes: scores over the whole capacity, −inf from the stored keys' end
@@ -324,11 +370,21 @@ class DSOffloadLayer(DSLayer):
         ids = ktopk.select(scores, k_cap, k_old, backend=self._topk_backend())  # [B, Hs, k_cap]
         picked = scores.gather(-1, ids.clamp_min(0).long())
         kth, kth_slot = torch.where(ids >= 0, picked, torch.full_like(picked, float("inf"))).min(-1)  # [B, Hs]
-        buf_k, buf_v = session.buffer(self.layer_idx, (b, hs, k_cap + 1, self.keys.shape[-1]), self.keys.dtype,
-                                      q_pred.device)
+        buf_k, buf_v = session.buffer(
+            self.layer_idx, (b, hs, k_cap + 1, self.keys.shape[-1]), self.keys.dtype, q_pred.device
+        )
         event = self._side_gather(session, ids, buf_k[:, :, :k_cap], buf_v[:, :, :k_cap], record=False)
-        return {"event": event, "buf_k": buf_k, "buf_v": buf_v, "ids": ids, "kth": kth, "kth_slot": kth_slot,
-                "ql": ql, "k_tot": k_tot, "k_old": k_old}
+        return {
+            "event": event,
+            "buf_k": buf_k,
+            "buf_v": buf_v,
+            "ids": ids,
+            "kth": kth,
+            "kth_slot": kth_slot,
+            "ql": ql,
+            "k_tot": k_tot,
+            "k_old": k_old,
+        }
 
     def _new_score(self, ql: torch.Tensor, k_new: torch.Tensor) -> torch.Tensor:
         """The new key's label score under the predicted query ql [B, Hq, r]: [B, Hs]."""
@@ -413,4 +469,3 @@ class DSOffloadLayer(DSLayer):
         idx.scatter_(-1, at, torch.where((inc & full).unsqueeze(-1), -1, idx.gather(-1, at)))
         o, _ = ksd.attention(q3, buf_k, buf_v, idx, scaling=scaling, backend=self.backend)
         return o.unsqueeze(2)
-

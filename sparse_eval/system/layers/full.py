@@ -26,8 +26,14 @@ class FullLayer(CacheLayerMixin):
     # then keeps each layer's input and calls ``predict`` on the next layer from the current one
     prefetched = False
 
-    def __init__(self, layer_idx: int, capacity: int, kv_device: torch.device | str | None = None, pin: bool = True,
-                 backend: str = "auto"):
+    def __init__(
+        self,
+        layer_idx: int,
+        capacity: int,
+        kv_device: torch.device | str | None = None,
+        pin: bool = True,
+        backend: str = "auto",
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.capacity = int(capacity)
@@ -65,10 +71,12 @@ class FullLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
         if self.n + t > self.capacity:
-            raise ValueError(f"layer {self.layer_idx}: {self.n} + {t} tokens exceed the cache capacity {self.capacity} "
-                             f"(prompt length + max_new_tokens)")
-        self.keys[:, :, self.n:self.n + t].copy_(key_states, non_blocking=True)
-        self.values[:, :, self.n:self.n + t].copy_(value_states, non_blocking=True)
+            raise ValueError(
+                f"layer {self.layer_idx}: {self.n} + {t} tokens exceed the cache capacity {self.capacity} "
+                f"(prompt length + max_new_tokens)"
+            )
+        self.keys[:, :, self.n : self.n + t].copy_(key_states, non_blocking=True)
+        self.values[:, :, self.n : self.n + t].copy_(value_states, non_blocking=True)
         self.n += t
         return key_states, value_states
 
@@ -99,8 +107,9 @@ class FullLayer(CacheLayerMixin):
         self.values = tile(self.values, times, self.pin)
 
     # -- attention ------------------------------------------------------------------------------------
-    def attend(self, session: Any, module: Any, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               scaling: float) -> torch.Tensor:
+    def attend(
+        self, session: Any, module: Any, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
         """q [B, Hq, T, D] -> [B, Hq, T, D]."""
         if q.shape[2] > 1:
             return self.prefill(session, module, q, k_new, v_new, scaling)
@@ -108,25 +117,29 @@ class FullLayer(CacheLayerMixin):
 
     def prefill(self, session, module, q, k_new, v_new, scaling):
         if self.n != q.shape[2]:
-            raise ValueError(f"the system path prefills the prompt in one call from an empty cache (layer "
-                             f"{self.layer_idx} holds {self.n - q.shape[2]} earlier tokens); chunked prefill is not "
-                             f"supported")
+            raise ValueError(
+                f"the system path prefills the prompt in one call from an empty cache (layer "
+                f"{self.layer_idx} holds {self.n - q.shape[2]} earlier tokens); chunked prefill is not "
+                f"supported"
+            )
         g = q.shape[1] // k_new.shape[1]
         k, v = (k_new.repeat_interleave(g, 1), v_new.repeat_interleave(g, 1)) if g > 1 else (k_new, v_new)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
 
     def decode(self, session, module, q, k_new, v_new, scaling):
         if self.static is not None:  # whole capacity, masked to each row's length (split-K Triton on CUDA)
-            o, _ = ksd.dense_attention(q[:, :, 0], self.keys, self.values, self.static.lengths, scaling=scaling,
-                                       backend=self.backend)
+            o, _ = ksd.dense_attention(
+                q[:, :, 0], self.keys, self.values, self.static.lengths, scaling=scaling, backend=self.backend
+            )
             return o.unsqueeze(2)
         n = self.n
         b, hq, _, d = q.shape
         hkv = self.keys.shape[1]
         # GQA decode as a G-row query per KV head (non-causal, so exact): sdpa's flash kernel then reads the
         # (strided) cache slice in place, with no repeated or copied K/V
-        out = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), self.keys[:, :, :n],
-                                             self.values[:, :, :n], scale=scaling)
+        out = F.scaled_dot_product_attention(
+            q.reshape(b, hkv, hq // hkv, d), self.keys[:, :, :n], self.values[:, :, :n], scale=scaling
+        )
         return out.reshape(b, hq, 1, d)
 
     # -- construction -------------------------------------------------------------------------------------

@@ -36,16 +36,21 @@ class MagicPIGLayer(FullLayer):
     cuts_step = True
     builds_at_first_step = True  # the first decode step (eager) fixes μ and builds the tables
 
-    def __init__(self, layer_idx: int, capacity: int, method: Any, *, backend_gpu: str = "auto",
-                 backend_cpu: str = "auto"):
+    def __init__(
+        self, layer_idx: int, capacity: int, method: Any, *, backend_gpu: str = "auto", backend_cpu: str = "auto"
+    ):
         # the CPU kernel reads this cache; only one token per step crosses the bus, so it needs no pinning
         super().__init__(layer_idx, capacity, kv_device="cpu", pin=False)
         c = method.config
         if c.mips:
-            raise ValueError("method.mips=true: the MagicPIG CPU kernel hashes centred keys without the eq. 8 "
-                             "transform; the system path supports mips=false only")
+            raise ValueError(
+                "method.mips=true: the MagicPIG CPU kernel hashes centred keys without the eq. 8 "
+                "transform; the system path supports mips=false only"
+            )
         if c.u_offset:
-            raise ValueError(f"method.u_offset={c.u_offset}: the MagicPIG CPU kernel implements eq. 11 (u_offset=0) only")
+            raise ValueError(
+                f"method.u_offset={c.u_offset}: the MagicPIG CPU kernel implements eq. 11 (u_offset=0) only"
+            )
         self.method = method
         self.cfg = c
         self.backend_gpu, self.backend_cpu = backend_gpu, backend_cpu
@@ -80,15 +85,16 @@ class MagicPIGLayer(FullLayer):
             self.w0 = max(s, self.n - self.cfg.local)  # the GPU window holds positions [w0, n)
             m = self.n - self.w0
             b, hkv, _, d = key_states.shape
-            self.win_k = torch.empty((b, hkv, m + self.capacity - self.n, d), dtype=key_states.dtype,
-                                     device=key_states.device)
+            self.win_k = torch.empty(
+                (b, hkv, m + self.capacity - self.n, d), dtype=key_states.dtype, device=key_states.device
+            )
             self.win_v = torch.empty_like(self.win_k)
-            self.win_k[:, :, :m] = key_states[:, :, self.w0:]
-            self.win_v[:, :, :m] = value_states[:, :, self.w0:]
+            self.win_k[:, :, :m] = key_states[:, :, self.w0 :]
+            self.win_v[:, :, :m] = value_states[:, :, self.w0 :]
         else:
             m = self.n - t - self.w0
-            self.win_k[:, :, m:m + t] = key_states
-            self.win_v[:, :, m:m + t] = value_states
+            self.win_k[:, :, m : m + t] = key_states
+            self.win_v[:, :, m : m + t] = value_states
         return key_states, value_states
 
     def repeat_batch(self, times: int) -> None:
@@ -100,8 +106,12 @@ class MagicPIGLayer(FullLayer):
             t = self.tables
             # on the huge pages the built tables have (numpy advises its large arrays), so that a tiled row is
             # looked up as fast as a distinct one would be
-            self.tables = type(t)(perm=tile(t.perm, times, pin=False), offsets=tile(t.offsets, times, pin=False),
-                                  k_bits=t.k_bits, n_tables=t.n_tables)
+            self.tables = type(t)(
+                perm=tile(t.perm, times, pin=False),
+                offsets=tile(t.offsets, times, pin=False),
+                k_bits=t.k_bits,
+                n_tables=t.n_tables,
+            )
             self.mean = self.mean.repeat(times, 1, 1)
             self.mean_cpu = self.mean.cpu()
             self.over_codes = self.over_codes.repeat(times, 1, 1, 1)  # [B, Hkv, room, L], first n_over filled
@@ -116,7 +126,7 @@ class MagicPIGLayer(FullLayer):
         return out
 
     def _window(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.win_k[:, :, lo - self.w0:hi - self.w0], self.win_v[:, :, lo - self.w0:hi - self.w0]
+        return self.win_k[:, :, lo - self.w0 : hi - self.w0], self.win_v[:, :, lo - self.w0 : hi - self.w0]
 
     def _build(self, n: int, dev: torch.device) -> None:
         """Fix μ over the candidates [sink, n − local) and build the tables (first decode step)."""
@@ -141,9 +151,11 @@ class MagicPIGLayer(FullLayer):
         """codes [B, Hkv, e, L] of keys that left the window, after the ones stored."""
         e = codes.shape[2]
         if self.n_over + e > self.over_codes.shape[2]:
-            raise RuntimeError(f"layer {self.layer_idx}: {self.n_over} + {e} overflow keys exceed the room for "
-                               f"{self.over_codes.shape[2]} (capacity {self.capacity})")
-        self.over_codes[:, :, self.n_over:self.n_over + e] = codes
+            raise RuntimeError(
+                f"layer {self.layer_idx}: {self.n_over} + {e} overflow keys exceed the room for "
+                f"{self.over_codes.shape[2]} (capacity {self.capacity})"
+            )
+        self.over_codes[:, :, self.n_over : self.n_over + e] = codes
         self.n_over += e
 
     def _overflow_keys(self, n: int) -> torch.Tensor | None:
@@ -180,9 +192,16 @@ class MagicPIGLayer(FullLayer):
         H200 machine's Xeon, numpy passes for the sink offset, the padding and the overflow hits took ~0.9 ms per
         layer at 16K × 14 rows, more than the look-up's 0.7 ms)."""
         c = self.cfg
-        idx, cnt = kmc.sample(self.tables, q_codes, c.min_collisions, backend=self.backend_cpu, index_offset=c.sink,
-                              extra_codes=self.over_codes if self.n_over else None, extra_offset=self.table_end,
-                              extra_count=self.n_over)
+        idx, cnt = kmc.sample(
+            self.tables,
+            q_codes,
+            c.min_collisions,
+            backend=self.backend_cpu,
+            index_offset=c.sink,
+            extra_codes=self.over_codes if self.n_over else None,
+            extra_offset=self.table_end,
+            extra_count=self.n_over,
+        )
         return idx.numpy(), cnt.numpy()
 
     def _count(self, session, cnt: np.ndarray) -> None:
@@ -191,14 +210,25 @@ class MagicPIGLayer(FullLayer):
         session.stats["sample_rows"] += cnt.size
         session.stats["candidates"] += (self.cand_end - self.cfg.sink) * cnt.size
 
-    def _cpu_attention(self, q_host: torch.Tensor, idx: np.ndarray, cnt: np.ndarray,
-                       scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cpu_attention(
+        self, q_host: torch.Tensor, idx: np.ndarray, cnt: np.ndarray, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The −log u-corrected attention of eq. 11 over the sampled keys (``kernels.magicpig_cpu.attention``):
         q_host float32 [B, Hq, D] -> (o float32 [B, Hq, D], lse float32 [B, Hq])."""
         c = self.cfg
-        return kmc.attention(q_host, self.keys, self.values, torch.from_numpy(idx), torch.from_numpy(cnt),
-                             k_bits=c.K, n_tables=c.L, min_collisions=c.min_collisions, scaling=scaling,
-                             k_mean=self.mean_cpu, backend=self.backend_cpu)
+        return kmc.attention(
+            q_host,
+            self.keys,
+            self.values,
+            torch.from_numpy(idx),
+            torch.from_numpy(cnt),
+            k_bits=c.K,
+            n_tables=c.L,
+            min_collisions=c.min_collisions,
+            scaling=scaling,
+            k_mean=self.mean_cpu,
+            backend=self.backend_cpu,
+        )
 
     def decode(self, session, module, q, k_new, v_new, scaling):
         if self.static is not None:
@@ -221,9 +251,14 @@ class MagicPIGLayer(FullLayer):
         static = (self.sink_k[:, :, :s_n], self.sink_v[:, :, :s_n], wk, wv)
         if codes is None:  # no candidate keys yet: every key is static
             with phase("magicpig_static_attention_merge"):
-                o, _ = kmerge.attend_and_merge(q3, *static, torch.zeros(b, hq, d, device=q.device),
-                                               torch.full((b, hq), float("-inf"), device=q.device), scaling,
-                                               backend=self.backend_gpu)
+                o, _ = kmerge.attend_and_merge(
+                    q3,
+                    *static,
+                    torch.zeros(b, hq, d, device=q.device),
+                    torch.full((b, hq), float("-inf"), device=q.device),
+                    scaling,
+                    backend=self.backend_gpu,
+                )
                 return o.to(q.dtype).unsqueeze(2)
         # CPU part: sampling and the −log u-corrected attention (eq. 11)
         with phase("magicpig_codes_to_host"):
@@ -237,8 +272,9 @@ class MagicPIGLayer(FullLayer):
             o_c, lse_c = self._cpu_attention(q_host, idx, cnt, scaling)
         with phase("magicpig_static_attention_merge"):
             # the static keys' attention merged with the CPU part by log-sum-exp, in one launch on CUDA
-            o, _ = kmerge.attend_and_merge(q3, *static, *to_device(q.device, o_c, lse_c), scaling,
-                                           backend=self.backend_gpu)
+            o, _ = kmerge.attend_and_merge(
+                q3, *static, *to_device(q.device, o_c, lse_c), scaling, backend=self.backend_gpu
+            )
             return o.to(q.dtype).unsqueeze(2)
 
     # -- static steps (the captured decode step) ------------------------------------------------------------
@@ -250,12 +286,15 @@ class MagicPIGLayer(FullLayer):
         c = self.cfg
         n = self.n
         if self.tables is None or n - c.local < c.sink:
-            raise ValueError(f"layer {self.layer_idx}: a static MagicPIG step needs the tables built and a full local "
-                             f"window after the sink (n − local ≥ sink); n = {n}, local = {c.local}, sink = {c.sink}: "
-                             f"decode with cuda_graph=false for prompts this short")
+            raise ValueError(
+                f"layer {self.layer_idx}: a static MagicPIG step needs the tables built and a full local "
+                f"window after the sink (n − local ≥ sink); n = {n}, local = {c.local}, sink = {c.sink}: "
+                f"decode with cuda_graph=false for prompts this short"
+            )
         if self.cand_end != n - c.local:
-            raise RuntimeError(f"layer {self.layer_idx}: candidates end at {self.cand_end}, expected n − local = "
-                               f"{n - c.local}")
+            raise RuntimeError(
+                f"layer {self.layer_idx}: candidates end at {self.cand_end}, expected n − local = {n - c.local}"
+            )
         wk, wv = self._window(n - c.local, n)  # [B, Hkv, local, D], positions n − local .. n − 1
         slots = torch.arange(n - c.local, n, device=wk.device) % c.local
         ring_k = torch.empty_like(wk)
@@ -312,8 +351,17 @@ class MagicPIGLayer(FullLayer):
         d_lse = self._buf("lse_dev", (b, hq), torch.float32, q.device)
         d_o.copy_(h_o, non_blocking=True)
         d_lse.copy_(h_lse, non_blocking=True)
-        o, _ = kmerge.attend_and_merge(q3, self.sink_k[:, :, :c.sink], self.sink_v[:, :, :c.sink], ring_k, ring_v,
-                                       d_o, d_lse, scaling, backend=self.backend_gpu)
+        o, _ = kmerge.attend_and_merge(
+            q3,
+            self.sink_k[:, :, : c.sink],
+            self.sink_v[:, :, : c.sink],
+            ring_k,
+            ring_v,
+            d_o,
+            d_lse,
+            scaling,
+            backend=self.backend_gpu,
+        )
         return o.to(q.dtype).unsqueeze(2)
 
     def _host_part(self, session, scaling: float) -> None:
@@ -343,7 +391,6 @@ class MagicPIGLayer(FullLayer):
         session.stats["host_parts"] += 1
         session.stats["host_sample_ms"] += 1e3 * (t1 - t0)
         session.stats["host_attention_ms"] += 1e3 * (t2 - t1)
-
 
     @classmethod
     def row_bytes(cls, cfg, n, steps, hkv, d):

@@ -30,8 +30,19 @@ class QuestLayer(SelectsTopK, FullLayer):
 
     kind = "quest"
 
-    def __init__(self, layer_idx: int, capacity: int, *, page_size: int, budget: float | int, sink: int, local: int,
-                 gqa: str = "query_head", backend: str = "auto", topk: str = "radix"):
+    def __init__(
+        self,
+        layer_idx: int,
+        capacity: int,
+        *,
+        page_size: int,
+        budget: float | int,
+        sink: int,
+        local: int,
+        gqa: str = "query_head",
+        backend: str = "auto",
+        topk: str = "radix",
+    ):
         super().__init__(layer_idx, capacity, backend=backend)
         if gqa not in kqu.GQA_MODES:
             raise ValueError(f"gqa={gqa!r}: valid values are {list(kqu.GQA_MODES)}")
@@ -49,8 +60,8 @@ class QuestLayer(SelectsTopK, FullLayer):
             self.kmin = key_states.new_full((b, hkv, cap, d), big)
             self.kmax = key_states.new_full((b, hkv, cap, d), -big)
             lo, hi = kqu.page_metadata(key_states, self.ps)
-            self.kmin[:, :, :lo.shape[2]] = lo
-            self.kmax[:, :, :hi.shape[2]] = hi
+            self.kmin[:, :, : lo.shape[2]] = lo
+            self.kmax[:, :, : hi.shape[2]] = hi
         elif self.static is not None:  # static step: the page of the device position
             p = torch.div(self.static.pos, self.ps, rounding_mode="floor")  # [1]
             self.kmin.index_copy_(2, p, torch.minimum(self.kmin.index_select(2, p), key_states))
@@ -85,8 +96,9 @@ class QuestLayer(SelectsTopK, FullLayer):
         q3 = q[:, :, 0]
         b = q3.shape[0]
         pages = -(-n // ps)
-        u = kqu.page_scores(q3, self.kmin[:, :, :pages], self.kmax[:, :, :pages], reduce=self.gqa == "kv_head",
-                            backend=self.backend)  # [B, Hs, P]
+        u = kqu.page_scores(
+            q3, self.kmin[:, :, :pages], self.kmax[:, :, :pages], reduce=self.gqa == "kv_head", backend=self.backend
+        )  # [B, Hs, P]
         c_lo, c_hi = self.sink, n - self.local  # candidate keys [c_lo, c_hi)
         p_lo, p_hi = (c_lo // ps, -(-c_hi // ps)) if c_hi > c_lo else (0, 0)
         pid = torch.arange(pages, device=q.device)
@@ -94,8 +106,12 @@ class QuestLayer(SelectsTopK, FullLayer):
         want = self._want(n)
         chosen = kqu.top_pages(u, want, backend=self.backend, topk=self.topk)  # [B, Hs, want]
         tok = self._candidate_tokens(chosen, n, c_lo, c_hi)  # [B, Hs, want·ps]
-        static = torch.cat([torch.arange(min(self.sink, n), device=q.device, dtype=tok.dtype),
-                            torch.arange(max(self.sink, n - self.local), n, device=q.device, dtype=tok.dtype)])
+        static = torch.cat(
+            [
+                torch.arange(min(self.sink, n), device=q.device, dtype=tok.dtype),
+                torch.arange(max(self.sink, n - self.local), n, device=q.device, dtype=tok.dtype),
+            ]
+        )
         static = static.expand(b, tok.shape[1], -1)
         idx = torch.cat([tok, static], -1)
         o, _ = ksd.attention(q3, self.keys[:, :, :n], self.values[:, :, :n], idx, scaling=scaling, backend=self.backend)
@@ -126,7 +142,6 @@ class QuestLayer(SelectsTopK, FullLayer):
         o, _ = ksd.attention(q3, self.keys, self.values, idx, scaling=scaling, backend=self.backend)
         return o.unsqueeze(2)
 
-
     @classmethod
     def row_bytes(cls, cfg, n, steps, hkv, d):
         """The KV cache plus the page metadata, 2 · hkv · d · 2 · ceil(n / page) (min and max per page), on the GPU."""
@@ -137,10 +152,22 @@ class QuestLayer(SelectsTopK, FullLayer):
     def from_method(cls, layer_idx: int, method: Any, opts: LayerOptions) -> "QuestLayer":
         c = method.config
         if not c.update_pages:
-            raise ValueError("method.update_pages=false (the MagicPIG repo's frozen pages) has no system path; "
-                             "valid: true (Quest's own incremental pages)")
+            raise ValueError(
+                "method.update_pages=false (the MagicPIG repo's frozen pages) has no system path; "
+                "valid: true (Quest's own incremental pages)"
+            )
         if c.min_pages != 1:
-            raise ValueError(f"method.min_pages={c.min_pages} has no system path (its kernels keep at least one "
-                             f"page); valid: 1")
-        return cls(layer_idx, opts.capacity, page_size=c.page_size, budget=c.budget, sink=c.sink, local=c.local,
-                   gqa=c.gqa, backend=opts.backend_gpu, topk=opts.topk)
+            raise ValueError(
+                f"method.min_pages={c.min_pages} has no system path (its kernels keep at least one page); valid: 1"
+            )
+        return cls(
+            layer_idx,
+            opts.capacity,
+            page_size=c.page_size,
+            budget=c.budget,
+            sink=c.sink,
+            local=c.local,
+            gqa=c.gqa,
+            backend=opts.backend_gpu,
+            topk=opts.topk,
+        )

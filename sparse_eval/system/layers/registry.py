@@ -44,8 +44,10 @@ def layer_class(method_name: str) -> type:
     try:
         return SYSTEM_LAYERS[method_name]
     except KeyError:
-        raise ValueError(f"method {method_name!r} has no system path; valid: {list(SYSTEM_LAYERS)} (double_sparsity "
-                         f"with method.offload=true is DS-Offload)") from None
+        raise ValueError(
+            f"method {method_name!r} has no system path; valid: {list(SYSTEM_LAYERS)} (double_sparsity "
+            f"with method.offload=true is DS-Offload)"
+        ) from None
 
 
 def build_layer(layer_idx: int, method: Any, opts: LayerOptions) -> Any:
