@@ -180,7 +180,8 @@ def main(argv=None) -> int:
             }
         )
         print(
-            f"{name:16s} error={'on ' if err else 'off'} {statistics.median(ts):9.3f} ms/step  cost2={summ.get('cost2')}"
+            f"{name:16s} error={'on ' if err else 'off'} {statistics.median(ts):9.3f} ms/step  "
+            f"cost2={summ.get('cost2')}"
         )
     base = {r["est_error_on"]: r["ms_per_step"] for r in rows if r["method"] == "full"}
     for r in rows:

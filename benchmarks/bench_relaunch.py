@@ -1,7 +1,8 @@
 """Relaunch of finished runs: wall time of the default experiment re-run on saved results and of a 7-job multirun
 relaunch (median of ``--repeats``), and each multirun job's own time after imports (``job_status.json`` time_s).
 
-    SPARSE_EVAL_DATA_DIR=... python benchmarks/bench_relaunch.py --runs-dir /tmp/relaunch_runs [--repeats 3] [--repo DIR]
+    SPARSE_EVAL_DATA_DIR=... python benchmarks/bench_relaunch.py --runs-dir /tmp/relaunch_runs \
+        [--repeats 3] [--repo DIR]
 
 The first launch of each command (which computes the runs, or finds them the normal way) is made once before the
 timed ones and not counted.  See experiments/relaunch_skip/README.md.

@@ -3,10 +3,12 @@ beside stock transformers sdpa on the same cache; and the harness's batched gene
 ``model.generate`` at the same batch.
 
     python benchmarks/decode_overhead.py --model stories260k --context 448 --methods full,topk,quest
-    python benchmarks/decode_overhead.py --model llama3_8b_random --layers 2 --dense-layers 0 --context 1024 --loop-batch 0
+    python benchmarks/decode_overhead.py --model llama3_8b_random --layers 2 --dense-layers 0 --context 1024 \
+        --loop-batch 0
 
 ``ops/step`` counts the top-level ``aten::`` ops the CPU profiler records per decode step (those not called from
-inside another aten op: the calls Python makes, close to the kernels a GPU step launches).  ``ms/step``: median over ``--repeats`` of ``--steps`` steps, no profiler.
+inside another aten op: the calls Python makes, close to the kernels a GPU step launches).  ``ms/step``: median over
+``--repeats`` of ``--steps`` steps, no profiler.
 """
 
 from __future__ import annotations

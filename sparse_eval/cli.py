@@ -48,8 +48,8 @@ def fail(message: str, code: int = EXIT_USAGE) -> None:
 
 def forget_hydra_output() -> None:
     """Remove the output folder Hydra made for this single run (``hydra.run.dir``: its log and config copies) and
-    the folders ``hydra_support.writable_or_tmp`` made only to hold it, when they are empty: a refused command leaves nothing
-    under ``paths.runs_dir``."""
+    the folders ``hydra_support.writable_or_tmp`` made only to hold it, when they are empty: a refused command leaves
+    nothing under ``paths.runs_dir``."""
     import logging
 
     from hydra.core.hydra_config import HydraConfig

@@ -12,11 +12,12 @@ calibration folders, stamped or marked absent (a file added there could change w
 
 ``key`` is the sha256 of what else decides the identities: the whole composed config (less the output-only
 ``print_table``), the package's source and ``conf/`` (any edit there is a new key), the versions of Python and the
-libraries that load the model, the environment variables that say where inputs are looked for, and, where ``model.dtype=auto`` picks by device, whether CUDA is available.  A
-relaunch reuses the entry only when every recorded file and folder is unchanged (its recorded size and mtime, or,
-where the mtime moved as a copy or checkout moves it, its recorded sha256 (a file) or entry names (a folder)) and
-every run directory is ``done`` (``status.run_state``); anything else (a changed or missing file, a deleted run directory,
-an incomplete, failed or running run, an unreadable entry) takes the normal path, which finds the same results by
+libraries that load the model, the environment variables that say where inputs are looked for, and, where
+``model.dtype=auto`` picks by device, whether CUDA is available.  A relaunch reuses the entry only when every recorded
+file and folder is unchanged (its recorded size and mtime, or, where the mtime moved as a copy or checkout moves it,
+its recorded sha256 (a file) or entry names (a folder)) and every run directory is ``done`` (``status.run_state``);
+anything else (a changed or missing file, a deleted run directory, an incomplete, failed or running run, an
+unreadable entry) takes the normal path, which finds the same results by
 their identity.  Being conservative costs a cache miss, never a wrong skip.
 
 No entry is written for a model from the hub (no local files to stamp), a method input without a file, data the

@@ -314,8 +314,8 @@ def check_batch(exp: Any, methods: Sequence[Any], samples: Sequence[Any]) -> Non
                 fit = max(1, int(room // per_row))
                 raise ValueError(
                     f"eval.batch_size={want}: {rows} rows of up to {tokens} tokens need ~{gb(rows * per_row)} with "
-                    f"method={name} (~{gb(per_row)} per row); this machine has {gb(host_memory_available())} available; "
-                    f"give eval.batch_size={fit} or eval.batch_size=auto (it sizes itself to the memory)"
+                    f"method={name} (~{gb(per_row)} per row); this machine has {gb(host_memory_available())} "
+                    f"available; give eval.batch_size={fit} or eval.batch_size=auto (it sizes itself to the memory)"
                 )
 
 

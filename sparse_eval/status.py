@@ -1,5 +1,5 @@
-"""The state of every run under a folder: done / incomplete / running / failed / pending / unreadable, and the run-dir files
-that say so.
+"""The state of every run under a folder: done / incomplete / running / failed / pending / unreadable, and the run-dir
+files that say so.
 
     python -m sparse_eval.status runs/                 # one line per run (config), then the totals
     python -m sparse_eval.status runs/ --state failed  # only the failed ones, with their error

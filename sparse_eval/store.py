@@ -67,7 +67,8 @@ def _short(v: Any) -> str:
 
 
 def method_label(method: dict[str, Any]) -> str:
-    """name plus the method's own parameters (not the shared sink/local/dense/gqa/seed), e.g. ``magicpig-K=10-L=150``."""
+    """name plus the method's own parameters (not the shared sink/local/dense/gqa/seed), e.g.
+    ``magicpig-K=10-L=150``."""
     base = set(BASE_METHOD_FIELDS)
     parts = [
         f"{k}={_short(v)}" for k, v in method.items() if k not in base and v is not None and not isinstance(v, dict)

@@ -411,7 +411,9 @@ if _sl is not None:
                         "overrides": list(ov),
                         "status": "failed",
                         "slurm_job_id": job.job_id,
-                        "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}",
+                        "error": (
+                            f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                        ),
                         "log": str(job.paths.stderr),
                     }
                     write_json(sweep_dir / LAUNCHER_FAILURES / f"{num}.json", rec)

@@ -81,7 +81,8 @@ def test_chunked_contexts_give_the_record_a_row_gets_alone(stories, config):
 
 @torch.inference_mode()
 def test_stopped_rows_and_padding_are_not_counted(stories):
-    """A row's sparse rows are exactly its own decode steps (padding, other rows and steps after it stopped excluded)."""
+    """A row's sparse rows are exactly its own decode steps (padding, other rows and steps after it stopped
+    excluded)."""
     model, tok = stories
     reqs = [
         GenerationRequest(p, max_new_tokens=n, key=str(n), stop_token_ids=[])

@@ -440,7 +440,8 @@ def test_import_is_light():
     code = (
         "import sys, sparse_eval.kernels, sparse_eval.kernels.ds, sparse_eval.kernels.quest, "
         "sparse_eval.kernels.magicpig, sparse_eval.kernels.magicpig_cpu, sparse_eval.kernels.merge\n"
-        "assert 'triton' not in sys.modules and 'numba' not in sys.modules, sorted(m for m in sys.modules if m in ('triton','numba'))\n"
+        "assert 'triton' not in sys.modules and 'numba' not in sys.modules, "
+        "sorted(m for m in sys.modules if m in ('triton','numba'))\n"
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -23,15 +23,15 @@ needs_mmlu = pytest.mark.skipif(not (DATA_DIR / "mmlu" / "data" / "test").is_dir
 # budget plus sink/local keeps far fewer keys than the prompt has
 TOY_DOCS = [
     {
-        "story": "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, "
-        "she saw a big, red ball. She wanted to play with it, but it was too high. Lily asked her mom for help. "
+        "story": "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One "
+        "day, she saw a big, red ball. She wanted to play with it, but it was too high. Lily asked her mom for help. "
         "Her mom said yes and they played together all day. At the end of the day, Lily was very happy. She said "
         "thank you to her mom and went to",
         "answer": "bed",
     },
     {
-        "story": "Tom had a small dog named Max. Max liked to run and jump in the garden. One sunny day, Tom and Max went "
-        "to the lake. They saw a duck swimming in the water. Max wanted to catch the duck, but Tom said no. The "
+        "story": "Tom had a small dog named Max. Max liked to run and jump in the garden. One sunny day, Tom and Max "
+        "went to the lake. They saw a duck swimming in the water. Max wanted to catch the duck, but Tom said no. The "
         "duck flew away and Max was sad. Tom gave Max a big hug and they went",
         "answer": "home",
     },
@@ -52,7 +52,8 @@ def _toy_task(folder: Path) -> Path:
     (folder / "toy_story.yaml").write_text(
         "task: toy_story\n"
         "dataset_path: json\n"
-        f"dataset_kwargs: {{data_files: {{test: {json.dumps(str(data))}}}, cache_dir: {json.dumps(str(folder / 'cache'))}}}\n"
+        f"dataset_kwargs: {{data_files: {{test: {json.dumps(str(data))}}}, "
+        f"cache_dir: {json.dumps(str(folder / 'cache'))}}}\n"
         "test_split: test\n"
         "output_type: generate_until\n"
         "doc_to_text: '{{story}}'\n"

@@ -327,8 +327,8 @@ def test_nll_is_the_models_own_loss_under_full_attention(stories):
 @pytest.mark.parametrize("name,opts", MODEL_CASES)
 def test_a_run_killed_in_a_batch_resumes_to_the_records_of_an_unbroken_run(tmp_path, monkeypatch, name, opts):
     """Resume after a kill: a key-value retrieval run on the shipped model (generation, so whatever a method keeps
-    between decode steps is exercised) killed while its second batch is scored keeps only its first batch; the same run started
-    again finishes the rest, and every record equals that of a run never killed (wall times apart)."""
+    between decode steps is exercised) killed while its second batch is scored keeps only its first batch; the same run
+    started again finishes the rest, and every record equals that of a run never killed (wall times apart)."""
     import json
     from pathlib import Path
 

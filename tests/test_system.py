@@ -321,8 +321,8 @@ def test_token_budget_rule_host_and_device_forms():
 
 
 def test_pieces_run_each_host_part_after_its_piece_has_finished(monkeypatch):
-    """``capture.Pieces`` with the CUDA graph API recorded instead of run: capturing a step with two host parts gives three
-    pieces in one pool, each run once right after its capture; a replay runs them in capture order with each host
+    """``capture.Pieces`` with the CUDA graph API recorded instead of run: capturing a step with two host parts gives
+    three pieces in one pool, each run once right after its capture; a replay runs them in capture order with each host
     part after a wait for its piece (its copies to the host); ``abort`` ends an open capture."""
     from sparse_eval.system import capture
 
@@ -383,8 +383,8 @@ def test_pieces_run_each_host_part_after_its_piece_has_finished(monkeypatch):
 
 
 def test_interleaved_replay_runs_one_halfs_host_part_while_the_other_halfs_piece_runs(monkeypatch):
-    """``capture.replay_interleaved`` with the graph API recorded: the GPU queue is A0 B0 A1 B1 A2 B2; each host part waits
-    for its own piece only (the event recorded right after it) and is followed at once by its chain's next piece,
+    """``capture.replay_interleaved`` with the graph API recorded: the GPU queue is A0 B0 A1 B1 A2 B2; each host part
+    waits for its own piece only (the event recorded right after it) and is followed at once by its chain's next piece,
     so A's host part i runs while B's piece i is queued and B's while A's piece i + 1 is."""
     from sparse_eval.system import capture
 

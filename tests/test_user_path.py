@@ -484,14 +484,17 @@ TINY = {
     "task.num_samples=1 method=quest": [],
     "python -m sparse_eval.calibrate model=smollm2_135m": ["output=CALIB", "num_blocks=1"],
     "python -m sparse_eval -m +experiment=smoke/ruler_magicpig": [],
-    "python -m sparse_eval -m +experiment=ruler_magicpig model=smollm2_135m task.length=4096 task.num_samples=5": "the paper sweep (GPU); its smoke variant is the line above",
+    "python -m sparse_eval -m +experiment=ruler_magicpig model=smollm2_135m task.length=4096 "
+    "task.num_samples=5": "the paper sweep (GPU); its smoke variant is the line above",
     "python -m sparse_eval.status runs/": [],
     "python -m sparse_eval.collect runs/": [],
     "python -m sparse_eval -m hydra/launcher=slurm +experiment=ruler_magicpig hydra.launcher.partition=gpu "
     "hydra.launcher.gpus_per_node=1 hydra.launcher.cpus_per_task=8 hydra.launcher.mem_gb=64 "
     "hydra.launcher.timeout_min=720 hydra.launcher.array_parallelism=16 "
-    "'hydra.launcher.additional_parameters={account: myproj}' paths.runs_dir=/shared/runs paths.data_dir=/shared/data": "needs a Slurm cluster (tests/test_slurm.py runs a local one)",
-    "python -m sparse_eval model=smollm2_135m task=ruler task.length=8192 eval.batch_size=auto": "GPU (13 x 50 RULER samples at 8K)",
+    "'hydra.launcher.additional_parameters={account: myproj}' paths.runs_dir=/shared/runs "
+    "paths.data_dir=/shared/data": "needs a Slurm cluster (tests/test_slurm.py runs a local one)",
+    "python -m sparse_eval model=smollm2_135m task=ruler task.length=8192 "
+    "eval.batch_size=auto": "GPU (13 x 50 RULER samples at 8K)",
     "python -m sparse_eval.analysis analysis=geometry model=smollm2_135m": [],
     "python -m sparse_eval.analysis analysis=error_vs_budget model=smollm2_135m": [],
     "python -m sparse_eval.analysis analysis=ds_checks model=smollm2_135m": [],

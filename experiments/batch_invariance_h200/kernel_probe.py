@@ -58,18 +58,23 @@ def t(f, n=20):
 x = torch.randn(128 * 4096, 576, device=dev, dtype=torch.bfloat16)
 wt = torch.randn(576, 1536, device=dev, dtype=torch.bfloat16)
 print(
-    f"prefill linear [524288x576]@[576x1536]: cublas {t(lambda: x @ wt):.2f} ms, invariant {t(lambda: kinv.mm(x, wt)):.2f} ms"
+    f"prefill linear [524288x576]@[576x1536]: cublas {t(lambda: x @ wt):.2f} ms, "
+    f"invariant {t(lambda: kinv.mm(x, wt)):.2f} ms"
 )
 xd = torch.randn(128, 576, device=dev, dtype=torch.bfloat16)
 print(
-    f"decode linear [128x576]@[576x1536]: cublas {t(lambda: xd @ wt):.3f} ms, invariant {t(lambda: kinv.mm(xd, wt)):.3f} ms"
+    f"decode linear [128x576]@[576x1536]: cublas {t(lambda: xd @ wt):.3f} ms, "
+    f"invariant {t(lambda: kinv.mm(xd, wt)):.3f} ms"
 )
 q, k, v = (torch.randn(16, h, 4096, 64, device=dev, dtype=torch.bfloat16) for h in (9, 3, 3))
 st = torch.zeros(16, dtype=torch.long, device=dev)
 print(
-    f"prefill attention 16x4096: sdpa {t(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 5):.2f} ms, invariant {t(lambda: kinv.attention(q, k, v, st, 0.125), 5):.2f} ms"
+    "prefill attention 16x4096: sdpa "
+    f"{t(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 5):.2f} ms, "
+    f"invariant {t(lambda: kinv.attention(q, k, v, st, 0.125), 5):.2f} ms"
 )
 qd = q[:, :, -1:]
 print(
-    f"decode attention 16x4096: sdpa {t(lambda: F.scaled_dot_product_attention(qd, k, v, enable_gqa=True)):.3f} ms, invariant {t(lambda: kinv.attention(qd, k, v, st, 0.125)):.3f} ms"
+    f"decode attention 16x4096: sdpa {t(lambda: F.scaled_dot_product_attention(qd, k, v, enable_gqa=True)):.3f} ms, "
+    f"invariant {t(lambda: kinv.attention(qd, k, v, st, 0.125)):.3f} ms"
 )

@@ -1,9 +1,13 @@
 """Analyses of attention on captured tensors, one module each, one command each:
 
-    python -m sparse_eval.analysis analysis=geometry        model=<name> [analysis.<option>=...]  # MagicPIG Fig. 2, 5, 10, 11
-    python -m sparse_eval.analysis analysis=error_vs_budget model=<name> [analysis.<option>=...]  # MagicPIG Fig. 3, 4, 6a/b, Thm 3.3
-    python -m sparse_eval.analysis analysis=ds_checks       model=<name> [analysis.<option>=...]  # DS Fig. 7b, Fig. 8
-    python -m sparse_eval.analysis analysis=magicpig_kl     model=<name> [analysis.<option>=...]  # MagicPIG (K, L) for a target Cost2
+    # MagicPIG Fig. 2, 5, 10, 11
+    python -m sparse_eval.analysis analysis=geometry        model=<name> [analysis.<option>=...]
+    # MagicPIG Fig. 3, 4, 6a/b, Thm 3.3
+    python -m sparse_eval.analysis analysis=error_vs_budget model=<name> [analysis.<option>=...]
+    # DS Fig. 7b, Fig. 8
+    python -m sparse_eval.analysis analysis=ds_checks       model=<name> [analysis.<option>=...]
+    # MagicPIG (K, L) for a target Cost2
+    python -m sparse_eval.analysis analysis=magicpig_kl     model=<name> [analysis.<option>=...]
 
 Each writes the raw numbers (JSON + CSV) and PNG/PDF figures to ``analysis.out=`` (default
 ``analysis/<name>/<model>``); its options are ``conf/analysis/<name>.yaml``.

@@ -1,6 +1,7 @@
 """Estimation error against the budget (MagicPIG Fig. 3, Fig. 4, Fig. 6a/b; Theorem 3.3).
 
-    python -m sparse_eval.analysis analysis=error_vs_budget model=stories260k [analysis.length=512 analysis.num_queries=4 ...]
+    python -m sparse_eval.analysis analysis=error_vs_budget model=stories260k \
+        [analysis.length=512 analysis.num_queries=4 ...]
 
 On real text (a WikiText-2 passage of ``length`` tokens), the attention inputs of every layer are captured
 (post-RoPE q, K, V) and, for the last ``num_queries`` query rows (each a decoding step over the densely

@@ -1,6 +1,7 @@
 """Attention geometry (MagicPIG §3.1, Fig. 2, Fig. 5, App. C Fig. 10 and 11), per layer and head.
 
-    python -m sparse_eval.analysis analysis=geometry model=stories260k [analysis.num_sentences=50 analysis.sentence_len=128 ...]
+    python -m sparse_eval.analysis analysis=geometry model=stories260k \
+        [analysis.num_sentences=50 analysis.sentence_len=128 ...]
 
 What is measured (keys and queries post-RoPE, exactly as attention uses them; K/V per KV head):
 

@@ -1,7 +1,8 @@
 """MagicPIG's (K, L) for a target Cost2 on a given model: the paper tuned (K, L) for head dimension 128 (Llama),
 where (10, 150) attends about 2 % of the keys (MagicPIG Table 9); a model with other heads needs its own.
 
-    python -m sparse_eval.analysis analysis=magicpig_kl model=gemma3_270m analysis.length=16384 analysis.target_cost2=0.02
+    python -m sparse_eval.analysis analysis=magicpig_kl model=gemma3_270m analysis.length=16384 \
+        analysis.target_cost2=0.02
 
 On real text (``passages`` windows of ``length`` tokens; the last ``num_queries`` rows of each, every sparse
 layer and query head), for each K in ``Ks`` the smallest L ≤ ``max_L`` whose *expected* Cost2 reaches

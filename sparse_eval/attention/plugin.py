@@ -17,7 +17,8 @@ Each sparse call says whether its rows are generated tokens after a finished pro
 protocol A's sparse calls, and the engine's decode steps, which it runs inside ``session.generation()``).
 Layers in ``method.dense_layers`` are always dense, and so are the layers that attend within a sliding window of
 their own (``models.inspection.sliding_layers``) unless ``method.sliding_layers="sparse"`` (``layer_plan``).  A
-sliding layer keeps its window either way: transformers' mask brings it, and the sparse path selects only among the keys it allows.
+sliding layer keeps its window either way: transformers' mask brings it, and the sparse path selects only among the
+keys it allows.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
 
 The model is SmolLM2-135M-Instruct when its GGUF is where ``conf/model/smollm2_135m.yaml`` looks (else the shipped
 stories260K), on CUDA when there is one, in its default dtype (bf16 on CUDA).  The samples are RULER prompts at two
-lengths mixed in one pool, so every batch is left-padded.  For each registered method (the configs its ``paper_configs`` declares:
-its paper defaults; DS also with DS-Offload's predicted keys) the pool runs with ``eval.batch_invariant`` on as one batch of 50, in batches of 7
-and, for ``--alone`` samples, one at a time; a sample's record (greedy tokens, stop reason, its score and every
+lengths mixed in one pool, so every batch is left-padded.  For each registered method (the configs its
+``paper_configs`` declares: its paper defaults; DS also with DS-Offload's predicted keys) the pool runs with
+``eval.batch_invariant`` on as one batch of 50, in batches of 7 and, for ``--alone`` samples, one at a time; a
+sample's record (greedy tokens, stop reason, its score and every
 recorded statistic, per layer and head) must be the same in all three.  With ``--fast-path`` the same comparison
 is made with the stock kernels for a few methods, to show what the mode removes.  ``tests/test_invariance.py``
 runs it on the GPU (``gpu`` marker)."""

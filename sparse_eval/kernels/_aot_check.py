@@ -194,7 +194,10 @@ def main() -> int:
     for fn, ptrs, consts, floats, warps, *allow in _configs():
         allowed_spill = allow[0] if allow else 0  # bytes of spill stores accepted (measured harmless)
         sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
-        name = f"{fn.__name__}{ {k: v for k, v in consts.items() if k in ('QPI', 'BITS', 'UPCAST', 'REDUCE', 'K', 'DENSE', 'PASS')} }"
+        name = (
+            f"{fn.__name__}"
+            f"{ {k: v for k, v in consts.items() if k in ('QPI', 'BITS', 'UPCAST', 'REDUCE', 'K', 'DENSE', 'PASS')} }"
+        )
         try:
             k = triton.compile(
                 ASTSource(fn=fn, signature=sig, constexprs=consts), target=target, options={"num_warps": warps}

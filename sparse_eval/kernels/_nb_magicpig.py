@@ -23,8 +23,9 @@ from numba.extending import intrinsic, overload
 PREFETCH_ROWS = 16  # default distance: gathered rows requested ahead of use (≈ DRAM latency / time per row;
 # the best of 0/4/8/16/32 in the 16-thread prefetch sweep on the H200 host, experiments/magicpig_cpu_attention)
 PREFETCH_V_EARLY_MAX = 512  # default of attention(prefetch_v_early=): rows of at most this many keys get their V
-# rows requested in pass (1) with the K rows.  On the H200 host's Xeon (16 threads, experiments/magicpig_cpu_attention/gather_ceiling.txt)
-# that was 1.07-1.15x faster at 328 keys per row, about equal at 819, and 0.83-0.98x at 1,966-4,915
+# rows requested in pass (1) with the K rows.  On the H200 host's Xeon (16 threads,
+# experiments/magicpig_cpu_attention/gather_ceiling.txt) that was 1.07-1.15x faster at 328 keys per row, about equal
+# at 819, and 0.83-0.98x at 1,966-4,915
 # reassociation lets LLVM vectorise the float32 reductions over the head dim; no 'nnan'/'ninf' (the code
 # relies on -inf and on exact comparisons)
 _FAST = {"reassoc", "contract", "nsz"}

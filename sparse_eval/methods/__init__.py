@@ -58,7 +58,8 @@ def attend(
         raise ValueError("pass options either in the Method's config or as keyword arguments, not both")
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(
-            f"expected q [B, Hq, Q, D] and k, v [B, Hkv, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"expected q [B, Hq, Q, D] and k, v [B, Hkv, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")

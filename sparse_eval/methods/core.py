@@ -235,16 +235,16 @@ def sparse_attention(
 
     q [B, Hq, Q, D], k/v [B, Hkv, N, D] (the whole cache of this layer, un-repeated), valid bool [B, 1, Q, N].
     Returns the output [B, Hq, Q, D] (q's dtype) and per-row statistics, each [B, Hq, Q]:
-    ``cost1``, ``cost2`` (kept keys / valid keys), ``kv_bytes`` (``kv_bytes_read``), ``static_frac``, ``est_error``, ``mass`` and ``topk_recall``
-    (``kept_mass_and_recall``; these three if ``compute_error``), ``empty``
-    (the row had candidates and the method kept none of them), ``rows`` (row has at least one valid key), plus the method's
-    own extras; with ``keep_masks`` also ``keep`` bool [B, Hq, Q, N].  ``masks``: ``pass_masks(valid, sink,
+    ``cost1``, ``cost2`` (kept keys / valid keys), ``kv_bytes`` (``kv_bytes_read``), ``static_frac``, ``est_error``,
+    ``mass`` and ``topk_recall`` (``kept_mass_and_recall``; these three if ``compute_error``), ``empty``
+    (the row had candidates and the method kept none of them), ``rows`` (row has at least one valid key), plus the
+    method's own extras; with ``keep_masks`` also ``keep`` bool [B, Hq, Q, N].  ``masks``: ``pass_masks(valid, sink,
     local)`` when the caller has it already (the same for every layer of a pass).  ``row_seeds`` long [B]: each
     row's seed (its sample id; sampling methods draw from (method seed, layer, row seed), so a row draws the
     same in any batch).  ``layer_inputs``: the session's per-layer (hidden_states, position_embeddings) of the
     current pass (DS-Offload's prediction from the previous layer).  ``sparse_rows`` bool [B, Q]: the rows whose
-    output the caller uses (a per-row phase; None: all), handed to the method as ``ctx.sparse_rows``.  ``generating``: the rows are generated tokens after a finished
-    prompt (``AttentionContext.generating``).
+    output the caller uses (a per-row phase; None: all), handed to the method as ``ctx.sparse_rows``.  ``generating``:
+    the rows are generated tokens after a finished prompt (``AttentionContext.generating``).
     """
     cfg = method.config
     if method.prepare_with_valid:  # every row's valid keys: an index built in this call must stay causal

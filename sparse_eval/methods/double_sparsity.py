@@ -174,7 +174,8 @@ def load_channels(path: Path, channel_type: str, rewrite: str = "") -> tuple[tor
         if channel_type == "random":
             raise ValueError("method.channel_type='random' draws its channels from the run's seed; it reads no file")
         raise ValueError(
-            f"method.channel_type={channel_type!r} is not in {path} (it has {sorted(chans)}); valid: {list(CHANNEL_TYPES)}"
+            f"method.channel_type={channel_type!r} is not in {path} (it has {sorted(chans)}); "
+            f"valid: {list(CHANNEL_TYPES)}"
         )
     meta = {k: v for k, v in data.items() if k not in ("channels", "scores")}
     return torch.tensor(chans[channel_type], dtype=torch.long), meta
@@ -439,8 +440,8 @@ class DoubleSparsity(Method):
                 w = getattr(norm, "weight", None)
                 if w is None:
                     raise ValueError(
-                        f"method.offload_input='residual' needs each decoder layer's input_layernorm weight (layer {idx} "
-                        f"has none); use method.offload_input=attn_input"
+                        "method.offload_input='residual' needs each decoder layer's input_layernorm weight "
+                        f"(layer {idx} has none); use method.offload_input=attn_input"
                     )
                 self._norm_w[idx] = w.detach()
 

@@ -8,7 +8,8 @@ precise by the authors' code, which is what was read here (the paper's body was 
 formula below is cited from the code): ``FasterDecoding/SnapKV`` at ``e216ddc``,
 ``snapkv/monkeypatch/snapkv_utils.py`` (``SnapKVCluster.update_kv``, lines 38-70), whose LongBench configs reproduce
 the paper's LongBench results ("You should be able to reproduce the results shown on our report",
-SnapKV's ``LongBench/README.md`` in its experiments folder).  For a prompt of L tokens, window w, capacity C, kernel k, per head:
+SnapKV's ``LongBench/README.md`` in its experiments folder).  For a prompt of L tokens, window w, capacity C, kernel
+k, per head:
 
     W   = softmax_rows(Q[L-w:] Kᵀ/√d, causal)          [w, L]   the window's attention rows   (lines 45-54)
     v_j = Σ_{i ∈ window} W[i, j]          j < L - w      [L - w]  votes of the prefix keys      (line 55)
@@ -41,15 +42,16 @@ dense calls and ``select`` for sparse ones, a per-row phase's dense rows (``ctx.
 last w of them are kept per layer and per batch row in ``ctx.state``):
 
 * **A** (dense prefill, sparse decoding: the authors' setting): the first generated row (t = L) selects with the
-  prompt's last w queries as ``update_kv`` does (checked against a copy of it: the same keys up to top-k ties); the selection is then frozen in the layer's state and every later
-  generated row keeps it plus every key after the prompt (``AttentionContext.generating``).  Chunked prefill
+  prompt's last w queries as ``update_kv`` does (checked against a copy of it: the same keys up to top-k ties); the
+  selection is then frozen in the layer's state and every later generated row keeps it plus every key after the
+  prompt (``AttentionContext.generating``).  Chunked prefill
   (``eval.prefill_chunk``) changes nothing: the window's queries are kept across the chunks' calls.
 * **S** (every row sparse): each prompt row t applies the rule above to its own prefix: the window is the w rows
   before it, so no row's selection depends on a later token (causal), and a chunk boundary changes only which call a
   window row arrived in (its queries are kept across calls): the same rule, with the float rounding that chunking
   gives every method's sparse path (stories260K, 3 prompts, chunks of 16 and 5 vs one pass: the same tokens, NLL
-  sums within 7e-5; TopK's within 5e-5).  Generated rows (the engine's decode steps) then keep the selection of the first
-  one, frozen, as under A.  A row among the first w of a sequence has an empty prefix and keeps every key.
+  sums within 7e-5; TopK's within 5e-5).  Generated rows (the engine's decode steps) then keep the selection of the
+  first one, frozen, as under A.  A row among the first w of a sequence has an empty prefix and keeps every key.
 * **B** (dense context, sparse question and decoding): the question's rows apply the per-row rule (their windows
   reach back into the dense context, whose last queries were observed); the generated rows freeze as under A.
 * Rows whose window queries the layer never saw (``attend()`` on captured tensors whose first query row is not the
@@ -61,8 +63,8 @@ softmax to the model dtype first, ``snapkv_utils.py:54``); pooling adds (or take
 a fixed order and divides by k (``avg_pool1d``'s count_include_pad default), and zero votes pad both ends of the prefix
 (the same as ``max_pool1d``'s −inf padding, votes being >= 0); top-k ties are broken by position in the
 batch-invariant mode.  Cost1 = 0 and index_bytes = 0: the votes are the prompt's own attention rows, computed once by
-the dense prefill under A (a one-time selection at the prompt's end); under S and B the per-row vote (w rows' scores over
-the row's keys) is not charged.  Settings and their sources: docs/fidelity.md.
+the dense prefill under A (a one-time selection at the prompt's end); under S and B the per-row vote (w rows' scores
+over the row's keys) is not charged.  Settings and their sources: docs/fidelity.md.
 """
 
 from __future__ import annotations
@@ -267,7 +269,7 @@ class SnapKV(Method):
     def index_bytes(self, ctx, sel):
         return 0.0  # the selection is fixed at the prompt's end: decoding reads the kept keys' K and V only
 
-    # -- what the memory estimate and the report ask ---------------------------------------------------------------------
+    # -- what the memory estimate and the report ask -------------------------------------------------------------------
     @classmethod
     def index_memory(cls, params, shape, n, sparse_layers, building_rows=False):
         """Per sparse layer: the window's queries (float32 at most) and key masks, and the frozen selection."""
@@ -282,7 +284,8 @@ class SnapKV(Method):
         """ "<capacity> cap, window <w>, <pooling> <k>", the authors' max_capacity_prompt, window_size, pooling."""
         return (
             f"{budget_label(params.get('max_capacity_prompt'))} cap, window "
-            f"{count_label(params.get('window_size'))}, {params.get('pooling')} {count_label(params.get('kernel_size'))}"
+            f"{count_label(params.get('window_size'))}, {params.get('pooling')} "
+            f"{count_label(params.get('kernel_size'))}"
         )
 
     @classmethod

@@ -14,8 +14,9 @@ from .tables import TABLES, Table, build_tables, to_latex, to_markdown
 
 
 def write_report(path, out) -> dict:
-    """Loads ``path`` (or a list of paths, reported together), writes every table (Markdown, LaTeX, CSV) and figure (PNG, PDF) under ``out`` plus
-    ``report.md`` (all tables, the figure list, and what was skipped); returns what was made and skipped."""
+    """Loads ``path`` (or a list of paths, reported together), writes every table (Markdown, LaTeX, CSV) and figure
+    (PNG, PDF) under ``out`` plus ``report.md`` (all tables, the figure list, and what was skipped); returns what was
+    made and skipped."""
     from pathlib import Path
 
     out = Path(out)

@@ -186,7 +186,8 @@ def main(cfg) -> None:
     )
     mem = rec["memory_bytes"]
     print(
-        f"  cache: {mem.get('cache_gpu', 0) / 2**20:.1f} MiB on the GPU, {mem.get('cache_cpu', 0) / 2**20:.1f} MiB in CPU memory"
+        f"  cache: {mem.get('cache_gpu', 0) / 2**20:.1f} MiB on the GPU, "
+        f"{mem.get('cache_cpu', 0) / 2**20:.1f} MiB in CPU memory"
         + (f"; GPU peak {mem['gpu_peak'] / 2**30:.2f} GiB" if "gpu_peak" in mem else "")
     )
     phases = rec["stats"].get("phase_ms")

@@ -15,7 +15,7 @@ Which method runs where:
 | ``double_sparsity`` with ``offload: true`` | pinned CPU (+ label cache on GPU) | layer l's tokens predicted during layer l−1 and gathered over PCIe on a side stream |
 | ``magicpig`` | CPU (+ hash tables) | codes on GPU; sampling + sampled attention on CPU (numba); sink/local on GPU; LSE merge |
 | ``quest`` | GPU (+ page min/max) | page bounds → top pages → attention over their tokens + sink/local (Triton) |
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

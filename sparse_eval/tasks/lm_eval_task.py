@@ -555,7 +555,8 @@ class LmEval(Task):
                 if self.offline == "true" or (self.offline == "auto" and not hub_ok()):
                     raise ValueError(
                         f"task {name!r} needs the Hugging Face hub (data set EleutherAI/coqa) and there is no offline "
-                        f"copy; the hub is {'switched off (task.offline=true)' if self.offline == 'true' else 'unreachable'}. "
+                        "copy; the hub is "
+                        f"{'switched off (task.offline=true)' if self.offline == 'true' else 'unreachable'}. "
                         f"Drop it from task.tasks or run where the hub is reachable (offline tasks here: "
                         f"{sorted(have_local & {'gsm8k_cot_local', 'mmlu_flan_cot_fewshot_local'})})"
                     )
@@ -581,7 +582,8 @@ class LmEval(Task):
             raise ValueError(
                 f"unknown lm-eval task(s) {unknown}; the MagicPIG tasks and their variants are {main}"
                 f"{' (the built-in index was not loaded: task.include_defaults=false)' if not include_defaults else ''}"
-                f"{'; ' + hint if hint else ''}; `lm-eval ls tasks` lists all {len(known) if include_defaults else ''} tasks"
+                f"{'; ' + hint if hint else ''}; `lm-eval ls tasks` lists all "
+                f"{len(known) if include_defaults else ''} tasks"
             )
         self._manager = manager
         self.resolved = resolved

@@ -242,7 +242,8 @@ class LongBench(Task):
             if c.source == "local":
                 where = [x for x in (c.data_path, self.data_dir and str(self.data_dir / "longbench")) if x]
                 raise FileNotFoundError(
-                    f"task.source=local: no {name}.jsonl (or data.zip) in {where or 'nothing (data_path and paths.data_dir unset)'}; "
+                    f"task.source=local: no {name}.jsonl (or data.zip) in "
+                    f"{where or 'nothing (data_path and paths.data_dir unset)'}; "
                     f"get LongBench's data.zip from https://huggingface.co/datasets/{c.hub_id} or use task.source=hub"
                 )
         log.info("longbench/%s: no local file; loading from the hub (%s)", name, c.hub_id)

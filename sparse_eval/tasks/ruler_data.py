@@ -18,8 +18,8 @@ one step's worth of tokens or ``fill_tolerance(length)`` (max(32, 0.05% of the l
 seen not to fit (``step`` = 1 unit, except fwe, whose grid is RULER's ``max_len // 32`` words).  The search is a
 secant search on token counts started from the probe's line (qa: from each sample's own estimate from cached
 per-document counts), with all samples of a subtask tokenized together in batches: about one full
-tokenization per sample, never dozens.  RULER counts tokens without BOS (``tokenizer.tokenize``) while the model then gets
-BOS; we count the ids the model actually gets, so prompt + generation never exceeds ``length``.
+tokenization per sample, never dozens.  RULER counts tokens without BOS (``tokenizer.tokenize``) while the model then
+gets BOS; we count the ids the model actually gets, so prompt + generation never exceeds ``length``.
 
 Per subtask (``SUBTASKS``; RULER's ``synthetic.yaml``) -- kind, haystack, needle key/value types, counts:
 

@@ -118,8 +118,8 @@ def n_text(d) -> str:
 
 
 INTERVAL_NOTE = (
-    "Error bars (and the shaded band of a Full line): 95 % bootstrap interval of a single run's score (collect's score_lo / "
-    "score_hi); a point that averages several runs has none."
+    "Error bars (and the shaded band of a Full line): 95 % bootstrap interval of a single run's score "
+    "(collect's score_lo / score_hi); a point that averages several runs has none."
 )
 
 

@@ -245,7 +245,8 @@ class MagicPIGLayer(FullLayer):
             # the query's codes (and the new overflow keys') on their way to the host first
             with phase("magicpig_codes_to_host"):
                 codes = self._codes_async(q3, self._overflow_keys(n))
-        # the static keys, attended on the GPU with weight 1 (u = 1): sink [0, sink) and window [max(sink, n - local), n)
+        # the static keys, attended on the GPU with weight 1 (u = 1): sink [0, sink) and window
+        # [max(sink, n - local), n)
         s_n = min(c.sink, n)
         wk, wv = self._window(max(c.sink, n - c.local), n)
         static = (self.sink_k[:, :, :s_n], self.sink_v[:, :, :s_n], wk, wv)
