@@ -281,8 +281,9 @@ def decode(
             run.close()
         detach(model)
         for session in sessions:
+            for layer in session.layers:
+                layer.release()
             session.layers.clear()
-            session.pending.clear()
             session.inputs.clear()
         koff.unpin_all()
 

@@ -151,13 +151,12 @@ class SystemSession:
         self.cache = SystemCache(layers)
         self.layers = layers
         self.modules = {m.layer_idx: m for m in attention_modules(model)}
-        # each layer's input of the current decode step (hidden states [B, 1, H], position embeddings), kept for
-        # DS-Offload's prediction of the next layer's keys (``_predict``); other methods keep none
+        # each layer's input of the current decode step (hidden states [B, 1, H], position embeddings), kept when a
+        # layer is ``prefetched`` (DS-Offload predicts its keys from the previous layer's input); others keep none
         self.inputs: dict[int, tuple] = {}
-        self.pending: dict[int, dict] = {}
         self.stats: collections.Counter = collections.Counter()
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        prefetch = any(x.prefetched for x in layers)  # DS-Offload: a layer's keys gathered during the previous one
+        prefetch = any(x.prefetched for x in layers)  # a layer's keys chosen and gathered during the previous one
         self.keeps_inputs = prefetch
         cuda = next(model.parameters()).is_cuda
         self.side_stream = torch.cuda.Stream() if prefetch and cuda else None
@@ -171,24 +170,9 @@ class SystemSession:
         i = module.layer_idx
         layer = self.layers[i]
         if q.shape[2] == 1 and i + 1 < len(self.layers) and self.layers[i + 1].prefetched:
-            self._predict(i)  # issue layer i+1's gather first, so it overlaps this layer's work
+            self.layers[i + 1].prefetch(self, i)  # issue layer i+1's gather first, so it overlaps this layer's work
         out = layer.attend(self, module, q, k, v, scaling)
         return out.transpose(1, 2).contiguous(), None
-
-    def _predict(self, i: int) -> None:
-        """Layer i+1's approximate query from layer i's input (``DoubleSparsity.predict_query``, the accuracy path's
-        rule), then its top keys' gather."""
-        got = self.inputs.get(i)
-        if got is None or got[1] is None:
-            return  # the layer falls back to its own query
-        h, (cos, sin) = got
-        nxt = self.layers[i + 1]
-        qp = self.method.predict_query(
-            self.modules[i + 1], i + 1, h[:, -1:], cos[:, -1:], sin[:, -1:], nxt.keys.shape[-1]
-        )
-        if qp is None:
-            return  # no rotary function in the model's module: the layer uses its own query
-        self.pending[i + 1] = nxt.predict(self, qp[:, :, 0])
 
     def cut(self, host_part) -> None:
         """Where a static step waits on the host (MagicPIG's CPU part): the GPU work enqueued so far must have

@@ -12,6 +12,7 @@ Both select the keys of ``methods.double_sparsity`` (``tests/test_system.py``) a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -262,13 +263,56 @@ class DSLayer(SelectsTopK, FullLayer):
         )
 
 
+@dataclass
+class Prefetch:
+    """One layer's keys chosen with a predicted query and gathered into the session's buffer, kept by the layer from
+    its ``prefetch`` (during the previous layer) until its own decode.  buf_k/buf_v [B, Hs, S, D] (the last slot left
+    for the new key); ql [B, Hq, r] the predicted query's label channels; k_tot the budget over all n keys and k_old
+    the old keys selected (ints eager, [B, Hs] device counts static)."""
+
+    event: Any  # torch.cuda.Event the compute stream waits for (None: gathered at once, on the CPU)
+    buf_k: torch.Tensor
+    buf_v: torch.Tensor
+    ql: torch.Tensor
+    k_tot: Any
+    k_old: Any
+    vals: torch.Tensor | None = None  # eager: the k_old best old scores, sorted descending [B, Hs, k_old]
+    n_old: int | None = None  # eager: the stored keys scored
+    ids: torch.Tensor | None = None  # static: selected positions [B, Hs, k_cap], −1 padded
+    kth: torch.Tensor | None = None  # static: the lowest selected score [B, Hs]
+    kth_slot: torch.Tensor | None = None  # static: its slot [B, Hs]
+
+
 class DSOffloadLayer(DSLayer):
-    """DS-Offload (DS §5.1): the KV cache in pinned host memory; the label cache on the GPU.  The session's
-    ``predict`` (run while the previous layer computes) scores this layer's keys with an approximate query from
-    the previous layer's input and gathers the top rows into a GPU buffer on a side stream."""
+    """DS-Offload (DS §5.1): the KV cache in pinned host memory; the label cache on the GPU.  Its ``prefetch`` (run
+    while the previous layer computes) scores this layer's keys with an approximate query from the previous layer's
+    input and gathers the top rows into a GPU buffer on a side stream; the layer keeps that ``Prefetch`` until its
+    decode."""
 
     kind = "ds_offload"
-    prefetched = True  # the session predicts this layer's keys and gathers them during the previous layer
+    prefetched = True  # this layer's keys are predicted and gathered during the previous layer
+
+    def prefetch(self, session, prev_idx: int) -> None:
+        """This layer's approximate query from layer ``prev_idx``'s decode input (``DoubleSparsity.predict_query``,
+        the accuracy path's rule), then its top keys' gather (``predict``).  Without that input (no position
+        embeddings, or no rotary function in the model's module) nothing is kept and the decode uses its own
+        query."""
+        got = session.inputs.get(prev_idx)
+        if got is None or got[1] is None:
+            return
+        h, (cos, sin) = got
+        qp = session.method.predict_query(
+            session.modules[self.layer_idx], self.layer_idx, h[:, -1:], cos[:, -1:], sin[:, -1:], self.keys.shape[-1]
+        )
+        if qp is not None:
+            self.pending = self.predict(session, qp[:, :, 0])
+
+    def release(self) -> None:
+        self.pending = None
+
+    def _take_pending(self) -> Prefetch | None:
+        p, self.pending = self.pending, None
+        return p
 
     @classmethod
     def check_ready(cls, method):
@@ -287,6 +331,7 @@ class DSOffloadLayer(DSLayer):
     def __init__(self, *args: Any, **kwargs: Any):
         kwargs["kv_device"] = "cpu"
         super().__init__(*args, **kwargs)
+        self.pending: Prefetch | None = None  # this step's keys, chosen during the previous layer
 
     def update(self, key_states, value_states, *args, **kwargs):
         # KV: device -> pinned host on the compute stream (a later gather on the side stream waits for it);
@@ -325,7 +370,7 @@ class DSOffloadLayer(DSLayer):
             ids.record_stream(stream)
         return event
 
-    def predict(self, session, q_pred: torch.Tensor) -> dict[str, Any]:
+    def predict(self, session, q_pred: torch.Tensor) -> Prefetch:
         """Top keys among the ``self.n`` stored ones for the predicted query q_pred [B, Hq, D], and their gather
         into the session's buffer (on the side stream when on CUDA).  Called before this step's key arrives."""
         if self.static is not None:
@@ -341,18 +386,9 @@ class DSOffloadLayer(DSLayer):
             self.layer_idx, (ids.shape[0], hs, k_tot + 1, self.keys.shape[-1]), self.keys.dtype, q_pred.device
         )
         event = self._side_gather(session, ids, buf_k[:, :, :k_old], buf_v[:, :, :k_old], record=True)
-        return {
-            "event": event,
-            "buf_k": buf_k,
-            "buf_v": buf_v,
-            "vals": vals,
-            "ql": ql,
-            "k_tot": k_tot,
-            "k_old": k_old,
-            "n_old": n_old,
-        }
+        return Prefetch(event, buf_k, buf_v, ql, k_tot, k_old, vals=vals, n_old=n_old)
 
-    def _predict_static(self, session, q_pred: torch.Tensor) -> dict[str, Any]:
+    def _predict_static(self, session, q_pred: torch.Tensor) -> Prefetch:
         """``predict`` with static shapes: scores over the whole capacity, −inf from the stored keys' end
         (n_old = lengths − 1: this step's key has not arrived); the top k_old = min(budget(n_old + 1), n_old) of
         each row (device counts) by ``kernels.topk.select`` into k_cap = budget(capacity) slots, positions
@@ -374,17 +410,7 @@ class DSOffloadLayer(DSLayer):
             self.layer_idx, (b, hs, k_cap + 1, self.keys.shape[-1]), self.keys.dtype, q_pred.device
         )
         event = self._side_gather(session, ids, buf_k[:, :, :k_cap], buf_v[:, :, :k_cap], record=False)
-        return {
-            "event": event,
-            "buf_k": buf_k,
-            "buf_v": buf_v,
-            "ids": ids,
-            "kth": kth,
-            "kth_slot": kth_slot,
-            "ql": ql,
-            "k_tot": k_tot,
-            "k_old": k_old,
-        }
+        return Prefetch(event, buf_k, buf_v, ql, k_tot, k_old, ids=ids, kth=kth, kth_slot=kth_slot)
 
     def _new_score(self, ql: torch.Tensor, k_new: torch.Tensor) -> torch.Tensor:
         """The new key's label score under the predicted query ql [B, Hq, r]: [B, Hs]."""
@@ -406,26 +432,26 @@ class DSOffloadLayer(DSLayer):
         buf_v[:, :, last] = v_new[:, :, 0].repeat_interleave(hs // hkv, 1)
         return last
 
-    def _include_new(self, p: dict[str, Any]) -> torch.Tensor:
+    def _include_new(self, p: Prefetch) -> torch.Tensor:
         """Exact top-k over all n keys from the top-k of the n−1 old ones: the new key (scored with the same
         predicted query) enters iff the old keys did not fill the budget or it beats the k-th best old score; it
         then replaces that k-th key.  bool [B, Hs]."""
-        s_new = self._new_score(p["ql"], self._new[0])
-        if p["k_old"] < p["k_tot"]:
+        s_new = self._new_score(p.ql, self._new[0])
+        if p.k_old < p.k_tot:
             return torch.ones_like(s_new, dtype=torch.bool)
-        return s_new > p["vals"][..., -1]
+        return s_new > p.vals[..., -1]
 
     def decode(self, session, module, q, k_new, v_new, scaling):
         if self.static is not None:
             return self._decode_static_offload(session, q, k_new, v_new, scaling)
-        p = session.pending.pop(self.layer_idx, None)
+        p = self._take_pending()
         q3 = q[:, :, 0]
         if p is None:  # no predecessor input (first layer): the layer's own query, gathered synchronously
             p = self._own(session, q3)
             session.stats["offload_own_query"] += 1
-        elif p["event"] is not None:
-            torch.cuda.current_stream(q.device).wait_event(p["event"])
-        buf_k, buf_v, k_tot, k_old = p["buf_k"], p["buf_v"], p["k_tot"], p["k_old"]
+        elif p.event is not None:
+            torch.cuda.current_stream(q.device).wait_event(p.event)
+        buf_k, buf_v, k_tot, k_old = p.buf_k, p.buf_v, p.k_tot, p.k_old
         b, hs = buf_k.shape[:2]
         last = self._put_new(buf_k, buf_v, k_new, v_new)
         inc = self._include_new(p)  # [B, Hs]
@@ -442,30 +468,30 @@ class DSOffloadLayer(DSLayer):
             p = self.predict(session, q3)
         finally:
             self.n += 1
-        if p["event"] is not None:
-            torch.cuda.current_stream(q3.device).wait_event(p["event"])
-            p["event"] = None
+        if p.event is not None:
+            torch.cuda.current_stream(q3.device).wait_event(p.event)
+            p.event = None
         return p
 
     def _decode_static_offload(self, session, q, k_new, v_new, scaling):
         """``decode`` with static shapes: the buffer's k_cap gathered slots (−1 where a row selected fewer), the
         new key in the last slot if it enters the exact top-k of all n keys (it beats the lowest selected old
         score, or the old keys did not fill the budget), displacing that lowest one when the budget was full."""
-        p = session.pending.pop(self.layer_idx, None)
+        p = self._take_pending()
         q3 = q[:, :, 0]
         if p is None:  # no predecessor input (first layer): the layer's own query (it scores the old keys only)
             p = self._predict_static(session, q3)
             session.stats["offload_own_query"] += 1
-        if p["event"] is not None:
-            torch.cuda.current_stream(q.device).wait_event(p["event"])
-        buf_k, buf_v, ids = p["buf_k"], p["buf_v"], p["ids"]
+        if p.event is not None:
+            torch.cuda.current_stream(q.device).wait_event(p.event)
+        buf_k, buf_v, ids = p.buf_k, p.buf_v, p.ids
         b, hs = buf_k.shape[:2]
         last = self._put_new(buf_k, buf_v, k_new, v_new)  # = k_cap
-        full = p["k_old"] == p["k_tot"]  # [B, Hs]
-        inc = ~full | (self._new_score(p["ql"], k_new) > p["kth"])
+        full = p.k_old == p.k_tot  # [B, Hs]
+        inc = ~full | (self._new_score(p.ql, k_new) > p.kth)
         slot = torch.arange(last, device=q.device, dtype=torch.int32).expand(b, hs, last)
         idx = torch.cat([torch.where(ids >= 0, slot, -1), torch.where(inc, last, -1).to(torch.int32).unsqueeze(-1)], -1)
-        at = p["kth_slot"].unsqueeze(-1)  # [B, Hs, 1]
+        at = p.kth_slot.unsqueeze(-1)  # [B, Hs, 1]
         idx.scatter_(-1, at, torch.where((inc & full).unsqueeze(-1), -1, idx.gather(-1, at)))
         o, _ = ksd.attention(q3, buf_k, buf_v, idx, scaling=scaling, backend=self.backend)
         return o.unsqueeze(2)

@@ -23,7 +23,8 @@ class FullLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     # a layer whose keys are chosen and gathered while the previous layer computes (DS-Offload §5.1): the session
-    # then keeps each layer's input and calls ``predict`` on the next layer from the current one
+    # then keeps each layer's decode input (``session.inputs``), opens a side stream, and calls ``prefetch`` on this
+    # layer before the previous one attends; what the layer keeps until its own decode is its own state
     prefetched = False
 
     def __init__(
@@ -91,6 +92,13 @@ class FullLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.n = 0
+
+    def prefetch(self, session, prev_idx: int) -> None:
+        """Called on a decode step of a ``prefetched`` layer before layer ``prev_idx`` (= this one − 1) attends: start
+        choosing and gathering this layer's keys.  Default: nothing (only prefetched layers are called)."""
+
+    def release(self) -> None:
+        """Drop what the layer keeps between steps beyond its cache (at the end of a decode).  Default: nothing."""
 
     def nbytes(self) -> dict[str, int]:
         """Bytes this layer holds, by device kind ("gpu" / "cpu")."""
