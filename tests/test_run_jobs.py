@@ -32,7 +32,7 @@ def test_pool_runs_in_order_and_interrupts_at_the_deadline(tmp_path):
             "--workers",
             "2",
             "--deadline",
-            "3",
+            "8",  # the slow job must have set its trap by then, on a loaded machine too
             "--grace",
             "5",
             "--log-dir",
