@@ -38,6 +38,14 @@ def read_jobs(path: Path) -> list[tuple[str, str]]:
     return jobs
 
 
+def _default_sigint() -> None:
+    """In the job's process before its command starts: SIGINT back to its default action.  A pool started in the
+    background of a non-interactive shell (``python scripts/run_jobs.py ... &``, nohup) has SIGINT ignored, which its
+    jobs would inherit; a shell cannot trap a signal ignored on entry, so the deadline's SIGINT would then stop
+    nothing until SIGKILL.  (Popen's ``restore_signals`` restores SIGPIPE and SIGXFSZ only.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run(jobs: list[tuple[str, str]], workers: int, deadline: float, grace: float, log_dir: Path) -> list[dict]:
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -82,7 +90,14 @@ def run(jobs: list[tuple[str, str]], workers: int, deadline: float, grace: float
         while not stopping and pending and len(running) < workers:
             name, cmd = pending.pop(0)
             fh = open(log_dir / f"{name}.log", "w")
-            proc = subprocess.Popen(cmd, shell=True, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                shell=True,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_default_sigint,
+            )
             running[name] = (proc, time.monotonic(), fh)
             print(f"[{time.monotonic() - t0:7.1f} s] {name}: started", flush=True)
         for name in list(running):
