@@ -212,6 +212,7 @@ def test_static_step_gives_the_same_tokens(stories, prompts, full_tokens, which)
     assert tiled.tokens.tolist() == [eager.tokens[1].tolist()] * 2
 
 
+@pytest.mark.slow  # 30-40 s in the Triton interpreter; each kernel's own CPU check: tests/test_kernels_triton.py
 @pytest.mark.skipif(CUDA, reason="CPU model in the interpreter; on CUDA: test_gpu_system_path_matches_accuracy_path")
 def test_magicpig_with_the_triton_kernels(stories, prompts):
     """MagicPIG's GPU part through its Triton kernels (query and overflow-key codes; the static keys' attention
@@ -224,6 +225,7 @@ def test_magicpig_with_the_triton_kernels(stories, prompts):
     assert 0 < got.stats["sampled"] < got.stats["candidates"]
 
 
+@pytest.mark.slow  # 30-40 s in the Triton interpreter; each kernel's own CPU check: tests/test_kernels_triton.py
 @pytest.mark.skipif(CUDA, reason="CPU model in the interpreter; on CUDA: test_gpu_cuda_graph_matches_accuracy_path")
 def test_static_step_with_the_triton_kernels(stories, prompts):
     """The static DS step through the Triton kernels (label append and scores, the radix top-k with the device
