@@ -7,10 +7,9 @@ stories260K), on CUDA when there is one, in its default dtype (bf16 on CUDA).  T
 lengths mixed in one pool, so every batch is left-padded.  For each registered method (the configs its
 ``paper_configs`` declares: its paper defaults; DS also with DS-Offload's predicted keys) the pool runs with
 ``eval.batch_invariant`` on as one batch of 50, in batches of 7 and, for ``--alone`` samples, one at a time; a
-sample's record (greedy tokens, stop reason, its score and every
-recorded statistic, per layer and head) must be the same in all three.  With ``--fast-path`` the same comparison
-is made with the stock kernels for a few methods, to show what the mode removes.  ``tests/test_invariance.py``
-runs it on the GPU (``gpu`` marker)."""
+sample's record (greedy tokens, stop reason, its score and every recorded statistic, per layer and head) must be the
+same in all three.  With ``--fast-path`` the same comparison is made with the stock kernels for a few methods, to
+show what the mode removes.  ``tests/test_invariance.py`` runs it on the GPU (``gpu`` marker)."""
 
 from __future__ import annotations
 
@@ -41,10 +40,11 @@ STATS = (
 def method_runs() -> list[tuple[str, str, dict[str, Any]]]:
     """(label, method, options): every registered method under the configs it declares (``Method.paper_configs``:
     its paper defaults; DS also offloaded), full attention first."""
-    from ..methods import METHODS
+    from ..methods import METHODS, compare_names
 
-    names = sorted(METHODS, key=lambda n: (not METHODS[n].dense, n))
-    return [(label, name, dict(opts)) for name in names for label, opts in METHODS[name].paper_configs().items()]
+    return [
+        (label, name, dict(opts)) for name in compare_names() for label, opts in METHODS[name].paper_configs().items()
+    ]
 
 
 SUBTASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue", "vt")
