@@ -46,6 +46,10 @@ The paired difference of a stochastic method against full attention (determinist
 attention finished; each replicate applies the same W to both sides (paired on samples) and resamples the seeds
 of the method only.
 
+Two configurations, each over its own seeds (``seed_pooled_contrast``, e.g. MagicPIG (9, 120) against (10, 150)),
+are compared the same way: θ_A − θ_B on the samples every run of both finished, one W for both sides, then A's
+seed draws, then B's (``python -m sparse_eval.contrast``).
+
 Order of the draws (so that an independent implementation reproduces the intervals exactly):
 ``rng = numpy.random.default_rng(seed)``; for each group in increasing group id, ``rng.multinomial(n_g, [1/n_g]
 * n_g, size=n_boot)`` gives W's columns of that group's samples (in their order); then, for the two-level
@@ -236,28 +240,42 @@ def seed_pooled_difference(
     """{diff, lo, hi, n, seeds, significant}: (mean over seeds of score) − score(reference) over the samples every
     seed and the reference finished, with the two-level paired interval: the reference (full attention,
     deterministic) gets the same sample weights as each seed, the seeds are resampled (module docstring).  One
-    run: exactly ``paired_difference``."""
-    ids = common_ids(runs, reference)
+    run: exactly ``paired_difference``.  ``seed_pooled_contrast(runs, [reference])``, exactly."""
+    return seed_pooled_contrast(runs, [reference], n_boot=n_boot, level=level, seed=seed)
+
+
+def seed_pooled_contrast(
+    runs: Sequence[ScoreTerms],
+    reference_runs: Sequence[ScoreTerms],
+    n_boot: int = N_BOOT,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """{diff, lo, hi, n, seeds, reference_seeds, significant}: θ_A − θ_B, two configurations each pooled over its
+    seeds (``runs``: A's, ``reference_runs``: B's; θ as in the module docstring) on the samples every run of both
+    finished, with the two-level paired interval.  Each replicate draws ONE set of sample weights W for both sides
+    (paired on prompts), then A's seed indices, then B's (B's only when B has more than one run, so that a
+    deterministic reference draws nothing: ``seed_pooled_difference`` is this with one reference run).  Use it to
+    compare two settings of a stochastic method, e.g. MagicPIG (9, 120) against (10, 150), seeds 0–2 each."""
+    ref_ids = [set(t.ids) for t in reference_runs]
+    ids = [i for i in common_ids(runs) if all(i in r for r in ref_ids)] if reference_runs else []
+    out = {"diff": None, "lo": None, "hi": None, "n": len(ids), "seeds": len(runs)}
+    out.update(reference_seeds=len(reference_runs), level=level, significant=None)
     if not ids:
-        return {"diff": None, "lo": None, "hi": None, "n": 0, "seeds": len(runs), "level": level, "significant": None}
-    subs = _seed_subsets(runs, ids, "seed_pooled_difference")
-    ref = reference.subset(ids)
-    if not np.array_equal(subs[0].group, ref.group):
-        raise ValueError("seed_pooled_difference: the runs and the reference put a shared sample in different groups")
+        return out
+    subs = _seed_subsets(runs, ids, "seed_pooled_contrast")
+    refs = _seed_subsets(reference_runs, ids, "seed_pooled_contrast")
+    if not np.array_equal(subs[0].group, refs[0].group):
+        raise ValueError("seed_pooled_contrast: the two configurations put a shared sample in different groups")
     rng = np.random.default_rng(seed)
-    w = _resample_weights(ref.group, n_boot, rng)
-    stats = np.stack([t._stat(w) for t in subs])  # [S, R]
-    lo, hi = _interval(_seed_resample(stats, rng) - ref._stat(w), level)
+    w = _resample_weights(refs[0].group, n_boot, rng)
+    theta_a = _seed_resample(np.stack([t._stat(w) for t in subs]), rng)  # [R]
+    ref_stats = np.stack([t._stat(w) for t in refs])  # [S_B, R]
+    theta_b = ref_stats[0] if len(refs) == 1 else _seed_resample(ref_stats, rng)
+    lo, hi = _interval(theta_a - theta_b, level)
     significant = None if math.isnan(lo) or len(ids) < MIN_SIGNIFICANCE_N else bool(lo > 0 or hi < 0)
-    return {
-        "diff": float(np.mean([t.score() for t in subs])) - ref.score(),
-        "lo": lo,
-        "hi": hi,
-        "n": len(ids),
-        "seeds": len(runs),
-        "level": level,
-        "significant": significant,
-    }
+    diff = float(np.mean([t.score() for t in subs]) - np.mean([t.score() for t in refs]))
+    return dict(out, diff=diff, lo=lo, hi=hi, significant=significant)
 
 
 def score_interval(task: Any, records: list[dict[str, Any]], seed: int = 0) -> dict[str, Any] | None:

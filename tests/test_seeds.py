@@ -199,3 +199,51 @@ def test_collect_pools_exactly_the_runs_that_differ_only_in_seed(tmp_path, capsy
     full_row = whole[whole.method == "full"].iloc[0]
     assert full_row.stochastic == False and full_row.interval_omits_seeds == False  # noqa: E712
     assert not math.isnan(row.pooled_lo)
+
+
+def test_contrast_pairs_two_configurations_each_pooled_over_its_seeds(tmp_path, capsys):
+    """``python -m sparse_eval.contrast``: A (3 seeds) against B (3 seeds) is seed_pooled_contrast over their runs
+    in seed order; against full attention it is collect's pooled difference; a pattern of two configurations, a
+    pattern that matches nothing and two tasks are refused by name; an incomplete run takes away the claim."""
+    from sparse_eval.collect import collect
+    from sparse_eval.contrast import contrast, main
+    from sparse_eval.statistics import seed_pooled_contrast
+    from sparse_eval.tasks import build_task
+
+    rng = np.random.default_rng(3)
+    mp = {"name": "magicpig", "K": 10, "L": 150, "sink": 4, "local": 64, "dense_layers": [0, 16]}
+    _fake_run(tmp_path, {"name": "full", "sink": 4, "local": 64, "dense_layers": [0, 1]}, 0, _scores(rng))
+    a = {s: _scores(rng, -2) for s in (2, 0, 1)}
+    b = {s: _scores(rng, -6) for s in (1, 2, 0)}
+    for s, sc in a.items():
+        _fake_run(tmp_path, dict(mp, K=9, L=120), s, sc)
+    for s, sc in b.items():
+        _fake_run(tmp_path, mp, s, sc)
+    task = build_task(TASK)
+
+    def terms(scores):
+        return task.score_terms(
+            [{"id": i, "subtask": i.rsplit("-", 1)[0], "score": v, "prediction": "x"} for i, v in scores.items()]
+        )
+
+    c = contrast(tmp_path, "magicpig-K=9-*", "magicpig-K=10-*")
+    want = seed_pooled_contrast([terms(a[s]) for s in (0, 1, 2)], [terms(b[s]) for s in (0, 1, 2)])
+    assert (c["diff"], c["lo"], c["hi"], c["n"]) == pytest.approx((want["diff"], want["lo"], want["hi"], want["n"]))
+    assert c["a_seeds"] == [0, 1, 2] and c["b_seeds"] == [0, 1, 2] and c["incomplete"] == []
+    df = collect(tmp_path)
+    row = df[(df.subtask == "all") & (df.method == "magicpig") & (df["method.K"] == 9)].iloc[0]
+    vs_full = contrast(tmp_path, "magicpig-K=9-*", "full-*")
+    assert (vs_full["diff"], vs_full["lo"], vs_full["hi"]) == pytest.approx(
+        (row.pooled_diff, row.pooled_diff_lo, row.pooled_diff_hi)
+    )
+    assert main([str(tmp_path), "--a", "magicpig-K=9-*", "--b", "magicpig-K=10-*"]) == 0
+    assert "A − B = " in capsys.readouterr().out
+    for pattern, needle in (("magicpig-*", "matches runs of 2 configurations"), ("quest-*", "matches no run")):
+        with pytest.raises(SystemExit, match=needle):
+            contrast(tmp_path, pattern, "full-*")
+    _fake_run(tmp_path, dict(mp, K=8, L=75), 0, _scores(rng), task=dict(TASK, seed=7))
+    with pytest.raises(SystemExit, match="differ in task_config"):
+        contrast(tmp_path, "magicpig-K=8-*", "full-*")
+    _fake_run(tmp_path, dict(mp, K=7, L=40), 0, _scores(rng), expected=30)  # 24 of 30 samples: incomplete
+    partial = contrast(tmp_path, "magicpig-K=7-*", "full-*")
+    assert partial["significant"] is None and len(partial["incomplete"]) == 1

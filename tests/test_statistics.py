@@ -161,10 +161,13 @@ def test_every_task_terms_reproduce_its_aggregate():
 
 def _brute_two_level(runs, reference, n_boot, seed, level=0.95):
     """The two-level bootstrap of the module docstring written out plainly: explicit resampled index lists per
-    group and explicit seed draws, loops instead of matrix products (same generator, same order of draws)."""
-    ids = [i for i in runs[0].ids if all(i in t.ids for t in runs[1:]) and (reference is None or i in reference.ids)]
+    group and explicit seed draws, loops instead of matrix products (same generator, same order of draws).
+    ``reference``: None, one run (not resampled over seeds) or a list of runs (a second configuration's seeds,
+    drawn after the first's)."""
+    refs = [] if reference is None else (list(reference) if isinstance(reference, list) else [reference])
+    ids = [i for i in runs[0].ids if all(i in t.ids for t in runs[1:] + refs)]
     sub = [t.subset(ids) for t in runs]
-    ref = reference.subset(ids) if reference is not None else None
+    ref_sub = [t.subset(ids) for t in refs]
     group = sub[0].group
     groups = sorted(set(group.tolist()))
     rng = np.random.default_rng(seed)
@@ -173,6 +176,7 @@ def _brute_two_level(runs, reference, n_boot, seed, level=0.95):
         idx = np.flatnonzero(group == g)
         counts[:, idx] = rng.multinomial(len(idx), [1.0 / len(idx)] * len(idx), size=n_boot)
     picks = rng.integers(0, len(sub), size=(n_boot, len(sub)))
+    ref_picks = rng.integers(0, len(ref_sub), size=(n_boot, len(ref_sub))) if len(ref_sub) > 1 else None
     transform = math.exp if sub[0].transform == "exp" else (lambda x: x)
 
     def score(t, b):
@@ -185,7 +189,11 @@ def _brute_two_level(runs, reference, n_boot, seed, level=0.95):
     stats = []
     for b in range(n_boot):
         value = sum(score(sub[k], b) for k in picks[b]) / len(sub)
-        stats.append(value - (score(ref, b) if ref is not None else 0.0))
+        if ref_picks is not None:
+            value -= sum(score(ref_sub[k], b) for k in ref_picks[b]) / len(ref_sub)
+        elif ref_sub:
+            value -= score(ref_sub[0], b)
+        stats.append(value)
     a = (1 - level) / 2
     return np.quantile(np.array(stats), [a, 1 - a])
 
@@ -222,6 +230,39 @@ def test_two_level_interval_equals_brute_force(transform):
     lo, hi = _brute_two_level(runs, full.subset([i for i in ids if i != "x5"]), n_boot, 7)
     assert d["n"] == n - 2
     assert d["lo"] == pytest.approx(lo, rel=1e-12, abs=1e-12) and d["hi"] == pytest.approx(hi, rel=1e-12, abs=1e-12)
+
+
+def test_contrast_of_two_seed_pooled_configurations_equals_brute_force():
+    """seed_pooled_contrast (setting A's seeds against setting B's, paired on prompts) reproduces the plain
+    implementation (one set of sample weights, A's seed draws, then B's) to 1e-12 on the samples all six runs
+    finished; with one reference run it is seed_pooled_difference exactly."""
+    from sparse_eval.statistics import seed_pooled_contrast, seed_pooled_difference
+
+    rng = np.random.default_rng(21)
+    n, n_boot = 23, 300
+    group = np.array([0] * 9 + [1] * 6 + [2] * 8)
+    ids = [f"x{i}" for i in range(n)]
+    prompt = rng.normal(0, 15, n)
+
+    def run(shift):
+        return ScoreTerms(ids, 40 + shift + prompt + rng.normal(0, 5, n), np.ones(n), group, "identity")
+
+    a = [run(3.0 + 0.5 * s) for s in range(3)]
+    b = [run(0.0 + 0.5 * s) for s in range(3)]
+    b[2] = b[2].subset([i for i in ids if i != "x4"])  # a sample one run of B lacks: left out of both sides
+    c = seed_pooled_contrast(a, b, n_boot=n_boot, seed=5)
+    lo, hi = _brute_two_level(a, b, n_boot, 5)
+    assert c["n"] == n - 1 and (c["seeds"], c["reference_seeds"]) == (3, 3)
+    assert c["lo"] == pytest.approx(lo, rel=1e-12, abs=1e-12) and c["hi"] == pytest.approx(hi, rel=1e-12, abs=1e-12)
+    common = [i for i in ids if i != "x4"]
+    expect = np.mean([t.subset(common).score() for t in a]) - np.mean([t.subset(common).score() for t in b])
+    assert c["diff"] == pytest.approx(expect, rel=1e-12) and c["lo"] < c["diff"] < c["hi"]
+    one = seed_pooled_contrast(a, [b[0]], n_boot=n_boot, seed=5)
+    assert one == dict(seed_pooled_difference(a, b[0], n_boot=n_boot, seed=5), reference_seeds=1)
+    # two configurations that differ: the paired interval excludes 0; a configuration against itself: diff 0
+    assert c["significant"] is True
+    same = seed_pooled_contrast(a, a, n_boot=n_boot, seed=5)
+    assert same["diff"] == 0.0 and same["lo"] < 0 < same["hi"]
 
 
 def test_two_level_with_one_seed_is_the_one_level_bootstrap():

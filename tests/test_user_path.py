@@ -488,6 +488,9 @@ TINY = {
     "task.num_samples=5": "the paper sweep (GPU); its smoke variant is the line above",
     "python -m sparse_eval.status runs/": [],
     "python -m sparse_eval.collect runs/": [],
+    "python -m sparse_eval.contrast runs/ --a 'magicpig-K=10-*' --b 'quest-*'": "needs runs of two "
+    "configurations (the smoke sweep's, a minute): tests/test_seeds.py::test_contrast_pairs_two_configurations_"
+    "each_pooled_over_its_seeds",
     "python -m sparse_eval -m hydra/launcher=slurm +experiment=ruler_magicpig hydra.launcher.partition=gpu "
     "hydra.launcher.gpus_per_node=1 hydra.launcher.cpus_per_task=8 hydra.launcher.mem_gb=64 "
     "hydra.launcher.timeout_min=720 hydra.launcher.array_parallelism=16 "

@@ -1,0 +1,117 @@
+"""Is setting A better than setting B?  The paired difference of two configurations, each pooled over its seeds.
+
+``collect`` compares every run with full attention.  This compares two chosen configurations of the same task and
+model, for instance MagicPIG (9, 120) seeds 0–2 against (10, 150) seeds 0–2:
+
+    python -m sparse_eval.contrast runs/b64 --a 'magicpig-K=9-*' --b 'magicpig-K=10-*'
+
+``--a`` and ``--b`` are shell patterns matched against run directory names (``<method>-<settings>-<hash>``) below
+the runs folder; each must select the runs of ONE configuration (one ``seed_group``: runs that differ only in their
+seed), and both must be of one task config.  The difference θ_A − θ_B, on the samples every run of both finished,
+gets the two-level paired interval of ``sparse_eval.statistics.seed_pooled_contrast`` (prompts resampled once for
+both sides, each side's seeds resampled).  A run that has not scored all its task's samples is named incomplete,
+and the difference is then given no significance, as in ``collect``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import sys
+from pathlib import Path
+from typing import Any
+
+from .collect import run_rows
+from .statistics import seed_pooled_contrast
+
+
+def _runs(root: Path, pattern: str) -> list[Path]:
+    """The run directories below ``root`` whose name matches ``pattern`` (a run directory holds config.yaml)."""
+    return sorted(p.parent for p in root.rglob("config.yaml") if fnmatch.fnmatch(p.parent.name, pattern))
+
+
+def _overall(run_dir: Path) -> dict[str, Any]:
+    rows = run_rows(run_dir, by_subtask=False)
+    if len(rows) != 1 or rows[0].get("_terms") is None:
+        raise SystemExit(f"error: {run_dir}: no per-sample score terms (unreadable run, or a task without intervals)")
+    return rows[0]
+
+
+def _seed_order(row: dict[str, Any]) -> tuple:
+    """Runs in seed order, as ``collect`` pools them (the seeds' order decides which run each seed draw picks)."""
+    seed = row.get("seed")
+    return (0, seed, "") if isinstance(seed, int) else (1, 0, str(seed))
+
+
+def _side(root: Path, pattern: str, flag: str) -> list[dict[str, Any]]:
+    dirs = _runs(root, pattern)
+    if not dirs:
+        raise SystemExit(
+            f"error: {flag} {pattern!r} matches no run directory below {root}; give a pattern of run "
+            "directory names, e.g. 'magicpig-K=9-*'"
+        )
+    rows = sorted((_overall(d) for d in dirs), key=_seed_order)
+    groups = sorted({str(r.get("seed_group")) for r in rows})
+    if len(groups) != 1:
+        names = ", ".join(d.name for d in dirs)
+        raise SystemExit(
+            f"error: {flag} {pattern!r} matches runs of {len(groups)} configurations ({names}); "
+            "narrow the pattern to one configuration (its runs may differ only in their seed)"
+        )
+    seeds = [r.get("seed") for r in rows]
+    if len(set(map(str, seeds))) != len(seeds):
+        raise SystemExit(f"error: {flag} {pattern!r} matches two runs of one seed ({seeds}); keep one of each")
+    return rows
+
+
+def contrast(root: Path, a: str, b: str) -> dict[str, Any]:
+    """The contrast's numbers (``seed_pooled_contrast``) with the two sides' labels, seeds and completeness."""
+    ra, rb = _side(root, a, "--a"), _side(root, b, "--b")
+    keys = ("task", "task_config", "model", "model_fingerprint")
+    for k in keys:
+        if ra[0].get(k) != rb[0].get(k):
+            raise SystemExit(
+                f"error: --a and --b differ in {k} ({ra[0].get(k)!r} vs {rb[0].get(k)!r}); a contrast "
+                "pairs the same prompts of one task and model"
+            )
+    d = seed_pooled_contrast([r["_terms"] for r in ra], [r["_terms"] for r in rb])
+    complete = all(r.get("complete") for r in ra + rb)
+    if not complete:
+        d["significant"] = None
+    return dict(
+        d,
+        a=ra[0].get("method_config") or ra[0].get("method"),
+        b=rb[0].get("method_config") or rb[0].get("method"),
+        a_seeds=[r.get("seed") for r in ra],
+        b_seeds=[r.get("seed") for r in rb],
+        incomplete=[r["run_dir"] for r in ra + rb if not r.get("complete")],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sparse_eval.contrast", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", help="a runs folder (paths.runs_dir) or any folder below it")
+    ap.add_argument("--a", required=True, help="run directory name pattern of configuration A, e.g. 'magicpig-K=9-*'")
+    ap.add_argument("--b", required=True, help="run directory name pattern of configuration B (the reference)")
+    args = ap.parse_args(argv)
+    root = Path(args.dir)
+    if not root.is_dir():
+        print(f"error: {root} is not a folder; give a runs folder (paths.runs_dir)", file=sys.stderr)
+        return 2
+    c = contrast(root, args.a, args.b)
+    if c["diff"] is None:
+        print(f"no sample that every run of both configurations finished ({args.a!r}, {args.b!r})", file=sys.stderr)
+        return 1
+    sig = {True: "significant", False: "not significant", None: "no claim (incomplete runs or too few samples)"}
+    print(f"A: {c['a']} (seeds {c['a_seeds']})\nB: {c['b']} (seeds {c['b_seeds']})")
+    print(
+        f"A − B = {c['diff']:+.2f} [{c['lo']:+.2f}, {c['hi']:+.2f}] (95 %, two-level paired bootstrap over "
+        f"{c['n']} prompts and the seeds): {sig[c['significant']]}"
+    )
+    for run in c["incomplete"]:
+        print(f"incomplete: {run}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
