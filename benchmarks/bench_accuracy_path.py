@@ -5,7 +5,12 @@ each method's selection).  For every method this prefills one context densely (p
 ``--steps`` greedy decode steps with the method attached, with the estimation error on (the default of a run)
 and off.  The same prefilled cache is reused for every method (cropped back after each), and full attention
 is timed in the same process as the baseline, as is stock transformers (sdpa, no plug-in: method ``stock``).
-Medians over ``--repeats``.  The dense prefill of the batch is timed too (``prefill_ms``, stock sdpa, median over
+Medians over ``--repeats``.  With ``--profile``, one more pass of ``--steps`` per method runs under torch.profiler
+and gives, per step, the GPU's busy time (the sum of its kernels' and copies' durations: what the step would take
+if nothing but the device's work remained, i.e. the floor of a CUDA-graph capture that keeps the same kernels),
+the number of kernels and copies launched, the host syncs (``aten::_local_scalar_dense``: ``.item()``/``bool()``
+of a tensor; ``aten::nonzero``; ``cudaStreamSynchronize``) and the kernels that take the most time.  The dense
+prefill of the batch is timed too (``prefill_ms``, stock sdpa, median over
 ``--repeats``): with the per-step times it is what ``benchmarks/project_ruler_hours.py`` projects a RULER
 evaluation's GPU-hours from.
 
@@ -84,6 +89,45 @@ def time_decode(model, cache, prefill_len: int, first_token: torch.Tensor, steps
     return (time.perf_counter() - t0) * 1000.0 / steps
 
 
+SYNC_EVENTS = ("aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def profile_methods(model, cache, args, first, device, methods) -> dict[tuple[str, bool], dict]:
+    """Per (method, error on): one profiled pass of ``--steps`` steps (after a 1-step warm-up), reduced to per-step
+    figures: wall ms (under the profiler), GPU busy ms, kernels and copies launched, host syncs, and the ten
+    kernels with the most device time (name, ms per step, launches per step).  CUDA only."""
+    if device.type != "cuda":
+        return {}
+    out: dict[tuple[str, bool], dict] = {}
+    for name, method in methods:
+        for err in (False,) if method is None else (True, False):
+            if method is not None:
+                attach(model, method, Runtime(protocol="A", compute_error=err))
+            time_decode(model, cache, args.context, first, 1, device)
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                wall = time_decode(model, cache, args.context, first, args.steps, device)
+            if method is not None:
+                detach(model)
+            events = list(prof.events())
+            dev = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+            per_kernel: dict[str, list[float]] = {}
+            for e in dev:
+                per_kernel.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e3)
+            top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:10]
+            out[(name, err)] = {
+                "profiled_ms_per_step": wall,
+                "gpu_busy_ms": sum(e.time_range.elapsed_us() for e in dev) / 1e3 / args.steps,
+                "kernels_per_step": len(dev) / args.steps,
+                "host_syncs_per_step": sum(e.name in SYNC_EVENTS for e in events) / args.steps,
+                "top_kernels": [
+                    {"name": k[:120], "ms_per_step": sum(v) / args.steps, "launches_per_step": len(v) / args.steps}
+                    for k, v in top
+                ],
+            }
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="stories260k")
@@ -98,6 +142,7 @@ def main(argv=None) -> int:
         help="conf/method names; 'stock' = transformers' own attention, no plug-in",
     )
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--profile", action="store_true", help="also profile --steps steps per method (GPU busy time)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -166,6 +211,7 @@ def main(argv=None) -> int:
                 stats[(name, err)] = session.recorder.summary() if session is not None else {}
                 if session is not None:
                     detach(model)
+    profiles = profile_methods(model, cache, args, first, device, methods) if args.profile else {}
     rows = []
     for (name, err), ts in times.items():
         summ = stats[(name, err)]
@@ -177,6 +223,7 @@ def main(argv=None) -> int:
                 "all_ms": ts,
                 "cost2": summ.get("cost2"),
                 "est_error": summ.get("est_error"),
+                **profiles.get((name, err), {}),
             }
         )
         print(
@@ -184,8 +231,20 @@ def main(argv=None) -> int:
             f"cost2={summ.get('cost2')}"
         )
     base = {r["est_error_on"]: r["ms_per_step"] for r in rows if r["method"] == "full"}
+    busy = {r["est_error_on"]: r.get("gpu_busy_ms") for r in rows if r["method"] == "full"}
     for r in rows:
         r["ratio_vs_full"] = r["ms_per_step"] / base[r["est_error_on"]] if base else None
+        if r.get("gpu_busy_ms") is not None and busy.get(r["est_error_on"]):
+            r["busy_ratio_vs_full"] = r["gpu_busy_ms"] / busy[r["est_error_on"]]
+    if profiles:
+        print("\nmethod           error  ms/step  GPU busy ms/step  busy / full's busy  kernels/step  host syncs/step")
+        for r in rows:
+            if "gpu_busy_ms" in r:
+                print(
+                    f"{r['method']:16s} {'on ' if r['est_error_on'] else 'off'}  {r['ms_per_step']:8.2f}  "
+                    f"{r['gpu_busy_ms']:16.2f}  {r.get('busy_ratio_vs_full') or float('nan'):18.2f}  "
+                    f"{r['kernels_per_step']:12.0f}  {r['host_syncs_per_step']:15.1f}"
+                )
     print("\nmethod            ratio vs full (error on / off)")
     for name in dict.fromkeys(r["method"] for r in rows):
         on = next((r for r in rows if r["method"] == name and r["est_error_on"]), None)
