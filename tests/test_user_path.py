@@ -471,6 +471,10 @@ def readme_commands() -> list[str]:
 
 
 # how each README command runs in the test: (tiny overrides appended, or a skip reason)
+PAPER_SCALE = (
+    "the paper's scale (7B-70B weights from the hub, a GPU); each experiment's jobs compose and validate in "
+    "tests/test_sweeps.py::test_experiment_jobs_compose_and_validate and its smoke variant runs there"
+)
 TINY = {
     "python -m pytest -q -m slow": "the slow checks themselves (minutes), run by hand",
     "python -m sparse_eval": "run and checked by tests/test_runner.py::test_default_command_end_to_end",
@@ -486,6 +490,24 @@ TINY = {
     "python -m sparse_eval -m +experiment=smoke/ruler_magicpig": [],
     "python -m sparse_eval -m +experiment=ruler_magicpig model=smollm2_135m task.length=4096 "
     "task.num_samples=5": "the paper sweep (GPU); its smoke variant is the line above",
+    **{
+        f"python -m sparse_eval -m +experiment={name}": PAPER_SCALE
+        for name in (
+            "ds_kv_retrieval",
+            "ds_ppl",
+            "lmeval_magicpig",
+            "longbench_magicpig",
+            "magicpig_centering",
+            "magicpig_cost_by_kl",
+            "quest_budgets",
+            "ruler_magicpig",
+            "topk_vs_oracle",
+        )
+    },
+    "python -m sparse_eval.analysis analysis=error_vs_budget model=llama3_1_8b_instruct "
+    "analysis.passages=32": PAPER_SCALE,
+    "python -m sparse_eval.calibrate model=llama2_7b": PAPER_SCALE,
+    "python -m sparse_eval.calibrate model=llama2_7b_chat": PAPER_SCALE,
     "python -m sparse_eval.status runs/": [],
     "python -m sparse_eval.collect runs/": [],
     "python -m sparse_eval.contrast runs/ --a 'magicpig-K=10-*' --b 'quest-*'": "needs runs of two "
