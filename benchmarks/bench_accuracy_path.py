@@ -89,27 +89,59 @@ def time_decode(model, cache, prefill_len: int, first_token: torch.Tensor, steps
     return (time.perf_counter() - t0) * 1000.0 / steps
 
 
-SYNC_EVENTS = ("aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+# what waits for the device: a tensor read on the host (``.item()``, ``bool()``, ``int()``), ``torch.equal``, a
+# data-dependent shape (``nonzero``), an explicit synchronize; counted where no enclosing event already counted it
+SYNC_EVENTS = (
+    "aten::_local_scalar_dense",
+    "aten::is_nonzero",
+    "aten::equal",
+    "aten::nonzero",
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+)
+
+
+def _aten_parent(e) -> bool:
+    """Whether an enclosing event is an aten operator (the event is then part of it, not a call of its own)."""
+    return e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")
+
+
+def _host_syncs(events) -> int:
+    """Sync events (``SYNC_EVENTS``) with no sync event among their ancestors."""
+    count = 0
+    for e in events:
+        if e.name not in SYNC_EVENTS:
+            continue
+        parent = e.cpu_parent
+        while parent is not None and parent.name not in SYNC_EVENTS:
+            parent = parent.cpu_parent
+        count += parent is None
+    return count
 
 
 def profile_methods(model, cache, args, first, device, methods) -> dict[tuple[str, bool], dict]:
     """Per (method, error on): one profiled pass of ``--steps`` steps (after a 1-step warm-up), reduced to per-step
     figures: wall ms (under the profiler), GPU busy ms, kernels and copies launched, host syncs, and the ten
-    kernels with the most device time (name, ms per step, launches per step).  CUDA only."""
-    if device.type != "cuda":
-        return {}
+    kernels with the most device time (name, ms per step, launches per step).  On a CPU: the host syncs a GPU
+    would see (the same calls) and the aten operators per step, no device figures."""
+    cuda = device.type == "cuda"
     out: dict[tuple[str, bool], dict] = {}
     for name, method in methods:
         for err in (False,) if method is None else (True, False):
             if method is not None:
                 attach(model, method, Runtime(protocol="A", compute_error=err))
             time_decode(model, cache, args.context, first, 1, device)
-            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
             with torch.profiler.profile(activities=acts) as prof:
                 wall = time_decode(model, cache, args.context, first, args.steps, device)
             if method is not None:
                 detach(model)
             events = list(prof.events())
+            syncs = _host_syncs(events) / args.steps
+            if not cuda:
+                ops = [e for e in events if e.name.startswith("aten::") and not _aten_parent(e)]
+                out[(name, err)] = {"host_syncs_per_step": syncs, "aten_ops_per_step": len(ops) / args.steps}
+                continue
             dev = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
             per_kernel: dict[str, list[float]] = {}
             for e in dev:
@@ -119,7 +151,7 @@ def profile_methods(model, cache, args, first, device, methods) -> dict[tuple[st
                 "profiled_ms_per_step": wall,
                 "gpu_busy_ms": sum(e.time_range.elapsed_us() for e in dev) / 1e3 / args.steps,
                 "kernels_per_step": len(dev) / args.steps,
-                "host_syncs_per_step": sum(e.name in SYNC_EVENTS for e in events) / args.steps,
+                "host_syncs_per_step": syncs,
                 "top_kernels": [
                     {"name": k[:120], "ms_per_step": sum(v) / args.steps, "launches_per_step": len(v) / args.steps}
                     for k, v in top
@@ -237,13 +269,14 @@ def main(argv=None) -> int:
         if r.get("gpu_busy_ms") is not None and busy.get(r["est_error_on"]):
             r["busy_ratio_vs_full"] = r["gpu_busy_ms"] / busy[r["est_error_on"]]
     if profiles:
-        print("\nmethod           error  ms/step  GPU busy ms/step  busy / full's busy  kernels/step  host syncs/step")
+        print("\nmethod           error  ms/step  GPU busy ms/step  busy / full's busy  kernels (CPU: ops)  syncs/step")
         for r in rows:
-            if "gpu_busy_ms" in r:
+            if "host_syncs_per_step" in r:
                 print(
                     f"{r['method']:16s} {'on ' if r['est_error_on'] else 'off'}  {r['ms_per_step']:8.2f}  "
-                    f"{r['gpu_busy_ms']:16.2f}  {r.get('busy_ratio_vs_full') or float('nan'):18.2f}  "
-                    f"{r['kernels_per_step']:12.0f}  {r['host_syncs_per_step']:15.1f}"
+                    f"{r.get('gpu_busy_ms') or float('nan'):16.2f}  "
+                    f"{r.get('busy_ratio_vs_full') or float('nan'):18.2f}  "
+                    f"{r.get('kernels_per_step') or r.get('aten_ops_per_step'):12.0f}  {r['host_syncs_per_step']:15.1f}"
                 )
     print("\nmethod            ratio vs full (error on / off)")
     for name in dict.fromkeys(r["method"] for r in rows):
