@@ -417,7 +417,12 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
     axes[1].legend(handles, labels, fontsize=7, loc="lower right", ncol=2)
     fig.suptitle(
         _title(res, model_name, "Attention long tail (MagicPIG Fig. 2a/b)")
-        + f"; last {opts.num_queries} query rows of a {res['length']}-token passage, mean over heads",
+        + f"; last {opts.num_queries} query rows of "
+        + (
+            f"{res['passages']} passages of {res['length']} tokens, mean over passages and heads"
+            if res.get("passages", 1) > 1
+            else f"a {res['length']}-token passage, mean over heads"
+        ),
         fontsize=11,
     )
     paths += common.save_figure(fig, out, "fig2_top_mass")
