@@ -348,3 +348,25 @@ def test_magicpig_kl_expectation_and_search(stories):
     assert rec["L"] is not None and rec["expected_cost2"] >= 0.5 and 0 < rec["measured_cost2"] <= 1
     with pytest.raises(ValueError, match="static keys"):
         mk.measure(model, tok, 512, mk.MagicPIGKLOptions(length=64, layers=[2], target_cost2=0.02))
+
+
+def test_analysis_provenance_is_taken_before_measuring(monkeypatch, tmp_path):
+    """An analysis names the commit its run started at: a commit made while it measures (the tree changing under
+    a long run) is not credited to it; the record also says when it finished."""
+    import sparse_eval.provenance as prov
+
+    head = {"commit": "a" * 40, "dirty": False}
+    monkeypatch.setattr(prov, "git_commit", lambda *a, **k: dict(head))
+    model_cfg = common.ModelConfig(name="stories260k", path="", device="cpu", dtype="float32")
+
+    def measure(model, tok, context, opts):
+        head["commit"] = "b" * 40  # a commit lands while the analysis measures
+        return {"text": "bundled", "per_layer": []}
+
+    monkeypatch.setattr(common, "load", lambda cfg: (None, None, 512))
+    opts = geometry.GeometryOptions(out=str(tmp_path))
+    res = common.run_measured(
+        "probe", model_cfg, opts, measure, lambda r: __import__("pandas").DataFrame(), lambda *a: []
+    )
+    assert res["result"]["provenance"]["git"]["commit"] == "a" * 40
+    assert res["result"]["provenance"]["text"] == "bundled" and "finished" in res["result"]["provenance"]

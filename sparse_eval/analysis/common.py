@@ -157,6 +157,9 @@ def write_json(path: Path, obj: Any) -> Path:
 
 
 def provenance(model: ModelConfig, options: Any, text_origin: str | None = None) -> dict[str, Any]:
+    """What made an analysis's numbers: model, options, text, the package's commit (and whether the tree was
+    dirty) and versions, taken when it is called: call it before measuring (``started``), so that a change to the
+    tree while an analysis runs is not credited to it, then ``finished(prov, text)``."""
     from ..provenance import git_commit, versions
 
     return {
@@ -167,6 +170,11 @@ def provenance(model: ModelConfig, options: Any, text_origin: str | None = None)
         "versions": versions(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def finished(prov: dict[str, Any], text_origin: str | None) -> dict[str, Any]:
+    """``prov`` (taken at the start) with the text the analysis read and the time it finished."""
+    return dict(prov, text=text_origin, finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
 def save_figure(fig: Any, out: Path, stem: str) -> list[Path]:
@@ -186,10 +194,11 @@ def run_measured(
     """The shape every per-layer analysis run takes: load the model, ``measure``, write ``<name>.json`` (with
     provenance) and ``<name>_per_layer.csv``, draw the figures."""
     opts.validate()
+    started = provenance(model_cfg, opts)
     model, tok, context = load(model_cfg)
     res = measure(model, tok, context, opts)
     out = out_dir(opts.out, name, model_cfg.name)
-    res["provenance"] = provenance(model_cfg, opts, res["text"])
+    res["provenance"] = finished(started, res["text"])
     write_json(out / f"{name}.json", res)
     table = per_layer_table(res)
     table.to_csv(out / f"{name}_per_layer.csv", index=False)

@@ -368,6 +368,7 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
 
 def run(model_cfg, opts: ErrorOptions) -> dict[str, Any]:
     opts.validate()
+    started = common.provenance(model_cfg, opts)
     model, tok, context = common.load(model_cfg)
     records = measure(model, tok, context, opts, progress=True)
     out = common.out_dir(opts.out, "error_vs_budget", model_cfg.name)
@@ -379,7 +380,7 @@ def run(model_cfg, opts: ErrorOptions) -> dict[str, Any]:
     summary.to_csv(out / "error_vs_budget.csv", index=False)
     common.write_json(
         out / "error_vs_budget.json",
-        {"provenance": common.provenance(model_cfg, opts, records[0]["text"] if records else None), "records": records},
+        {"provenance": common.finished(started, records[0]["text"] if records else None), "records": records},
     )
     paths = figures(summary, out, model_cfg.name, opts, model_shape(model)["num_layers"])
     return {

@@ -226,6 +226,7 @@ def run(model_cfg, opts: MagicPIGKLOptions) -> dict[str, Any]:
     import pandas as pd
 
     opts.validate()
+    started = common.provenance(model_cfg, opts)
     model, tok, context = common.load(model_cfg)
     records = measure(model, tok, context, opts, progress=True)
     out = common.out_dir(opts.out, "magicpig_kl", model_cfg.name)
@@ -233,7 +234,7 @@ def run(model_cfg, opts: MagicPIGKLOptions) -> dict[str, Any]:
     table.to_csv(out / "magicpig_kl.csv", index=False)
     common.write_json(
         out / "magicpig_kl.json",
-        {"provenance": common.provenance(model_cfg, opts, records[0]["text"] if records else None), "records": records},
+        {"provenance": common.finished(started, records[0]["text"] if records else None), "records": records},
     )
     paths = figures(records, out, model_cfg.name, opts)
     return {"out": out, "table": table, "table_file": out / "magicpig_kl.csv", "records": records, "figures": paths}
