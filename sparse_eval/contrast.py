@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .collect import run_rows
+from .collect import PAIR_KEYS, run_rows
 from .statistics import seed_pooled_contrast
 
 
@@ -67,8 +67,7 @@ def _side(root: Path, pattern: str, flag: str) -> list[dict[str, Any]]:
 def contrast(root: Path, a: str, b: str) -> dict[str, Any]:
     """The contrast's numbers (``seed_pooled_contrast``) with the two sides' labels, seeds and completeness."""
     ra, rb = _side(root, a, "--a"), _side(root, b, "--b")
-    keys = ("task", "task_config", "model", "model_fingerprint")
-    for k in keys:
+    for k in ("task", *PAIR_KEYS):  # what ``collect`` requires of a pair (model, task config, protocol, ...)
         if ra[0].get(k) != rb[0].get(k):
             raise SystemExit(
                 f"error: --a and --b differ in {k} ({ra[0].get(k)!r} vs {rb[0].get(k)!r}); a contrast "
