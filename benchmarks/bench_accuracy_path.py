@@ -8,8 +8,8 @@ is timed in the same process as the baseline, as is stock transformers (sdpa, no
 Medians over ``--repeats``.  With ``--profile``, one more pass of ``--steps`` per method runs under torch.profiler
 and gives, per step, the GPU's busy time (the sum of its kernels' and copies' durations: what the step would take
 if nothing but the device's work remained, i.e. the floor of a CUDA-graph capture that keeps the same kernels),
-the number of kernels and copies launched, the host syncs (``aten::_local_scalar_dense``: ``.item()``/``bool()``
-of a tensor; ``aten::nonzero``; ``cudaStreamSynchronize``) and the kernels that take the most time.  The dense
+the number of kernels and copies launched, the host syncs (``SYNC_EVENTS``: ``.item()``/``bool()`` of a tensor,
+``torch.equal``, ``nonzero``, an explicit synchronize) and the kernels that take the most time.  The dense
 prefill of the batch is timed too (``prefill_ms``, stock sdpa, median over
 ``--repeats``): with the per-step times it is what ``benchmarks/project_ruler_hours.py`` projects a RULER
 evaluation's GPU-hours from.
