@@ -36,35 +36,17 @@ from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, 
 from sparse_eval.methods import build_method, make_config  # noqa: E402
 from sparse_eval.provenance import hardware, versions  # noqa: E402
 from sparse_eval.run_config import method_options  # noqa: E402
-
-LLAMA31_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-)
+from sparse_eval.system.models import random_model  # noqa: E402
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype, layers: int | None):
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if name == "stories260k":
         model = AutoModelForCausalLM.from_pretrained(REPO / "sparse_eval/models/stories260K", dtype=dtype)
         return model.to(device).eval()
-    if name == "llama3_8b_random":
-        cfg = dict(LLAMA31_8B)
-        if layers:
-            cfg["num_hidden_layers"] = layers
-        with torch.device(device):
-            torch.manual_seed(0)
-            model = LlamaForCausalLM._from_config(LlamaConfig(**cfg), dtype=dtype)
-        return model.eval()
+    if name == "llama3_8b_random":  # the system path's Llama-3.1-8B shape (sparse_eval/system/models.py)
+        return random_model("llama3_1_8b", device, dtype, num_layers=layers or None, seed=0)
     raise ValueError(f"--model {name!r}; valid: stories260k, llama3_8b_random")
 
 

@@ -412,6 +412,13 @@ POOLED_COLUMNS = (
 )
 
 
+def seed_order(row: dict[str, Any]) -> tuple:
+    """Sort key of a configuration's runs: integer seeds in order, then any other.  The order in which seeds are
+    pooled decides which run each bootstrap seed draw picks, so every pooling sorts its runs by it."""
+    seed = row.get("seed")
+    return (0, seed, "") if isinstance(seed, int) else (1, 0, str(seed))
+
+
 def add_seed_pooling(rows: list[dict[str, Any]]) -> None:
     """The ``POOLED_COLUMNS`` of every row, over the rows of its seed group: the rows of runs that differ only in
     their seed (same ``seed_group``), of the same subtask and length.  Two runs of one group with the same seed (runs
@@ -434,10 +441,7 @@ def add_seed_pooling(rows: list[dict[str, Any]]) -> None:
                     "draws); pooled as one seed",
                     file=sys.stderr,
                 )
-        runs = sorted(
-            by_seed.values(),
-            key=lambda r: (0, r["seed"], "") if isinstance(r.get("seed"), int) else (1, 0, str(r.get("seed"))),
-        )
+        runs = sorted(by_seed.values(), key=seed_order)
         stochastic = runs[0].get("stochastic")
         out: dict[str, Any] = {c: None for c in POOLED_COLUMNS}
         out["seeds"] = len(runs)

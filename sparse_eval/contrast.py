@@ -21,13 +21,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .collect import PAIR_KEYS, run_rows
+from .collect import PAIR_KEYS, run_rows, seed_order
 from .statistics import seed_pooled_contrast
+from .store import find_run_dirs
 
 
 def _runs(root: Path, pattern: str) -> list[Path]:
-    """The run directories below ``root`` whose name matches ``pattern`` (a run directory holds config.yaml)."""
-    return sorted(p.parent for p in root.rglob("config.yaml") if fnmatch.fnmatch(p.parent.name, pattern))
+    """The run directories below ``root`` whose name matches ``pattern``."""
+    return [d for d in find_run_dirs(root) if fnmatch.fnmatch(d.name, pattern)]
 
 
 def _overall(run_dir: Path) -> dict[str, Any]:
@@ -37,12 +38,6 @@ def _overall(run_dir: Path) -> dict[str, Any]:
     return rows[0]
 
 
-def _seed_order(row: dict[str, Any]) -> tuple:
-    """Runs in seed order, as ``collect`` pools them (the seeds' order decides which run each seed draw picks)."""
-    seed = row.get("seed")
-    return (0, seed, "") if isinstance(seed, int) else (1, 0, str(seed))
-
-
 def _side(root: Path, pattern: str, flag: str) -> list[dict[str, Any]]:
     dirs = _runs(root, pattern)
     if not dirs:
@@ -50,7 +45,7 @@ def _side(root: Path, pattern: str, flag: str) -> list[dict[str, Any]]:
             f"error: {flag} {pattern!r} matches no run directory below {root}; give a pattern of run "
             "directory names, e.g. 'magicpig-K=9-*'"
         )
-    rows = sorted((_overall(d) for d in dirs), key=_seed_order)
+    rows = sorted((_overall(d) for d in dirs), key=seed_order)  # as collect pools them
     groups = sorted({str(r.get("seed_group")) for r in rows})
     if len(groups) != 1:
         names = ", ".join(d.name for d in dirs)
