@@ -134,7 +134,25 @@ def test_report_files_and_figures(report):
     } <= pngs
     for p in res["figures"]:
         assert p.stat().st_size > 5_000, p
-    assert not res["skipped_figures"] and not res["skipped_tables"]
+    # the fixture has no RULER run of one needle subtask alone (DS Fig. 4's variant: test_ds_fig4_niah_variant)
+    assert set(res["skipped_figures"]) == {"ds_fig4_niah"} and not res["skipped_tables"]
+
+
+def test_ds_fig4_niah_variant(df, tmp_path):
+    """DS Fig. 4's variant draws RULER runs of one single-needle subtask alone, and nothing else."""
+    from sparse_eval.report.figures import ds_fig4_niah
+    from sparse_eval.report.tables import Skip
+
+    with pytest.raises(Skip, match="niah_single_2"):  # the fixture's RULER runs have many subtasks each
+        ds_fig4_niah(df, tmp_path)
+    one = df[df["task"] == "kv_retrieval"].assign(task="ruler", subtask="niah_single_2")
+    paths = ds_fig4_niah(one, tmp_path)
+    assert {p.name for p in paths} == {"ds_fig4_niah.png", "ds_fig4_niah.pdf"}
+    assert all(p.stat().st_size > 5_000 for p in paths)
+    two = one.copy()
+    two.loc[two.index[0], "subtask"] = "niah_single_1"
+    with pytest.raises(Skip, match="one figure is one subtask"):
+        ds_fig4_niah(two, tmp_path)
 
 
 def test_cli(tmp_path, capsys):

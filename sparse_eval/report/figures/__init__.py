@@ -5,6 +5,7 @@
   fig9a_centering                      MagicPIG Fig. 9a: MagicPIG with / without key centering, fixed K, by L
   fig9bc_magicpig_vs_topk              MagicPIG Fig. 9b/c: MagicPIG vs TopK on CWE / FWE against measured Cost2
   ds_fig4_retrieval                    DS Fig. 4: key-value retrieval accuracy vs sparsity level and vs length
+  ds_fig4_niah                         DS Fig. 4's variant: one RULER needle subtask run alone, the same two panels
   ds_fig1_ppl_sparsity                 DS Fig. 1 / 9: perplexity vs token and channel sparsity
   pareto_<task>                        every method: score against measured Cost2, with the Pareto front
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..tables import Skip
-from .ds import ds_fig1_ppl, ds_fig4_retrieval, ppl_grid
+from .ds import ds_fig1_ppl, ds_fig4_niah, ds_fig4_retrieval, ppl_grid
 from .magicpig import fig1_topk, fig6c_oracle_vs_topk, fig9a_centering, fig9bc_magicpig_vs_topk
 from .plotting import INTERVAL_NOTE
 from .tradeoff import pareto
@@ -31,6 +32,7 @@ __all__ = [
     "INTERVAL_NOTE",
     "build_figures",
     "ds_fig1_ppl",
+    "ds_fig4_niah",
     "ds_fig4_retrieval",
     "fig1_topk",
     "fig6c_oracle_vs_topk",
@@ -47,6 +49,7 @@ FIGURES: dict[str, Callable[[Any, Path], list[Path]]] = {
     "fig9a_centering": fig9a_centering,
     "fig9bc_magicpig_vs_topk": fig9bc_magicpig_vs_topk,
     "ds_fig4_retrieval": ds_fig4_retrieval,
+    "ds_fig4_niah": ds_fig4_niah,
     "ds_fig1_ppl_sparsity": ds_fig1_ppl,
     "pareto": pareto,
 }

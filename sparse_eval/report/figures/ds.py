@@ -1,5 +1,5 @@
-"""Double Sparsity's figures: key-value retrieval accuracy vs sparsity level and length (Fig. 4), perplexity vs token
-and channel sparsity (Fig. 1, and Fig. 9's grid)."""
+"""Double Sparsity's figures: key-value retrieval accuracy vs sparsity level and length (Fig. 4, and its variant on
+one RULER needle subtask), perplexity vs token and channel sparsity (Fig. 1, and Fig. 9's grid)."""
 
 from __future__ import annotations
 
@@ -34,9 +34,35 @@ def _retrieval_label(r) -> str:
 
 
 def ds_fig4_retrieval(df, out: Path) -> list[Path]:
+    """DS Fig. 4: key-value retrieval ("Lost in the Middle" JSON) accuracy by sparsity level and by length."""
     runs = run_rows(df, "kv_retrieval")
     if runs.empty:
         raise Skip("no kv_retrieval runs")
+    return _retrieval_by_sparsity(runs, out, "ds_fig4_retrieval", "Key-value retrieval (DS Fig. 4)")
+
+
+# RULER's one-needle subtasks: the "fewer keys" variant of DS Fig. 4 (one needle in an essay haystack)
+NIAH_VARIANT_SUBTASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
+
+
+def ds_fig4_niah(df, out: Path) -> list[Path]:
+    """DS Fig. 4's variant on one RULER needle subtask: the runs of that subtask alone (a run of several subtasks
+    is not this figure), by sparsity level and by length.  For models whose full attention retrieves too little
+    from the key-value JSON for the sparsity curve to have room to fall."""
+    runs = run_rows(df, "ruler")
+    runs = runs[runs["subtask"].isin(NIAH_VARIANT_SUBTASKS)]
+    if runs.empty:
+        raise Skip(f"no RULER runs of one of {', '.join(NIAH_VARIANT_SUBTASKS)} alone")
+    subtasks = sorted(runs["subtask"].unique())
+    if len(subtasks) > 1:
+        raise Skip(f"RULER runs of several single-needle subtasks ({', '.join(subtasks)}): one figure is one subtask")
+    return _retrieval_by_sparsity(
+        runs, out, "ds_fig4_niah", f"One-needle retrieval, RULER {subtasks[0]} (DS Fig. 4's variant)"
+    )
+
+
+def _retrieval_by_sparsity(runs, out: Path, stem: str, title: str) -> list[Path]:
+    """(a) accuracy by sparsity level, one line per method and length; (b) by length, one line per config."""
     runs = runs.copy()
     runs["level"] = [method_level(r) for _, r in runs.iterrows()]  # the method's (``Method.level``)
     runs["label"] = [_retrieval_label(r) for _, r in runs.iterrows()]
@@ -143,8 +169,8 @@ def ds_fig4_retrieval(df, out: Path) -> list[Path]:
     )
     interval_note(fig, drawn, y=-0.04)
     models = ", ".join(sorted(runs["model"].unique()))
-    fig.suptitle(f"Key-value retrieval (DS Fig. 4) — {models}; {setting_text(runs)}", fontsize=10)
-    return save(fig, out, "ds_fig4_retrieval")
+    fig.suptitle(f"{title} — {models}; {setting_text(runs)}", fontsize=10)
+    return save(fig, out, stem)
 
 
 def ds_fig1_ppl(df, out: Path) -> list[Path]:
