@@ -3,9 +3,11 @@
 The accuracy path is what `python -m sparse_eval` runs (the shared masked attention of ``methods/core.py`` plus
 each method's selection).  For every method this prefills one context densely (protocol A), then times
 ``--steps`` greedy decode steps with the method attached, with the estimation error on (the default of a run)
-and off.  The same prefilled cache is reused for every method (cropped back after each), and full attention
-is timed in the same process as the baseline, as is stock transformers (sdpa, no plug-in: method ``stock``).
-Medians over ``--repeats``.  With ``--profile``, one more pass of ``--steps`` per method runs under torch.profiler
+and off.  The timed steps are the steady state: the first decode step after the prefill, in which a method
+builds its index over the prefilled keys (MagicPIG's hash tables, Quest's page bounds, DS's label cache; once
+per batch in a run), runs untimed before them and is timed on its own (``first_step_ms``).  The same prefilled
+cache is reused for every method (cropped back after each), and full attention is timed in the same process as
+the baseline, as is stock transformers (sdpa, no plug-in: method ``stock``).  Medians over ``--repeats``.  With ``--profile``, one more pass of ``--steps`` per method runs under torch.profiler
 and gives, per step, the GPU's busy time (the sum of its kernels' and copies' durations: what the step would take
 if nothing but the device's work remained, i.e. the floor of a CUDA-graph capture that keeps the same kernels),
 the number of kernels and copies launched, the host syncs (``SYNC_EVENTS``: ``.item()``/``bool()`` of a tensor,
@@ -21,6 +23,7 @@ evaluation's GPU-hours from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -55,20 +58,45 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-@torch.inference_mode()
-def time_decode(model, cache, prefill_len: int, first_token: torch.Tensor, steps: int, device) -> float:
-    """ms per decode step, greedy, starting from a cache holding ``prefill_len`` tokens."""
+def _crop(cache, prefill_len: int) -> None:
+    """Back to the ``prefill_len`` prefilled tokens (the cache is shared by every method and repetition)."""
     extra = cache.get_seq_length() - prefill_len
     if extra > 0:
         cache.crop(-extra)  # transformers 5: a negative count removes that many tokens
-    tok = first_token
+
+
+def _step(model, cache, tok: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+    return logits.argmax(-1, keepdim=True)
+
+
+@torch.inference_mode()
+def time_first_step(model, cache, prefill_len: int, first_token: torch.Tensor, device) -> float:
+    """ms of the first decode step after the prefill: the step in which a method builds its index over the
+    prefilled keys (MagicPIG's hash tables, Quest's page bounds, DS's label cache), once per batch in a run."""
+    _crop(cache, prefill_len)
     sync(device)
     t0 = time.perf_counter()
-    for _ in range(steps):
-        logits = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
-        tok = logits.argmax(-1, keepdim=True)
+    _step(model, cache, first_token)
     sync(device)
-    return (time.perf_counter() - t0) * 1000.0 / steps
+    return (time.perf_counter() - t0) * 1000.0
+
+
+@torch.inference_mode()
+def time_decode(model, cache, prefill_len: int, first_token: torch.Tensor, steps: int, device, around=None) -> float:
+    """ms per decode step in the steady state, greedy: from a cache holding ``prefill_len`` tokens, one untimed
+    first step (which builds the method's index, ``time_first_step``), then ``steps`` timed steps, inside the
+    context manager ``around`` if given (e.g. a profiler, so that it sees the steady steps only)."""
+    _crop(cache, prefill_len)
+    tok = _step(model, cache, first_token)
+    sync(device)
+    with around if around is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = _step(model, cache, tok)
+        sync(device)
+        ms = (time.perf_counter() - t0) * 1000.0 / steps
+    return ms
 
 
 # what waits for the device: a tensor read on the host (``.item()``, ``bool()``, ``int()``), ``torch.equal``, a
@@ -114,8 +142,8 @@ def profile_methods(model, cache, args, first, device, methods) -> dict[tuple[st
                 attach(model, method, Runtime(protocol="A", compute_error=err))
             time_decode(model, cache, args.context, first, 1, device)
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-            with torch.profiler.profile(activities=acts) as prof:
-                wall = time_decode(model, cache, args.context, first, args.steps, device)
+            prof = torch.profiler.profile(activities=acts)
+            wall = time_decode(model, cache, args.context, first, args.steps, device, around=prof)
             if method is not None:
                 detach(model)
             events = list(prof.events())
@@ -210,6 +238,7 @@ def main(argv=None) -> int:
 
     # round-robin over methods, so drift of the machine does not favour whichever ran first
     times: dict[tuple[str, bool], list[float]] = {}
+    first_times: dict[tuple[str, bool], list[float]] = {}
     stats: dict[tuple[str, bool], dict] = {}
     for rep in range(args.repeats):
         for name, method in methods:
@@ -221,6 +250,9 @@ def main(argv=None) -> int:
                     session.recorder.reset()
                 times.setdefault((name, err), []).append(
                     time_decode(model, cache, args.context, first, args.steps, device)
+                )
+                first_times.setdefault((name, err), []).append(
+                    time_first_step(model, cache, args.context, first, device)
                 )
                 stats[(name, err)] = session.recorder.summary() if session is not None else {}
                 if session is not None:
@@ -235,6 +267,7 @@ def main(argv=None) -> int:
                 "est_error_on": err,
                 "ms_per_step": statistics.median(ts),
                 "all_ms": ts,
+                "first_step_ms": statistics.median(first_times[(name, err)]),
                 "cost2": summ.get("cost2"),
                 "est_error": summ.get("est_error"),
                 **profiles.get((name, err), {}),
@@ -242,7 +275,7 @@ def main(argv=None) -> int:
         )
         print(
             f"{name:16s} error={'on ' if err else 'off'} {statistics.median(ts):9.3f} ms/step  "
-            f"cost2={summ.get('cost2')}"
+            f"first step {statistics.median(first_times[(name, err)]):9.3f} ms  cost2={summ.get('cost2')}"
         )
     base = {r["est_error_on"]: r["ms_per_step"] for r in rows if r["method"] == "full"}
     busy = {r["est_error_on"]: r.get("gpu_busy_ms") for r in rows if r["method"] == "full"}

@@ -6,7 +6,10 @@ the step reads the whole cache, so it is linear in the context n) and the dense 
 ``p(n) = c n + d n^2`` (linear layers plus the attention's quadratic part), and projects for each row of Table 3
 and each length of the table:
 
-    hours = sum over the 13 subtasks of ceil(50 / B) batches x (p(n) + tokens_to_generate(subtask) x t(n))
+    hours = sum over the 13 subtasks of ceil(50 / B) batches x (p(n) + f(n) + (tokens_to_generate(subtask) - 1) x t(n))
+
+where f(n) is the first decode step after the prefill (``first_step_ms``: the step in which a method builds its
+index over the prefilled keys, once per batch), fitted like t(n); records without it take f = t.
 
 with the estimation error on (a run's default).  Upper bound on decoding: every row is taken to generate the
 subtask's full ``tokens_to_generate`` (RULER stops at EOS earlier).  Rows whose (K, L) or (page, budget) was not
@@ -67,9 +70,11 @@ def load(paths: list[Path]) -> tuple[int, dict[int, dict]]:
     return batches.pop(), recs
 
 
-def fit_step(recs: dict[int, dict], method: str) -> tuple[float, float] | None:
+def fit_step(recs: dict[int, dict], method: str, key: str = "ms_per_step") -> tuple[float, float] | None:
+    """(a, b) of ``key`` = a + b·n over the contexts n, error on; ``first_step_ms`` falls back to ``ms_per_step``
+    in records made before it was measured."""
     pts = [
-        (n, row["ms_per_step"])
+        (n, row.get(key, row["ms_per_step"]))
         for n, r in recs.items()
         for row in r["rows"]
         if row["method"] == method and row["est_error_on"]
@@ -108,17 +113,22 @@ def project(batch: int, recs: dict[int, dict]) -> list[dict]:
             out.append({"row": row, "measured_as": None})
             continue
         a, b = fit
+        fa, fb = fit_step(recs, used, "first_step_ms")
         hours = {}
         for n in TABLE3_LENGTHS:
             prefill_s = (c * n + d * n * n) / 1000.0
             step_s = (a + b * n) / 1000.0
-            total = sum(batches * (prefill_s + rd.tokens_to_generate(s) * step_s) for s in rd.SUBTASK_NAMES)
+            first_s = (fa + fb * n) / 1000.0
+            total = sum(
+                batches * (prefill_s + first_s + (rd.tokens_to_generate(s) - 1) * step_s) for s in rd.SUBTASK_NAMES
+            )
             hours[n] = total / 3600.0
         out.append(
             {
                 "row": row,
                 "measured_as": used,
                 "step_ms_16k": a + b * 16384,
+                "first_step_ms_16k": fa + fb * 16384,
                 "hours": hours,
                 "total_hours": sum(hours.values()),
             }
