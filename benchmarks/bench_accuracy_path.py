@@ -7,14 +7,14 @@ and off.  The timed steps are the steady state: the first decode step after the 
 builds its index over the prefilled keys (MagicPIG's hash tables, Quest's page bounds, DS's label cache; once
 per batch in a run), runs untimed before them and is timed on its own (``first_step_ms``).  The same prefilled
 cache is reused for every method (cropped back after each), and full attention is timed in the same process as
-the baseline, as is stock transformers (sdpa, no plug-in: method ``stock``).  Medians over ``--repeats``.  With ``--profile``, one more pass of ``--steps`` per method runs under torch.profiler
-and gives, per step, the GPU's busy time (the sum of its kernels' and copies' durations: what the step would take
-if nothing but the device's work remained, i.e. the floor of a CUDA-graph capture that keeps the same kernels),
-the number of kernels and copies launched, the host syncs (``SYNC_EVENTS``: ``.item()``/``bool()`` of a tensor,
+the baseline, as is stock transformers (sdpa, no plug-in: method ``stock``).  Medians over ``--repeats``.
+With ``--profile``, one more pass of ``--steps`` steady steps per method runs under torch.profiler and gives,
+per step, the GPU's busy time (the sum of its kernels' and copies' durations: what the step would take if nothing
+but the device's work remained, i.e. the floor of a CUDA-graph capture that keeps the same kernels), the number
+of kernels and copies launched, the host syncs (``SYNC_EVENTS``: ``.item()``/``bool()`` of a tensor,
 ``torch.equal``, ``nonzero``, an explicit synchronize) and the kernels that take the most time.  The dense
-prefill of the batch is timed too (``prefill_ms``, stock sdpa, median over
-``--repeats``): with the per-step times it is what ``benchmarks/project_ruler_hours.py`` projects a RULER
-evaluation's GPU-hours from.
+prefill of the batch is timed too (``prefill_ms``, stock sdpa, median over ``--repeats``): with the per-step
+times it is what ``benchmarks/project_ruler_hours.py`` projects a RULER evaluation's GPU-hours from.
 
     python benchmarks/bench_accuracy_path.py --model stories260k --context 448 --out experiments/accuracy_path_speed
     python benchmarks/bench_accuracy_path.py --model llama3_8b_random --context 16384 --out $OUT   # GPU machine
