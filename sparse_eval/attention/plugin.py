@@ -5,8 +5,10 @@
 * ``attach(model, method, ...)`` stores a ``SparseSession`` on each attention module (an instance attribute,
   no class is patched) and a forward pre-hook that hands the module the cache object of the current call.
 * The method's index (hash codes, page bounds, label cache) lives in the cache layer: ``SparseCache`` builds
-  ``SparseLayer``s that own a ``method_state`` dict and drop it whenever the cache is reset or cropped.  Any
-  other cache (e.g. the ``DynamicCache`` that ``generate`` makes by itself) gets the same dict attached.
+  ``SparseLayer``s that own a ``method_state`` (``CacheTrackedState``) and drop it whenever their keys change
+  other than by appending (reset, crop, reordering, batch selection).  Any other cache (e.g. the ``DynamicCache``
+  that ``generate`` makes by itself) gets a plain dict attached, and the methods then check their index against
+  the keys on the device.
 
 Which calls are sparse (the evaluation protocol, recorded with every result):
   A: the prompt is prefilled densely, sparsity starts at the first generated token (q_len == 1);
@@ -35,7 +37,7 @@ from transformers.masking_utils import sdpa_mask
 
 from .. import invariance
 from ..kernels import invariant as kinv
-from ..methods.base import Method
+from ..methods.base import CacheTrackedState, Method
 from ..methods.core import PassMasks, dense_attention, key_validity, pass_masks, sparse_attention, static_keys
 from ..models.inspection import attention_modules, sliding_layers
 from .recorder import StatsRecorder
@@ -60,23 +62,36 @@ class Runtime:
 
 
 class SparseLayer(DynamicLayer):
-    """A dynamic cache layer that also owns the method's per-layer index."""
+    """A dynamic cache layer that also owns the method's per-layer index, ``method_state``
+    (a ``CacheTrackedState``): any change of the keys other than ``update``'s append (crop, reset, beam reordering,
+    batch selection or repetition, in whichever transformers version makes them) replaces ``self.keys`` and with
+    it drops the state, so an index found in it covers keys that are still the cache's first ones."""
 
     def __init__(self, *args: Any, **kwargs: Any):
+        self.__dict__["_appending"] = False
+        self.method_state: dict[str, Any] = CacheTrackedState()
         super().__init__(*args, **kwargs)
-        self.method_state: dict[str, Any] = {}
+
+    @property
+    def keys(self) -> Any:
+        return self.__dict__.get("_keys")
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        self.__dict__["_keys"] = value
+        if not self.__dict__.get("_appending", False):
+            self.method_state = CacheTrackedState()  # the index covered keys that are gone: rebuild on the next call
+
+    def update(self, *args: Any, **kwargs: Any):
+        self.__dict__["_appending"] = True
+        try:
+            return super().update(*args, **kwargs)
+        finally:
+            self.__dict__["_appending"] = False
 
     def reset(self) -> None:
         super().reset()
-        self.method_state = {}
-
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        self.method_state = {}  # the index covered keys that are gone: rebuild on the next call
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self.method_state = {}
+        self.method_state = CacheTrackedState()
 
 
 class SparseCache(Cache):

@@ -68,6 +68,14 @@ class Selection:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+class CacheTrackedState(dict):
+    """A layer's method state that its cache layer drops (replaces by an empty one) whenever keys are removed or
+    rows reordered: reset, crop, batch selection (``attention.plugin.SparseLayer``).  A method holding an index in
+    such a state knows on the host that the keys it indexed are still the cache's first ``n``, so it may skip
+    comparing them on the device (a host sync).  A plain dict (a cache that does not drop it, e.g. the
+    ``DynamicCache`` that ``generate`` makes) gives no such guarantee."""
+
+
 @dataclass
 class AttentionContext:
     """Everything a method may look at when it selects keys for a block of query rows.
@@ -108,6 +116,12 @@ class AttentionContext:
     @property
     def groups(self) -> int:
         return self.q.shape[1] // self.k.shape[1]
+
+    @property
+    def state_tracks_cache(self) -> bool:
+        """Whether ``state`` is dropped with any removal of keys (``CacheTrackedState``): an index over the first
+        ``n`` keys built in an earlier call still matches them, no device comparison needed."""
+        return isinstance(self.state, CacheTrackedState)
 
     @property
     def candidates(self) -> torch.Tensor:

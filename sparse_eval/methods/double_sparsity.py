@@ -67,7 +67,7 @@ from sparse_eval.kernels.ds import (
     pseudo_quantize,
 )  # the query-label quantization, shared with the system path's kernels
 
-from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
+from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget, token_budget
 from .labels import budget_label, budget_level, count_label, fraction_label
 from .registry import register
 from .topk import topk_mask
@@ -203,6 +203,8 @@ class DoubleSparsity(Method):
     def __init__(self, config: DoubleSparsityConfig):
         super().__init__(config)
         self._channels: torch.Tensor | None = None  # long [L, H, ≥r] or [H, ≥r] (every layer)
+        # (layer, Hq, Hkv, D, device) -> (channels [Hq, r] on the device, floored); emptied when channels are set
+        self._layer_channel_cache: dict[tuple, tuple[torch.Tensor, bool]] = {}
         self._channels_source: str | None = None
         self._calibration: dict[str, Any] | None = None  # the loaded file's "calibration" record (setup)
         self._model_name = ""
@@ -424,6 +426,7 @@ class DoubleSparsity(Method):
                     f"head_dim {head_dim}, {hq} query / {hkv} KV heads; recalibrate: {calibration_command(model_name)}"
                 )
             self._channels = chans
+            self._layer_channel_cache.clear()
             self._channels_source = str(path)
             self._calibration = meta.get("calibration") if isinstance(meta.get("calibration"), dict) else {}
             self._model_name = model_name
@@ -457,7 +460,16 @@ class DoubleSparsity(Method):
         return self._random[key]
 
     def _layer_channels(self, layer_idx: int, hq: int, hkv: int, d: int, device) -> tuple[torch.Tensor, bool]:
-        """long [Hq, r] channels of one layer (query head h), and whether r was floored up to 1."""
+        """long [Hq, r] channels of one layer (query head h), and whether r was floored up to 1; made (checked and
+        moved to ``device``) once per layer and shape, then the same tensor every call (no per-step host reads or
+        copies)."""
+        key = (layer_idx, hq, hkv, d, str(device))
+        made = self._layer_channel_cache.get(key)
+        if made is None:
+            made = self._layer_channel_cache[key] = self._make_layer_channels(layer_idx, hq, hkv, d, device)
+        return made
+
+    def _make_layer_channels(self, layer_idx: int, hq: int, hkv: int, d: int, device) -> tuple[torch.Tensor, bool]:
         if self.config.channel_type == "random":
             ch = self.random_channels(layer_idx, hkv, d)
         elif self._channels is None:
@@ -519,8 +531,10 @@ class DoubleSparsity(Method):
             or st["n"] > n
             or st["batch"] != b
             or st["bits"] != bits
-            or not torch.equal(st["channels"], ch)
-            or (st["n"] > 0 and not torch.equal(st["last_key"], k[:, :, st["n"] - 1]))
+            # the same channels object (``_layer_channels`` caches it) needs no device comparison
+            or (st["channels"] is not ch and not torch.equal(st["channels"], ch))
+            # a state its cache drops with any removal of keys still covers them; else compare on the device
+            or (not ctx.state_tracks_cache and st["n"] > 0 and not torch.equal(st["last_key"], k[:, :, st["n"] - 1]))
         )
         if fresh:
             buf = pseudo_quantize(self._labels(k, ch, ctx.groups), bits)
@@ -599,7 +613,7 @@ class DoubleSparsity(Method):
         return bool(self._norm_w)
 
     # -- selection -----------------------------------------------------------------------------
-    def _select_with(self, ctx, q, ch, labels, want):
+    def _select_with(self, ctx, q, ch, labels, want, kmax=None):
         ql_lab = self._labels(q, ch, ctx.groups)  # [B, Hq, Q, r]
         if self.config.quantize_query:
             ql_lab = pseudo_quantize(ql_lab, self.config.label_bits)
@@ -607,7 +621,7 @@ class DoubleSparsity(Method):
         if self.config.gqa == "kv_head":
             s_hat = ctx.group_sum(s_hat.masked_fill(~ctx.valid, 0.0))
         s_hat = s_hat.masked_fill(ctx.not_candidates, float("-inf"))
-        return topk_mask(s_hat, want), s_hat  # line 5
+        return topk_mask(s_hat, want, kmax), s_hat  # line 5
 
     def select(self, ctx: AttentionContext) -> Selection:
         b, hq, ql, d = ctx.q.shape
@@ -621,16 +635,17 @@ class DoubleSparsity(Method):
             "one_channel_floor": torch.full((b, hq, ql), float(ch_floor), device=ctx.q.device),
             "one_token_floor": tok_floor.squeeze(-1).float().expand(b, hq, ql).clone(),
         }
+        kmax = max(1, token_budget(self.config.beta, ctx.k.shape[2]))  # host bound on want: no device sync
         if not self.config.offload:
-            keep, _ = self._select_with(ctx, ctx.q, ch, labels, want)
+            keep, _ = self._select_with(ctx, ctx.q, ch, labels, want, kmax)
             return Selection(keep=keep, stats=stats)
-        own, _ = self._select_with(ctx, ctx.q, ch, labels, want)
+        own, _ = self._select_with(ctx, ctx.q, ch, labels, want, kmax)
         qp = self._predicted_query(ctx)
         if qp is None:
             keep = own
             stats["offload_own_query"] = torch.ones(b, hq, ql, device=ctx.q.device)
         else:
-            keep, _ = self._select_with(ctx, qp.to(ctx.q.dtype), ch, labels, want)
+            keep, _ = self._select_with(ctx, qp.to(ctx.q.dtype), ch, labels, want, kmax)
             stats["offload_own_query"] = torch.zeros(b, hq, ql, device=ctx.q.device)
         n_own = own.sum(-1).float()
         stats["offload_recall"] = torch.where(

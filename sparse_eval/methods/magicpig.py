@@ -56,7 +56,7 @@ from ..simhash_probability import (
     log_sampling_probability,  # eq. 10
     sampling_probability,
 )
-from .base import AttentionContext, Method, MethodConfig, Selection
+from .base import AttentionContext, CacheTrackedState, Method, MethodConfig, Selection
 from .core import static_keys
 from .labels import count_label
 from .registry import register
@@ -391,7 +391,7 @@ class MagicPIG(Method):
         w = self.projection(layer_idx, dim, dev)
         sig = (c.K, c.L, c.center, c.mips, c.sink, c.local, c.seed, int(layer_idx) // c.projection_group)
         st = state.get(_STATE_KEY)
-        if st is not None and not self._reusable(st, k, sig):
+        if st is not None and not self._reusable(st, k, sig, isinstance(state, CacheTrackedState)):
             st = None
         if st is None:
             st = {
@@ -443,11 +443,14 @@ class MagicPIG(Method):
             st["ends"] = k[:, :, [0, n - 1]]  # (a copy) to recognise a different cache of the same length
 
     @staticmethod
-    def _reusable(st: dict[str, Any], k: torch.Tensor, sig: tuple) -> bool:
+    def _reusable(st: dict[str, Any], k: torch.Tensor, sig: tuple, tracked: bool = False) -> bool:
+        """Whether the index in ``st`` still covers the first keys of ``k``.  ``tracked``: the state is a
+        ``CacheTrackedState``, dropped by its cache with any removal of keys, so the indexed keys need no device
+        comparison (a host sync); otherwise the first and last indexed keys are compared."""
         b, hkv, n, d = k.shape
         if (st["b"], st["hkv"], st["d"], st["device"], st["sig"]) != (b, hkv, d, str(k.device), sig) or n < st["n"]:
             return False
-        if st["n"] == 0:
+        if st["n"] == 0 or tracked:
             return True
         ends = k[:, :, [0, st["n"] - 1]]
         return ends.dtype == st["ends"].dtype and torch.equal(ends, st["ends"])

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget
+from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget, token_budget
 from .labels import budget_label, count_label
 from .registry import register
 from .topk import topk_mask
@@ -238,10 +238,19 @@ class Quest(Method):
             or st["n"] > n
             or st["batch"] != b
             or st["page_size"] != ps
-            or not torch.equal(st["first"], first)
             or st["kmin"].shape[-1] != d
-            or (st["n"] > 0 and not torch.equal(st["last_key"], k[:, :, st["n"] - 1]))
+            # a state its cache drops with any removal of keys still covers them; else compare on the device
+            or (
+                not ctx.state_tracks_cache
+                and (
+                    not torch.equal(st["first"], first)
+                    or (st["n"] > 0 and not torch.equal(st["last_key"], k[:, :, st["n"] - 1]))
+                )
+            )
         )
+        # the rows' earliest first valid key, on the host: read once when the pages are built (a host sync), then
+        # kept, so that the page count needs no sync in later calls
+        first_min = (int(first.min()) if b else 0) if fresh else st["first_min"]
         if not self.config.update_pages:
             if fresh:
                 # MagicPIG parity: pages over the keys present before this (first sparse) call, whole pages only,
@@ -257,6 +266,7 @@ class Quest(Method):
                     "batch": b,
                     "page_size": ps,
                     "first": first,
+                    "first_min": first_min,
                     "kmin": kmin,
                     "kmax": kmax,
                     "frozen_end": first + whole * ps,
@@ -264,7 +274,7 @@ class Quest(Method):
                 }
                 ctx.state["quest"] = st
             return st
-        pages = int(torch.div((n - first).clamp_min(0) + ps - 1, ps, rounding_mode="floor").max().item()) if b else 0
+        pages = (max(0, n - first_min) + ps - 1) // ps if b else 0  # max over rows of ⌈(n − first) / ps⌉
         if fresh:
             pid = page_ids(first, n, ps)
             kmin, kmax = build_pages(k, pid, pages)
@@ -282,6 +292,7 @@ class Quest(Method):
             "batch": b,
             "page_size": ps,
             "first": first,
+            "first_min": first_min,
             "kmin": kmin,
             "kmax": kmax,
             "frozen_end": None,
@@ -347,7 +358,8 @@ class Quest(Method):
         tokens = resolve_budget(cfg.budget, ctx.n_valid, "method.budget")  # [B, 1, Q, 1]
         floor = (tokens < cfg.min_pages * ps) & (ctx.n_valid > 0)
         want = page_budget(tokens, ps, cfg.min_pages)
-        chosen = topk_mask(u, want)  # [B, Hq, Q, P]
+        # host bound on the rows' page budgets (no device sync): the budget at n keys, n ≥ every row's n_valid
+        chosen = topk_mask(u, want, page_budget(token_budget(cfg.budget, n), ps, cfg.min_pages))  # [B, Hq, Q, P]
         # key j is kept if its page is chosen (and it is a candidate)
         chosen_ext = torch.cat([chosen, torch.zeros_like(chosen[..., :1])], -1)
         keep = chosen_ext.gather(-1, target.expand(b, hq, ql, n)) & cand
