@@ -135,3 +135,40 @@ def test_magicpig_sampled_bias_is_its_one_sync_per_sparse_layer(stories, sync_si
             detach(model)
     assert len(sync_sites) == model.config.num_hidden_layers - 1  # one per sparse layer
     assert len(set(sync_sites)) == 1 and sync_sites[0].startswith("methods/magicpig.py")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", METHODS)
+def test_steady_decode_step_has_no_cuda_sync(name):
+    """The same on the GPU, where it matters, with CUDA's own sync detector: any synchronising call in a steady step
+    (ours, transformers' or torch's) raises. MagicPIG with ``dense_bias_elements`` (its sampled bias syncs)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.bfloat16).cuda().eval()
+    opts = method_options(name)
+    opts["dense_layers"] = [0]
+    method = build_method(make_config(opts["name"], opts))
+    method.setup(model, "stories260k")
+    if name == "magicpig":
+        method.dense_bias_elements = 1 << 40
+    ids = torch.randint(3, model.config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0)).cuda()
+    cache = make_cache(model)
+
+    def step(tok):
+        return model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
+
+    with torch.inference_mode():
+        tok = step(ids)
+        attach(model, method, Runtime(protocol="A", compute_error=True))
+        try:
+            tok = step(tok)  # builds the index
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(3):
+                    tok = step(tok)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        finally:
+            detach(model)
