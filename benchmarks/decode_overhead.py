@@ -73,8 +73,11 @@ def step_times(model, cache, context, first, steps, repeats, device) -> float:
     return statistics.median(time_decode(model, cache, context, first, steps, device) for _ in range(repeats))
 
 
-def loop_vs_generate(model, batch: int, prompt: int, new: int, repeats: int, device) -> dict[str, float]:
-    """ms per generated step: ``Engine.generate_batch`` with full attention attached vs ``model.generate`` (sdpa)."""
+def loop_vs_generate(
+    model, batch: int, prompt: int, new: int, repeats: int, device, invariant: bool = True
+) -> dict[str, float]:
+    """ms per generated step: ``Engine.generate_batch`` with full attention attached vs ``model.generate`` (sdpa);
+    ``invariant``: the Engine's batch-invariant evaluation mode (``Runtime.batch_invariant``, a run's default)."""
     from sparse_eval.engine import Engine, GenerationRequest
 
     g = torch.Generator().manual_seed(1)
@@ -88,7 +91,7 @@ def loop_vs_generate(model, batch: int, prompt: int, new: int, repeats: int, dev
         def decode(self, ids, skip_special_tokens=True):
             return " ".join(map(str, ids))
 
-    session = attach(model, make_method("full", model, ""), Runtime(protocol="A"))
+    session = attach(model, make_method("full", model, ""), Runtime(protocol="A", batch_invariant=invariant))
     engine = Engine(model, _Tok(), session)
     engine.generate_batch(reqs[:2])
     ops = {}
@@ -141,6 +144,12 @@ def main(argv=None) -> int:
     ap.add_argument("--loop-batch", type=int, default=16, help="batch of the Engine-vs-generate comparison (0: skip)")
     ap.add_argument("--loop-prompt", type=int, default=128)
     ap.add_argument("--loop-new", type=int, default=32)
+    ap.add_argument(
+        "--loop-invariance",
+        choices=("on", "off", "both"),
+        default="both",
+        help="the Engine's batch-invariant mode in the comparison (on: a run's default; stock generate has none)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -174,10 +183,12 @@ def main(argv=None) -> int:
             for op, n in names.most_common(args.top):
                 print(f"    {n / 4:8.1f} {op}")
         detach(model)
-    if args.loop_batch:
-        r = loop_vs_generate(model, args.loop_batch, args.loop_prompt, args.loop_new, args.repeats, device)
+    modes = {"on": (True,), "off": (False,), "both": (True, False)}[args.loop_invariance] if args.loop_batch else ()
+    for inv in modes:
+        r = loop_vs_generate(model, args.loop_batch, args.loop_prompt, args.loop_new, args.repeats, device, inv)
         print(
-            f"batch {args.loop_batch}, prompt ~{args.loop_prompt}, {args.loop_new} new tokens: Engine (full) "
+            f"batch {args.loop_batch}, prompt ~{args.loop_prompt}, {args.loop_new} new tokens, invariance "
+            f"{'on ' if inv else 'off'}: Engine (full) "
             f"{r['engine_ms_per_step']:.2f} ms/step, model.generate {r['generate_ms_per_step']:.2f} ms/step "
             f"(generate / Engine = {r['generate_ms_per_step'] / r['engine_ms_per_step']:.2f}x); aten ops per token "
             f"(prefill included): Engine {r['engine_ops_per_token']:.0f}, generate {r['generate_ops_per_token']:.0f}"
