@@ -172,3 +172,29 @@ def test_steady_decode_step_has_no_cuda_sync(name):
                 torch.cuda.set_sync_debug_mode("default")
         finally:
             detach(model)
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("quest", dict(budget=16, sink=0, local=0)),
+        ("double_sparsity", dict(channels=[[0, 1, 2, 3]] * 4, alpha=0.5, beta=0.2)),
+        ("magicpig", dict(K=4, L=12, sink=2, local=4)),
+    ],
+)
+def test_a_plain_state_still_notices_other_keys(name, options):
+    """Without the cache's guarantee (a plain dict, e.g. ``generate``'s own DynamicCache) an index is checked on
+    the device: other keys with more of them than indexed are re-indexed, as a fresh state would be."""
+    from sparse_eval.methods import attend
+
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, n = 4, 2, 8, 60
+    k1, k2 = torch.randn(2, 1, hkv, n + 1, d, generator=g)
+    v = torch.randn(1, hkv, n + 1, d, generator=g)
+    q1, q2 = torch.randn(2, 1, hq, 1, d, generator=g)
+    method = build_method(make_config(name, options))
+    plain: dict = {}
+    attend(method, q1, k1[:, :, :n], v[:, :, :n], state=plain)  # an index over other keys
+    _, reused = attend(method, q2, k2, v, state=plain)
+    _, fresh = attend(method, q2, k2, v, state={})
+    assert torch.equal(reused["keep"], fresh["keep"])
