@@ -6,8 +6,9 @@ each method's selection).  For every method this prefills one context densely (p
 and off.  The timed steps are the steady state: the first decode step after the prefill, in which a method
 builds its index over the prefilled keys (MagicPIG's hash tables, Quest's page bounds, DS's label cache; once
 per batch in a run), runs untimed before them and is timed on its own (``first_step_ms``).  The same prefilled
-cache is reused for every method (cropped back after each), and full attention is timed in the same process as
-the baseline, as is stock transformers (sdpa, no plug-in: method ``stock``).  Medians over ``--repeats``.
+cache (a ``SparseCache``, which appends in place) is reused for every method (cropped back after each), and full
+attention is timed in the same process as the baseline, as is stock transformers (sdpa, no plug-in, its own
+``DynamicCache``, prefilled once more: method ``stock``).  Medians over ``--repeats``.
 With ``--profile``, one more pass of ``--steps`` steady steps per method runs under torch.profiler and gives,
 per step, the GPU's busy time (the sum of its kernels' and copies' durations: what the step would take if nothing
 but the device's work remained, i.e. the floor of a CUDA-graph capture that keeps the same kernels), the number
@@ -129,7 +130,7 @@ def _host_syncs(events) -> int:
     return count
 
 
-def profile_methods(model, cache, args, first, device, methods) -> dict[tuple[str, bool], dict]:
+def profile_methods(model, cache, stock_cache, args, first, device, methods) -> dict[tuple[str, bool], dict]:
     """Per (method, error on): one profiled pass of ``--steps`` steps (after a 1-step warm-up), reduced to per-step
     figures: wall ms (under the profiler), GPU busy ms, kernels and copies launched, host syncs, and the ten
     kernels with the most device time (name, ms per step, launches per step).  On a CPU: the host syncs a GPU
@@ -140,10 +141,11 @@ def profile_methods(model, cache, args, first, device, methods) -> dict[tuple[st
         for err in (False,) if method is None else (True, False):
             if method is not None:
                 attach(model, method, Runtime(protocol="A", compute_error=err))
-            time_decode(model, cache, args.context, first, 1, device)
+            c = stock_cache if method is None else cache
+            time_decode(model, c, args.context, first, 1, device)
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
             prof = torch.profiler.profile(activities=acts)
-            wall = time_decode(model, cache, args.context, first, args.steps, device, around=prof)
+            wall = time_decode(model, c, args.context, first, args.steps, device, around=prof)
             if method is not None:
                 detach(model)
             events = list(prof.events())
@@ -212,6 +214,15 @@ def main(argv=None) -> int:
     print(
         f"prefill {args.batch} x {args.context}: {statistics.median(prefill_ms):.1f} ms (median of {len(prefill_ms)})"
     )
+    # stock transformers decodes from its own DynamicCache (a copy of the whole cache per step); the plug-in's
+    # methods from a SparseCache (appends in place)
+    stock_cache = None
+    if "stock" in args.methods.split(","):
+        from transformers.cache_utils import DynamicCache
+
+        stock_cache = DynamicCache()
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=True, **cache_kwargs(model, stock_cache))
 
     methods = []
     for name in [m for m in args.methods.split(",") if m]:
@@ -244,20 +255,17 @@ def main(argv=None) -> int:
         for name, method in methods:
             for err in (False,) if method is None else (True, False):
                 session = None if method is None else attach(model, method, Runtime(protocol="A", compute_error=err))
+                c = stock_cache if method is None else cache
                 if rep == 0:
-                    time_decode(model, cache, args.context, first, 2, device)  # warm-up
+                    time_decode(model, c, args.context, first, 2, device)  # warm-up
                 if session is not None:
                     session.recorder.reset()
-                times.setdefault((name, err), []).append(
-                    time_decode(model, cache, args.context, first, args.steps, device)
-                )
-                first_times.setdefault((name, err), []).append(
-                    time_first_step(model, cache, args.context, first, device)
-                )
+                times.setdefault((name, err), []).append(time_decode(model, c, args.context, first, args.steps, device))
+                first_times.setdefault((name, err), []).append(time_first_step(model, c, args.context, first, device))
                 stats[(name, err)] = session.recorder.summary() if session is not None else {}
                 if session is not None:
                     detach(model)
-    profiles = profile_methods(model, cache, args, first, device, methods) if args.profile else {}
+    profiles = profile_methods(model, cache, stock_cache, args, first, device, methods) if args.profile else {}
     rows = []
     for (name, err), ts in times.items():
         summ = stats[(name, err)]

@@ -205,3 +205,40 @@ def test_recorder_summary_sees_calls_added_after_an_earlier_summary():
     assert rec.summary(row=0)["cost2"] == 0.75 and rec.summary()["sparse_rows"] == 4
     rec.reset()
     assert rec.summary()["sparse_rows"] == 0
+
+
+def test_sparse_cache_appends_in_place_and_holds_what_a_dynamic_cache_holds():
+    """SparseLayer writes a step's keys into buffers with room to grow (no copy of the whole cache per step); its
+    keys and values equal a DynamicCache's through appends, chunks, crops, batch selection and reordering."""
+    from transformers.cache_utils import DynamicCache
+
+    from sparse_eval.attention.plugin import SparseCache
+
+    ours, ref = SparseCache(1), DynamicCache()
+    g = torch.Generator().manual_seed(0)
+    layer = ours.layers[0]
+
+    def append(q: int, b: int = 2):
+        k, v = torch.randn(2, b, 3, q, 8, generator=g)
+        a, r = ours.update(k, v, 0), ref.update(k, v, 0)
+        assert torch.equal(a[0], r[0]) and torch.equal(a[1], r[1])
+
+    append(100)
+    buf = layer._kbuf
+    for _ in range(5):
+        append(1)
+    assert layer._kbuf is buf and layer.keys.data_ptr() == buf.data_ptr()  # decode steps wrote in place
+    append(700)  # a prefill chunk larger than the room left: new buffers, then in place again
+    append(1)
+    buf = layer._kbuf
+    ours.crop(-7)
+    ref.crop(-7)
+    append(1)
+    assert layer._kbuf is buf  # a crop keeps the buffers: the next step writes over the removed positions
+    ours.reorder_cache(torch.tensor([1, 0]))
+    ref.reorder_cache(torch.tensor([1, 0]))
+    append(2)
+    ours.batch_select_indices(torch.tensor([1]))
+    ref.batch_select_indices(torch.tensor([1]))
+    append(1, b=1)
+    assert ours.get_seq_length() == ref.get_seq_length() == 100 + 5 + 700 + 1 - 7 + 1 + 2 + 1

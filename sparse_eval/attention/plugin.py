@@ -61,6 +61,9 @@ class Runtime:
     batch_invariant: bool = True
 
 
+_GROW_TOKENS = 256  # spare tokens a SparseLayer's K/V buffers get when they are (re)allocated
+
+
 class SparseLayer(DynamicLayer):
     """A dynamic cache layer that also owns the method's per-layer index, ``method_state``
     (a ``CacheTrackedState``): any change of the keys other than ``update``'s append (crop, reset, beam reordering,
@@ -82,16 +85,60 @@ class SparseLayer(DynamicLayer):
         if not self.__dict__.get("_appending", False):
             self.method_state = CacheTrackedState()  # the index covered keys that are gone: rebuild on the next call
 
-    def update(self, *args: Any, **kwargs: Any):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        """Appends ``key_states`` / ``value_states`` [B, H, q, D] and returns the keys and values so far, as views
+        [B, H, n, D] of buffers with room to grow: a step writes its q tokens in place instead of copying the whole
+        cache (``DynamicLayer``'s ``torch.cat``, which copies every layer's K and V every step).  The views hold the
+        same values a concatenation would.  A crop keeps the buffers (the next append writes over the removed
+        positions, as in a static cache, so a tensor returned before the crop may see them change); reordering or
+        selecting rows leaves tensors the buffers no longer back, and the next append copies them into new ones."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         self.__dict__["_appending"] = True
         try:
-            return super().update(*args, **kwargs)
+            self._append(key_states, value_states)
         finally:
             self.__dict__["_appending"] = False
+        return self.keys, self.values
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        d = self.__dict__
+        kb, vb = d.get("_kbuf"), d.get("_vbuf")
+        old_k, old_v = self.keys, self.values
+        n0 = old_k.shape[-2] if old_k is not None and old_k.dim() == 4 else 0
+        n1 = n0 + k.shape[-2]
+        backed = (  # the cache so far is a prefix of the buffers (after appends, or a crop of them)
+            kb is not None
+            and old_k is not None
+            and old_v is not None
+            and old_k.data_ptr() == kb.data_ptr()
+            and old_v.data_ptr() == vb.data_ptr()
+            and old_k.stride() == kb.stride()
+            and old_v.stride() == vb.stride()
+            and kb.shape[:2] == k.shape[:2]
+            and kb.shape[3] == k.shape[3]
+            and vb.shape[3] == v.shape[3]
+            and kb.dtype == k.dtype
+            and vb.dtype == v.dtype
+            and kb.device == k.device
+        )
+        if not backed or n1 > kb.shape[2]:
+            cap = n1 + max(_GROW_TOKENS, k.shape[-2])  # room for the next steps (or the next chunk of a prefill)
+            nkb = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            nvb = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+            if n0:
+                nkb[:, :, :n0] = old_k
+                nvb[:, :, :n0] = old_v
+            kb, vb = d["_kbuf"], d["_vbuf"] = nkb, nvb
+        kb[:, :, n0:n1] = k
+        vb[:, :, n0:n1] = v
+        self.keys, self.values = kb[:, :, :n1], vb[:, :, :n1]
 
     def reset(self) -> None:
         super().reset()
         self.method_state = CacheTrackedState()
+        for name in ("_kbuf", "_vbuf"):
+            self.__dict__.pop(name, None)
 
 
 class SparseCache(Cache):
