@@ -66,6 +66,18 @@ def test_sparse_layer_drops_the_state_on_every_change_but_an_append():
         assert layer.method_state == {} and isinstance(layer.method_state, CacheTrackedState)
 
 
+def _stories_method(model, name: str, dense_bias: bool = False):
+    """``conf/method/<name>.yaml`` on stories260K with layer 0 dense; ``dense_bias``: MagicPIG's −log u for every
+    candidate (``dense_bias_elements``), which needs no gather of the sampled pairs."""
+    opts = method_options(name)
+    opts["dense_layers"] = [0]
+    method = build_method(make_config(opts["name"], opts))
+    method.setup(model, "stories260k")
+    if dense_bias:
+        method.dense_bias_elements = 1 << 40
+    return method
+
+
 @pytest.fixture(scope="module")
 def stories():
     from transformers import AutoModelForCausalLM
@@ -77,12 +89,7 @@ def stories():
 def test_steady_decode_step_has_no_host_sync(stories, name, sync_sites):
     model = stories
     n_layers = model.config.num_hidden_layers
-    opts = method_options(name)
-    opts["dense_layers"] = [0]
-    method = build_method(make_config(opts["name"], opts))
-    method.setup(model, "stories260k")
-    if name == "magicpig":
-        method.dense_bias_elements = 1 << 40  # −log u for every candidate, no gather of the sampled pairs
+    method = _stories_method(model, name, dense_bias=name == "magicpig")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (2, 96), generator=g)
     mask = torch.ones(2, 96, dtype=torch.long)
@@ -114,10 +121,7 @@ def test_magicpig_sampled_bias_is_its_one_sync_per_sparse_layer(stories, sync_si
     """By default MagicPIG computes −log u on the sampled pairs only: one ``nonzero`` per sparse layer and step
     (``dense_bias_elements`` trades it for ~60 times the eq. 10 work)."""
     model = stories
-    opts = method_options("magicpig")
-    opts["dense_layers"] = [0]
-    method = build_method(make_config("magicpig", opts))
-    method.setup(model, "stories260k")
+    method = _stories_method(model, "magicpig")
     ids = torch.randint(3, model.config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
     cache = make_cache(model)
 
@@ -146,12 +150,7 @@ def test_steady_decode_step_has_no_cuda_sync(name):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.bfloat16).cuda().eval()
-    opts = method_options(name)
-    opts["dense_layers"] = [0]
-    method = build_method(make_config(opts["name"], opts))
-    method.setup(model, "stories260k")
-    if name == "magicpig":
-        method.dense_bias_elements = 1 << 40
+    method = _stories_method(model, name, dense_bias=name == "magicpig")
     ids = torch.randint(3, model.config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0)).cuda()
     cache = make_cache(model)
 
