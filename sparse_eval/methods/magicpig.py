@@ -440,7 +440,8 @@ class MagicPIG(Method):
             st["codes"][idx, :, :n] = self._hash(k[idx], st["mean"][idx], None if r is None else r[idx], w)
         st["n"] = n
         if n:
-            st["ends"] = k[:, :, [0, n - 1]]  # (a copy) to recognise a different cache of the same length
+            st["ends"] = torch.stack((k[:, :, 0], k[:, :, n - 1]), 2)  # [B, Hkv, 2, D] (a copy; a list index would copy
+            # [0, n-1] to the device, a host sync): to recognise a different cache of the same length
 
     @staticmethod
     def _reusable(st: dict[str, Any], k: torch.Tensor, sig: tuple, tracked: bool = False) -> bool:
@@ -452,7 +453,7 @@ class MagicPIG(Method):
             return False
         if st["n"] == 0 or tracked:
             return True
-        ends = k[:, :, [0, st["n"] - 1]]
+        ends = torch.stack((k[:, :, 0], k[:, :, st["n"] - 1]), 2)
         return ends.dtype == st["ends"].dtype and torch.equal(ends, st["ends"])
 
     # -- causal centering of a call that builds the index ------------------------------------------
