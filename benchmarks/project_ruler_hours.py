@@ -70,9 +70,21 @@ def load(paths: list[Path]) -> tuple[int, dict[int, dict]]:
     return batches.pop(), recs
 
 
+_NOTED: set[str] = set()
+
+
+def _note(line: str) -> None:
+    """Print ``line`` once (rows projected from the same method share its fit)."""
+    if line not in _NOTED:
+        _NOTED.add(line)
+        print(line)
+
+
 def fit_step(recs: dict[int, dict], method: str, key: str = "ms_per_step") -> tuple[float, float] | None:
     """(a, b) of ``key`` = a + b·n over the contexts n, error on; ``first_step_ms`` falls back to ``ms_per_step``
-    in records made before it was measured."""
+    in records made before it was measured.  A step reads the whole cache, so its time cannot fall as the context
+    grows: where the measured times do (the repeats' noise exceeds the growth), the fit is flat at the largest
+    measured time (b = 0) and a line says so."""
     pts = [
         (n, row.get(key, row["ms_per_step"]))
         for n, r in recs.items()
@@ -83,6 +95,12 @@ def fit_step(recs: dict[int, dict], method: str, key: str = "ms_per_step") -> tu
         return None
     n, t = np.array(pts, dtype=float).T
     b, a = np.polyfit(n, t, 1)
+    if b < 0:
+        _note(
+            f"{method}: {key} falls with the context ({', '.join(f'{x:.1f}' for x in t)} ms at "
+            f"{', '.join(str(int(x)) for x in n)}): projected flat at {t.max():.1f} ms"
+        )
+        return float(t.max()), 0.0
     return float(a), float(b)
 
 
@@ -139,7 +157,12 @@ def project(batch: int, recs: dict[int, dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("records", nargs="+", type=Path, help="bench_accuracy_path.py JSON records (one batch size)")
-    ap.add_argument("--out", type=Path, default=None, help="write the projection as JSON here")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the projection as JSON here (a folder: its table3_projection.json)",
+    )
     args = ap.parse_args(argv)
     batch, recs = load(args.records)
     rows = project(batch, recs)
@@ -157,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(r.get("total_hours", 0.0) for r in rows)
     print(f"all rows: {total:.1f} hours on {dev} at batch {batch}")
     if args.out:
-        args.out.write_text(
+        out = args.out / "table3_projection.json" if args.out.is_dir() else args.out
+        out.write_text(
             json.dumps(
                 {
                     "device": dev,
