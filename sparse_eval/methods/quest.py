@@ -86,16 +86,18 @@ def build_pages(k: torch.Tensor, pid: torch.Tensor, num_pages: int) -> tuple[tor
 
 
 def _absorb(kmin, kmax, k, pid):
-    """Fold keys k [B, Hkv, n, D] with pages pid [B, n] into (kmin, kmax) [B, Hkv, P, D] (scatter min/max)."""
+    """Fold keys k [B, Hkv, n, D] with pages pid [B, n] into (kmin, kmax) [B, Hkv, P, D], in place (scatter
+    min/max).  A key outside every page (pid < 0 or ≥ P) is folded into page 0 as +inf / −inf, which leaves it as
+    it is: no scratch page, so no copy of the tables."""
     b, h, p, d = kmin.shape
-    if k.shape[2] == 0:
+    if k.shape[2] == 0 or p == 0:
         return kmin, kmax
-    # keys outside any page go to a scratch page P that is dropped
-    target = torch.where(pid >= 0, pid, torch.full_like(pid, p)).clamp_max(p)
-    idx = target.view(b, 1, -1, 1).expand(b, h, k.shape[2], d)
-    kmin = torch.cat([kmin, kmin.new_full((b, h, 1, d), float("inf"))], 2).scatter_reduce(2, idx, k, "amin")
-    kmax = torch.cat([kmax, kmax.new_full((b, h, 1, d), float("-inf"))], 2).scatter_reduce(2, idx, k, "amax")
-    return kmin[:, :, :p], kmax[:, :, :p]
+    inside = (pid >= 0) & (pid < p)  # [B, n]
+    idx = torch.where(inside, pid, torch.zeros_like(pid)).view(b, 1, -1, 1).expand(b, h, k.shape[2], d)
+    inside = inside.view(b, 1, -1, 1)
+    kmin.scatter_reduce_(2, idx, torch.where(inside, k, float("inf")), "amin")
+    kmax.scatter_reduce_(2, idx, torch.where(inside, k, float("-inf")), "amax")
+    return kmin, kmax
 
 
 def page_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -278,15 +280,22 @@ class Quest(Method):
         if fresh:
             pid = page_ids(first, n, ps)
             kmin, kmax = build_pages(k, pid, pages)
+            bufs = (kmin, kmax)
         else:
-            kmin, kmax = st["kmin"], st["kmax"]
-            grow = pages - kmin.shape[2]
-            if grow > 0:  # append new (empty) pages, then fold the new keys in (the last partial page included)
-                kmin = torch.cat([kmin, kmin.new_full((b, hkv, grow, d), float("inf"))], 2)
-                kmax = torch.cat([kmax, kmax.new_full((b, hkv, grow, d), float("-inf"))], 2)
+            bufs = st["bufs"]  # [B, Hkv, capacity, D]: pages not yet begun hold +inf / -inf
+            if pages > bufs[0].shape[2]:  # room for twice as many pages, so growing by one is O(1) amortised
+                cap = max(pages, 2 * bufs[0].shape[2])
+                grown = (
+                    bufs[0].new_full((b, hkv, cap, d), float("inf")),
+                    bufs[1].new_full((b, hkv, cap, d), float("-inf")),
+                )
+                for g, o in zip(grown, bufs):
+                    g[:, :, : o.shape[2]] = o
+                bufs = grown
+            kmin, kmax = bufs[0][:, :, :pages], bufs[1][:, :, :pages]
             old = st["n"]
             pid_new = page_ids(first, n, ps)[:, old:]
-            kmin, kmax = _absorb(kmin, kmax, k[:, :, old:], pid_new)
+            kmin, kmax = _absorb(kmin, kmax, k[:, :, old:], pid_new)  # the new keys, the last partial page included
         st = {
             "n": n,
             "batch": b,
@@ -295,6 +304,7 @@ class Quest(Method):
             "first_min": first_min,
             "kmin": kmin,
             "kmax": kmax,
+            "bufs": bufs,
             "frozen_end": None,
             "last_key": k[:, :, n - 1].clone() if n else None,
         }
