@@ -16,6 +16,9 @@ of kernels and copies launched, the host syncs (``SYNC_EVENTS``: ``.item()``/``b
 ``torch.equal``, ``nonzero``, an explicit synchronize) and the kernels that take the most time.  The dense
 prefill of the batch is timed too (``prefill_ms``, stock sdpa, median over ``--repeats``): with the per-step
 times it is what ``benchmarks/project_ruler_hours.py`` projects a RULER evaluation's GPU-hours from.
+With ``--batch-invariant`` the prefill and every plug-in method's steps run inside ``batch_invariant()``, the mode a
+run evaluates in by default (``eval.batch_invariant``: fixed-order products and reductions, so a record does not
+depend on its batch); stock transformers is timed outside it either way.
 
     python benchmarks/bench_accuracy_path.py --model stories260k --context 448 --out experiments/accuracy_path_speed
     python benchmarks/bench_accuracy_path.py --model llama3_8b_random --context 16384 --out $OUT   # GPU machine
@@ -130,7 +133,9 @@ def _host_syncs(events) -> int:
     return count
 
 
-def profile_methods(model, cache, stock_cache, args, first, device, methods) -> dict[tuple[str, bool], dict]:
+def profile_methods(
+    model, cache, stock_cache, args, first, device, methods, mode=lambda method: contextlib.nullcontext()
+) -> dict[tuple[str, bool], dict]:
     """Per (method, error on): one profiled pass of ``--steps`` steps (after a 1-step warm-up), reduced to per-step
     figures: wall ms (under the profiler), GPU busy ms, kernels and copies launched, host syncs, and the ten
     kernels with the most device time (name, ms per step, launches per step).  On a CPU: the host syncs a GPU
@@ -142,10 +147,11 @@ def profile_methods(model, cache, stock_cache, args, first, device, methods) -> 
             if method is not None:
                 attach(model, method, Runtime(protocol="A", compute_error=err))
             c = stock_cache if method is None else cache
-            time_decode(model, c, args.context, first, 1, device)
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
             prof = torch.profiler.profile(activities=acts)
-            wall = time_decode(model, c, args.context, first, args.steps, device, around=prof)
+            with mode(method):
+                time_decode(model, c, args.context, first, 1, device)
+                wall = time_decode(model, c, args.context, first, args.steps, device, around=prof)
             if method is not None:
                 detach(model)
             events = list(prof.events())
@@ -187,8 +193,19 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--profile", action="store_true", help="also profile --steps steps per method (GPU busy time)")
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="time the plug-in's methods and the prefill inside batch_invariant() (a run's default mode); "
+        "stock transformers stays outside it",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    from sparse_eval.invariance import batch_invariant
+
+    def mode(method=True):
+        """The evaluation mode a plug-in method (and the prefill) is timed in; ``None``: stock, always plain."""
+        return batch_invariant() if args.batch_invariant and method is not None else contextlib.nullcontext()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {
@@ -206,7 +223,7 @@ def main(argv=None) -> int:
         cache = make_cache(model)
         sync(device)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), mode():
             logits = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
         sync(device)
         prefill_ms.append((time.perf_counter() - t0) * 1000.0)
@@ -256,16 +273,19 @@ def main(argv=None) -> int:
             for err in (False,) if method is None else (True, False):
                 session = None if method is None else attach(model, method, Runtime(protocol="A", compute_error=err))
                 c = stock_cache if method is None else cache
-                if rep == 0:
-                    time_decode(model, c, args.context, first, 2, device)  # warm-up
-                if session is not None:
-                    session.recorder.reset()
-                times.setdefault((name, err), []).append(time_decode(model, c, args.context, first, args.steps, device))
-                first_times.setdefault((name, err), []).append(time_first_step(model, c, args.context, first, device))
+                with mode(method):
+                    if rep == 0:
+                        time_decode(model, c, args.context, first, 2, device)  # warm-up
+                    if session is not None:
+                        session.recorder.reset()
+                    ms = time_decode(model, c, args.context, first, args.steps, device)
+                    first_ms = time_first_step(model, c, args.context, first, device)
+                times.setdefault((name, err), []).append(ms)
+                first_times.setdefault((name, err), []).append(first_ms)
                 stats[(name, err)] = session.recorder.summary() if session is not None else {}
                 if session is not None:
                     detach(model)
-    profiles = profile_methods(model, cache, stock_cache, args, first, device, methods) if args.profile else {}
+    profiles = profile_methods(model, cache, stock_cache, args, first, device, methods, mode) if args.profile else {}
     rows = []
     for (name, err), ts in times.items():
         summ = stats[(name, err)]
@@ -317,6 +337,7 @@ def main(argv=None) -> int:
         "dtype": str(dtype),
         "hardware": hardware(),
         "versions": versions(),
+        "batch_invariant": args.batch_invariant,
         "prefill_ms": statistics.median(prefill_ms),
         "prefill_all_ms": prefill_ms,
         "rows": rows,
