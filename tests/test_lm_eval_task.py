@@ -414,3 +414,43 @@ def test_coqa_matches_lm_eval_utils():  # pragma: no cover - transformers 4.x on
     assert utils.doc_to_target(COQA_DOC) == le.coqa_doc_to_target(COQA_DOC)
     for pred in ("red", "bright red car", "blue", ""):
         assert utils.process_results(COQA_DOC, [pred]) == pytest.approx(le.coqa_process_results(COQA_DOC, [pred]))
+
+
+def test_generation_records_do_not_depend_on_the_batch_size(tmp_path):
+    """lm-eval left-pads its generation batches; in the batch-invariant mode (the default) a sparse method's
+    documents get the same generations and the run the same statistics at task.batch_size 1 and 3 (the three toy
+    prompts differ in length, so the batch of 3 is padded)."""
+    from hydra import compose, initialize_config_dir
+
+    from sparse_eval.config import register_configs
+    from sparse_eval.runner import run
+
+    tasks = _toy_task(tmp_path / "tasks")
+    register_configs()
+    recs = {}
+    for bs in (1, 3):
+        with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+            cfg = compose(
+                config_name="config",
+                overrides=[
+                    "task=lm_eval",
+                    "task.tasks=[toy_story]",
+                    f"task.include_path={tasks}",
+                    "task.bootstrap_iters=0",
+                    "task.offline=true",
+                    f"task.batch_size={bs}",
+                    f"task.work_dir={tmp_path / f'work{bs}'}",
+                    f"paths.runs_dir={tmp_path / f'runs{bs}'}",
+                    "print_table=false",
+                    "method=topk",
+                    "method.budget=0.1",
+                    "method.local=8",
+                ],
+            )
+        (summary,) = run(cfg)
+        recs[bs] = _records(summary)["toy_story"]
+    assert recs[1]["lm_eval"]["batch_size"] == 1 and recs[3]["lm_eval"]["batch_size"] == 3
+    assert recs[1]["docs"] == recs[3]["docs"] and len(recs[1]["docs"]) == len(TOY_DOCS)
+    for key in ("score", "cost2", "est_error"):
+        assert recs[1][key] == recs[3][key], key
+    assert recs[1]["cost2"] < 1

@@ -242,3 +242,30 @@ def test_sparse_cache_appends_in_place_and_holds_what_a_dynamic_cache_holds():
     ref.batch_select_indices(torch.tensor([1]))
     append(1, b=1)
     assert ours.get_seq_length() == ref.get_seq_length() == 100 + 5 + 700 + 1 - 7 + 1 + 2 + 1
+
+
+def test_recorder_archive_pools_rows_whatever_their_batching():
+    """Rows recorded in one batch of 3 or in batches of 1 and 2 (archived between batches, as lm-eval's
+    generation batches are) give the same summary; per-row summaries are refused after archiving."""
+    from sparse_eval.attention.recorder import StatsRecorder
+
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.rand(3, 2, 1, generator=g) * 10 ** torch.randint(-3, 3, (3, 2, 1), generator=g) for _ in range(5)]
+
+    def call(rec, rows):
+        for x in steps:
+            rec.add(0, {"rows": torch.ones_like(x[rows], dtype=torch.bool), "cost2": x[rows], "est_error": x[rows] / 7})
+
+    one = StatsRecorder(1, 2)
+    call(one, slice(0, 3))
+    split = StatsRecorder(1, 2)
+    call(split, slice(0, 1))
+    split.archive_rows()
+    call(split, slice(1, 3))
+    split.archive_rows()
+    assert split.batch_rows() is None
+    a, b = one.summary(), split.summary()
+    assert a["sparse_rows"] == b["sparse_rows"] == 3 * 2 * len(steps)
+    assert a["cost2"] == b["cost2"] and a["est_error"] == b["est_error"]
+    with pytest.raises(ValueError, match="archive_rows"):
+        split.summary(row=0)

@@ -23,6 +23,22 @@ class StatsRecorder:
         # per layer: {(stat keys of a call, B): [1 + S, B, Hq] running sums (entry 0: counted rows with valid keys)}
         self._stacked: dict[int, dict[tuple[str, ...], torch.Tensor]] = {}
         self._host: dict[int, dict[tuple[str, ...], torch.Tensor]] | None = None  # ``_stacked`` on the host
+        # per layer: {stat keys: float64 [1 + S, Hq]}: the rows of earlier batches of one sample (``archive_rows``)
+        self._archive: dict[int, dict[tuple[str, ...], torch.Tensor]] = {}
+
+    def archive_rows(self) -> None:
+        """End of one batch among several that make one sample (lm-eval's own generation batches): its rows' sums
+        are added, in float64 on the host, to the sample's archive, and the running tables start afresh, so that
+        no two rows are ever summed in float32.  Each row's float32 sums are those it gets in any batch, and their
+        float64 sum is exact (a few hundred rows of float32 values), so ``summary()`` does not depend on how the
+        rows were batched.  After this, only ``summary(row=None)`` is defined."""
+        for layer, entries in self._stacked.items():
+            arch = self._archive.setdefault(layer, {})
+            for (keys, _), acc in entries.items():
+                part = acc.to("cpu", torch.float64).sum(1)  # [1 + S, Hq]
+                arch[keys] = arch[keys] + part if keys in arch else part
+        self._stacked = {}
+        self._host = None
 
     def add(self, layer: int, stats: dict[str, Any], counted: torch.Tensor | None = None) -> None:
         """stats: per-row tensors [B, Hq, Q] plus ``rows`` (bool, row has valid keys) and ``empty``;
@@ -105,23 +121,30 @@ class StatsRecorder:
         sums: dict[str, dict[int, torch.Tensor]] = {}
         if row is not None and len({b for entries in self._stacked.values() for _, b in entries}) > 1:
             raise ValueError("per-row statistics of calls with different batch sizes; reset between batches")
+        if row is not None and self._archive:
+            raise ValueError("per-row statistics after archive_rows(): the rows of several batches are pooled")
         if self._host is None:  # one copy per batch: the per-row summaries then run without device syncs
             self._host = {
                 layer: {e: acc.cpu() for e, acc in entries.items()} for layer, entries in self._stacked.items()
             }
-        for layer, entries in self._host.items():
-            for (keys, _), acc in entries.items():
-                acc = acc.sum(1) if row is None else acc[:, row]  # [1 + S, Hq]
-                rows[layer] = rows[layer] + acc[0] if layer in rows else acc[0]
-                for i, key in enumerate(keys, start=1):
-                    table = empty if key == "empty" else sums.setdefault(key, {})
-                    table[layer] = table[layer] + acc[i] if layer in table else acc[i]
+        live = [
+            (layer, keys, acc.double().sum(1) if row is None else acc[:, row])  # [1 + S, Hq]
+            for layer, entries in self._host.items()
+            for (keys, _), acc in entries.items()
+        ]
+        archived = [(layer, keys, acc) for layer, entries in self._archive.items() for keys, acc in entries.items()]
+        for layer, keys, acc in live + archived:
+            rows[layer] = rows[layer] + acc[0] if layer in rows else acc[0]
+            for i, key in enumerate(keys, start=1):
+                table = empty if key == "empty" else sums.setdefault(key, {})
+                table[layer] = table[layer] + acc[i] if layer in table else acc[i]
         return rows, empty, sums
 
     def batch_rows(self) -> int | None:
-        """The batch size of the recorded calls (None before any or when calls of several sizes were recorded)."""
+        """The batch size of the recorded calls (None before any, when calls of several sizes were recorded, or
+        after ``archive_rows``)."""
         sizes = {b for entries in self._stacked.values() for _, b in entries}
-        return sizes.pop() if len(sizes) == 1 else None
+        return sizes.pop() if len(sizes) == 1 and not self._archive else None
 
     def summary(self, row: int | None = None) -> dict[str, Any]:
         """Means over the recorded query rows (sparse layers and heads) of batch row ``row`` (None: of every

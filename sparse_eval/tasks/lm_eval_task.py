@@ -78,7 +78,10 @@ class LmEvalConfig(TaskConfig):
     # documents per lm-eval task (a group applies it to each subtask); < 1: a fraction; null: all.
     # ``num_samples`` is the same knob under the runner's common name (set one of them).
     limit: float | None = None
-    batch_size: int = 1  # 1: no padding; > 1 left-pads (the plug-in sees the padding mask)
+    # 1: no padding; > 1 left-pads generation batches (the plug-in sees the padding mask): in the batch-invariant
+    # mode a document's generation and the run's statistics are the same at any size (each row counted until it
+    # stops); log-likelihood batches are right-padded, so keep 1 for those tasks
+    batch_size: int = 1
     max_length: int | None = None  # context window HFLM truncates to; null: the model's context
     gen_kwargs: Any = None  # overrides of every generate_until task's generation_kwargs: mapping or "k=v,k2=v2"
     include_path: Any = None  # extra folder(s) of lm-eval task YAMLs (a str or a list)
@@ -417,6 +420,49 @@ def _plain(obj: Any) -> Any:
 # --------------------------------------------------------------------------------------------------------
 # The task
 # --------------------------------------------------------------------------------------------------------
+class _RowsUntilStop:
+    """Forward hooks around one ``model.generate`` of an lm-eval batch: each decode pass counts only the rows not
+    yet done, i.e. whose generated tokens so far contain none of the stop sequences (lm-eval's own criteria,
+    ``MultiTokenEOSCriteria``, applied per row) and no EOS.  A row done after token j is not counted in the pass
+    that reads token j: the pass a batch of one never makes.  context: long [B, T], the padded prompts."""
+
+    def __init__(self, tokenizer: Any, stop: list[str], context: Any, session: Any, model: Any):
+        from lm_eval.models.utils_hf import stop_sequences_criteria
+
+        self.context = context
+        self.criteria = stop_sequences_criteria(tokenizer, stop, context.shape[1], context.shape[0])
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
+        self.session = session
+        self.done = [False] * context.shape[0]
+        self.generated: list[Any] = []
+        self._counting: contextlib.ExitStack | None = None
+
+    def before(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        import torch
+
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None or ids.dim() != 2 or ids.shape[1] != 1 or ids.shape[0] != len(self.done):
+            return  # the prompt's pass (counted by the plug-in's own rules)
+        self.generated.append(ids)
+        for i, tok in enumerate(ids[:, 0].tolist()):
+            self.done[i] = self.done[i] or tok in self.eos
+        full = torch.cat([self.context, *self.generated], 1)
+        for crit in self.criteria:
+            crit(full, None)
+            self.done = [d or c for d, c in zip(self.done, crit.done_tracker)]
+        live = torch.tensor([not d for d in self.done], dtype=torch.bool, device=ids.device)[:, None]  # [B, 1]
+        self._counting = contextlib.ExitStack()
+        self._counting.enter_context(self.session.counting(live))
+
+    def after(self, *_: Any) -> None:
+        if self._counting is not None:
+            self._counting.close()
+            self._counting = None
+
+
 @register_task
 class LmEval(Task):
     name = "lm_eval"
@@ -600,12 +646,33 @@ class LmEval(Task):
     def _lm(self, engine: Any) -> Any:
         from lm_eval.models.huggingface import HFLM
 
+        session = engine.session
+
         class _PatchedLM(HFLM):
             def get_model_info(self) -> dict[str, Any]:  # HFLM's asks the hub for a sha; the instance has none
                 return {
                     "model_num_parameters": sum(p.numel() for p in self._model.parameters()),
                     "model_dtype": str(self._model.dtype),
                 }
+
+            def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+                """HFLM's generation, with each row's statistics counted only until the row is done (lm-eval's
+                stop sequences, or EOS): a batch runs until its last row is done, so without this a row's
+                Cost2 and error would include steps that lm-eval then cuts off, and depend on its companions.
+                Each batch's rows are then archived (``StatsRecorder.archive_rows``), so that the sample's
+                statistics are the same however lm-eval batched its documents."""
+                rows = _RowsUntilStop(self.tokenizer, stop, context, session, self._model)
+                handles = (
+                    self._model.register_forward_pre_hook(rows.before, with_kwargs=True),
+                    self._model.register_forward_hook(rows.after),
+                )
+                try:
+                    return super()._model_generate(context, max_length, stop, **generation_kwargs)
+                finally:
+                    for h in handles:
+                        h.remove()
+                    rows.after()
+                    session.recorder.archive_rows()  # rows of lm-eval's batches pooled in float64: batch-free
 
         return _PatchedLM(
             pretrained=engine.model,
