@@ -191,3 +191,26 @@ def test_masked_softmax_keeps_nan_and_zeroes_empty_rows():
     torch.testing.assert_close(p[0], torch.tensor([1 / (1 + math.e**2), 0.0, math.e**2 / (1 + math.e**2)]))
     assert torch.equal(p[1], torch.zeros(3))  # nothing kept: zeros, not NaN
     assert bool(torch.isnan(p[2, :2]).all()) and p[2, 2] == 0  # a NaN among kept logits is not hidden
+
+
+def test_oracle_kept_draw_parts_give_the_draws_of_a_fresh_method():
+    """Oracle sampling keeps the uniforms' (seed, rows, head) state and the draw-index hashes between calls; a
+    method reused over batches with other row seeds, other layers and a budget that grows with the context
+    selects exactly what a fresh method selects (whose draws are ``random.uniforms`` of every key)."""
+    from sparse_eval.methods.core import sparse_attention
+
+    reused = build_method(make_config("oracle", {"budget": 0.1, "sink": 1, "local": 2}))
+    batches: dict[tuple, torch.Tensor] = {}
+    for call, (b, n, seeds, layer) in enumerate(
+        [(2, 40, [3, 9], 0), (2, 41, [3, 9], 0), (2, 60, [3, 9], 0), (3, 60, [5, 6, 7], 0), (2, 50, None, 1)]
+    ):
+        q, k, v = rand_qkv(b=b, n=n, hq=4, hkv=2, seed=call)
+        valid = torch.ones(b, 1, 1, n, dtype=torch.bool)
+        # one tensor per batch, as the engine makes (the method keeps its parts while it is the same tensor)
+        rows = None if seeds is None else batches.setdefault(tuple(seeds), torch.tensor(seeds))
+        fresh = build_method(make_config("oracle", {"budget": 0.1, "sink": 1, "local": 2}))
+        outs = [
+            sparse_attention(m, q, k, v, valid, 0.125, {}, layer, keep_masks=True, row_seeds=rows)
+            for m in (reused, fresh)
+        ]
+        assert torch.equal(outs[0][1]["keep"], outs[1][1]["keep"]) and torch.equal(outs[0][0], outs[1][0]), call

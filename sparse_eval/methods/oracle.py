@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .base import AttentionContext, Method, MethodConfig, Selection, budget_bound, check_budget, resolve_budget
-from .random import uniforms
+from .random import finish, key_hash, mix, start
 from .registry import register
 
 
@@ -44,6 +44,11 @@ class OracleSampling(Method):
     budget_field = "budget"
     headline_options = ("budget",)
     supported_gqa = ("query_head",)
+
+    def __init__(self, config: OracleConfig):
+        super().__init__(config)
+        # per (layer seed, heads, device): [the batch's row seeds, the state after (seed, rows, head), draw hashes]
+        self._draw_cache: dict[tuple, list] = {}
 
     @classmethod
     def contract_configs(cls):
@@ -72,17 +77,12 @@ class OracleSampling(Method):
         if bmax == 0:
             empty = torch.zeros_like(s, dtype=torch.bool)
             return Selection(keep=empty, stats={"draws": torch.zeros(b, hq, ql, device=s.device)})
-        dev = s.device
-        head = torch.arange(hq, device=dev).view(1, hq, 1, 1)
-        j = torch.arange(bmax, device=dev).view(1, 1, 1, bmax)
-        rows = (
-            ctx.row_seeds.view(-1, 1, 1, 1)
-            if ctx.row_seeds is not None
-            else torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
-        )
         # a draw is a pure function of (seed, layer, sample, head, query position, draw index): the row's
-        # context size n_valid identifies its query position
-        u = uniforms(ctx.generator_seed, rows, head, ctx.n_valid.view(-1, 1, ql, 1), j)  # [B, Hq, Q, Bmax]
+        # context size n_valid identifies its query position.  ``random.uniforms(seed, rows, head, n_valid, j)``,
+        # composed from parts kept between calls (the same values, a third of the operations per call)
+        prefix, jh = self._draw_parts(ctx, hq, bmax)  # [B or 1, Hq, 1, 1], [1, 1, 1, Bmax]
+        j = torch.arange(bmax, device=s.device).view(1, 1, 1, bmax)
+        u = finish(mix(mix(prefix, ctx.n_valid.view(-1, 1, ql, 1)), jh, hashed=True))  # [B, Hq, Q, Bmax]
         x = u * cdf[..., -1:]
         idx = torch.searchsorted(cdf.contiguous(), x.contiguous(), right=True).clamp_max(n - 1)
         take = (j < draws).to(torch.float32).expand(b, hq, ql, bmax) * has.to(torch.float32)
@@ -92,6 +92,27 @@ class OracleSampling(Method):
         bias = lse + torch.log(counts.clamp_min(1.0)) - log_b - s.nan_to_num(0.0, neginf=0.0)
         bias = torch.where(keep, bias, torch.zeros_like(bias))  # static keys keep their exact logits
         return Selection(keep=keep, bias=bias, stats={"draws": draws.squeeze(-1).float().expand(b, hq, ql)})
+
+    def _draw_parts(self, ctx: AttentionContext, hq: int, bmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the uniforms' state after (seed, rows, head), ``key_hash`` of the draw indices 0..bmax-1), kept from the
+        last call of the layer while its seed, the batch's row seeds (the same tensor: the engine makes one per
+        batch, and it is held here, so identity is safe), the head count and the device stay."""
+        dev = ctx.scores.device
+        cache = self._draw_cache
+        key = (ctx.generator_seed, hq, str(dev))
+        hit = cache.get(key)
+        if hit is None or hit[0] is not ctx.row_seeds:
+            rows = (
+                ctx.row_seeds.view(-1, 1, 1, 1)
+                if ctx.row_seeds is not None
+                else torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+            )
+            head = torch.arange(hq, device=dev).view(1, hq, 1, 1)
+            hit = cache[key] = [ctx.row_seeds, mix(mix(start(ctx.generator_seed), rows), head), None]
+        jh = hit[2]
+        if jh is None or jh.shape[-1] < bmax:  # room for growth: a ratio budget grows with the context
+            jh = hit[2] = key_hash(torch.arange(max(bmax, 2 * (0 if jh is None else jh.shape[-1])), device=dev))
+        return hit[1], jh[:bmax].view(1, 1, 1, bmax)
 
     def cost1(self, ctx, sel):
         return 0.5

@@ -20,10 +20,31 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def start(seed: int) -> torch.Tensor:
+    """The state before any key: ``seed``'s low 32 bits (an int64 scalar tensor)."""
+    return torch.as_tensor(seed & _MASK, dtype=torch.int64)
+
+
+def key_hash(k: torch.Tensor) -> torch.Tensor:
+    """A key's own hash, the part of ``mix`` that does not depend on the state (it may be computed once and kept)."""
+    return hash32(k.to(torch.int64) + 0x632BE5AB)
+
+
+def mix(x: torch.Tensor, k: torch.Tensor, hashed: bool = False) -> torch.Tensor:
+    """Fold key ``k`` (int64; ``hashed``: already ``key_hash(k)``) into the state ``x`` (broadcasting)."""
+    return hash32(x * 0x9E3779B1 + (k if hashed else key_hash(k)))
+
+
+def finish(x: torch.Tensor) -> torch.Tensor:
+    """U(0, 1) float64 values from a state."""
+    return (hash32(x).to(torch.float64) + 0.5) / 4294967296.0
+
+
 def uniforms(seed: int, *keys: torch.Tensor) -> torch.Tensor:
-    """U(0, 1) float64 values, one per element of the broadcast of ``keys`` (int64 tensors)."""
-    x = torch.as_tensor(seed & _MASK, dtype=torch.int64)
+    """U(0, 1) float64 values, one per element of the broadcast of ``keys`` (int64 tensors): ``finish`` of the
+    keys ``mix``-ed in order into ``start(seed)``.  A caller whose leading keys repeat between calls may keep the
+    state after them, and the hashes of a repeating key, and compose the same values from those parts."""
+    x = start(seed)
     for k in keys:
-        x = hash32(x * 0x9E3779B1 + hash32(k.to(torch.int64) + 0x632BE5AB))
-    x = hash32(x)
-    return (x.to(torch.float64) + 0.5) / 4294967296.0
+        x = mix(x, k)
+    return finish(x)
