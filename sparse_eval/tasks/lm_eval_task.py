@@ -732,15 +732,15 @@ class LmEval(Task):
         lm_logger = logging.getLogger("lm_eval")
         old_level = lm_logger.level
         lm_logger.setLevel(str(c.verbosity).upper())
-        # the run's meta.json already records versions and hardware; lm-eval's add_env_info shells out to pip,
-        # nvidia-smi, ... (torch.utils.collect_env), seconds per call, so it is skipped for these calls
+        # the run's meta.json already records versions, hardware and the commit; lm-eval's add_env_info shells out
+        # to pip, nvidia-smi, ... (torch.utils.collect_env), seconds per call, and its get_git_commit_hash runs git
+        # in the working directory (printing git's "fatal: not a git repository" outside one), so both are skipped
         import lm_eval.evaluator as lm_evaluator
 
-        skip_env = (
-            mock.patch.object(lm_evaluator, "add_env_info", lambda results: None)
-            if hasattr(lm_evaluator, "add_env_info")
-            else contextlib.nullcontext()
-        )
+        skip_env = contextlib.ExitStack()
+        for name, stub in (("add_env_info", lambda results: None), ("get_git_commit_hash", lambda: None)):
+            if hasattr(lm_evaluator, name):
+                skip_env.enter_context(mock.patch.object(lm_evaluator, name, stub))
         try:
             # the engine's batch-invariant kernels (lm-eval left-pads generation batches, as the engine does; its
             # log-likelihood batches are right-padded, which task.batch_size=1, the default, avoids)
