@@ -440,8 +440,9 @@ class MagicPIG(Method):
             st["codes"][idx, :, :n] = self._hash(k[idx], st["mean"][idx], None if r is None else r[idx], w)
         st["n"] = n
         if n:
-            st["ends"] = torch.stack((k[:, :, 0], k[:, :, n - 1]), 2)  # [B, Hkv, 2, D] (a copy; a list index would copy
-            # [0, n-1] to the device, a host sync): to recognise a different cache of the same length
+            # a copy of the first and last indexed keys [B, Hkv, 2, D], to recognise a different cache of the same
+            # length (stacked: a list index would copy [0, n-1] to the device each call, a host sync)
+            st["ends"] = torch.stack((k[:, :, 0], k[:, :, n - 1]), 2)
 
     @staticmethod
     def _reusable(st: dict[str, Any], k: torch.Tensor, sig: tuple, tracked: bool = False) -> bool:

@@ -438,14 +438,18 @@ class _RowsUntilStop:
         self.session = session
         self.done = [False] * context.shape[0]
         self.generated: list[Any] = []
+        self.prompt_passed = False
         self._counting: contextlib.ExitStack | None = None
 
     def before(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         import torch
 
+        if not self.prompt_passed:  # the prompt's pass (counted by the plug-in's own rules)
+            self.prompt_passed = True
+            return
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None or ids.dim() != 2 or ids.shape[1] != 1 or ids.shape[0] != len(self.done):
-            return  # the prompt's pass (counted by the plug-in's own rules)
+            return  # not a decode pass of this batch
         self.generated.append(ids)
         for i, tok in enumerate(ids[:, 0].tolist()):
             self.done[i] = self.done[i] or tok in self.eos
