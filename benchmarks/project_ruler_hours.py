@@ -70,16 +70,6 @@ def load(paths: list[Path]) -> tuple[int, dict[int, dict]]:
     return batches.pop(), recs
 
 
-_NOTED: set[str] = set()
-
-
-def _note(line: str) -> None:
-    """Print ``line`` once (rows projected from the same method share its fit)."""
-    if line not in _NOTED:
-        _NOTED.add(line)
-        print(line)
-
-
 def fit_step(recs: dict[int, dict], method: str, key: str = "ms_per_step") -> tuple[float, float] | None:
     """(a, b) of ``key`` = a + b·n over the contexts n, error on; ``first_step_ms`` falls back to ``ms_per_step``
     in records made before it was measured.  A step reads the whole cache, so its time cannot fall as the context
@@ -96,7 +86,7 @@ def fit_step(recs: dict[int, dict], method: str, key: str = "ms_per_step") -> tu
     n, t = np.array(pts, dtype=float).T
     b, a = np.polyfit(n, t, 1)
     if b < 0:
-        _note(
+        print(
             f"{method}: {key} falls with the context ({', '.join(f'{x:.1f}' for x in t)} ms at "
             f"{', '.join(str(int(x)) for x in n)}): projected flat at {t.max():.1f} ms"
         )
@@ -123,15 +113,18 @@ def project(batch: int, recs: dict[int, dict]) -> list[dict]:
     available = {row["method"] for r in recs.values() for row in r["rows"] if row["est_error_on"]}
     c, d = fit_prefill(recs)
     batches = math.ceil(SAMPLES_PER_TASK / batch)
+    fits: dict[str, tuple] = {}
     out = []
     for row in TABLE3_ROWS:
         used = measured_name(row, available)
-        fit = fit_step(recs, used) if used else None
+        if used and used not in fits:  # rows measured as the same method share its fits (fitted, and noted, once)
+            fits[used] = (fit_step(recs, used), fit_step(recs, used, "first_step_ms"))
+        fit = fits[used][0] if used else None
         if fit is None:
             out.append({"row": row, "measured_as": None})
             continue
         a, b = fit
-        fa, fb = fit_step(recs, used, "first_step_ms")
+        fa, fb = fits[used][1]
         hours = {}
         for n in TABLE3_LENGTHS:
             prefill_s = (c * n + d * n * n) / 1000.0

@@ -30,8 +30,9 @@ class StatsRecorder:
         """End of one batch among several that make one sample (lm-eval's own generation batches): its rows' sums
         are added, in float64 on the host, to the sample's archive, and the running tables start afresh, so that
         no two rows are ever summed in float32.  Each row's float32 sums are those it gets in any batch, and their
-        float64 sum is exact (a few hundred rows of float32 values), so ``summary()`` does not depend on how the
-        rows were batched.  After this, only ``summary(row=None)`` is defined."""
+        float64 sum is exact while the values span less than about 2^29 in magnitude (true of these statistics
+        over a few hundred rows), so ``summary()`` does not depend on how the rows were batched.  After this, only
+        ``summary(row=None)`` is defined."""
         for layer, entries in self._stacked.items():
             arch = self._archive.setdefault(layer, {})
             for (keys, _), acc in entries.items():

@@ -424,13 +424,15 @@ class _RowsUntilStop:
     """Forward hooks around one ``model.generate`` of an lm-eval batch: each decode pass counts only the rows not
     yet done, i.e. whose generated tokens so far contain none of the stop sequences (lm-eval's own criteria,
     ``MultiTokenEOSCriteria``, applied per row) and no EOS.  A row done after token j is not counted in the pass
-    that reads token j: the pass a batch of one never makes.  context: long [B, T], the padded prompts."""
+    that reads token j: the pass a batch of one never makes.  context: long [B, T], the padded prompts (only their
+    count is used)."""
 
     def __init__(self, tokenizer: Any, stop: list[str], context: Any, session: Any, model: Any):
         from lm_eval.models.utils_hf import stop_sequences_criteria
 
-        self.context = context
-        self.criteria = stop_sequences_criteria(tokenizer, stop, context.shape[1], context.shape[0])
+        # lm-eval's criteria look back over the generated tokens only: given those alone (initial length 0), they
+        # read what they would read after the prompt, without the prompt copied in every step
+        self.criteria = stop_sequences_criteria(tokenizer, stop, 0, context.shape[0])
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if eos is None:
             eos = getattr(tokenizer, "eos_token_id", None)
@@ -453,9 +455,9 @@ class _RowsUntilStop:
         self.generated.append(ids)
         for i, tok in enumerate(ids[:, 0].tolist()):
             self.done[i] = self.done[i] or tok in self.eos
-        full = torch.cat([self.context, *self.generated], 1)
+        generated = torch.cat(self.generated, 1)  # [B, steps so far]
         for crit in self.criteria:
-            crit(full, None)
+            crit(generated, None)
             self.done = [d or c for d, c in zip(self.done, crit.done_tracker)]
         live = torch.tensor([not d for d in self.done], dtype=torch.bool, device=ids.device)[:, None]  # [B, 1]
         self._counting = contextlib.ExitStack()
