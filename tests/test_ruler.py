@@ -196,6 +196,28 @@ def test_config_errors_name_the_valid_values(tmp_path):
         task.samples(None, max_context=512)
 
 
+def test_missing_qa_data_is_refused_when_the_task_is_built(tmp_path, monkeypatch):
+    """A QA subtask whose data cannot come is refused at start (before a model loads or samples are generated):
+    a local file that must be there is not, or the hub would be asked without ``datasets`` installed."""
+    from sparse_eval.tasks.base import DataNotFoundError
+
+    with pytest.raises(FileNotFoundError, match=r"squad data not found.*task\.squad_path"):
+        Ruler(RulerConfig(subtasks=["vt", "qa_1"], qa_source="local"), data_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"hotpotqa data not found at .*nowhere\.json"):
+        Ruler(RulerConfig(subtasks=["qa_2"], hotpotqa_path=str(tmp_path / "nowhere.json")), data_dir=str(tmp_path))
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real(name, *a))
+    with pytest.raises(DataNotFoundError, match=r"qa_2 \(hotpotqa\).*needs the `datasets` package.*qa_2 out of"):
+        Ruler(RulerConfig(subtasks=["niah_single_1", "qa_2"], haystack="noise"), data_dir=str(tmp_path))
+    # a local file is enough without datasets; subtasks without QA never look
+    (tmp_path / rd.HOTPOTQA_FILE).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / rd.HOTPOTQA_FILE).write_text("[]")
+    Ruler(RulerConfig(subtasks=["qa_2"]), data_dir=str(tmp_path))
+    Ruler(RulerConfig(subtasks=["vt"]), data_dir=None)
+
+
 def test_missing_essays_say_so_and_offer_the_noise_haystack(tmp_path, stories_tok):
     with pytest.raises(FileNotFoundError, match=r"Paul Graham essays.*task\.haystack=noise"):
         Ruler(RulerConfig(subtasks=["niah_single_1", "niah_single_2"]), data_dir=str(tmp_path))

@@ -104,6 +104,7 @@ class Ruler(Task):
                 "per-subtask count (the papers' setting)"
             )
         rd.check_essay(c.subtasks, c.haystack, c.essay_path, self.data_dir)
+        rd.check_qa(c.subtasks, c.squad_path, c.hotpotqa_path, self.data_dir, c.qa_source)
 
     def resources(self) -> rd.Resources:
         c = self.config

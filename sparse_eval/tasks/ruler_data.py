@@ -407,34 +407,73 @@ def _load_qa_file(dataset: str, path: str) -> tuple[list, list, str]:
     return qas, docs, path
 
 
+def _qa_local(dataset: str, path: str | None, data_dir: Path | None) -> Path | None:
+    """Where ``load_qa`` looks for ``dataset``'s file: ``task.<dataset>_path``, else under ``paths.data_dir``."""
+    if path:
+        return Path(path).expanduser()
+    return data_dir / (SQUAD_FILE if dataset == "squad" else HOTPOTQA_FILE) if data_dir else None
+
+
+def _qa_missing(dataset: str, local: Path | None) -> FileNotFoundError:
+    opt = "squad_path" if dataset == "squad" else "hotpotqa_path"
+    return FileNotFoundError(
+        f"RULER {dataset} data not found at {local if local else '(paths.data_dir unset)'}; set task.{opt} "
+        f"or paths.data_dir (with {SQUAD_FILE if dataset == 'squad' else HOTPOTQA_FILE}), or task.qa_source=hub"
+    )
+
+
+def _qa_hub(dataset: str, local: Path | None) -> tuple[str, Any, str, str]:
+    """(hub id, config, split, (what, expected, fix)) for a QA set: the last three are ``from_hub``'s message."""
+    hub_id, cfg, split = HUB[dataset]
+    sub = "qa_1" if dataset == "squad" else "qa_2"
+    what = f"RULER {sub} ({dataset})"
+    expected = local if local is not None else f"<paths.data_dir>/{SQUAD_FILE if dataset == 'squad' else HOTPOTQA_FILE}"
+    opt = "squad_path" if dataset == "squad" else "hotpotqa_path"
+    fix = f"or task.{opt}=<that JSON file>, or leave {sub} out of task.subtasks"
+    return hub_id, cfg, split, (what, expected, fix)
+
+
+def check_qa(
+    subtasks: Sequence[str], squad_path: str | None, hotpotqa_path: str | None, data_dir: Path | None, source: str
+) -> None:
+    """Refuse at start a QA subtask whose data ``load_qa`` could not get: its file is missing where it must be
+    local (``task.qa_source=local``, or a ``task.*_path`` given), or it would come from the hub and ``datasets``
+    is not installed.  (Whether the hub answers is only known when it is asked.)"""
+    import importlib.util
+
+    from .base import DataNotFoundError
+
+    for name in subtasks:
+        if SUBTASKS[name].kind != "qa":
+            continue
+        dataset = SUBTASKS[name].args["dataset"]
+        path = squad_path if dataset == "squad" else hotpotqa_path
+        local = _qa_local(dataset, path, data_dir)
+        if source in ("auto", "local") and local is not None and local.exists():
+            continue
+        if source == "local" or (path and source == "auto"):
+            raise _qa_missing(dataset, local)
+        if importlib.util.find_spec("datasets") is None:
+            hub_id, _, _, (what, expected, fix) = _qa_hub(dataset, local)
+            raise DataNotFoundError(
+                f"{what}: no local copy (expected {expected}) and the hub ({hub_id}) needs the `datasets` package, "
+                f"which is not installed. Put the file there or set paths.data_dir=<folder holding it>; {fix}"
+            )
+
+
 def load_qa(dataset: str, path: str | None, data_dir: Path | None, source: str) -> tuple[list, list, str]:
     """(qas, docs, origin).  ``source``: auto (``path``, else the file under ``paths.data_dir``, else the hub),
     local, hub."""
-    local = (
-        Path(path).expanduser()
-        if path
-        else (data_dir / (SQUAD_FILE if dataset == "squad" else HOTPOTQA_FILE) if data_dir else None)
-    )
+    local = _qa_local(dataset, path, data_dir)
     if source in ("auto", "local") and local is not None and local.exists():
         return _load_qa_file(dataset, str(local))
     elif source == "local" or (path and source == "auto"):
-        opt = "squad_path" if dataset == "squad" else "hotpotqa_path"
-        raise FileNotFoundError(
-            f"RULER {dataset} data not found at {local if local else '(paths.data_dir unset)'}; set task.{opt} "
-            f"or paths.data_dir (with {SQUAD_FILE if dataset == 'squad' else HOTPOTQA_FILE}), or task.qa_source=hub"
-        )
+        raise _qa_missing(dataset, local)
     else:
         from .base import from_hub
 
-        hub_id, cfg, split = HUB[dataset]
-        name = SQUAD_FILE if dataset == "squad" else HOTPOTQA_FILE
-        with from_hub(
-            f"RULER {'qa_1' if dataset == 'squad' else 'qa_2'} ({dataset})",
-            hub_id,
-            local if local is not None else f"<paths.data_dir>/{name}",
-            f"or task.{'squad_path' if dataset == 'squad' else 'hotpotqa_path'}=<that JSON file>, or leave "
-            f"{'qa_1' if dataset == 'squad' else 'qa_2'} out of task.subtasks",
-        ):
+        hub_id, cfg, split, (what, expected, fix) = _qa_hub(dataset, local)
+        with from_hub(what, hub_id, expected, fix):
             import datasets
 
             rows = datasets.load_dataset(hub_id, cfg, split=split)
