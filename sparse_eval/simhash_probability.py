@@ -44,29 +44,44 @@ def log_sampling_probability(
         return torch.zeros_like(p)
     if m > L:
         return torch.full_like(p, -math.inf)
-    dev = p.device
+    lo, hi = _pmf_terms(L, m, p.device)
 
-    def log_pmf(j: torch.Tensor, log_r: torch.Tensor, log_1mr: torch.Tensor) -> torch.Tensor:
-        log_c = math.lgamma(L + 1) - torch.lgamma(j + 1) - torch.lgamma(L - j + 1)
-        rest = L - j
-        fail = torch.where(rest > 0, rest * log_1mr, torch.zeros_like(log_1mr))  # 0·(−inf) := 0
-        return log_c + torch.where(j > 0, j * log_r, torch.zeros_like(log_r)) + fail
+    def log_pmf(terms: tuple[torch.Tensor, ...], log_r: torch.Tensor, log_1mr: torch.Tensor) -> torch.Tensor:
+        log_c, j, rest, j_pos, rest_pos = terms  # each [J]
+        fail = torch.where(rest_pos, rest * log_1mr, 0.0)  # 0·(−inf) := 0
+        return log_c + torch.where(j_pos, j * log_r, 0.0) + fail  # [M, J]
 
-    j_lo = torch.arange(0, m, dtype=torch.float64, device=dev)  # [m]
-    j_hi = torch.arange(m, m + upper_terms(m, L), dtype=torch.float64, device=dev)  # [T]
     flat = p.reshape(-1)
-    out = torch.empty_like(flat)
-    step = max(1, element_budget // (m + j_hi.numel()))
+    step = max(1, element_budget // (m + hi[1].numel()))
+    parts = []
     for s in range(0, flat.numel(), step):
         pc = flat[s : s + step, None]
         log_r = K * torch.log(pc)  # log p^K (−inf at p = 0)
         log_1mr = torch.log1p(-torch.exp(log_r))  # log(1 − p^K) (−inf at p = 1)
-        upper = torch.logsumexp(log_pmf(j_hi, log_r, log_1mr), dim=-1)
-        lower = torch.logsumexp(log_pmf(j_lo, log_r, log_1mr), dim=-1).clamp_max(0.0)
+        upper = torch.logsumexp(log_pmf(hi, log_r, log_1mr), dim=-1)
+        lower = torch.logsumexp(log_pmf(lo, log_r, log_1mr), dim=-1).clamp_max(0.0)
         complement = torch.log(-torch.expm1(lower))  # log(1 − P[X < m])
         big = torch.floor((L + 1) * torch.exp(log_r[:, 0])) > m
-        out[s : s + step] = torch.where(big, complement, upper).clamp_max(0.0)
+        parts.append(torch.where(big, complement, upper).clamp_max(0.0))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.reshape(p.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _pmf_terms(L: int, m: int, device: torch.device) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The binomial pmf's per-term constants, made once per (L, m, device): for the lower terms j = 0..m−1 and
+    the upper terms j = m..m+T−1 (``upper_terms``), (log C(L, j), j, L − j, j > 0, L − j > 0), float64 [J]
+    (a step then launches only the terms' products with log p^K and log(1 − p^K))."""
+    with torch.inference_mode(False):
+        out = []
+        for j in (
+            torch.arange(0, m, dtype=torch.float64, device=device),
+            torch.arange(m, m + upper_terms(m, L), dtype=torch.float64, device=device),
+        ):
+            log_c = math.lgamma(L + 1) - torch.lgamma(j + 1) - torch.lgamma(L - j + 1)
+            rest = L - j
+            out.append((log_c, j, rest, j > 0, rest > 0))
+    return out[0], out[1]
 
 
 def sampling_probability(p: torch.Tensor | float, K: int, L: int, min_collisions: int = 2) -> torch.Tensor:

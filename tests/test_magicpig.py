@@ -20,6 +20,7 @@ from sparse_eval.methods.magicpig import (
     pack_signs,
     sampling_probability,
 )
+from sparse_eval.simhash_probability import upper_terms
 
 
 @pytest.fixture(autouse=True)
@@ -73,6 +74,48 @@ def test_sampling_probability_is_eq10_and_the_binomial_tail():
     torch.testing.assert_close(lu, lead, rtol=1e-6, atol=1e-6)
     assert log_sampling_probability(torch.tensor([1.0]), 10, 150, 2).item() == 0.0
     assert log_sampling_probability(torch.tensor([0.9]), 10, 1, 2).item() == -math.inf  # m > L: never sampled
+
+
+def _log_u_per_call(p, K, L, m, budget):
+    """eq. 10's log u as it was computed before the pmf's constant terms were kept (every term per call):
+    the reference that keeps a run's records the same bits."""
+    p = p.to(torch.float64).clamp(0.0, 1.0)
+
+    def log_pmf(j, log_r, log_1mr):
+        log_c = math.lgamma(L + 1) - torch.lgamma(j + 1) - torch.lgamma(L - j + 1)
+        rest = L - j
+        fail = torch.where(rest > 0, rest * log_1mr, torch.zeros_like(log_1mr))
+        return log_c + torch.where(j > 0, j * log_r, torch.zeros_like(log_r)) + fail
+
+    j_lo = torch.arange(0, m, dtype=torch.float64)
+    j_hi = torch.arange(m, m + upper_terms(m, L), dtype=torch.float64)
+    flat = p.reshape(-1)
+    out = torch.empty_like(flat)
+    step = max(1, budget // (m + j_hi.numel()))
+    for s in range(0, flat.numel(), step):
+        pc = flat[s : s + step, None]
+        log_r = K * torch.log(pc)
+        log_1mr = torch.log1p(-torch.exp(log_r))
+        upper = torch.logsumexp(log_pmf(j_hi, log_r, log_1mr), dim=-1)
+        lower = torch.logsumexp(log_pmf(j_lo, log_r, log_1mr), dim=-1).clamp_max(0.0)
+        complement = torch.log(-torch.expm1(lower))
+        big = torch.floor((L + 1) * torch.exp(log_r[:, 0])) > m
+        out[s : s + step] = torch.where(big, complement, upper).clamp_max(0.0)
+    return out.reshape(p.shape)
+
+
+def test_log_sampling_probability_keeps_its_bits():
+    """The pmf's constants made once per (L, m) give the same float64 bits as computing them in every call, one
+    chunk or many (records of runs made before stay reproducible)."""
+    g = torch.Generator().manual_seed(0)
+    u = torch.rand(3000, generator=g, dtype=torch.float64)
+    p = torch.cat([u, u**8, torch.tensor([0.0, 1.0, 1e-300, 0.5, 1 - 1e-12, 0.9], dtype=torch.float64)]).reshape(2, -1)
+    for K, L, m in [(10, 150, 2), (8, 75, 2), (3, 12, 1), (10, 150, 5), (4, 8, 8)]:
+        for budget in (1 << 24, 1000, 37):
+            got = log_sampling_probability(p, K, L, m, budget)
+            ref = _log_u_per_call(p, K, L, m, budget)
+            assert got.shape == p.shape and torch.equal(got.isnan(), ref.isnan())
+            assert torch.equal(got[~got.isnan()], ref[~ref.isnan()]), (K, L, m, budget)
 
 
 def test_expected_sampling_rate_and_hash_table_memory():

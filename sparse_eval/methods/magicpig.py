@@ -43,6 +43,7 @@ Differences from the authors' RULER reference code (``evaluations/RULER/pred/cac
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,8 +148,14 @@ def pack_signs(proj: torch.Tensor, K: int, L: int) -> torch.Tensor:
     """proj [..., L·K] (projections, table-major) -> codes [..., L]: bit b of table l is proj[..., l·K + b] > 0."""
     dt = code_dtype(K)  # K-bit sums never overflow it
     bits = (proj > 0).reshape(*proj.shape[:-1], L, K).to(dt)
-    pow2 = torch.pow(2, torch.arange(K, device=proj.device, dtype=torch.int64)).to(dt)
-    return (bits * pow2).sum(-1, dtype=dt)
+    return (bits * _bit_values(K, proj.device)).sum(-1, dtype=dt)
+
+
+@functools.lru_cache(maxsize=32)
+def _bit_values(K: int, device: torch.device) -> torch.Tensor:
+    """[2^0, …, 2^(K−1)] in ``code_dtype(K)``, made once per (K, device) (not a few launches per hash)."""
+    with torch.inference_mode(False):
+        return torch.pow(2, torch.arange(K, device=device, dtype=torch.int64)).to(code_dtype(K))
 
 
 def _mix_seed(seed: int, group: int) -> int:
@@ -309,8 +316,8 @@ class MagicPIG(Method):
         √(r² − |x − μ|²) (clamped at 0 for a later key longer than r), projected on W and packed."""
         c = self.config
         b, h, n, _ = x.shape
-        out = torch.empty(b, h, n, c.L, dtype=code_dtype(c.K), device=x.device)
         step = self._chunk(8 * b * h * c.K * c.L)
+        out = None if n <= step else torch.empty(b, h, n, c.L, dtype=code_dtype(c.K), device=x.device)
         for s in range(0, n, step):
             xs = x[:, :, s : s + step].float()
             if mean is not None:
@@ -318,8 +325,11 @@ class MagicPIG(Method):
             if r is not None:
                 extra = (r[:, :, None] ** 2 - xs.pow(2).sum(-1)).clamp_min(0.0).sqrt()
                 xs = torch.cat([xs, extra.unsqueeze(-1)], dim=-1)
-            out[:, :, s : s + step] = pack_signs(torch.matmul(xs, w), c.K, c.L)
-        return out
+            codes = pack_signs(torch.matmul(xs, w), c.K, c.L)
+            if out is None:  # one chunk (a decode step's query and new key): its codes are the result
+                return codes
+            out[:, :, s : s + step] = codes
+        return out if out is not None else torch.empty(b, h, 0, c.L, dtype=code_dtype(c.K), device=x.device)
 
     def _fix_center(self, k: torch.Tensor, wts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """μ [B', H, D] (mean of the keys with weight 1 in wts [B', N], in float64; zeros without centering) and
