@@ -44,7 +44,7 @@ def log_sampling_probability(
         return torch.zeros_like(p)
     if m > L:
         return torch.full_like(p, -math.inf)
-    lo, hi = _pmf_terms(L, m, p.device)
+    lo, hi = (_pmf_terms.__wrapped__ if capturing_graph(p.device) else _pmf_terms)(L, m, p.device)
 
     def log_pmf(terms: tuple[torch.Tensor, ...], log_r: torch.Tensor, log_1mr: torch.Tensor) -> torch.Tensor:
         log_c, j, rest, j_pos, rest_pos = terms  # each [J]
@@ -65,6 +65,12 @@ def log_sampling_probability(
         parts.append(torch.where(big, complement, upper).clamp_max(0.0))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.reshape(p.shape)
+
+
+def capturing_graph(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``: tensors made then hold their values only once the
+    graph replays, so nothing made during a capture is kept for later calls."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @functools.lru_cache(maxsize=64)

@@ -587,3 +587,32 @@ def test_sparse_prefill_rows_hash_with_their_own_prefix_mean():
         counts = collision_counts(q_codes[:, :, t : t + 1], codes)[0, :, 0]  # [Hq, N]
         want = (counts >= 2) & cand
         assert torch.equal(st["keep"][0, :, t] & cand, want), t
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_made_once_terms_are_not_made_during_a_cuda_graph_capture():
+    """eq. 10's constants and the code bit values are kept per device after their first use, but a first use
+    inside a CUDA graph capture keeps nothing (what a capture makes is computed only when the graph replays)."""
+    from sparse_eval.simhash_probability import _pmf_terms
+
+    _pmf_terms.cache_clear()
+    dev = torch.device("cuda")
+    p = torch.linspace(0.01, 0.99, 257, dtype=torch.float64, device=dev)
+    proj = torch.randn(3, 10 * 7, device=dev)
+    ref_u, ref_codes = log_sampling_probability(p.cpu(), 7, 33, 2), pack_signs(proj.cpu(), 10, 7)
+    _pmf_terms.cache_clear()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        captured_u, captured_codes = log_sampling_probability(p, 7, 33, 2), pack_signs(proj, 10, 7)
+    assert _pmf_terms.cache_info().currsize == 0
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured_u.cpu(), ref_u, rtol=1e-12, atol=0)
+    assert torch.equal(captured_codes.cpu(), ref_codes)
+    eager_u, eager_codes = log_sampling_probability(p, 7, 33, 2), pack_signs(proj, 10, 7)  # kept from now on
+    assert _pmf_terms.cache_info().currsize == 1
+    torch.testing.assert_close(eager_u.cpu(), ref_u, rtol=1e-12, atol=0)
+    assert torch.equal(eager_codes.cpu(), ref_codes)

@@ -52,6 +52,7 @@ import torch
 
 from ..kernels.magicpig import collision_counts  # Alg. 1 line 2: the one count, Triton on CUDA
 from ..simhash_probability import (
+    capturing_graph,  # made-once tensors are not made during a CUDA graph capture
     upper_terms,
     collision_probability,
     log_sampling_probability,  # eq. 10
@@ -148,7 +149,8 @@ def pack_signs(proj: torch.Tensor, K: int, L: int) -> torch.Tensor:
     """proj [..., L·K] (projections, table-major) -> codes [..., L]: bit b of table l is proj[..., l·K + b] > 0."""
     dt = code_dtype(K)  # K-bit sums never overflow it
     bits = (proj > 0).reshape(*proj.shape[:-1], L, K).to(dt)
-    return (bits * _bit_values(K, proj.device)).sum(-1, dtype=dt)
+    values = (_bit_values.__wrapped__ if capturing_graph(proj.device) else _bit_values)(K, proj.device)
+    return (bits * values).sum(-1, dtype=dt)
 
 
 @functools.lru_cache(maxsize=32)
