@@ -422,7 +422,7 @@ def _qa_missing(dataset: str, local: Path | None) -> FileNotFoundError:
     )
 
 
-def _qa_hub(dataset: str, local: Path | None) -> tuple[str, Any, str, str]:
+def _qa_hub(dataset: str, local: Path | None) -> tuple[str, Any, str, tuple[str, Any, str]]:
     """(hub id, config, split, (what, expected, fix)) for a QA set: the last three are ``from_hub``'s message."""
     hub_id, cfg, split = HUB[dataset]
     sub = "qa_1" if dataset == "squad" else "qa_2"
