@@ -1,5 +1,6 @@
-"""MagicPIG's sampling probability (arXiv 2410.16179, eq. 10 and 11), float64, with no project imports: the one
-home of u, used by the method (``methods.magicpig``) and the kernels (``kernels.magicpig``, ``kernels.magicpig_cpu``).
+"""MagicPIG's sampling probability (arXiv 2410.16179, eq. 10 and 11), float64, importing only the leaf module
+``device_constants``: the one home of u, used by the method (``methods.magicpig``) and the kernels
+(``kernels.magicpig``, ``kernels.magicpig_cpu``).
 
 With p = 1 − arccos(cos(q, k̄))/π the per-bit agreement of SimHash (``collision_probability``), each of the L tables
 of K bits collides with probability p^K, so a key is sampled (at least ``min_collisions`` colliding tables) with
@@ -15,6 +16,8 @@ import functools
 import math
 
 import torch
+
+from .device_constants import made_once
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,7 +47,7 @@ def log_sampling_probability(
         return torch.zeros_like(p)
     if m > L:
         return torch.full_like(p, -math.inf)
-    lo, hi = (_pmf_terms.__wrapped__ if capturing_graph(p.device) else _pmf_terms)(L, m, p.device)
+    lo, hi = _pmf_terms(L, m, p.device)
 
     def log_pmf(terms: tuple[torch.Tensor, ...], log_r: torch.Tensor, log_1mr: torch.Tensor) -> torch.Tensor:
         log_c, j, rest, j_pos, rest_pos = terms  # each [J]
@@ -67,26 +70,19 @@ def log_sampling_probability(
     return out.reshape(p.shape)
 
 
-def capturing_graph(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on ``device``: tensors made then hold their values only once the
-    graph replays, so nothing made during a capture is kept for later calls."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-@functools.lru_cache(maxsize=64)
+@made_once
 def _pmf_terms(L: int, m: int, device: torch.device) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """The binomial pmf's per-term constants, made once per (L, m, device): for the lower terms j = 0..m−1 and
     the upper terms j = m..m+T−1 (``upper_terms``), (log C(L, j), j, L − j, j > 0, L − j > 0), float64 [J]
     (a step then launches only the terms' products with log p^K and log(1 − p^K))."""
-    with torch.inference_mode(False):
-        out = []
-        for j in (
-            torch.arange(0, m, dtype=torch.float64, device=device),
-            torch.arange(m, m + upper_terms(m, L), dtype=torch.float64, device=device),
-        ):
-            log_c = math.lgamma(L + 1) - torch.lgamma(j + 1) - torch.lgamma(L - j + 1)
-            rest = L - j
-            out.append((log_c, j, rest, j > 0, rest > 0))
+    out = []
+    for j in (
+        torch.arange(0, m, dtype=torch.float64, device=device),
+        torch.arange(m, m + upper_terms(m, L), dtype=torch.float64, device=device),
+    ):
+        log_c = math.lgamma(L + 1) - torch.lgamma(j + 1) - torch.lgamma(L - j + 1)
+        rest = L - j
+        out.append((log_c, j, rest, j > 0, rest > 0))
     return out[0], out[1]
 
 

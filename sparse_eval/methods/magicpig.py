@@ -43,16 +43,15 @@ Differences from the authors' RULER reference code (``evaluations/RULER/pred/cac
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..device_constants import made_once
 from ..kernels.magicpig import collision_counts  # Alg. 1 line 2: the one count, Triton on CUDA
 from ..simhash_probability import (
-    capturing_graph,  # made-once tensors are not made during a CUDA graph capture
     upper_terms,
     collision_probability,
     log_sampling_probability,  # eq. 10
@@ -149,15 +148,13 @@ def pack_signs(proj: torch.Tensor, K: int, L: int) -> torch.Tensor:
     """proj [..., L·K] (projections, table-major) -> codes [..., L]: bit b of table l is proj[..., l·K + b] > 0."""
     dt = code_dtype(K)  # K-bit sums never overflow it
     bits = (proj > 0).reshape(*proj.shape[:-1], L, K).to(dt)
-    values = (_bit_values.__wrapped__ if capturing_graph(proj.device) else _bit_values)(K, proj.device)
-    return (bits * values).sum(-1, dtype=dt)
+    return (bits * _bit_values(K, proj.device)).sum(-1, dtype=dt)
 
 
-@functools.lru_cache(maxsize=32)
+@made_once
 def _bit_values(K: int, device: torch.device) -> torch.Tensor:
     """[2^0, …, 2^(K−1)] in ``code_dtype(K)``, made once per (K, device) (not a few launches per hash)."""
-    with torch.inference_mode(False):
-        return torch.pow(2, torch.arange(K, device=device, dtype=torch.int64)).to(code_dtype(K))
+    return torch.pow(2, torch.arange(K, device=device, dtype=torch.int64)).to(code_dtype(K))
 
 
 def _mix_seed(seed: int, group: int) -> int:
@@ -319,19 +316,25 @@ class MagicPIG(Method):
         c = self.config
         b, h, n, _ = x.shape
         step = self._chunk(8 * b * h * c.K * c.L)
-        out = None if n <= step else torch.empty(b, h, n, c.L, dtype=code_dtype(c.K), device=x.device)
+        if n <= step:  # one chunk (a decode step's query and new key)
+            return self._hash_chunk(x, mean, r, w)
+        out = torch.empty(b, h, n, c.L, dtype=code_dtype(c.K), device=x.device)
         for s in range(0, n, step):
-            xs = x[:, :, s : s + step].float()
-            if mean is not None:
-                xs = xs - mean[:, :, None]
-            if r is not None:
-                extra = (r[:, :, None] ** 2 - xs.pow(2).sum(-1)).clamp_min(0.0).sqrt()
-                xs = torch.cat([xs, extra.unsqueeze(-1)], dim=-1)
-            codes = pack_signs(torch.matmul(xs, w), c.K, c.L)
-            if out is None:  # one chunk (a decode step's query and new key): its codes are the result
-                return codes
-            out[:, :, s : s + step] = codes
-        return out if out is not None else torch.empty(b, h, 0, c.L, dtype=code_dtype(c.K), device=x.device)
+            out[:, :, s : s + step] = self._hash_chunk(x[:, :, s : s + step], mean, r, w)
+        return out
+
+    def _hash_chunk(
+        self, x: torch.Tensor, mean: torch.Tensor | None, r: torch.Tensor | None, w: torch.Tensor
+    ) -> torch.Tensor:
+        """``_hash`` of one chunk x [B', H, n', D] -> codes [B', H, n', L]."""
+        c = self.config
+        xs = x.float()
+        if mean is not None:
+            xs = xs - mean[:, :, None]
+        if r is not None:
+            extra = (r[:, :, None] ** 2 - xs.pow(2).sum(-1)).clamp_min(0.0).sqrt()
+            xs = torch.cat([xs, extra.unsqueeze(-1)], dim=-1)
+        return pack_signs(torch.matmul(xs, w), c.K, c.L)
 
     def _fix_center(self, k: torch.Tensor, wts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """μ [B', H, D] (mean of the keys with weight 1 in wts [B', N], in float64; zeros without centering) and
