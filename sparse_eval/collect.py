@@ -64,6 +64,10 @@ Columns (see also docs/sweeps.md):
   git_diff_sha256, provenance_version
                                      the hash of a dirty checkout's difference from its commit, and the record's
                                      version (sparse_eval.provenance; none before version 2)
+  segments, git_commits, mixed_provenance
+                                     the starts that wrote the run's samples (the first and each restart that added
+                                     some: meta.json's ``resumes``), their commits in order (";"), and whether a
+                                     restart ran other code, numeric libraries or device than the first
   run_dir, config_hash               where the row came from
   error                              why a run could not be read (state "unreadable": its config.yaml is torn or
                                      corrupt; the row has no score)
@@ -178,10 +182,27 @@ def _subtask(rec: dict[str, Any]) -> Any:
     return None
 
 
+def _segment_key(seg: dict[str, Any]) -> tuple:
+    """What of a start's provenance can change the samples it writes: the code (commit and difference), the
+    numeric libraries and the device."""
+    git, ver, hw = seg.get("git") or {}, seg.get("versions") or {}, seg.get("hardware") or {}
+    return (
+        git.get("commit"),
+        git.get("diff_sha256"),
+        *(ver.get(k) for k in ("torch", "transformers", "triton", "numba")),
+        hw.get("gpu") or hw.get("cpu") or hw.get("machine"),
+    )
+
+
 def _provenance(meta: dict[str, Any]) -> dict[str, Any]:
+    """The first start's provenance, and over it and every restart that added samples (meta.json's
+    ``resumes``): their number, their commits in order, and whether any wrote with other code, libraries or
+    device than the first."""
     git = meta.get("git") or {}
     ver = meta.get("versions") or {}
     hw = meta.get("hardware") or {}
+    resumes = [r for r in meta.get("resumes") or [] if isinstance(r, dict)]
+    commits = list(dict.fromkeys(str((s.get("git") or {}).get("commit")) for s in [meta, *resumes]))
     return {
         "git_commit": git.get("commit"),
         "git_dirty": git.get("dirty"),
@@ -193,6 +214,9 @@ def _provenance(meta: dict[str, Any]) -> dict[str, Any]:
         "python_version": ver.get("python"),
         "hardware": hw.get("gpu") or hw.get("cpu") or hw.get("machine"),
         "started": meta.get("started"),
+        "segments": 1 + len(resumes),
+        "git_commits": ";".join(commits),
+        "mixed_provenance": any(_segment_key(r) != _segment_key(meta) for r in resumes),
     }
 
 

@@ -26,7 +26,15 @@ from .results_table import short_label
 from .run_config import check_batch_size, check_method, method_configs
 from .seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds
 from .statistics import score_interval
-from .store import SAMPLES_FILE, SampleLog, record_start, run_dir_for, write_progress, write_summary
+from .store import (
+    SAMPLES_FILE,
+    SampleLog,
+    record_resume,
+    record_start,
+    run_dir_for,
+    write_progress,
+    write_summary,
+)
 from .tasks import build_task
 from .wandb_logger import WandbLogger
 
@@ -157,6 +165,8 @@ class Experiment:
         samples = self.samples()
         todo = [s for s in samples if not samples_log.done(s.id)]
         write_progress(run_dir, len(samples), len(samples) - len(todo))  # for `python -m sparse_eval.status`
+        if todo and len(todo) < len(samples):
+            record_resume(run_dir, len(samples) - len(todo))  # the samples to come may be written by other code
         if method.external_inputs(self.model_cfg.name) != identity["inputs"]:
             raise RuntimeError(
                 f"{run_dir}: a file the method reads changed after the run was named "

@@ -8,7 +8,8 @@ config, the sha256 of the files the method reads (``inputs``), the task, the eva
 
     <runs_dir>/<task>/<model>/<method>-<key=value...>-<hash>/
         config.yaml      the run's identity (what the hash is of)
-        meta.json        git commit, library versions, hardware, command line, start time (``provenance``)
+        meta.json        git commit, library versions, hardware, command line, start time (``provenance``), and
+                         the same for each restart that added samples (``resumes``, with the count it found)
         samples.jsonl    one JSON line per finished sample, appended and flushed as it finishes
         summary.json     the run's metrics, costs and settings (+ per-layer / per-head aggregates)
         summary.csv      the same as one flat row
@@ -210,6 +211,19 @@ def record_start(run_dir: Path, identity: dict[str, Any]) -> None:
     _write_atomic(run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(identity)))
     if not (run_dir / META_FILE).exists():
         write_json(run_dir / META_FILE, provenance())
+
+
+def record_resume(run_dir: Path, done_at_start: int) -> None:
+    """A restart that adds samples to a run holding ``done_at_start`` of them: this process's provenance (git,
+    versions, hardware, command line, start time) appended to ``meta.json``'s ``resumes``, so that a run whose
+    samples were written by different code, libraries or hardware says so (``collect``'s ``segments`` and
+    ``mixed_provenance``)."""
+    from .provenance import provenance
+
+    path = Path(run_dir) / META_FILE
+    meta = read_json(path) or {}
+    meta.setdefault("resumes", []).append({"done_at_start": int(done_at_start), **provenance()})
+    write_json(path, meta)
 
 
 def slurm_job_id() -> str | None:

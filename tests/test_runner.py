@@ -122,7 +122,16 @@ def test_resume_after_interrupted_run(tmp_path, monkeypatch):
     recs = read_samples(run_dir)
     assert sorted(r["id"] for r in recs) == ["w00000", "w00001", "w00002", "w00003"]  # no duplicates
     assert resumed["score"] == pytest.approx(full["score"], rel=1e-6)  # same result as the uninterrupted run
+    # the restart that added samples is on record beside the first start, with the count it found
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert [r["done_at_start"] for r in meta["resumes"]] == [2]
+    assert {"git", "versions", "hardware", "argv", "started"} <= set(meta["resumes"][0])
+    from sparse_eval.collect import run_rows
+
+    row = run_rows(run_dir, by_subtask=False)[0]
+    assert (row["segments"], row["mixed_provenance"]) == (2, False)
     assert run(cfg_for(tmp_path / "b", *over))[0]["samples"] == 4  # a finished run is skipped
+    assert len(json.loads((run_dir / "meta.json").read_text())["resumes"]) == 1  # and adds no segment
 
 
 def test_failing_sample_is_recorded_and_run_goes_on(tmp_path, monkeypatch):

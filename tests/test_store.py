@@ -31,6 +31,26 @@ def test_record_start_keeps_the_first_provenance(tmp_path):
     assert store.find_run_dirs(tmp_path) == [run_dir]
 
 
+def test_a_restart_from_other_code_is_flagged(tmp_path):
+    from sparse_eval.collect import _provenance
+
+    run_dir = tmp_path / "task" / "model" / "full-abc"
+    store.record_start(run_dir, {"method": {"name": "full"}, "task": {"name": "wikitext"}, "model": {"name": "m"}})
+    store.record_resume(run_dir, 448)
+    meta = store.read_json(run_dir / store.META_FILE)
+    assert meta["resumes"][0]["done_at_start"] == 448
+    same = _provenance(meta)
+    assert (same["segments"], same["mixed_provenance"]) == (2, False)
+    assert same["git_commits"] == str(meta["git"]["commit"])
+    meta["resumes"][0]["git"] = {"commit": "b" * 40, "dirty": False}
+    other = _provenance(meta)
+    assert other["mixed_provenance"] is True
+    assert other["git_commits"] == f"{meta['git']['commit']};{'b' * 40}"
+    meta["resumes"][0] = {**meta["resumes"][0], "git": meta["git"], "versions": {**meta["versions"], "torch": "0"}}
+    assert _provenance(meta)["mixed_provenance"] is True  # another torch
+    assert _provenance({"git": {"commit": "a"}})["segments"] == 1  # a record from before resumes were kept
+
+
 def test_summary_failure_and_progress_files(tmp_path):
     store.write_summary(tmp_path, {"score": float("nan"), "metrics": {"ppl": 2.0}, "per_layer": {"cost1": [0.1]}})
     assert store.read_json(tmp_path / store.SUMMARY_FILE)["score"] is None  # NaN never reaches a result file
