@@ -40,7 +40,10 @@ Columns (see also docs/sweeps.md):
   n_paired, significant              finished (same model, task config, protocol, subtask, length), its 95 % paired
                                      bootstrap interval, that number of shared samples, and whether the interval
                                      excludes 0 (None below 8 shared samples, and when either run is incomplete)
-  seeds, seed_values                 the runs of the row's seed group (distinct seeds) and their seeds, "0,1,2"
+  seeds, seed_values                 the runs of the row's seed group (distinct seeds) and their seeds, "0,1,2",
+                                     pooled below: the complete ones when some are complete, else all
+  seeds_left_out, pooled             the group's seeds not complete while others are, left out of the pooling
+                                     ("1,2"; None when none), and whether this row's run is pooled
   seed_std, seed_min, seed_max       spread of the per-seed scores (on the samples every seed finished)
   pooled_score, pooled_lo,           the mean over the seeds of the score, over the pooled_n samples every seed
   pooled_hi, pooled_n                finished, and its 95 % two-level bootstrap interval (prompts and seeds)
@@ -136,6 +139,8 @@ LEAD_COLUMNS = [
     "pooled_n_paired",
     "pooled_significant",
     "interval_omits_seeds",
+    "seeds_left_out",
+    "pooled",
     "cost1",
     "cost2",
     "est_error",
@@ -433,6 +438,7 @@ POOLED_COLUMNS = (
     "pooled_n_paired",
     "pooled_significant",
     "interval_omits_seeds",
+    "seeds_left_out",
 )
 
 
@@ -465,11 +471,17 @@ def add_seed_pooling(rows: list[dict[str, Any]]) -> None:
                     "draws); pooled as one seed",
                     file=sys.stderr,
                 )
-        runs = sorted(by_seed.values(), key=seed_order)
+        every = sorted(by_seed.values(), key=seed_order)
+        # seeds still running or cut short are left out while others are complete: the pooled row then stands
+        # for the complete seeds (comparable), not for the few samples every seed has so far
+        done = [r for r in every if r.get("complete")]
+        runs = done if done else every
+        left_out = [r for r in every if not any(r is u for u in runs)]
         stochastic = runs[0].get("stochastic")
         out: dict[str, Any] = {c: None for c in POOLED_COLUMNS}
         out["seeds"] = len(runs)
         out["seed_values"] = ",".join(str(r.get("seed")) for r in runs)
+        out["seeds_left_out"] = ",".join(str(r.get("seed")) for r in left_out) or None
         out["interval_omits_seeds"] = None if stochastic is None else bool(stochastic and len(runs) == 1)
         terms = [r.get("_terms") for r in runs]
         if all(t is not None for t in terms):
@@ -497,6 +509,7 @@ def add_seed_pooling(rows: list[dict[str, Any]]) -> None:
                 )
         for r in members:
             r.update(out)
+            r["pooled"] = not any(r is u for u in left_out)
 
 
 def write_table(df, out: Path) -> list[Path]:

@@ -201,6 +201,43 @@ def test_collect_pools_exactly_the_runs_that_differ_only_in_seed(tmp_path, capsy
     assert not math.isnan(row.pooled_lo)
 
 
+def test_a_seed_still_running_is_left_out_while_others_are_complete(tmp_path):
+    from sparse_eval.collect import collect
+    from sparse_eval.report.load import normalize
+    from sparse_eval.report.tables import score_intervals
+
+    rng = np.random.default_rng(1)
+    mp = {"name": "magicpig", "K": 10, "L": 150, "sink": 4, "local": 64, "dense_layers": [0, 16]}
+    _fake_run(tmp_path, {"name": "full", "sink": 4, "local": 64, "dense_layers": [0, 1]}, 0, _scores(rng))
+    seed0 = _scores(rng, -5)
+    _fake_run(tmp_path, mp, 0, seed0)  # complete: 12 of 12
+    ids = [f"{s}-{i:04d}" for s in SUBTASKS for i in range(6)]  # both subtasks begun in every partial run
+    _fake_run(tmp_path, mp, 1, _scores(rng, 20, [ids[0], ids[6]]), expected=12)  # 2 of 12 so far
+    _fake_run(tmp_path, dict(mp, L=120), 0, _scores(rng, 0, [ids[0], ids[1], ids[6]]), expected=12)  # none complete
+    _fake_run(tmp_path, dict(mp, L=120), 1, _scores(rng, 0, ids[0:3] + ids[6:8]), expected=12)
+    df = collect(tmp_path)
+    whole = df[(df.subtask == "all") & (df.method == "magicpig")]
+    l150 = whole[whole["method.L"] == 150].set_index("seed")
+    assert (l150.seeds == 1).all() and (l150.seed_values == "0").all() and (l150.seeds_left_out == "1").all()
+    assert (bool(l150.loc[0, "pooled"]), bool(l150.loc[1, "pooled"])) == (True, False)
+    assert l150.loc[0, "pooled_n"] == 12 and l150.loc[0, "pooled_score"] == pytest.approx(l150.loc[0, "score"])
+    assert l150.loc[0, "interval_omits_seeds"] == True  # noqa: E712 - one seed pooled
+    # no seed complete: all pooled on the samples every seed has, marked incomplete in the report
+    l120 = whole[whole["method.L"] == 120]
+    assert (l120.seeds == 2).all() and l120.seeds_left_out.isna().all() and l120.pooled.all()
+    assert (l120.pooled_n == 3).all()
+
+    path = tmp_path / "results.csv"
+    df.to_csv(path, index=False)
+    import pandas as pd
+
+    table = score_intervals(normalize(pd.read_csv(path)))  # through a CSV, as report reads it
+    rows = {r["Config"]: r for r in table.rows if r["Method"] == "MagicPIG"}
+    assert rows["(10,150)"]["n"] == 12 and rows["(10,150)"]["Seeds"] == "1 † (+ seed 1 incomplete)"
+    assert rows["(10,150)"]["Score"] == pytest.approx(l150.loc[0, "score"])
+    assert [c for c in rows if c.startswith("(10,120)")] == ["(10,120) (incomplete: 8/24)"]
+
+
 def test_contrast_pairs_two_configurations_each_pooled_over_its_seeds(tmp_path, capsys):
     """``python -m sparse_eval.contrast``: A (3 seeds) against B (3 seeds) is seed_pooled_contrast over their runs
     in seed order; against full attention it is collect's pooled difference; a pattern of two configurations, a

@@ -159,7 +159,9 @@ def setting_label(row: Any) -> str:
 
 
 def normalize(df):
-    """Types and derived columns on a table in ``sparse_eval.collect``'s layout."""
+    """Types and derived columns on a table in ``sparse_eval.collect``'s layout, without the runs ``collect`` left
+    out of their configuration's seed pooling (seeds not complete while others are: ``seeds_left_out``); the
+    tables name those seeds."""
     import pandas as pd
 
     df = df.copy()
@@ -178,6 +180,8 @@ def normalize(df):
     df["dense_layers"] = df["dense_layers"].map(
         lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
     )
+    if "pooled" in df.columns:  # runs left out of their configuration's seed pooling (``collect``'s ``pooled``)
+        df = df[df["pooled"].map(lambda v: str(v).lower() != "false")].copy()
     df["method_name"] = [method_display(r) for _, r in df.iterrows()]
     df["config"] = [config_label(r) for _, r in df.iterrows()]
     df["cost_total"] = df["cost1"].fillna(0) + df["cost2"]

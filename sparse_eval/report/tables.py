@@ -200,6 +200,7 @@ def _build(
             " Rows marked incomplete are over the samples their runs finished (n of the expected): not "
             "comparable with complete rows."
         )
+    caption += _left_out_note(d)
     dg = {"Cost1": 3, "Cost2": 3, "Cost_total": 3}
     dg.update(digits or {})
     return Table(
@@ -213,6 +214,21 @@ def _build(
         [sources[i] for i in order],
         dg,
     )
+
+
+def _left_out_note(d) -> str:
+    """The seeds ``collect`` left out of their configuration (not complete while others are), named for a
+    caption; "" when none."""
+    if "seeds_left_out" not in d.columns:
+        return ""
+    named = []
+    for _, r in d[d["seeds_left_out"].map(_present)].drop_duplicates(["model", "method_name", "config"]).iterrows():
+        left = r["seeds_left_out"]
+        left = int(left) if isinstance(left, float) and left.is_integer() else left
+        named.append(f"{r['method_name']} {r['config']} seed {left}")
+    if not named:
+        return ""
+    return f" Left out while not complete (the rows are over the complete seeds): {'; '.join(named)}."
 
 
 def _incomplete(grp) -> str | None:
@@ -661,14 +677,19 @@ def _present(v: Any) -> bool:
 
 def _seeds_cell(r: Any, stochastic: Any) -> str:
     """ "–" for a deterministic method; a stochastic one's seed count and the range of its per-seed scores, or
-    "1 †" for a single seed (its interval omits the seed variation)."""
+    "1 †" for a single seed (its interval omits the seed variation); and the seeds left out of the pooling
+    because they are not complete while the others are."""
     if stochastic is not True:
         return "–"
     n = int(r.get("seeds") or 1)
+    left = r.get("seeds_left_out")
+    if isinstance(left, float) and _present(left) and left.is_integer():
+        left = int(left)  # one seed, read back from a CSV column with gaps
+    more = f" (+ seed {left} incomplete)" if _present(left) and str(left) else ""
     if n == 1:
-        return "1 †"
+        return f"1 †{more}"
     lo, hi = r.get("seed_min"), r.get("seed_max")
-    return f"{n}: {lo:.1f}–{hi:.1f}" if _present(lo) and _present(hi) else str(n)
+    return (f"{n}: {lo:.1f}–{hi:.1f}" if _present(lo) and _present(hi) else str(n)) + more
 
 
 def score_intervals(df) -> Table:
@@ -736,7 +757,8 @@ def score_intervals(df) -> Table:
     caption = (
         "Score: the task's metric over n samples with its 95 % percentile-bootstrap interval (samples resampled "
         "within each subtask). A stochastic method run over several seeds (Seeds: their number and the range "
-        "of their scores) is scored by the mean over its seeds on the samples every seed finished, and its "
+        "of their scores) is scored by the mean over its seeds on the samples every seed finished (over its "
+        "complete seeds while others are not complete: those are named and left out), and its "
         "interval is a two-level bootstrap over prompts and seeds (sparse_eval.statistics). Δ vs full: the "
         "score minus full attention's on the n paired samples both finished, with its 95 % paired bootstrap "
         "interval (over seeds too); * marks a difference whose interval excludes 0 (significant at the 5 % "
