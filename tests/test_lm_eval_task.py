@@ -303,13 +303,20 @@ def test_coqa_offline_is_a_clear_error(tmp_path):
         task.samples(None, 512)
 
 
-def test_offline_without_data_is_a_clear_error(tmp_path):
-    task = build_task(
-        {"name": "lm_eval", "tasks": ["gsm8k_cot"], "offline": True, "work_dir": str(tmp_path)},
-        data_dir=str(tmp_path / "empty"),
-    )
-    with pytest.raises(FileNotFoundError, match=r"gsm8k/test\.jsonl"):
-        task.samples(None, 512)
+@pytest.mark.parametrize(
+    "tasks, offline, want",
+    [
+        (["gsm8k_cot"], True, r"gsm8k/test\.jsonl .*task\.offline=true"),
+        (["mmlu_flan_cot_fewshot_local"], "auto", r"mmlu/data/test/\*\.csv .*asked for by name"),
+    ],
+)
+def test_offline_without_data_is_refused_when_the_task_is_built(tmp_path, tasks, offline, want):
+    # at start (Task.validate), before a model is loaded: not after it, when the samples are made
+    with pytest.raises(FileNotFoundError, match=want):
+        build_task(
+            {"name": "lm_eval", "tasks": tasks, "offline": offline, "work_dir": str(tmp_path)},
+            data_dir=str(tmp_path / "empty"),
+        )
 
 
 @pytest.mark.parametrize(
@@ -349,6 +356,8 @@ def test_primary_metric_choice(caplog):
     assert task._primary("bad", "bad", entry) is None and "not among" in caplog.text  # no silent substitution
 
 
+@needs_gsm8k
+@needs_mmlu
 def test_compose_default_config():
     from hydra import compose, initialize_config_dir
 
@@ -358,8 +367,10 @@ def test_compose_default_config():
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
         cfg = compose(config_name="config", overrides=["task=lm_eval", "task.offline=true", "task.limit=2"])
     assert list(cfg.task.tasks) == list(le.PAPER_TASKS) and cfg.task.batch_size == 1
-    task = build_task(to_plain(cfg.task))
+    task = build_task(to_plain(cfg.task), data_dir=str(DATA_DIR))
     assert task.offline == "true" and task.limit == 2
+    with pytest.raises(FileNotFoundError, match="paths.data_dir"):  # offline, and no data: refused at start
+        build_task(to_plain(cfg.task))
 
 
 # -------------------------------------------------------------------------------------------- CoQA metric

@@ -373,6 +373,25 @@ def local_names(subjects: bool = True) -> dict[str, str]:
     return names | dict(_subject_names()) if subjects else names
 
 
+def _missing_local_message(
+    name: str, part: str, data_dir: Path | None, explicit: bool, forced: bool, local: str | None = None
+) -> str:
+    """Why task ``name`` cannot run from ``paths.data_dir`` and what to do (the one wording of that refusal)."""
+    want = GSM8K_FILE if part == "gsm8k" else f"{MMLU_DIR}/test/*.csv"
+    why = (
+        "it was asked for by name"
+        if explicit
+        else "task.offline=true"
+        if forced
+        else "the Hugging Face hub is unreachable"
+    )
+    variant = f"the offline variant {local!r}" if local else "its offline variant"
+    return (
+        f"task {name!r}: {variant} needs {want} under paths.data_dir ({data_dir or 'unset'}) ({why}); set "
+        "paths.data_dir (or SPARSE_EVAL_DATA_DIR) to a folder with it, or task.offline=false with hub access"
+    )
+
+
 _HUB_REACHABLE: dict[str, bool] = {}
 
 
@@ -510,9 +529,35 @@ class LmEval(Task):
             raise ValueError(f"task.verbosity={c.verbosity!r}; valid: DEBUG, INFO, WARNING, ERROR, CRITICAL")
         self.offline = _offline_mode(c.offline)
         self.include_paths = self._include_paths()
+        self._check_local_data()
         self._manager = None
         self._max_length: int | None = c.max_length
         self.resolved: dict[str, dict[str, Any]] = {}
+
+    def _check_local_data(self) -> None:
+        """At start, before the model loads: a GSM8K or MMLU task that will run from ``paths.data_dir`` (asked for
+        by its ``_local`` name, ``task.offline=true``, or ``auto`` with the hub unreachable) whose data is not there
+        is refused, as ``_resolve`` would refuse it after loading the model.  A task of ``task.include_path`` may
+        share the name: those are left to ``_resolve``."""
+        if self.include_paths:
+            return
+        for name in self.config.tasks:
+            part = (
+                "gsm8k"
+                if name in ("gsm8k_cot", "gsm8k_cot_local")
+                else "mmlu"
+                if name.startswith("mmlu_flan_cot_fewshot")
+                else None
+            )
+            if part is None:
+                continue
+            if (gsm8k_available if part == "gsm8k" else mmlu_available)(self.data_dir):
+                continue
+            explicit = name.endswith("_local")
+            if explicit or self.offline == "true" or (self.offline == "auto" and not hub_reachable()):
+                raise FileNotFoundError(
+                    _missing_local_message(name, part, self.data_dir, explicit, self.offline == "true")
+                )
 
     @property
     def limit(self) -> float | None:
@@ -586,18 +631,15 @@ class LmEval(Task):
                 use_local = name in local_set or self.offline == "true" or (self.offline == "auto" and not hub_ok())
                 if use_local:
                     if local not in have_local:
-                        want = GSM8K_FILE if local.startswith("gsm8k") else f"{MMLU_DIR}/test/*.csv"
-                        why = (
-                            "it was asked for by name"
-                            if name in local_set
-                            else "task.offline=true"
-                            if self.offline == "true"
-                            else "the Hugging Face hub is unreachable"
-                        )
                         raise FileNotFoundError(
-                            f"task {name!r}: the offline variant {local!r} needs {want} under paths.data_dir "
-                            f"({self.data_dir or 'unset'}) ({why}); set paths.data_dir (or SPARSE_EVAL_DATA_DIR) "
-                            "to a folder with it, or task.offline=false with hub access"
+                            _missing_local_message(
+                                name,
+                                "gsm8k" if local.startswith("gsm8k") else "mmlu",
+                                self.data_dir,
+                                name in local_set,
+                                self.offline == "true",
+                                local,
+                            )
                         )
                     resolved[name] = {"lm_eval_task": local, "source": f"local:{self.data_dir}"}
                 else:
