@@ -162,6 +162,90 @@ def test_full_method_matches_stock_model(lm_runs):
     assert ours == stock
 
 
+def _toy_run(tmp: Path, *extra: str) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    from sparse_eval.config import register_configs
+    from sparse_eval.runner import run
+
+    register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "task=lm_eval",
+                "task.tasks=[toy_story]",
+                f"task.include_path={_toy_task(tmp / 'tasks')}",
+                "task.bootstrap_iters=0",
+                "task.gen_kwargs={max_gen_toks:8}",
+                f"task.work_dir={tmp / 'work'}",
+                f"paths.runs_dir={tmp / 'runs'}",
+                "print_table=false",
+                "method=topk",
+                "method.budget=0.1",
+                "method.local=8",
+                *extra,
+            ],
+        )
+    return run(cfg)[0]
+
+
+def test_shards_split_a_task_into_resumable_pieces_with_the_same_documents(tmp_path):
+    whole = _toy_run(tmp_path / "one")
+    cut = _toy_run(tmp_path / "three", "task.shards=2")
+    assert whole["samples"] == 1 and cut["samples"] == 2 and cut["failed"] == 0
+    pieces = _records(cut)
+    assert sorted(pieces) == ["toy_story#1of2", "toy_story#2of2"]
+    assert pieces["toy_story#1of2"]["doc_ranges"] == {"toy_story": [0, 1]}  # 3 documents: [0, 1) and [1, 3)
+    assert pieces["toy_story#2of2"]["doc_ranges"] == {"toy_story": [1, 3]}
+
+    def docs(recs):
+        return {d["doc_id"]: (d["response"], d["metrics"]) for r in recs for d in r["docs"]}
+
+    # the same documents, generations and metrics as the task run whole, and the same score and interval terms
+    assert docs(pieces.values()) == docs(_records(whole).values()) and len(docs(pieces.values())) == 3
+    assert cut["metrics"]["toy_story"] == pytest.approx(whole["metrics"]["toy_story"])
+    assert cut["metrics"]["toy_story/documents"] == 3 and cut["metrics"]["toy_story/pieces"] == 2
+    task = build_task(dict(cut["task_config"]))
+    a, b = task.score_terms(list(pieces.values())), task.score_terms(list(_records(whole).values()))
+    assert sorted(a.ids) == sorted(b.ids) and a.score() == pytest.approx(b.score())
+    assert "requested" not in _records(whole)["toy_story"]  # one piece: the record as before
+
+
+@needs_gsm8k
+def test_shards_of_gsm8k_cot_give_its_documents_unchanged(lm_runs, tmp_path):
+    # 8-shot CoT with lm-eval's first_n sampler: each document's prompt does not depend on its piece
+    cut = _toy_run(
+        tmp_path,
+        "task.tasks=[gsm8k_cot]",
+        "task.shards=2",
+        "task.offline=true",
+        f"task.limit={LIMIT}",
+        f"paths.data_dir={DATA_DIR}",
+        "task.log_inputs=true",
+    )
+    pieces = _records(cut)
+    assert sorted(pieces) == ["gsm8k_cot#1of2", "gsm8k_cot#2of2"]
+    whole = _records(lm_runs["topk"])["gsm8k_cot"]
+
+    def docs(recs):
+        return {d["doc_id"]: (d["prompt"], d["response"], d["metrics"]) for r in recs for d in r["docs"]}
+
+    assert docs(pieces.values()) == docs([whole]) and sorted(docs([whole])) == list(range(LIMIT))
+    assert cut["metrics"]["gsm8k_cot"] == pytest.approx(whole["score"])
+
+
+def test_shards_refuse_a_few_shot_sampler_that_depends_on_the_documents_run(tmp_path):
+    folder = _toy_task(tmp_path / "tasks")
+    yaml = folder / "toy_story.yaml"
+    yaml.write_text(yaml.read_text() + "num_fewshot: 1\nfewshot_split: test\n", encoding="utf-8")
+    task = build_task(
+        {"name": "lm_eval", "tasks": ["toy_story"], "include_path": str(folder), "shards": 2, "work_dir": str(tmp_path)}
+    )
+    with pytest.raises(ValueError, match="sampler.*task.shards=1"):
+        task.samples(None, 512)
+
+
 @needs_gsm8k
 def test_offline_gsm8k_end_to_end(lm_runs):
     for method, s in lm_runs.items():
@@ -329,6 +413,7 @@ def test_offline_without_data_is_refused_when_the_task_is_built(tmp_path, tasks,
         ({"batch_size": 0}, "task.batch_size"),
         ({"limit": 5, "num_samples": 3}, "disagree"),
         ({"num_fewshot": -1}, "task.num_fewshot"),
+        ({"shards": 0}, "task.shards"),
         ({"bogus": 1}, "bogus"),
         ({"primary_metric": {"x": 1}}, "primary_metric"),
     ],

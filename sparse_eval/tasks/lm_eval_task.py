@@ -95,6 +95,11 @@ class LmEvalConfig(TaskConfig):
     log_inputs: bool = False  # also store each document and its full prompt in the per-document records
     work_dir: str | None = None  # where the generated offline YAMLs/data go; null: <tmp>/sparse_eval_lm_eval/<hash>
     verbosity: str = "WARNING"  # level of the lm_eval logger during a run
+    # 1: each requested task is one sample.  n > 1: each task's documents (after ``limit``) are cut into n
+    # contiguous pieces, one sample each, so that an interrupted run resumes at the next piece; the task's score
+    # is then the mean over every piece's documents (its headline must be a mean over documents, and its
+    # few-shot examples must not depend on which documents run: lm-eval's first_n sampler; both checked)
+    shards: int = 1
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -516,6 +521,8 @@ class LmEval(Task):
             raise ValueError(f"task.batch_size={c.batch_size}: must be >= 1")
         if c.max_length is not None and c.max_length < 2:
             raise ValueError(f"task.max_length={c.max_length}: must be >= 2 or null (the model's context)")
+        if isinstance(c.shards, bool) or not isinstance(c.shards, int) or c.shards < 1:
+            raise ValueError(f"task.shards={c.shards!r}: must be an integer >= 1 (1: one sample per task)")
         if c.bootstrap_iters < 0:
             raise ValueError(f"task.bootstrap_iters={c.bootstrap_iters}: must be >= 0")
         if c.gen_kwargs is not None and not isinstance(c.gen_kwargs, (str, dict)):
@@ -688,7 +695,37 @@ class LmEval(Task):
         elif self._max_length > max_context:
             raise ValueError(f"task.max_length={self._max_length} exceeds the model's context ({max_context} tokens)")
         self._resolve()
-        return [Sample(id=name, data=dict(self.resolved[name])) for name in self.config.tasks]
+        if self.config.shards == 1:
+            return [Sample(id=name, data=dict(self.resolved[name])) for name in self.config.tasks]
+        return [s for name in self.config.tasks for s in self._shards(name)]
+
+    def _shards(self, name: str) -> list[Sample]:
+        """``task.shards`` samples of requested task ``name``: piece k of n holds documents
+        [k·N/n, (k+1)·N/n) of each of its lm-eval tasks (N: that task's documents after ``limit``), passed to
+        lm-eval as ``samples`` (its document indices) instead of ``limit``."""
+        from lm_eval.evaluator_utils import get_sample_size
+
+        entry = self.resolved[name]
+        leaves: dict[str, int] = {}
+        for leaf, task in self._manager.load([entry["lm_eval_task"]])["tasks"].items():  # the leaf tasks, flat
+            cfg = task.config
+            shots = self.config.num_fewshot if self.config.num_fewshot is not None else cfg.num_fewshot
+            few = cfg.fewshot_config
+            sampler = (few.get("sampler") if isinstance(few, dict) else getattr(few, "sampler", None)) or "default"
+            if shots and sampler != "first_n":
+                raise ValueError(
+                    f"task.shards={self.config.shards}: {leaf!r} draws its {shots} few-shot examples with the "
+                    f"{sampler!r} sampler, which depends on the documents run before; set task.shards=1"
+                )
+            leaves[leaf] = int(get_sample_size(task, self.limit) or len(task.eval_docs))
+        n = self.config.shards
+        out = []
+        for k in range(n):
+            docs = {leaf: list(range(m * k // n, m * (k + 1) // n)) for leaf, m in sorted(leaves.items())}
+            docs = {leaf: idx for leaf, idx in docs.items() if idx}
+            if docs:
+                out.append(Sample(id=f"{name}#{k + 1}of{n}", data={**entry, "requested": name, "doc_ids": docs}))
+        return out
 
     # -- one lm-eval task --------------------------------------------------------------------------------
     def _lm(self, engine: Any) -> Any:
@@ -775,6 +812,8 @@ class LmEval(Task):
         if self._manager is None:
             self._resolve()
         task_name = sample.data["lm_eval_task"]
+        doc_ids = sample.data.get("doc_ids")  # a piece of the task's documents (task.shards > 1), else None
+        requested = sample.data.get("requested", sample.id)
         c = self.config
         seed = int(c.seed)
         lm_logger = logging.getLogger("lm_eval")
@@ -797,7 +836,8 @@ class LmEval(Task):
                     model=self._lm(engine),
                     tasks=[task_name],
                     num_fewshot=c.num_fewshot,
-                    limit=self.limit,
+                    limit=None if doc_ids else self.limit,
+                    samples=doc_ids,
                     bootstrap_iters=c.bootstrap_iters,
                     log_samples=True,
                     gen_kwargs=c.gen_kwargs or None,
@@ -815,14 +855,20 @@ class LmEval(Task):
             lm_logger.setLevel(old_level)
         results = _plain(out["results"])
         entry = results.get(task_name, {})
-        primary = self._primary(sample.id, task_name, entry)
+        primary = self._primary(requested, task_name, entry)
         score = entry.get(primary) if primary else None
         docs = []
         for sub, rows in (out.get("samples") or {}).items():
             for row in rows:
                 docs.append(self._doc_record(sub, row))
+        piece = (
+            {"requested": requested, "doc_ranges": {t: [ids[0], ids[-1] + 1] for t, ids in doc_ids.items()}}
+            if doc_ids
+            else {}
+        )
         return {
             "lm_eval_task": task_name,
+            **piece,
             "source": sample.data.get("source"),
             "score": score if isinstance(score, (int, float)) and not isinstance(score, bool) else None,
             "primary_metric": primary,
@@ -872,7 +918,11 @@ class LmEval(Task):
         with its headline metric, and ``<task>/<metric,filter>`` for every metric lm-eval reported for it."""
         out: dict[str, Any] = {}
         scores = []
+        pieces: dict[str, list[dict[str, Any]]] = {}
         for r in records:
+            if r.get("requested") is not None:  # a piece of a task (task.shards > 1): pooled below
+                pieces.setdefault(r["requested"], []).append(r)
+                continue
             name = r["id"]
             out[name] = r.get("score")
             if isinstance(r.get("score"), (int, float)) and math.isfinite(r["score"]):
@@ -880,6 +930,16 @@ class LmEval(Task):
             for key, val in (r.get("results") or {}).get(r.get("lm_eval_task"), {}).items():
                 if "," in key and isinstance(val, (int, float)) and not isinstance(val, bool):
                     out[f"{name}/{key}"] = val
+        for name, recs in pieces.items():
+            values = [v for r in recs for v in (_headline_values(r) or [None])]
+            score = None if not values or None in values else sum(values) / len(values)
+            if score is None:
+                log.warning("%s: its headline is not a mean over documents, so its pieces are not pooled", name)
+            out[name] = score
+            out[f"{name}/documents"] = len(values)
+            out[f"{name}/pieces"] = len(recs)
+            if score is not None:
+                scores.append(score)
         out["score"] = sum(scores) / len(scores) if scores else None
         out["tasks"] = len(scores)
         return out
@@ -891,16 +951,35 @@ class LmEval(Task):
         from ..statistics import ScoreTerms
 
         ids, vals, groups = [], [], []
-        for g, r in enumerate(r for r in records if r.get("score") is not None):
-            metric, _, filt = str(r.get("primary_metric") or "").partition(",")
-            docs = [
-                (f"{r['id']}/{d['task']}/{d['doc_id']}", d["metrics"].get(metric))
-                for d in r.get("docs") or []
-                if d.get("filter") == filt and isinstance(d.get("metrics", {}).get(metric), (int, float))
-            ]
-            if not docs or abs(sum(float(v) for _, v in docs) / len(docs) - float(r["score"])) > 1e-9:
+        group_of: dict[str, int] = {}
+        for r in (r for r in records if r.get("score") is not None):
+            name = r.get("requested") or r["id"]  # a task's pieces (task.shards > 1) form one group
+            g = group_of.setdefault(name, len(group_of))
+            docs = _headline_docs(r)
+            if docs is None:
                 return None
-            ids += [i for i, _ in docs]
-            vals += [float(v) for _, v in docs]
+            ids += [f"{name}/{i}" for i, _ in docs]
+            vals += [v for _, v in docs]
             groups += [g] * len(docs)
         return ScoreTerms(ids, vals, [1.0] * len(ids), groups)
+
+
+def _headline_docs(r: dict[str, Any]) -> list[tuple[str, float]] | None:
+    """("<lm-eval task>/<doc id>", value) of a record's documents under its headline metric and filter; None when
+    the record's score is not their mean (a headline that is not a mean over documents)."""
+    if r.get("score") is None:
+        return None
+    metric, _, filt = str(r.get("primary_metric") or "").partition(",")
+    docs = [
+        (f"{d['task']}/{d['doc_id']}", float(d["metrics"][metric]))
+        for d in r.get("docs") or []
+        if d.get("filter") == filt and isinstance(d.get("metrics", {}).get(metric), (int, float))
+    ]
+    if not docs or abs(sum(v for _, v in docs) / len(docs) - float(r["score"])) > 1e-9:
+        return None
+    return docs
+
+
+def _headline_values(r: dict[str, Any]) -> list[float] | None:
+    docs = _headline_docs(r)
+    return None if docs is None else [v for _, v in docs]
