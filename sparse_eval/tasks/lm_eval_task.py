@@ -934,7 +934,9 @@ class LmEval(Task):
             values = [v for r in recs for v in (_headline_values(r) or [None])]
             score = None if not values or None in values else sum(values) / len(values)
             if score is None:
-                log.warning("%s: its headline is not a mean over documents, so its pieces are not pooled", name)
+                log.warning(
+                    "%s: a piece has no score, or its headline is not a mean over documents: pieces not pooled", name
+                )
             out[name] = score
             out[f"{name}/documents"] = len(values)
             out[f"{name}/pieces"] = len(recs)
