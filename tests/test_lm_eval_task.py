@@ -192,7 +192,7 @@ def _toy_run(tmp: Path, *extra: str) -> dict:
 
 def test_shards_split_a_task_into_resumable_pieces_with_the_same_documents(tmp_path):
     whole = _toy_run(tmp_path / "one")
-    cut = _toy_run(tmp_path / "three", "task.shards=2")
+    cut = _toy_run(tmp_path / "three", "task.shards=2", "task.limit=10")  # a limit past the 3 documents: all
     assert whole["samples"] == 1 and cut["samples"] == 2 and cut["failed"] == 0
     pieces = _records(cut)
     assert sorted(pieces) == ["toy_story#1of2", "toy_story#2of2"]

@@ -717,7 +717,8 @@ class LmEval(Task):
                     f"task.shards={self.config.shards}: {leaf!r} draws its {shots} few-shot examples with the "
                     f"{sampler!r} sampler, which depends on the documents run before; set task.shards=1"
                 )
-            leaves[leaf] = int(get_sample_size(task, self.limit) or len(task.eval_docs))
+            docs = len(task.eval_docs)
+            leaves[leaf] = min(docs, int(get_sample_size(task, self.limit) or docs))  # a limit past the end: all
         n = self.config.shards
         out = []
         for k in range(n):
