@@ -235,6 +235,21 @@ def test_shards_of_gsm8k_cot_give_its_documents_unchanged(lm_runs, tmp_path):
     assert cut["metrics"]["gsm8k_cot"] == pytest.approx(whole["score"])
 
 
+def test_shards_refuse_more_pieces_than_a_task_has_documents(tmp_path):
+    # a piece without documents of a task would make lm-eval run all of that task's documents
+    task = build_task(
+        {
+            "name": "lm_eval",
+            "tasks": ["toy_story"],
+            "include_path": str(_toy_task(tmp_path / "tasks")),
+            "shards": 4,
+            "work_dir": str(tmp_path),
+        }
+    )
+    with pytest.raises(ValueError, match=r"task.shards=4: 'toy_story' .*'toy_story': 3\); set task.shards <= 3"):
+        task.samples(None, 512)
+
+
 def test_shards_refuse_a_few_shot_sampler_that_depends_on_the_documents_run(tmp_path):
     folder = _toy_task(tmp_path / "tasks")
     yaml = folder / "toy_story.yaml"

@@ -720,13 +720,24 @@ class LmEval(Task):
             docs = len(task.eval_docs)
             leaves[leaf] = min(docs, int(get_sample_size(task, self.limit) or docs))  # a limit past the end: all
         n = self.config.shards
-        out = []
-        for k in range(n):
-            docs = {leaf: list(range(m * k // n, m * (k + 1) // n)) for leaf, m in sorted(leaves.items())}
-            docs = {leaf: idx for leaf, idx in docs.items() if idx}
-            if docs:
-                out.append(Sample(id=f"{name}#{k + 1}of{n}", data={**entry, "requested": name, "doc_ids": docs}))
-        return out
+        few = {leaf: m for leaf, m in leaves.items() if m < n}
+        if few:  # a piece would hold none of such a task's documents, and lm-eval runs all of a task it is not given
+            leaf, m = min(few.items(), key=lambda kv: kv[1])
+            raise ValueError(
+                f"task.shards={n}: {name!r} has {len(few)} lm-eval task(s) with fewer documents than pieces "
+                f"({leaf!r}: {m}); set task.shards <= {min(leaves.values())}"
+            )
+        return [
+            Sample(
+                id=f"{name}#{k + 1}of{n}",
+                data={
+                    **entry,
+                    "requested": name,
+                    "doc_ids": {leaf: list(range(m * k // n, m * (k + 1) // n)) for leaf, m in sorted(leaves.items())},
+                },
+            )
+            for k in range(n)
+        ]
 
     # -- one lm-eval task --------------------------------------------------------------------------------
     def _lm(self, engine: Any) -> Any:
