@@ -70,38 +70,45 @@ HAVE_GSM8K = (DATA_DIR / "gsm8k" / "test.jsonl").is_file()
 LIMIT = 2  # documents per lm-eval task
 
 
-@pytest.fixture(scope="module")
-def lm_runs(tmp_path_factory):
-    """One runner call (composed Hydra config) with full and a small-budget TopK on the toy task and, when the
-    shared data is there, the offline GSM8K-CoT (LIMIT documents, 8 new tokens each: the model cannot solve it)."""
+def _run_toy_folder(tmp: Path, *overrides: str) -> list[dict]:
+    """The runner's summaries for a composed lm_eval config over the toy task folder under ``tmp`` (8 new tokens,
+    no bootstrap), with ``overrides`` added."""
     from hydra import compose, initialize_config_dir
 
     from sparse_eval.config import register_configs
     from sparse_eval.runner import run
 
-    tmp = tmp_path_factory.mktemp("lm_eval")
-    tasks = _toy_task(tmp / "tasks")
     register_configs()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
         cfg = compose(
             config_name="config",
             overrides=[
                 "task=lm_eval",
-                f"task.tasks=[toy_story{',gsm8k_cot' if HAVE_GSM8K else ''}]",
-                f"task.include_path={tasks}",
+                f"task.include_path={_toy_task(tmp / 'tasks')}",
                 "task.bootstrap_iters=0",
-                "task.offline=true",
-                f"task.limit={LIMIT}",
                 "task.gen_kwargs={max_gen_toks:8}",
-                f"paths.data_dir={DATA_DIR}",
                 f"task.work_dir={tmp / 'work'}",
-                "task.log_inputs=true",
                 f"paths.runs_dir={tmp / 'runs'}",
                 "print_table=false",
-                "compare=[full,{name:topk,budget:0.1,local:8}]",
+                *overrides,
             ],
         )
-    summaries = run(cfg)
+    return run(cfg)
+
+
+@pytest.fixture(scope="module")
+def lm_runs(tmp_path_factory):
+    """One runner call (composed Hydra config) with full and a small-budget TopK on the toy task and, when the
+    shared data is there, the offline GSM8K-CoT (LIMIT documents, 8 new tokens each: the model cannot solve it)."""
+    summaries = _run_toy_folder(
+        tmp_path_factory.mktemp("lm_eval"),
+        f"task.tasks=[toy_story{',gsm8k_cot' if HAVE_GSM8K else ''}]",
+        "task.offline=true",
+        f"task.limit={LIMIT}",
+        f"paths.data_dir={DATA_DIR}",
+        "task.log_inputs=true",
+        "compare=[full,{name:topk,budget:0.1,local:8}]",
+    )
     return {s["method"]: s for s in summaries}
 
 
@@ -163,31 +170,9 @@ def test_full_method_matches_stock_model(lm_runs):
 
 
 def _toy_run(tmp: Path, *extra: str) -> dict:
-    from hydra import compose, initialize_config_dir
-
-    from sparse_eval.config import register_configs
-    from sparse_eval.runner import run
-
-    register_configs()
-    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
-        cfg = compose(
-            config_name="config",
-            overrides=[
-                "task=lm_eval",
-                "task.tasks=[toy_story]",
-                f"task.include_path={_toy_task(tmp / 'tasks')}",
-                "task.bootstrap_iters=0",
-                "task.gen_kwargs={max_gen_toks:8}",
-                f"task.work_dir={tmp / 'work'}",
-                f"paths.runs_dir={tmp / 'runs'}",
-                "print_table=false",
-                "method=topk",
-                "method.budget=0.1",
-                "method.local=8",
-                *extra,
-            ],
-        )
-    return run(cfg)[0]
+    return _run_toy_folder(tmp, "task.tasks=[toy_story]", "method=topk", "method.budget=0.1", "method.local=8", *extra)[
+        0
+    ]
 
 
 def test_shards_split_a_task_into_resumable_pieces_with_the_same_documents(tmp_path):
