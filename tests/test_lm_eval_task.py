@@ -550,3 +550,17 @@ def test_generation_records_do_not_depend_on_the_batch_size(tmp_path):
     for key in ("score", "cost2", "est_error"):
         assert recs[1][key] == recs[3][key], key
     assert recs[1]["cost2"] < 1
+
+
+def test_report_shows_lm_eval_scores_in_percent_under_their_lm_eval_task(tmp_path):
+    from sparse_eval.report import load_results
+    from sparse_eval.report.tables import score_intervals
+
+    _toy_run(tmp_path, "task.shards=2")
+    df = load_results(tmp_path / "runs")
+    t = score_intervals(df)
+    (row,) = t.rows
+    (pooled,) = df.loc[df["subtask"] == "toy_story", "pooled_score"]
+    assert row["Task"] == "lm_eval: toy_story" and row["n"] == 3  # n in documents, not in pieces
+    assert row["Score"] == pytest.approx(100 * pooled)  # lm-eval's fraction shown in %, as Table 1 shows it
+    assert "in % (×100)" in t.caption

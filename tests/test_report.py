@@ -109,6 +109,16 @@ def test_costs_and_other_tables(df):
     assert qk["1/16_paper"] == 5.76 and qk["1/16_diff"] == pytest.approx(qk["1/16"] - 5.76)
 
 
+def test_table1_marks_incomplete_only_the_lm_eval_task_cut_short():
+    from sparse_eval.report.tables import magicpig_table1
+
+    d = load_results(FIXTURE / "lm_eval")  # complete runs of three lm-eval tasks each, one record per task
+    assert not any("incomplete" in str(r["Config"]) for r in magicpig_table1(d).rows)
+    d.loc[(d["method"] == "magicpig") & (d["subtask"] == "mmlu_flan_cot_fewshot_local"), "samples"] = 0
+    rows = {r["Method"]: r["Config"] for r in magicpig_table1(d).rows}
+    assert rows == {"Full": "–", "MagicPIG": "(10,220) (incomplete: MMLU 0/1)"}
+
+
 def test_tables_without_data_are_skipped_with_a_reason(df):
     tables, skipped = build_tables(df[df["task"] == "wikitext"])
     assert {t.name for t in tables} == {"score_intervals", "ds_table2_ppl_by_sparsity", "ds_table3_channel_types"}

@@ -157,6 +157,9 @@ def _build(
         row: dict[str, Any] = {"Model": key["model"], "Method": key["method_name"], "Config": key["config"]}
         short = _incomplete(grp)
         if short:  # a run cut short: its average is over the samples it finished, not the task's
+            per = {c: _incomplete(grp[grp["col"] == c]) for c in columns if (grp["col"] == c).any()}
+            if any(v is None for v in per.values()):  # the row's other columns are complete: name the short ones
+                short = ", ".join(f"{c} {v}" for c, v in per.items() if v)
             row["Config"] = f"{row['Config']} (incomplete: {short})"
             incomplete = True
         if "setting" in key:
@@ -265,6 +268,10 @@ def magicpig_table1(df) -> Table:
     vals = _with_col(sub, col, 100.0)
     if vals.empty:
         raise Skip("lm_eval runs have none of gsm8k*, coqa*, mmlu* tasks")
+    if {"run_dir", "expected_samples"} <= set(vals.columns):
+        # a run of several lm-eval tasks expects its pieces of each: a task's row is complete at its share
+        tasks = sub.groupby("run_dir")["subtask"].transform("nunique")
+        vals["expected_samples"] = vals["expected_samples"] / tasks.loc[vals.index]
     costs = run_rows(df, "lm_eval")
     ran = "; ".join(
         f"{lab}: {', '.join(sorted(set(vals.loc[vals['col'] == lab, 'subtask'])))}"
@@ -278,7 +285,8 @@ def magicpig_table1(df) -> Table:
         "magicpig_table1_lm_eval",
         "MagicPIG Table 1: lm-eval-harness",
         "Scores in % (lm-eval's headline metric ×100: GSM8K-CoT exact match, CoQA F1, MMLU-Flan-CoT exact "
-        f"match); Avg over the columns present; costs measured over the decode steps. lm-eval tasks run: {ran}.",
+        f"match); Avg over the columns present; costs measured over the decode steps. lm-eval tasks run: {ran}. "
+        "A run's samples are its pieces (task.shards: one record per piece of the documents).",
         ["GSM", "COQA", "MMLU"],
         ["MagicPIG Table 1"],
     )
@@ -675,7 +683,16 @@ def _present(v: Any) -> bool:
     return v is not None and not (isinstance(v, float) and math.isnan(v))
 
 
-def _seeds_cell(r: Any, stochastic: Any) -> str:
+def _task_label(r: Any) -> Any:
+    """The task; for lm_eval, which lm-eval task the run scored (one per run: ``task.tasks`` of one entry), since
+    runs of different lm-eval tasks are otherwise alike in every column."""
+    task, sub = r.get("task"), r.get("subtask")
+    if task == "lm_eval" and isinstance(sub, str) and sub not in ("", "all"):
+        return f"lm_eval: {sub}"
+    return task
+
+
+def _seeds_cell(r: Any, stochastic: Any, scale: float = 1.0) -> str:
     """ "–" for a deterministic method; a stochastic one's seed count and the range of its per-seed scores, or
     "1 †" for a single seed (its interval omits the seed variation); and the seeds left out of the pooling
     because they are not complete while the others are."""
@@ -689,7 +706,7 @@ def _seeds_cell(r: Any, stochastic: Any) -> str:
     if n == 1:
         return f"1 †{more}"
     lo, hi = r.get("seed_min"), r.get("seed_max")
-    return (f"{n}: {lo:.1f}–{hi:.1f}" if _present(lo) and _present(hi) else str(n)) + more
+    return (f"{n}: {lo * scale:.1f}–{hi * scale:.1f}" if _present(lo) and _present(hi) else str(n)) + more
 
 
 def score_intervals(df) -> Table:
@@ -719,6 +736,9 @@ def score_intervals(df) -> Table:
             g("pooled_diff_hi", "diff_hi"),
             g("pooled_n_paired", "n_paired"),
         )
+        # lm-eval's metrics are fractions (exact match, accuracy, F1): shown in % as MagicPIG Table 1 shows them
+        pct = 100.0 if r.get("task") == "lm_eval" else 1.0
+        score, lo, hi, diff, dlo, dhi = (v * pct if _present(v) else v for v in (score, lo, hi, diff, dlo, dhi))
         has_diff = not is_reference(r) and _present(diff)
         stochastic = _num_bool(r.get("stochastic")) if "stochastic" in runs.columns else None
         single |= stochastic is True and int(r.get("seeds") or 1) == 1
@@ -729,14 +749,14 @@ def score_intervals(df) -> Table:
         rows.append(
             {
                 "Model": r.get("model"),
-                "Task": r.get("task"),
+                "Task": _task_label(r),
                 "Length": _length_label(r.get("length")) or r.get("length"),
                 "Method": method_display(r),
                 "Config": config,
                 "n": n if _present(n) else None,
                 "Score": score,
                 "95% CI": _interval(lo, hi),
-                "Seeds": _seeds_cell(r, stochastic) if pooled else None,
+                "Seeds": _seeds_cell(r, stochastic, pct) if pooled else None,
                 "Δ vs full": f"{diff:+.1f}{' *' if _num_bool(sig) is True and not cut else ''}" if has_diff else None,
                 "Δ 95% CI": _interval(dlo, dhi) if has_diff else None,
                 "n paired": npair if has_diff and _present(npair) else None,
@@ -766,6 +786,8 @@ def score_intervals(df) -> Table:
         "(kept keys' K and V plus the method's index: all keys' K to score for full/TopK/oracle, page min/max "
         "for Quest, labels for DS, bucket ids for MagicPIG; GQA sharing not deducted), in KiB."
     )
+    if any(str(x["Task"]).startswith("lm_eval") for x in rows):
+        caption += " lm_eval rows: lm-eval's headline metric in % (×100), n in documents."
     if single:
         caption += " 1 †: a single seed of a stochastic method: its interval omits the seed-to-seed variation."
     if short_rows:
