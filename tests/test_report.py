@@ -398,3 +398,14 @@ def test_labels_see_the_shared_static_key_counts():
 
     row = {"method": "streaming_llm", "method_config": "streaming_llm", "sink": 4, "local": 64}
     assert config_label(row) == "4 sink + 64 recent"
+
+
+def test_lm_eval_panels_count_documents_of_complete_runs_and_find_the_incomplete():
+    import pandas as pd
+
+    from sparse_eval.report.figures.plotting import cut_short, n_text
+
+    d = pd.DataFrame({"task": ["lm_eval"] * 2, "samples": [8, 3], "expected_samples": [8, 8], "pooled_n": [250, 93]})
+    assert list(cut_short(d)) == [False, True]  # drawn hollow and left off the Pareto front
+    assert n_text(d) == "n = 250 documents per complete point"  # not lm-eval's per-task limit
+    assert list(cut_short(d.drop(columns="expected_samples"))) == [False, False]

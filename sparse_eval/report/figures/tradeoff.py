@@ -10,6 +10,7 @@ from .plotting import (
     COLORS,
     MARKERS,
     annotate_spread,
+    cut_short,
     distinct_labels,
     error_bars,
     interval_note,
@@ -50,25 +51,33 @@ def pareto(df, out: Path) -> list[Path]:
             # the same config run twice (e.g. in two collected sweeps) with the same result: one point
             g = g.drop_duplicates(subset=["method_name", "config", "setting", "cost2", "score"])
             labels = []
+            short = cut_short(g)
             for name, dd in g.groupby("method_name"):
-                ax.scatter(
-                    dd["cost2"],
-                    dd["score"],
-                    marker=MARKERS.get(name, "o"),
-                    color=COLORS.get(name),
-                    label=name,
-                    s=30,
-                    zorder=3,
-                )
+                cut = short.loc[dd.index]
+                for part, hollow in ((dd[~cut], False), (dd[cut], True)):
+                    if part.empty:
+                        continue
+                    ax.scatter(  # an incomplete run: a hollow marker, left off the Pareto front
+                        part["cost2"],
+                        part["score"],
+                        marker=MARKERS.get(name, "o"),
+                        facecolors="none" if hollow else COLORS.get(name),
+                        edgecolors=COLORS.get(name),
+                        label=f"{name} (incomplete)" if hollow else name,
+                        s=30,
+                        zorder=3,
+                    )
                 if "score_lo" in dd.columns and "score_hi" in dd.columns:  # one run per point
                     drawn |= error_bars(
                         ax, dd["cost2"], dd["score"], dd["score_lo"], dd["score_hi"], color=COLORS.get(name)
                     )
                 if len(dd) <= 12:
-                    rows = [r for _, r in dd.iterrows() if r["config"] != "–"]
+                    idx = [i for i, r in dd.iterrows() if r["config"] != "–"]
+                    rows = [dd.loc[i] for i in idx]
                     texts = distinct_labels(rows, [_short_config(r) for r in rows])
+                    texts = [t + (" (incomplete)" if short.loc[i] else "") for i, t in zip(idx, texts)]
                     labels += [(r["cost2"], r["score"], t) for r, t in zip(rows, texts)]
-            pts = sorted(zip(g["cost2"], g["score"]))
+            pts = sorted(zip(g.loc[~short, "cost2"], g.loc[~short, "score"]))
             front, best = [], None
             for c, s_ in pts:  # cheapest first: keep points better than every cheaper one
                 if best is None or (s_ < best if lower else s_ > best):
