@@ -119,6 +119,17 @@ def test_table1_marks_incomplete_only_the_lm_eval_task_cut_short():
     assert rows == {"Full": "–", "MagicPIG": "(10,220) (incomplete: MMLU 0/1)"}
 
 
+def test_table2_marks_incomplete_only_the_dataset_cut_short():
+    from sparse_eval.report.tables import magicpig_table2
+
+    d = load_results(FIXTURE / "longbench")  # complete runs of six datasets, 2 samples each
+    assert not any("incomplete" in str(r["Config"]) for r in magicpig_table2(d).rows)  # were "12/72"
+    d.loc[(d["method"] == "quest") & (d["subtask"] == "trec"), "samples"] = 1
+    assert [r["Config"] for r in magicpig_table2(d).rows if r["Method"] == "Quest"] == [
+        "(16,0.05) (incomplete: TrC 1/2)"
+    ]
+
+
 def test_tables_without_data_are_skipped_with_a_reason(df):
     tables, skipped = build_tables(df[df["task"] == "wikitext"])
     assert {t.name for t in tables} == {"score_intervals", "ds_table2_ppl_by_sparsity", "ds_table3_channel_types"}

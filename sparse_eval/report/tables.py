@@ -246,6 +246,11 @@ def _incomplete(grp) -> str | None:
 
 def _with_col(d, col_of: Callable[[Any], str | None], scale: float = 1.0):
     d = d.copy()
+    if {"run_dir", "subtask", "expected_samples"} <= set(d.columns):
+        # a run's row per subtask (an lm-eval task, a LongBench dataset) expects its share of the run's samples
+        # (every subtask runs the same count), so that a complete run is not marked incomplete
+        subtasks = d.groupby("run_dir")["subtask"].transform("nunique").clip(lower=1)
+        d["expected_samples"] = d["expected_samples"] / subtasks
     d["col"] = [col_of(r) for _, r in d.iterrows()]
     d = d[d["col"].notna()]
     d["score"] = d["score"] * scale
@@ -268,10 +273,6 @@ def magicpig_table1(df) -> Table:
     vals = _with_col(sub, col, 100.0)
     if vals.empty:
         raise Skip("lm_eval runs have none of gsm8k*, coqa*, mmlu* tasks")
-    if {"run_dir", "expected_samples"} <= set(vals.columns):
-        # a run of several lm-eval tasks expects its pieces of each: a task's row is complete at its share
-        tasks = sub.groupby("run_dir")["subtask"].transform("nunique")
-        vals["expected_samples"] = vals["expected_samples"] / tasks.loc[vals.index]
     costs = run_rows(df, "lm_eval")
     ran = "; ".join(
         f"{lab}: {', '.join(sorted(set(vals.loc[vals['col'] == lab, 'subtask'])))}"
