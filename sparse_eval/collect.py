@@ -476,7 +476,7 @@ def add_seed_pooling(rows: list[dict[str, Any]]) -> None:
         # for the complete seeds (comparable), not for the few samples every seed has so far
         done = [r for r in every if r.get("complete")]
         runs = done if done else every
-        left_out = [r for r in every if not any(r is u for u in runs)]
+        left_out = [r for r in every if not r.get("complete")] if done else []
         stochastic = runs[0].get("stochastic")
         out: dict[str, Any] = {c: None for c in POOLED_COLUMNS}
         out["seeds"] = len(runs)

@@ -414,7 +414,8 @@ def test_labels_see_the_shared_static_key_counts():
 def test_lm_eval_panels_count_documents_of_complete_runs_and_find_the_incomplete():
     import pandas as pd
 
-    from sparse_eval.report.figures.plotting import cut_short, n_text
+    from sparse_eval.report.figures.plotting import n_text
+    from sparse_eval.report.load import cut_short
 
     d = pd.DataFrame({"task": ["lm_eval"] * 2, "samples": [8, 3], "expected_samples": [8, 8], "pooled_n": [250, 93]})
     assert list(cut_short(d)) == [False, True]  # drawn hollow and left off the Pareto front

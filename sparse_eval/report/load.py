@@ -219,3 +219,13 @@ def run_rows(df, task: str | None = None):
 def subtask_rows(df, task: str | None = None):
     d = df if task is None else df[df["task"] == task]
     return d[d["subtask"].notna() & (d["subtask"] != "all")]
+
+
+def cut_short(d):
+    """Which rows are of runs that finished fewer samples than they expect (a boolean Series; all False when the
+    table does not say)."""
+    import pandas as pd
+
+    if "samples" not in d or "expected_samples" not in d:
+        return pd.Series(False, index=d.index)
+    return (d["samples"] < d["expected_samples"]).fillna(False)

@@ -22,6 +22,7 @@ from ..methods.magicpig import MagicPIG, sampling_probability
 from . import paper as P
 from .load import (
     config_label,
+    cut_short,
     is_reference,
     keys_per_row,
     method_display,
@@ -234,11 +235,15 @@ def _left_out_note(d) -> str:
     return f" Left out while not complete (the rows are over the complete seeds): {'; '.join(named)}."
 
 
+def score_scale(task: Any) -> float:
+    """The factor a task's scores are shown with: lm-eval's metrics are fractions (exact match, accuracy, F1),
+    shown in % as MagicPIG Table 1 shows them; every other task's scores as recorded."""
+    return 100.0 if task == "lm_eval" else 1.0
+
+
 def _incomplete(grp) -> str | None:
     """ "n/N" when runs of the group scored fewer samples than they expected (cut short, or samples that failed)."""
-    if "samples" not in grp.columns or "expected_samples" not in grp.columns:
-        return None
-    short = grp[grp["samples"] < grp["expected_samples"]]
+    short = grp[cut_short(grp)]
     if short.empty:
         return None
     return f"{int(short['samples'].sum())}/{int(short['expected_samples'].sum())}"
@@ -270,7 +275,7 @@ def magicpig_table1(df) -> Table:
         name = str(r["subtask"]).lower()
         return next((lab for pre, lab in LM_EVAL_COLUMNS if name.startswith(pre)), None)
 
-    vals = _with_col(sub, col, 100.0)
+    vals = _with_col(sub, col, score_scale("lm_eval"))
     if vals.empty:
         raise Skip("lm_eval runs have none of gsm8k*, coqa*, mmlu* tasks")
     costs = run_rows(df, "lm_eval")
@@ -737,8 +742,7 @@ def score_intervals(df) -> Table:
             g("pooled_diff_hi", "diff_hi"),
             g("pooled_n_paired", "n_paired"),
         )
-        # lm-eval's metrics are fractions (exact match, accuracy, F1): shown in % as MagicPIG Table 1 shows them
-        pct = 100.0 if r.get("task") == "lm_eval" else 1.0
+        pct = score_scale(r.get("task"))
         score, lo, hi, diff, dlo, dhi = (v * pct if _present(v) else v for v in (score, lo, hi, diff, dlo, dhi))
         has_diff = not is_reference(r) and _present(diff)
         stochastic = _num_bool(r.get("stochastic")) if "stochastic" in runs.columns else None

@@ -378,6 +378,14 @@ def local_names(subjects: bool = True) -> dict[str, str]:
     return names | dict(_subject_names()) if subjects else names
 
 
+def _data_part(name: str) -> str | None:
+    """Which file set of ``paths.data_dir`` a task with an offline variant reads ("gsm8k" or "mmlu"), by its
+    official or ``_local`` name (the MMLU group and its subjects); None for any other task."""
+    if name in ("gsm8k_cot", "gsm8k_cot_local"):
+        return "gsm8k"
+    return "mmlu" if name.startswith("mmlu_flan_cot_fewshot") else None
+
+
 def _missing_local_message(
     name: str, part: str, data_dir: Path | None, explicit: bool, forced: bool, local: str | None = None
 ) -> str:
@@ -549,13 +557,7 @@ class LmEval(Task):
         if self.include_paths:
             return
         for name in self.config.tasks:
-            part = (
-                "gsm8k"
-                if name in ("gsm8k_cot", "gsm8k_cot_local")
-                else "mmlu"
-                if name.startswith("mmlu_flan_cot_fewshot")
-                else None
-            )
+            part = _data_part(name)
             if part is None:
                 continue
             if (gsm8k_available if part == "gsm8k" else mmlu_available)(self.data_dir):
@@ -641,7 +643,7 @@ class LmEval(Task):
                         raise FileNotFoundError(
                             _missing_local_message(
                                 name,
-                                "gsm8k" if local.startswith("gsm8k") else "mmlu",
+                                _data_part(local),
                                 self.data_dir,
                                 name in local_set,
                                 self.offline == "true",

@@ -102,20 +102,12 @@ def score_limits(ax, task: str) -> None:
         ax.set_ylim(-0.03, 1.03)
 
 
-def cut_short(d):
-    """Which rows are of runs that finished fewer samples than they expect (a boolean Series; all False when the
-    table does not say)."""
-    if "samples" not in d or "expected_samples" not in d:
-        return d.index.to_series().map(lambda _: False)
-    return (d["samples"] < d["expected_samples"]).fillna(False)
-
-
 def n_text(d) -> str:
     """How many samples stand behind each point (the 'samples' column: per row of the results table)."""
     if "samples" not in d or d["samples"].dropna().empty:
         return ""
     if "task" in d and set(d["task"].dropna()) == {"lm_eval"}:
-        from ..load import task_config
+        from ..load import cut_short, task_config
 
         done = d[~cut_short(d)]
         if "pooled_n" in done and not done["pooled_n"].dropna().empty:  # documents, not lm-eval's per-task limit

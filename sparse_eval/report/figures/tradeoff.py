@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..load import point_label, run_rows
+from ..load import cut_short, point_label, run_rows
 from ..tables import Skip
 from .plotting import (
     COLORS,
     MARKERS,
     annotate_spread,
-    cut_short,
     distinct_labels,
     error_bars,
     interval_note,
