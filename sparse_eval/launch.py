@@ -11,7 +11,8 @@ and mtime, plus the folders those files lie in, ``paths.data_dir`` and its subfo
 calibration folders, stamped or marked absent (a file added there could change which files are read).
 
 ``key`` is the sha256 of what else decides the identities: the whole composed config (less the output-only
-``print_table``), the package's source and ``conf/`` (any edit there is a new key), the versions of Python and the
+``print_table``), the package's source and ``conf/`` (any edit there is a new key, but for ``sparse_eval/report/``,
+which only reads results and is never imported by a run), the versions of Python and the
 libraries that load the model, the environment variables that say where inputs are looked for, and, where
 ``model.dtype=auto`` picks by device, whether CUDA is available.  A relaunch reuses the entry only when every recorded
 file and folder is unchanged (its recorded size and mtime, or, where the mtime moved as a copy or checkout moves it,
@@ -46,6 +47,9 @@ LAUNCH_DIR = ".launch"  # under paths.runs_dir
 ENTRY_VERSION = 1
 OUTPUT_ONLY_KEYS = ("print_table", "hydra")  # settings that change what is printed, never a result
 PACKAGE_DIR = Path(__file__).resolve().parent
+# package folders that only read finished results (tables and figures) and are never imported by a run: an edit
+# there changes no result, so it leaves finished launches cached
+OUTPUT_ONLY_SOURCES = ("report",)
 VERSIONED = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "numpy", "hydra-core", "omegaconf")
 GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
 # environment that decides where inputs are looked for (Double Sparsity's user calibration folder first)
@@ -57,14 +61,16 @@ _SOURCE_SHA: str | None = None
 
 
 def source_sha256() -> str:
-    """sha256 of every file of the package and of ``conf/`` (paths and contents; ``__pycache__`` left out):
-    the version of the code that computes identities, and of the configs ``compare`` names."""
+    """sha256 of every file of the package and of ``conf/`` (paths and contents; ``__pycache__`` and the
+    output-only ``OUTPUT_ONLY_SOURCES`` left out): the version of the code that computes identities and results,
+    and of the configs ``compare`` names."""
     global _SOURCE_SHA
     if _SOURCE_SHA is None:
         h = hashlib.sha256()
+        skipped = [PACKAGE_DIR / d for d in OUTPUT_ONLY_SOURCES]
         for root in (PACKAGE_DIR, CONF_DIR):
             for p in sorted(root.rglob("*")):
-                if "__pycache__" in p.parts or not p.is_file():
+                if "__pycache__" in p.parts or not p.is_file() or any(p.is_relative_to(d) for d in skipped):
                     continue
                 h.update(str(p.relative_to(root.parent)).encode() + b"\0")
                 h.update(hashlib.sha256(p.read_bytes()).digest())

@@ -207,3 +207,29 @@ def test_a_calibration_file_appearing_in_the_user_folder_is_a_miss(tmp_path, mon
     made = _loads(monkeypatch)
     (again,) = runner.run(cfg())
     assert made and again["run_dir"] != first["run_dir"]
+
+
+def test_an_edit_of_the_report_code_keeps_the_key_any_other_edit_changes_it(tmp_path, monkeypatch):
+    """The report only reads finished results (never imported by a run): editing it must not send every finished
+    launch down the normal path (on the H200 that cost a model load, 49 s, per finished job)."""
+    pkg, conf = tmp_path / "sparse_eval", tmp_path / "conf"
+    (pkg / "report").mkdir(parents=True)
+    conf.mkdir()
+    (pkg / "engine.py").write_text("x = 1\n")
+    (pkg / "report" / "tables.py").write_text("t = 1\n")
+    (conf / "config.yaml").write_text("a: 1\n")
+    monkeypatch.setattr(launch, "PACKAGE_DIR", pkg)
+    monkeypatch.setattr(launch, "CONF_DIR", conf)
+
+    def key():
+        monkeypatch.setattr(launch, "_SOURCE_SHA", None)
+        return launch.source_sha256()
+
+    first = key()
+    (pkg / "report" / "tables.py").write_text("t = 2\n")
+    assert key() == first
+    (pkg / "engine.py").write_text("x = 2\n")
+    second = key()
+    assert second != first
+    (conf / "config.yaml").write_text("a: 2\n")
+    assert key() != second
