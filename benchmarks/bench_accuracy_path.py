@@ -16,6 +16,9 @@ of kernels and copies launched, the host syncs (``SYNC_EVENTS``: ``.item()``/``b
 ``torch.equal``, ``nonzero``, an explicit synchronize) and the kernels that take the most time.  The dense
 prefill of the batch is timed too (``prefill_ms``, stock sdpa, median over ``--repeats``): with the per-step
 times it is what ``benchmarks/project_ruler_hours.py`` projects a RULER evaluation's GPU-hours from.
+With ``--capture`` (GPU only), each plug-in method's steady step is also captured once in a CUDA graph and
+replayed (``captured_ms_per_step``): the same kernels without the host's launch work, the measured counterpart of
+the profile's GPU busy time; a step that waits for the device cannot be captured and is reported with the reason.
 With ``--batch-invariant`` the prefill and every plug-in method's steps run inside ``batch_invariant()``, the mode a
 run evaluates in by default (``eval.batch_invariant``: fixed-order products and reductions, so a record does not
 depend on its batch); stock transformers is timed outside it either way.
@@ -178,6 +181,73 @@ def profile_methods(
     return out
 
 
+@torch.inference_mode()
+def time_captured(model, cache, prefill_len: int, first_token: torch.Tensor, steps: int) -> float | str:
+    """ms per steady decode step replayed from a CUDA graph (``torch.cuda.CUDAGraph``): the step with the host's
+    launch work removed, the same kernels as the eager step.  From a cache of ``prefill_len`` tokens: the first
+    step (the method's index), two warm-up steps on a side stream (as capture requires), one step captured, then
+    ``steps`` replays timed.  Each replay redoes the captured step (the same cache slot, the same context length),
+    which is what a step at that length costs.  A step that cannot be captured (a host sync, a host-to-device copy
+    of a host value) gives the reason as a string instead of a time."""
+    _crop(cache, prefill_len)
+    tok = _step(model, cache, first_token)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            tok = _step(model, cache, tok)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    static_tok = tok.clone()
+    try:
+        with torch.cuda.graph(graph):
+            _step(model, cache, static_tok)
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - the reason is the result
+        torch.cuda.synchronize()
+        return f"not capturable: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    graph.replay()  # untimed: the first replay uploads the graph
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1000.0 / steps
+    del graph
+    return ms
+
+
+def capture_methods(
+    model, cache, args, first, methods, mode=lambda method: contextlib.nullcontext()
+) -> dict[tuple[str, bool], dict]:
+    """Per (method, error on), plug-in methods only: ``time_captured``'s ms per step (median over ``--repeats``)
+    or why the step could not be captured."""
+    out: dict[tuple[str, bool], dict] = {}
+    for name, method in methods:
+        if method is None:
+            continue
+        for err in (True, False):
+            attach(model, method, Runtime(protocol="A", compute_error=err))
+            results = []
+            try:
+                with mode(method):
+                    for _ in range(max(1, args.repeats)):
+                        results.append(time_captured(model, cache, args.context, first, args.steps))
+                        if isinstance(results[-1], str):
+                            break
+            finally:
+                detach(model)
+            times = [r for r in results if not isinstance(r, str)]
+            out[(name, err)] = (
+                {"captured_ms_per_step": statistics.median(times)}
+                if len(times) == len(results)
+                else {"captured": results[-1]}
+            )
+            print(f"captured {name:16s} error={'on ' if err else 'off'} {out[(name, err)]}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="stories260k")
@@ -194,6 +264,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--profile", action="store_true", help="also profile --steps steps per method (GPU busy time)")
     ap.add_argument(
+        "--capture",
+        action="store_true",
+        help="also time each plug-in method's steady step replayed from a CUDA graph (GPU only; a step that "
+        "cannot be captured says why)",
+    )
+    ap.add_argument(
         "--batch-invariant",
         action="store_true",
         help="time the plug-in's methods and the prefill inside batch_invariant() (a run's default mode); "
@@ -208,6 +284,8 @@ def main(argv=None) -> int:
         return batch_invariant() if args.batch_invariant and method is not None else contextlib.nullcontext()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.capture and device.type != "cuda":
+        raise SystemExit("--capture needs a CUDA device (CUDA graphs): run it on a GPU machine, or leave it out")
     dtype = {
         "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
         "float32": torch.float32,
@@ -286,6 +364,7 @@ def main(argv=None) -> int:
                 if session is not None:
                     detach(model)
     profiles = profile_methods(model, cache, stock_cache, args, first, device, methods, mode) if args.profile else {}
+    captured = capture_methods(model, cache, args, first, methods, mode) if args.capture else {}
     rows = []
     for (name, err), ts in times.items():
         summ = stats[(name, err)]
@@ -299,6 +378,7 @@ def main(argv=None) -> int:
                 "cost2": summ.get("cost2"),
                 "est_error": summ.get("est_error"),
                 **profiles.get((name, err), {}),
+                **captured.get((name, err), {}),
             }
         )
         print(
@@ -307,10 +387,21 @@ def main(argv=None) -> int:
         )
     base = {r["est_error_on"]: r["ms_per_step"] for r in rows if r["method"] == "full"}
     busy = {r["est_error_on"]: r.get("gpu_busy_ms") for r in rows if r["method"] == "full"}
+    cap = {r["est_error_on"]: r.get("captured_ms_per_step") for r in rows if r["method"] == "full"}
     for r in rows:
         r["ratio_vs_full"] = r["ms_per_step"] / base[r["est_error_on"]] if base else None
         if r.get("gpu_busy_ms") is not None and busy.get(r["est_error_on"]):
             r["busy_ratio_vs_full"] = r["gpu_busy_ms"] / busy[r["est_error_on"]]
+        if r.get("captured_ms_per_step") is not None and cap.get(r["est_error_on"]):
+            r["captured_ratio_vs_full"] = r["captured_ms_per_step"] / cap[r["est_error_on"]]
+    if captured:
+        print("\nmethod           error  ms/step  captured ms/step  captured / full's captured")
+        for r in rows:
+            if r["method"] != "stock":
+                c = r.get("captured_ms_per_step")
+                ratio = r.get("captured_ratio_vs_full") or float("nan")
+                tail = f"{c:16.2f}  {ratio:26.2f}" if c else r.get("captured", "")
+                print(f"{r['method']:16s} {'on ' if r['est_error_on'] else 'off'}  {r['ms_per_step']:8.2f}  {tail}")
     if profiles:
         print("\nmethod           error  ms/step  GPU busy ms/step  busy / full's busy  kernels (CPU: ops)  syncs/step")
         for r in rows:

@@ -7,6 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -35,3 +38,27 @@ def test_batch_invariant_times_the_methods_in_that_mode_and_stock_outside_it(tmp
     for rec in (plain, inv):
         assert {r["method"] for r in rec["rows"]} == {"stock", "full", "topk"}
         assert all(r["ms_per_step"] > 0 and r["first_step_ms"] > 0 for r in rec["rows"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_capture_without_a_gpu_is_refused_at_start(tmp_path):
+    with pytest.raises(SystemExit, match="--capture needs a CUDA device"):
+        bench.main(["--capture", "--methods", "full", "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())  # refused before anything ran or was written
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")
+def test_a_step_without_host_syncs_is_captured_and_one_with_them_says_why(tmp_path):
+    """On the GPU: every plug-in method whose steady step waits for the device less than once per step (the
+    profiler's census; the benchmark's own closing sync is a fraction of one) replays from a CUDA graph, and a
+    method whose step waits (MagicPIG's gathered pairs) is reported as not capturable, with the reason."""
+    argv = ["--model", "stories260k", "--context", "256", "--batch", "2", "--steps", "4", "--repeats", "1"]
+    methods = "full,topk,oracle,quest,double_sparsity,magicpig"
+    assert bench.main([*argv, "--methods", methods, "--profile", "--capture", "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "accuracy_path_stories260k_256_b2.json").read_text())
+    for r in rec["rows"]:
+        if r["host_syncs_per_step"] < 1:
+            assert r.get("captured_ms_per_step", 0) > 0, r
+        else:
+            assert r["captured"].startswith("not capturable"), r
