@@ -46,6 +46,7 @@ from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, 
 from sparse_eval.methods import build_method, make_config  # noqa: E402
 from sparse_eval.provenance import hardware, versions  # noqa: E402
 from sparse_eval.run_config import method_options  # noqa: E402
+from sparse_eval.spans import PREFIX as SPAN_PREFIX  # noqa: E402
 from sparse_eval.system.models import random_model  # noqa: E402
 
 
@@ -136,6 +137,19 @@ def _host_syncs(events) -> int:
     return count
 
 
+def _span_ms(events, cuda: bool, steps: int) -> dict[str, float]:
+    """ms per step inside each of the accuracy path's spans (``sparse_eval.spans``: prepare, masks, scores,
+    select, attend, stats, error, record), summed over layers: on a GPU the device time of the kernels launched
+    inside the span, on a CPU the host time spent in it."""
+    out: dict[str, float] = {}
+    for e in events:
+        if e.name.startswith(SPAN_PREFIX) and e.device_type == torch.autograd.DeviceType.CPU:
+            us = e.device_time_total if cuda else e.cpu_time_total
+            key = e.name[len(SPAN_PREFIX) :]
+            out[key] = out.get(key, 0.0) + us / 1e3 / steps
+    return dict(sorted(out.items()))
+
+
 def profile_methods(
     model, cache, stock_cache, args, first, device, methods, mode=lambda method: contextlib.nullcontext()
 ) -> dict[tuple[str, bool], dict]:
@@ -159,9 +173,15 @@ def profile_methods(
                 detach(model)
             events = list(prof.events())
             syncs = _host_syncs(events) / args.steps
+            spans = _span_ms(events, cuda, args.steps)
             if not cuda:
                 ops = [e for e in events if e.name.startswith("aten::") and not _aten_parent(e)]
-                out[(name, err)] = {"host_syncs_per_step": syncs, "aten_ops_per_step": len(ops) / args.steps}
+                out[(name, err)] = {
+                    "profiled_ms_per_step": wall,
+                    "host_syncs_per_step": syncs,
+                    "aten_ops_per_step": len(ops) / args.steps,
+                    "span_host_ms_per_step": spans,
+                }
                 continue
             dev = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
             per_kernel: dict[str, list[float]] = {}
@@ -173,6 +193,7 @@ def profile_methods(
                 "gpu_busy_ms": sum(e.time_range.elapsed_us() for e in dev) / 1e3 / args.steps,
                 "kernels_per_step": len(dev) / args.steps,
                 "host_syncs_per_step": syncs,
+                "span_gpu_ms_per_step": spans,
                 "top_kernels": [
                     {"name": k[:120], "ms_per_step": sum(v) / args.steps, "launches_per_step": len(v) / args.steps}
                     for k, v in top
@@ -412,6 +433,20 @@ def main(argv=None) -> int:
                     f"{r.get('busy_ratio_vs_full') or float('nan'):18.2f}  "
                     f"{r.get('kernels_per_step') or r.get('aten_ops_per_step'):12.0f}  {r['host_syncs_per_step']:15.1f}"
                 )
+    if profiles:
+        key = "span_gpu_ms_per_step" if device.type == "cuda" else "span_host_ms_per_step"
+        names = sorted({k for r in rows for k in (r.get(key) or {})})
+        what = "GPU busy ms per step" if device.type == "cuda" else "host ms per step"
+        print(f"\nwhere the time goes ({what}; 'model': the rest of the step, the layers' own work)")
+        print(f"{'method':16s} error  " + "".join(f"{n:>9s}" for n in names) + f"{'model':>9s}")
+        for r in rows:
+            sp = r.get(key)
+            if sp is None:
+                continue
+            total = r.get("gpu_busy_ms") if device.type == "cuda" else r.get("profiled_ms_per_step")
+            rest = (total or 0.0) - sum(sp.values())
+            cells = "".join(f"{sp.get(n, 0.0):9.2f}" for n in names)
+            print(f"{r['method']:16s} {'on ' if r['est_error_on'] else 'off'}    {cells}{rest:9.2f}")
     print("\nmethod            ratio vs full (error on / off)")
     for name in dict.fromkeys(r["method"] for r in rows):
         on = next((r for r in rows if r["method"] == name and r["est_error_on"]), None)

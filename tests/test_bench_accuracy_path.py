@@ -38,6 +38,13 @@ def test_batch_invariant_times_the_methods_in_that_mode_and_stock_outside_it(tmp
     for rec in (plain, inv):
         assert {r["method"] for r in rec["rows"]} == {"stock", "full", "topk"}
         assert all(r["ms_per_step"] > 0 and r["first_step_ms"] > 0 for r in rec["rows"])
+        # where the time goes: the accuracy path's spans (sparse_eval.spans), the error's only when it is on
+        spans = {(r["method"], r["est_error_on"]): r["span_host_ms_per_step"] for r in rec["rows"]}
+        assert spans[("stock", False)] == {}
+        every = {"prepare", "masks", "scores", "select", "attend", "stats", "record", "error"}
+        assert set(spans[("topk", True)]) == every
+        assert "error" not in spans[("topk", False)] and "select" in spans[("topk", False)]
+        assert set(spans[("full", True)]) == {"attend", "record"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")

@@ -40,6 +40,7 @@ from ..kernels import invariant as kinv
 from ..methods.base import CacheTrackedState, Method
 from ..methods.core import PassMasks, dense_attention, key_validity, pass_masks, sparse_attention, static_keys
 from ..models.inspection import attention_modules, sliding_layers
+from ..spans import span
 from .recorder import StatsRecorder
 
 ATTENTION_NAME = "sparse_eval"
@@ -354,17 +355,22 @@ class SparseSession:
                 self.method.observe_dense(state, query, key, valid, scaling, layer_idx)
             return out
         if self.method.dense:  # dense attention; the recorded statistics depend only on the pass's masks
-            out = dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
-            self.recorder.add_sums(
-                layer_idx,
-                *self._full_sums(
-                    attention_mask, b, hq, q_len, key.shape[2], 2 * d * key.element_size(), per_row, query.device
-                ),
-            )
+            with span("attend"):
+                out = dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
+            with span("record"):
+                self.recorder.add_sums(
+                    layer_idx,
+                    *self._full_sums(
+                        attention_mask, b, hq, q_len, key.shape[2], 2 * d * key.element_size(), per_row, query.device
+                    ),
+                )
             return out
         counted = self._count_mask(b, q_len, per_row)
-        masks = self._masks(attention_mask, b, q_len, key.shape[2], query.device)
-        valid = masks.valid if masks is not None else key_validity(attention_mask, b, q_len, key.shape[2], query.device)
+        with span("masks"):
+            masks = self._masks(attention_mask, b, q_len, key.shape[2], query.device)
+            valid = (
+                masks.valid if masks is not None else key_validity(attention_mask, b, q_len, key.shape[2], query.device)
+            )
         if per_row is not None:
             dense, _ = dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
         state = _layer_state(getattr(module, _CACHE_ATTR, None), layer_idx)
@@ -386,7 +392,8 @@ class SparseSession:
             sparse_rows=per_row,
             generating=self.generating(),
         )
-        self.recorder.add(layer_idx, stats, counted)
+        with span("record"):
+            self.recorder.add(layer_idx, stats, counted)
         out = out.transpose(1, 2)  # [B, Q, Hq, D]
         if per_row is not None:  # rows still in their (dense) context keep the dense output
             out = torch.where(per_row[:, :, None, None], out, dense)

@@ -19,6 +19,7 @@ import torch
 
 from .. import invariance
 from ..kernels import invariant as kinv
+from ..spans import span
 from .base import AttentionContext, Method, Selection
 
 NEG_INF = float("-inf")
@@ -247,10 +248,11 @@ def sparse_attention(
     the rows are generated tokens after a finished prompt (``AttentionContext.generating``).
     """
     cfg = method.config
-    if method.prepare_with_valid:  # every row's valid keys: an index built in this call must stay causal
-        method.prepare(state, k, v, layer_idx, valid=valid)
-    else:
-        method.prepare(state, k, v, layer_idx)
+    with span("prepare"):  # the method's index over the keys (built once, then appended to)
+        if method.prepare_with_valid:  # every row's valid keys: an index built in this call must stay causal
+            method.prepare(state, k, v, layer_idx, valid=valid)
+        else:
+            method.prepare(state, k, v, layer_idx)
     b, hq, ql, _ = q.shape
     outs, stats_chunks = [], []
     for start in range(0, ql, query_chunk):
@@ -260,7 +262,8 @@ def sparse_attention(
         else:
             m = masks if (start, stop) == (0, ql) else masks.rows_slice(start, stop)
         qc, vc, n_valid = q[:, :, start:stop], m.valid, m.n_valid
-        scores = scores_gqa(qc, k, scaling).masked_fill(m.invalid, NEG_INF)
+        with span("scores"):
+            scores = scores_gqa(qc, k, scaling).masked_fill(m.invalid, NEG_INF)
         ctx = AttentionContext(
             q=qc,
             k=k,
@@ -281,47 +284,51 @@ def sparse_attention(
             sparse_rows=None if sparse_rows is None else sparse_rows[:, None, start:stop, None],
             generating=generating,
         )
-        sel: Selection = method.select(ctx)
-        own = sel.keep & m.candidates
-        # [B, Hq, Q]: the method kept none of the row's candidates (a row with no candidate, e.g. one whose keys
-        # are all sink/local, cannot select any and is not counted; nor is any row of a method that selects its
-        # static keys only)
-        empty = ~own.any(-1) & m.candidates.any(-1)
-        if method.selects_static_only:
-            empty = torch.zeros_like(empty)
-        keep = own | m.static
-        if cfg.sink == 0 and cfg.local == 0:
-            # nothing at all (no static keys configured and nothing picked): fall back to the newest valid key.
-            # With a sink or a local window every row with a valid key keeps at least that static key.
-            nothing = ~keep.any(-1, keepdim=True) & (n_valid > 0)
-            keep = keep | (nothing & vc & (vc.cumsum(-1) == n_valid))
-        logits = scores if sel.bias is None else scores + torch.where(keep, sel.bias, torch.zeros_like(scores))
-        p = masked_softmax(logits, keep)
-        out = weighted_values(p, v)
-        rows = m.rows.expand(b, hq, stop - start)
-        n_keep = keep.sum(-1)  # long [B, Hq, Q]
-        n_keep_f = n_keep.float()
-        st: dict[str, torch.Tensor] = {
-            "rows": rows,
-            "cost2": n_keep_f / m.n_rows,
-            "static_frac": m.static_frac.expand(b, hq, -1),
-            "empty": empty & rows,
-        }
-        c1 = method.cost1(ctx, sel)
-        st["cost1"] = (
-            torch.full((b, hq, stop - start), float(c1), device=q.device)
-            if not torch.is_tensor(c1) or c1.dim() == 0
-            else c1.float().expand(b, hq, stop - start)
-        )
-        st["kv_bytes"] = kv_bytes_read(method, ctx, sel, keep, kept=n_keep_f)
+        with span("select"):
+            sel: Selection = method.select(ctx)
+        with span("attend"):  # the kept keys (the method's and the static ones) and the one shared attention
+            own = sel.keep & m.candidates
+            # [B, Hq, Q]: the method kept none of the row's candidates (a row with no candidate, e.g. one whose
+            # keys are all sink/local, cannot select any and is not counted; nor is any row of a method that
+            # selects its static keys only)
+            empty = ~own.any(-1) & m.candidates.any(-1)
+            if method.selects_static_only:
+                empty = torch.zeros_like(empty)
+            keep = own | m.static
+            if cfg.sink == 0 and cfg.local == 0:
+                # nothing at all (no static keys configured and nothing picked): fall back to the newest valid
+                # key.  With a sink or a local window every row with a valid key keeps at least that static key.
+                nothing = ~keep.any(-1, keepdim=True) & (n_valid > 0)
+                keep = keep | (nothing & vc & (vc.cumsum(-1) == n_valid))
+            logits = scores if sel.bias is None else scores + torch.where(keep, sel.bias, torch.zeros_like(scores))
+            p = masked_softmax(logits, keep)
+            out = weighted_values(p, v)
+        with span("stats"):  # the per-row costs and bytes read
+            rows = m.rows.expand(b, hq, stop - start)
+            n_keep = keep.sum(-1)  # long [B, Hq, Q]
+            n_keep_f = n_keep.float()
+            st: dict[str, torch.Tensor] = {
+                "rows": rows,
+                "cost2": n_keep_f / m.n_rows,
+                "static_frac": m.static_frac.expand(b, hq, -1),
+                "empty": empty & rows,
+            }
+            c1 = method.cost1(ctx, sel)
+            st["cost1"] = (
+                torch.full((b, hq, stop - start), float(c1), device=q.device)
+                if not torch.is_tensor(c1) or c1.dim() == 0
+                else c1.float().expand(b, hq, stop - start)
+            )
+            st["kv_bytes"] = kv_bytes_read(method, ctx, sel, keep, kept=n_keep_f)
         if compute_error:
-            # masked_softmax(scores, valid): scores are already -inf wherever a key is not valid
-            p_dense = torch.softmax(scores, dim=-1).masked_fill_(m.invalid, 0.0)
-            dense = weighted_values(p_dense, v).float()
-            num = (out.float() - dense).norm(dim=-1)
-            den = dense.norm(dim=-1)
-            st["est_error"] = torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
-            st["mass"], st["topk_recall"] = kept_mass_and_recall(scores, p_dense, keep, kept=n_keep)
+            with span("error"):
+                # masked_softmax(scores, valid): scores are already -inf wherever a key is not valid
+                p_dense = torch.softmax(scores, dim=-1).masked_fill_(m.invalid, 0.0)
+                dense = weighted_values(p_dense, v).float()
+                num = (out.float() - dense).norm(dim=-1)
+                den = dense.norm(dim=-1)
+                st["est_error"] = torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
+                st["mass"], st["topk_recall"] = kept_mass_and_recall(scores, p_dense, keep, kept=n_keep)
         for key, val in sel.stats.items():
             st[key] = val
         if keep_masks:
