@@ -3,6 +3,7 @@
     python -m sparse_eval.collect runs/                       # writes runs/results.csv and runs/results.parquet
     python -m sparse_eval.collect runs/ruler --out /tmp/ruler  # /tmp/ruler.csv, /tmp/ruler.parquet
     python -m sparse_eval.collect runs/ --no-subtasks          # one row per run
+    python -m sparse_eval.collect runs/ --full-at-least 30     # + rows over the subtasks full attention solves
 
 One row per (model, method with its parameters, task with its parameters, subtask, length, protocol, seed).  Rows
 of runs that differ only in their seed (``seeds.seed_group``: the same identity without the seed) also carry the
@@ -27,7 +28,9 @@ Columns (see also docs/sweeps.md):
   sliding_layers                     dense | sparse: how layers with a sliding window ran (None: the model has none)
   task, task_config                  task name; its config as JSON (all fields)
   subtask, length                    from the per-sample records ("all": the whole run; length: the task's
-                                     length setting, or the records' when they vary)
+                                     length setting, or the records' when they vary; "full>=X": with
+                                     --full-at-least X, the run over only the subtasks on which full attention's
+                                     complete run scores at least X, named in subset_subtasks)
   protocol, prefill_chunk,           evaluation settings (batch_invariant: the fixed-order kernels of
   batch_invariant                    ``sparse_eval.invariance``; None for runs made before the setting existed)
   seed                               the seed the run's method drew from (``seeds.effective_seed``)
@@ -324,6 +327,21 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
         for length in sorted(lengths, key=str):
             recs = [r for k in keys if k[1] == length for r in groups[k]]
             rows.append(row(recs, "all" if len(subtasks) > 1 else next(iter(subtasks)), length))
+            if len(subtasks) > 1:  # the row of a set of this length's subtasks (``add_subset_rows``); not a column
+
+                def subset(names: set[str], label: str, length: Any = length) -> dict[str, Any]:
+                    out = row(
+                        [r for k in keys if k[1] == length and str(k[0]) in names for r in groups[k]], label, length
+                    )
+                    # expects its subtasks' share of the run's samples (every subtask runs the same count), and is
+                    # complete when those all finished (the run may still lack samples of other subtasks)
+                    share = len({str(s) for s in subtasks} & names) / len(subtasks)
+                    if isinstance(out.get("expected_samples"), (int, float)):
+                        out["expected_samples"] = round(out["expected_samples"] * share)
+                        out["complete"] = out["samples"] >= out["expected_samples"] and not out["failed_samples"]
+                    return out
+
+                rows[-1]["_subset"] = subset
     return rows
 
 
@@ -351,13 +369,72 @@ def unreadable_row(run_dir: Path, recent_s: float = 300.0) -> dict[str, Any]:
     }
 
 
-def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0):
+SUBSET_PREFIX = "full>="  # subtask label of the rows over the subtasks full attention scores at least X on
+
+
+def subset_label(at_least: float) -> str:
+    return f"{SUBSET_PREFIX}{at_least:g}"
+
+
+def is_subset_label(subtask: Any) -> bool:
+    return isinstance(subtask, str) and subtask.startswith(SUBSET_PREFIX)
+
+
+def add_subset_rows(rows: list[dict[str, Any]], at_least: float) -> None:
+    """Per comparison (``PAIR_KEYS`` but the subtask: same model, task config, evaluation and length), the subtasks
+    on which full attention's complete run scores at least ``at_least`` (its subtask rows), and for every run of that
+    comparison with several subtasks one more row over those subtasks' samples only: subtask
+    ``full>=<at_least>``, ``subset_subtasks`` naming them, expecting those subtasks' share of the run's samples and
+    complete when they all finished.  Its score, interval, seed pooling and paired difference against full
+    attention are computed as for any row (the task's own aggregate over those samples).  A
+    comparison whose full attention run is incomplete gets no such row (the subtasks it solves are not known), nor
+    one where it reaches ``at_least`` on no subtask; a warning says so."""
+    from .method_facts import is_dense
+
+    keys = [k for k in PAIR_KEYS if k != "subtask"]
+    solved: dict[tuple, list[str] | None] = {}
+    for r in rows:
+        if not is_dense(r.get("method")) or r.get("subtask") in (None, "all") or r.get("score") is None:
+            continue
+        ref = solved.setdefault(tuple(str(r.get(k)) for k in keys), [])
+        if ref is not None and not r.get("complete"):
+            solved[tuple(str(r.get(k)) for k in keys)] = None
+        elif ref is not None and r["score"] >= at_least:
+            ref.append(str(r["subtask"]))
+    label = subset_label(at_least)
+    warned: set[tuple] = set()
+    for r in list(rows):
+        build = r.get("_subset")
+        if build is None:
+            continue
+        key = tuple(str(r.get(k)) for k in keys)
+        names = solved.get(key)
+        if not names:
+            if key not in warned:
+                warned.add(key)
+                why = "is incomplete" if key in solved else "scores below it on every subtask (or was not run)"
+                print(
+                    f"warning: no {label} rows for {r.get('model')} / {r.get('task')} at length {r.get('length')}: "
+                    f"full attention {why}",
+                    file=sys.stderr,
+                )
+            continue
+        sub = build(set(names), label)
+        sub["subset_subtasks"] = ",".join(sorted(names))
+        rows.append(sub)
+
+
+def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0, full_at_least: float | None = None):
     """A pandas DataFrame of every run under ``root`` (see the module docstring for the columns)."""
     import pandas as pd
 
     rows = []
     for run_dir in find_run_dirs(root):
         rows.extend(run_rows(run_dir, by_subtask=by_subtask, recent_s=recent_s))
+    if full_at_least is not None:
+        add_subset_rows(rows, full_at_least)
+    for r in rows:
+        r.pop("_subset", None)
     add_seed_pooling(rows)
     add_paired_differences(rows)
     df = pd.DataFrame(rows)
@@ -546,6 +623,13 @@ def main(argv: list[str] | None = None) -> int:
         "(parquet when pyarrow is installed; default <dir>/results)",
     )
     ap.add_argument("--no-subtasks", action="store_true", help="one row per run (and length), no subtask rows")
+    ap.add_argument(
+        "--full-at-least",
+        type=float,
+        metavar="X",
+        help="also a row per run over only the subtasks on which full attention scores at least X "
+        "(subtask 'full>=X'; subset_subtasks names them), with intervals and paired differences as any row",
+    )
     ap.add_argument("--recent", type=float, default=300.0, help="seconds within which a run counts as running")
     ap.add_argument("--quiet", action="store_true", help="do not print the table")
     args = ap.parse_args(argv)
@@ -553,7 +637,13 @@ def main(argv: list[str] | None = None) -> int:
     if not root.exists():
         print(f"error: {root} does not exist", file=sys.stderr)
         return 2
-    df = collect(root, by_subtask=not args.no_subtasks, recent_s=args.recent)
+    if args.full_at_least is not None and args.no_subtasks:
+        print(
+            "error: --full-at-least needs the subtask rows (full attention's score per subtask); drop --no-subtasks",
+            file=sys.stderr,
+        )
+        return 2
+    df = collect(root, by_subtask=not args.no_subtasks, recent_s=args.recent, full_at_least=args.full_at_least)
     if df.empty:
         print(f"no runs under {root}", file=sys.stderr)
         return 1

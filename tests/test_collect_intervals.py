@@ -57,3 +57,52 @@ def test_collect_and_report_on_recorded_runs(tmp_path):
     md = to_markdown(score_intervals(df))
     quest = next(line for line in md.splitlines() if "| Quest " in line)
     assert "130" in quest and " *" in quest and "95% CI" in md
+
+
+def test_rows_over_the_subtasks_full_attention_solves(tmp_path, capsys):
+    """collect --full-at-least 30: one more row per run over only the subtasks on which full attention scores at
+    least 30, scored, paired and reported like any row; the other rows and tables are unchanged."""
+    with tarfile.open(RUNS) as tar:
+        tar.extractall(tmp_path, filter="data")
+    plain, df = collect(tmp_path), collect(tmp_path, full_at_least=30)
+    full = df[(df["method"] == "full") & ~df["subtask"].isin(["all", "full>=30"])].set_index("subtask")
+    solved = sorted(full.index[full["score"] >= 30])
+    assert 1 < len(solved) < len(full)  # some subtasks, not all (niah_single_1 90 ... cwe 3 on this model)
+    sub = df[df["subtask"] == "full>=30"].set_index("method")
+    assert set(sub.index) == set(plain["method"]) and len(sub) == len(set(plain["method"]))
+    assert (sub["subset_subtasks"] == ",".join(solved)).all()
+    assert (sub["samples"] == 10 * len(solved)).all() and (sub["expected_samples"] == 10 * len(solved)).all()
+    # RULER's aggregate is the mean over samples: with 10 samples per subtask, the mean of the solved subtasks'
+    for method, r in sub.iterrows():
+        parts = df[(df["method"] == method) & df["subtask"].isin(solved)]
+        assert r["score"] == pytest.approx(parts["score"].mean())
+        assert r["score_lo"] <= r["score"] <= r["score_hi"]
+    assert sub.loc["full", "score"] >= 30 and sub.loc["full", "diff_vs_full"] == 0
+    quest = df[(df["method"] == "quest")].set_index("subtask")
+    assert sub.loc["quest", "diff_vs_full"] == pytest.approx(quest.loc["full>=30", "score"] - sub.loc["full", "score"])
+    assert sub.loc["quest", "n_paired"] == 10 * len(solved)
+    # every other row as without the option; the report's other tables do not see the new rows
+    rest = df[df["subtask"] != "full>=30"].drop(columns=["subset_subtasks"]).reset_index(drop=True)
+    cols = ["method", "subtask", "score", "score_lo", "score_hi", "diff_vs_full", "pooled_score", "samples"]
+    assert rest[cols].equals(plain[cols])
+
+    from sparse_eval.report.load import normalize
+    from sparse_eval.report.tables import score_intervals, scores_where_full_solves, to_markdown
+
+    assert to_markdown(score_intervals(normalize(df))) == to_markdown(score_intervals(normalize(plain)))
+    md = to_markdown(scores_where_full_solves(normalize(df)))
+    assert ",".join(solved) in md and "| Quest " in md
+    table = [line for line in md.splitlines() if line.startswith("| smollm2")]
+    assert len(table) == len(sub) and all(" 40 |" in line for line in table)  # n: the solved subtasks' samples
+
+
+def test_no_rows_over_solved_subtasks_when_full_attention_is_incomplete(tmp_path, capsys):
+    with tarfile.open(RUNS) as tar:
+        tar.extractall(tmp_path, filter="data")
+    (full_dir,) = [p for p in tmp_path.rglob("full-*") if p.is_dir()]
+    samples = full_dir / "samples.jsonl"
+    lines = samples.read_text().splitlines()
+    samples.write_text("\n".join(lines[:-3]) + "\n")  # three samples lost: the run is incomplete
+    df = collect(tmp_path, full_at_least=30)
+    assert not (df["subtask"] == "full>=30").any()
+    assert "full attention is incomplete" in capsys.readouterr().err

@@ -20,6 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..collect import is_subset_label
 from ..methods import METHODS, is_dense
 
 TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
@@ -201,10 +202,16 @@ def task_config(row: Any) -> dict[str, Any]:
     return {}
 
 
+def _subset(d):
+    """Which rows are ``collect --full-at-least``'s rows over a set of subtasks (a boolean Series)."""
+    return d["subtask"].map(is_subset_label).astype(bool)
+
+
 def run_rows(df, task: str | None = None):
     """The rows that stand for whole runs (subtask "all" or None; a run with a single subtask has only that
     subtask's row, which then stands for the run), optionally of one task."""
     d = df if task is None else df[df["task"] == task]
+    d = d[~_subset(d)]
     whole = d["subtask"].isna() | (d["subtask"] == "all")
     if "run_dir" not in d.columns:
         return d[whole]
@@ -218,7 +225,13 @@ def run_rows(df, task: str | None = None):
 
 def subtask_rows(df, task: str | None = None):
     d = df if task is None else df[df["task"] == task]
-    return d[d["subtask"].notna() & (d["subtask"] != "all")]
+    return d[d["subtask"].notna() & (d["subtask"] != "all") & ~_subset(d)]
+
+
+def subset_rows(df, task: str | None = None):
+    """``collect --full-at-least X``'s rows: each run over only the subtasks full attention scores at least X on."""
+    d = df if task is None else df[df["task"] == task]
+    return d[_subset(d)]
 
 
 def cut_short(d):

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..collect import SUBSET_PREFIX
 from ..methods.double_sparsity import DoubleSparsity
 from ..methods.magicpig import MagicPIG, sampling_probability
 from . import paper as P
@@ -29,6 +30,7 @@ from .load import (
     method_params,
     reference_rows,
     run_rows,
+    subset_rows,
     subtask_rows,
 )
 
@@ -715,13 +717,14 @@ def _seeds_cell(r: Any, stochastic: Any, scale: float = 1.0) -> str:
     return (f"{n}: {lo * scale:.1f}–{hi * scale:.1f}" if _present(lo) and _present(hi) else str(n)) + more
 
 
-def score_intervals(df) -> Table:
+def score_intervals(df, runs=None, name: str = "score_intervals", title: str | None = None, note: str = "") -> Table:
     """One row per configuration (the runs that differ only in their seed, ``collect``'s ``seed_group``, as one):
     its score with n and the 95 % interval over prompts and seeds, its seeds and the range of their scores, and its
     paired difference against full attention over the samples both finished (``collect``'s ``pooled_*``; a table
     collected before those existed: each run's own ``score_lo``/``score_hi``, ``diff_*``).  ``*`` marks a
-    difference whose interval excludes 0; a run that is not complete is marked and never starred."""
-    runs = run_rows(df)
+    difference whose interval excludes 0; a run that is not complete is marked and never starred.  ``runs``: the
+    rows to tabulate (default: the whole runs' rows), ``note`` added to the caption."""
+    runs = run_rows(df) if runs is None else runs
     if "score_lo" not in runs.columns or runs["score_lo"].isna().all():
         raise Skip("no run has a score interval (results collected before intervals were recorded)")
     pooled = "pooled_score" in runs.columns and "seed_group" in runs.columns
@@ -806,13 +809,42 @@ def score_intervals(df) -> Table:
         + ["Δ vs full", "Δ 95% CI", "n paired", "Cost2", "KV KiB/row"]
     )
     return Table(
-        "score_intervals",
-        "Scores with 95 % intervals and paired differences against full attention",
-        caption,
+        name,
+        title or "Scores with 95 % intervals and paired differences against full attention",
+        caption + note,
         ["Model", "Task", "Length", "Method", "Config"],
         value_cols,
         rows,
         digits={"n": 0, "n paired": 0, "Score": 1, "Cost2": 3, "KV KiB/row": 1},
+    )
+
+
+def scores_where_full_solves(df) -> Table:
+    """``score_intervals`` over ``collect --full-at-least X``'s rows: each configuration scored on only the
+    subtasks on which full attention's complete run reaches X (issue: report a weak model's solvable subtasks
+    apart), with the same intervals and paired differences."""
+    sub = subset_rows(df)
+    if sub.empty:
+        raise Skip("no rows over the subtasks full attention solves (collect with --full-at-least X makes them)")
+    which = sorted(
+        {
+            f"{m} at {_length_label(ln) or ln}: {st}"
+            for m, ln, st in zip(sub["model"], sub["length"], sub.get("subset_subtasks", [None] * len(sub)))
+        },
+        key=str,
+    )
+    labels = sorted(set(sub["subtask"]))
+    note = (
+        f" Only the subtasks on which full attention's complete run scores at least "
+        f"{', '.join(x[len(SUBSET_PREFIX) :] for x in labels)}: {'; '.join(which)}. Their n counts those subtasks' "
+        "samples; a row is complete when those all finished, whatever the run's other subtasks."
+    )
+    return score_intervals(
+        df,
+        runs=sub,
+        name="scores_where_full_solves",
+        title="Scores on the subtasks full attention solves, with 95 % intervals and paired differences",
+        note=note,
     )
 
 
@@ -827,6 +859,7 @@ def _num_bool(v: Any) -> Any:
 
 TABLES: dict[str, Callable[[Any], Table]] = {
     "score_intervals": score_intervals,
+    "scores_where_full_solves": scores_where_full_solves,
     "magicpig_table1": magicpig_table1,
     "magicpig_table2": magicpig_table2,
     "magicpig_table3": magicpig_table3,
