@@ -396,11 +396,12 @@ def add_subset_rows(rows: list[dict[str, Any]], at_least: float) -> None:
     for r in rows:
         if not is_dense(r.get("method")) or r.get("subtask") in (None, "all") or r.get("score") is None:
             continue
-        ref = solved.setdefault(tuple(str(r.get(k)) for k in keys), [])
-        if ref is not None and not r.get("complete"):
-            solved[tuple(str(r.get(k)) for k in keys)] = None
-        elif ref is not None and r["score"] >= at_least:
-            ref.append(str(r["subtask"]))
+        key = tuple(str(r.get(k)) for k in keys)
+        names = solved.setdefault(key, [])
+        if names is not None and not r.get("complete"):
+            solved[key] = None  # an incomplete reference: which subtasks it solves is not known
+        elif names is not None and r["score"] >= at_least:
+            names.append(str(r["subtask"]))
     label = subset_label(at_least)
     warned: set[tuple] = set()
     for r in list(rows):
@@ -627,8 +628,9 @@ def main(argv: list[str] | None = None) -> int:
         "--full-at-least",
         type=float,
         metavar="X",
-        help="also a row per run over only the subtasks on which full attention scores at least X "
-        "(subtask 'full>=X'; subset_subtasks names them), with intervals and paired differences as any row",
+        help="also a row per run over only the subtasks on which full attention scores at least X, on the task's "
+        "own scale (RULER: 0-100) (subtask 'full>=X'; subset_subtasks names them), with intervals and paired "
+        "differences as any row",
     )
     ap.add_argument("--recent", type=float, default=300.0, help="seconds within which a run counts as running")
     ap.add_argument("--quiet", action="store_true", help="do not print the table")
