@@ -106,3 +106,17 @@ def test_no_rows_over_solved_subtasks_when_full_attention_is_incomplete(tmp_path
     df = collect(tmp_path, full_at_least=30)
     assert not (df["subtask"] == "full>=30").any()
     assert "full attention is incomplete" in capsys.readouterr().err
+
+
+def test_report_of_a_runs_folder_takes_full_at_least_and_a_collected_table_refuses_it(tmp_path, capsys):
+    from sparse_eval.report.__main__ import main as report_main
+
+    runs = tmp_path / "runs"
+    with tarfile.open(RUNS) as tar:
+        tar.extractall(runs, filter="data")
+    assert report_main([str(runs), "--out", str(tmp_path / "rep"), "--full-at-least", "30"]) == 0
+    assert (tmp_path / "rep" / "tables" / "scores_where_full_solves.md").exists()
+    collect(runs).to_csv(tmp_path / "results.csv", index=False)
+    code = report_main([str(tmp_path / "results.csv"), "--out", str(tmp_path / "rep2"), "--full-at-least", "30"])
+    assert code == 2 and not (tmp_path / "rep2").exists()
+    assert "collect <runs> --full-at-least 30" in capsys.readouterr().err

@@ -13,14 +13,15 @@ from .load import load_results, normalize
 from .tables import TABLES, Table, build_tables, to_latex, to_markdown
 
 
-def write_report(path, out) -> dict:
+def write_report(path, out, full_at_least: float | None = None) -> dict:
     """Loads ``path`` (or a list of paths, reported together), writes every table (Markdown, LaTeX, CSV) and figure
     (PNG, PDF) under ``out`` plus ``report.md`` (all tables, the figure list, and what was skipped); returns what was
-    made and skipped."""
+    made and skipped.  ``full_at_least``: runs folders are collected with ``collect --full-at-least`` (the rows over
+    the subtasks full attention solves)."""
     from pathlib import Path
 
     out = Path(out)
-    df = load_results(path)  # first: a bad path must not leave an output folder behind
+    df = load_results(path, full_at_least=full_at_least)  # first: a bad path must not leave an output folder behind
     (out / "tables").mkdir(parents=True, exist_ok=True)
     tables, t_skipped = build_tables(df)
     written = []

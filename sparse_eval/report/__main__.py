@@ -19,6 +19,13 @@ def main(argv: list[str] | None = None) -> int:
         "a runs folder; several: their rows are reported together",
     )
     ap.add_argument("--out", help="output folder (default: <first path's folder>/report)")
+    ap.add_argument(
+        "--full-at-least",
+        type=float,
+        metavar="X",
+        help="for a runs folder: also report each run on only the subtasks full attention scores at least X on "
+        "(as `python -m sparse_eval.collect --full-at-least X`)",
+    )
     args = ap.parse_args(argv)
     from . import write_report
 
@@ -26,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     first = paths[0]
     out = Path(args.out) if args.out else (first.parent if first.is_file() else first) / "report"
     try:
-        res = write_report(paths if len(paths) > 1 else first, out)
+        res = write_report(paths if len(paths) > 1 else first, out, full_at_least=args.full_at_least)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

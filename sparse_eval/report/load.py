@@ -26,18 +26,19 @@ from ..methods import METHODS, is_dense
 TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
 
 
-def load_results(path: str | Path | list | tuple):
+def load_results(path: str | Path | list | tuple, full_at_least: float | None = None):
     """A collected CSV/parquet file, a folder holding ``results.csv``/``results.parquet`` and no runs, or a
-    folder of runs (collected here with ``sparse_eval.collect.collect``); or a list of those, whose rows are
-    concatenated (e.g. two sweeps collected apart)."""
+    folder of runs (collected here with ``sparse_eval.collect.collect``, with ``full_at_least`` as
+    ``collect --full-at-least``); or a list of those, whose rows are concatenated (e.g. two sweeps collected
+    apart).  ``full_at_least`` with an already collected table is refused (collect it with the option)."""
     import pandas as pd
 
     if isinstance(path, (list, tuple)):
         if not path:
             raise ValueError("no results given")
         if len(path) == 1:
-            return load_results(path[0])
-        frames = [load_results(p) for p in path]
+            return load_results(path[0], full_at_least)
+        frames = [load_results(p, full_at_least) for p in path]
         return pd.concat(frames, ignore_index=True, sort=False)
     p = Path(path).expanduser()
     if not p.exists():
@@ -45,13 +46,18 @@ def load_results(path: str | Path | list | tuple):
     if p.is_file():
         if p.suffix not in TABLE_SUFFIXES:
             raise ValueError(f"{p}: not a collected table; valid suffixes: {list(TABLE_SUFFIXES)} (or a runs folder)")
+        if full_at_least is not None:
+            raise ValueError(
+                f"{p} is already collected: --full-at-least applies to a runs folder; give the runs folder, or "
+                f"collect it with `python -m sparse_eval.collect <runs> --full-at-least {full_at_least:g}`"
+            )
         df = pd.read_csv(p) if p.suffix == ".csv" else pd.read_parquet(p)
     else:
         from ..collect import collect
         from ..store import find_run_dirs
 
         if find_run_dirs(p):
-            df = collect(p)
+            df = collect(p, full_at_least=full_at_least)
         else:
             tables = [p / f"results{s}" for s in (".parquet", ".csv")]
             found = [t for t in tables if t.exists()]
@@ -59,7 +65,7 @@ def load_results(path: str | Path | list | tuple):
                 raise ValueError(
                     f"{p} holds no run directories (config.yaml + samples.jsonl) and no results.csv/parquet"
                 )
-            return load_results(found[0])
+            return load_results(found[0], full_at_least)
     if df.empty:
         raise ValueError(f"{p}: the results table is empty")
     return normalize(df)
