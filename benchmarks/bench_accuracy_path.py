@@ -202,6 +202,15 @@ def profile_methods(
     return out
 
 
+def _end_generator_capture() -> None:
+    """After a capture that failed midway: the default CUDA generator back to eager use.  ``capture_end`` raises
+    before it ends the generator's capture, which leaves it marked as capturing, so that any later random draw
+    outside a graph fails ("Offset increment outside graph capture").  Its state replaced by a clone of itself (same
+    seed and offset, not capturing) ends that."""
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    gen.graphsafe_set_state(gen.clone_state())
+
+
 @torch.inference_mode()
 def time_captured(model, cache, prefill_len: int, first_token: torch.Tensor, steps: int) -> float | str:
     """ms per steady decode step replayed from a CUDA graph (``torch.cuda.CUDAGraph``): the step with the host's
@@ -214,11 +223,22 @@ def time_captured(model, cache, prefill_len: int, first_token: torch.Tensor, ste
     tok = _step(model, cache, first_token)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    synced = None
     with torch.cuda.stream(side):
-        for _ in range(2):
+        tok = _step(model, cache, tok)
+        # the second warm-up step under CUDA's sync detector: a step that waits for the device is reported here,
+        # before any capture starts (a capture that fails midway leaves the CUDA generator marked as capturing)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
             tok = _step(model, cache, tok)
+        except RuntimeError as exc:
+            synced = exc
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    if synced is not None:
+        return f"not capturable: waits for the device: {str(synced).splitlines()[0][:200]}"
     graph = torch.cuda.CUDAGraph()
     static_tok = tok.clone()
     try:
@@ -227,6 +247,7 @@ def time_captured(model, cache, prefill_len: int, first_token: torch.Tensor, ste
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - the reason is the result
         torch.cuda.synchronize()
+        _end_generator_capture()
         return f"not capturable: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     graph.replay()  # untimed: the first replay uploads the graph
     torch.cuda.synchronize()
@@ -381,6 +402,8 @@ def main(argv=None) -> int:
                     first_ms = time_first_step(model, c, args.context, first, device)
                 times.setdefault((name, err), []).append(ms)
                 first_times.setdefault((name, err), []).append(first_ms)
+                # each measurement as it is taken: a run stopped at a time limit still shows what it measured
+                print(f"  repeat {rep} {name:16s} error={'on ' if err else 'off'} {ms:9.3f} ms/step", flush=True)
                 stats[(name, err)] = session.recorder.summary() if session is not None else {}
                 if session is not None:
                     detach(model)
