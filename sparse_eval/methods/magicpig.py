@@ -540,12 +540,13 @@ class MagicPIG(Method):
                 sq = (kk[:, :, None] - mean[:, :, r0:r1, None]).pow(2).sum(-1)  # [B, Hkv, r, m]
                 extra = (r[:, :, r0:r1, None] ** 2 - sq).clamp_min(0.0).sqrt()
                 p = p + extra[..., None] * w[d]
-            above = torch.gt(p, thresh[:, :, r0:r1, None])  # bit j: (k_i − μ_t)·w_j > 0, [B, Hkv, r, m, L·K]
-            if as_float:
-                bits = above.view(*above.shape[:-1], c.L, c.K).to(torch.float32)
+            # bit j: (k_i − μ_t)·w_j > 0, [B, Hkv, r, m, L·K]
+            if as_float:  # the comparison written as 0.0/1.0 directly (a bool tensor's cast costs 8x the compare)
+                above = torch.gt(p, thresh[:, :, r0:r1, None], out=p.new_empty(b, hkv, r1 - r0, m, c.L * c.K))
+                bits = above.view(*above.shape[:-1], c.L, c.K)
                 codes = torch.matmul(bits, pow2, out=bits.new_empty(bits.shape[:-1]))  # [B, Hkv, r, m, L]
             else:
-                codes = pack_signs(above, c.K, c.L)
+                codes = pack_signs(torch.gt(p, thresh[:, :, r0:r1, None]), c.K, c.L)
             eq = qg[:, :, :, r0:r1, None, :] == codes[:, :, None]  # [B, Hkv, G, r, m, L]
             counts[:, :, :, r0:r1, :m] = eq.sum(-1, dtype=torch.int16)
         return counts.reshape(b, hq, ql, n)
