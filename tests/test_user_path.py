@@ -175,12 +175,30 @@ def test_bad_device_fails_before_writing(tmp_path):
         (["method=nope"], "Could not find 'method/nope'"),
         (["+experiment=smoke/ds_ppl", "compare=[full,topk]"], "compare=[full,topk] is ignored while method=full"),
         (["method=full", "paths.runs_dir=/proc/runs"], "paths.runs_dir=/proc/runs: cannot write /proc/runs"),
-        (["method=full", "task=wikitext", "paths.data_dir=EMPTY"], "expected EMPTY/wikitext-2-raw/wikitext-test.txt"),
+        # slow: the message is checked in-process by test_bad_input_names_the_fix_and_writes_nothing, and the
+        # command line's one-line form of such a refusal by the other cases (each case is a process: 7-8 s)
+        pytest.param(
+            ["method=full", "task=wikitext", "paths.data_dir=EMPTY"],
+            "expected EMPTY/wikitext-2-raw/wikitext-test.txt",
+            marks=pytest.mark.slow,
+        ),
         (["method=full", "model.path=org/none"], "model.path='org/none': cannot load the model"),
         # issue 30
-        (["method=full", "model.device=tpu"], "model.device='tpu' is not a device this package runs on; valid here"),
-        (["method=full", "model.path=/tmp"], "model.path='/tmp' is not a model checkpoint: /tmp has no config.json"),
-        (["method=magicpig", "method.L=100000000"], "method.L=100000000 with method.K=10: MagicPIG's tables"),
+        pytest.param(  # slow: as above
+            ["method=full", "model.device=tpu"],
+            "model.device='tpu' is not a device this package runs on; valid here",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(  # slow: as above
+            ["method=full", "model.path=/tmp"],
+            "model.path='/tmp' is not a model checkpoint: /tmp has no config.json",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(  # slow: as above
+            ["method=magicpig", "method.L=100000000"],
+            "method.L=100000000 with method.K=10: MagicPIG's tables",
+            marks=pytest.mark.slow,
+        ),
         (["method=topk", "method.dense_layers=[0,1,2,3,4]"], "leaves no sparse layer: all 5 layers of stories260k"),
         (["-m", "+experiment=ruler_magicpig_smoke"], "did you mean smoke/ruler_magicpig"),
         (
@@ -478,8 +496,8 @@ PAPER_SCALE = (
 TINY = {
     "python -m pytest -q -m slow": "the slow checks themselves (minutes), run by hand",
     "python -m sparse_eval": "run and checked by tests/test_runner.py::test_default_command_end_to_end",
-    "python -m sparse_eval method=magicpig method.K=9 method.L=120": [],
-    "python -m sparse_eval -m method=topk method.budget=0.02,0.06,0.1": ["task.num_samples=1"],
+    "python -m sparse_eval method=magicpig method.K=9 method.L=120": ["task.num_samples=1", "task.window=64"],
+    "python -m sparse_eval -m method=topk method.budget=0.02,0.06,0.1": ["task.num_samples=1", "task.window=64"],
     "python -m sparse_eval method=magicpig seed=1": ["task.num_samples=1", "task.window=64"],
     "python -m sparse_eval method=magicpig 'seed=[0,1,2]'": ["task.num_samples=1", "task.window=64"],
     "python -m sparse_eval -m method=full,magicpig seed=0,1,2": ["task.num_samples=1", "task.window=64"],
