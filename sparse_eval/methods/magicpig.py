@@ -541,7 +541,7 @@ class MagicPIG(Method):
                 extra = (r[:, :, r0:r1, None] ** 2 - sq).clamp_min(0.0).sqrt()
                 p = p + extra[..., None] * w[d]
             # bit j: (k_i − μ_t)·w_j > 0, [B, Hkv, r, m, L·K]
-            if as_float:  # the comparison written as 0.0/1.0 directly (a bool tensor's cast costs 8x the compare)
+            if as_float:  # the comparison written as 0.0/1.0 directly (cheaper than a bool tensor cast afterwards)
                 above = torch.gt(p, thresh[:, :, r0:r1, None], out=p.new_empty(b, hkv, r1 - r0, m, c.L * c.K))
                 bits = above.view(*above.shape[:-1], c.L, c.K)
                 codes = torch.matmul(bits, pow2, out=bits.new_empty(bits.shape[:-1]))  # [B, Hkv, r, m, L]
