@@ -254,7 +254,10 @@ def test_attention_matches_eq11(backend):
 
 
 @needs_numba
-@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.float32, marks=pytest.mark.slow)])
+# slow: each dtype is a fresh numba compile of the kernel (about 20 s); the float16/bfloat16 widening itself is
+# checked bit for bit below, and the bfloat16 kernel by every other test here
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_attention_other_storage_dtypes(dtype):
     q, k, v, mean, kcodes, qcodes = _problem(5, dtype=dtype, n=600)
     idx, cnt = magicpig_cpu.sample_reference(kcodes, qcodes, 2)

@@ -1,7 +1,8 @@
 """A real single-node Slurm (scripts/slurm_local.sh): a smoke sweep of 4 jobs through hydra/launcher=slurm
 (hydra-submitit-launcher); one job is signalled as Slurm does before a time limit, submitit requeues it and the
-requeued job resumes at its first unfinished sample.  Skips only where Slurm cannot be installed or started
-(not root, no apt-get, no network for the packages); CI runs as root and installs slurm-wlm + munge."""
+requeued job resumes at its first unfinished sample.  A `slow` check (about 50 s: `python -m pytest -q -m slow`);
+the script installs slurm-wlm + munge where it can, and the test skips only where Slurm cannot be installed or
+started (not root, no apt-get, no network for the packages)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "slurm_local.sh"
 SAMPLES = 6
+
+pytestmark = pytest.mark.slow  # about 50 s of a real Slurm's start, 4 jobs and a requeue
 
 
 def _free_port_pair() -> int:

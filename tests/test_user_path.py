@@ -201,10 +201,11 @@ def test_bad_device_fails_before_writing(tmp_path):
         ),
         (["method=topk", "method.dense_layers=[0,1,2,3,4]"], "leaves no sparse layer: all 5 layers of stories260k"),
         (["-m", "+experiment=ruler_magicpig_smoke"], "did you mean smoke/ruler_magicpig"),
-        (
+        pytest.param(  # slow (11 s): the sweep-level refusal is checked by the 4-job case below
             ["-m", "+experiment=ruler_magicpig"],
             "28 of the sweep's 28 jobs cannot start, so none was launched -- all 28 "
             "jobs: model.path='meta-llama/Llama-3.1-8B-Instruct'",
+            marks=pytest.mark.slow,
         ),
         (
             ["-m", "method=topk,oracle", "model.path=/nonexistent/m,builtin:stories260K"],
