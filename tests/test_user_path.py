@@ -551,12 +551,22 @@ TINY = {
     if not torch.cuda.is_available()
     else [],
     "python benchmarks/bench_system_decode.py --out experiments/system_decode_throughput": "a GPU benchmark (hours)",
-    "python -m sparse_eval.kernels._aot_check": [],
+    "python -m sparse_eval.kernels._aot_check": "run and checked by "
+    "tests/test_kernels_triton.py::test_kernels_compile_for_hopper_without_spills",
+}
+# README commands whose path another README command in the default test command takes (each is a process, 8-11 s):
+# they run with `-m slow`
+README_SLOW = {
+    "python -m sparse_eval method=magicpig seed=1",  # one seed: as 'seed=[0,1,2]' and method.K=9 method.L=120
+    "python -m sparse_eval method=magicpig method.K=9 method.L=120",  # as method=magicpig 'seed=[0,1,2]'
+    "python -m sparse_eval -m method=topk method.budget=0.02,0.06,0.1",  # a multirun: as -m method=full,magicpig
+    "python -m sparse_eval.system method=magicpig",  # as python -m sparse_eval.system method=magicpig phase_times=true
 }
 
 
 def test_every_readme_command_is_covered():
     assert set(readme_commands()) <= set(TINY), sorted(set(readme_commands()) - set(TINY))
+    assert README_SLOW <= {c for c, how in TINY.items() if not isinstance(how, str)}, README_SLOW - set(TINY)
 
 
 @pytest.fixture(scope="module")
@@ -582,7 +592,10 @@ def one_run(tmp_path_factory):
     return root / "runs"
 
 
-@pytest.mark.parametrize("cmd", [c for c in TINY if c != "python -m pytest -q"])
+@pytest.mark.parametrize(
+    "cmd",
+    [pytest.param(c, marks=pytest.mark.slow) if c in README_SLOW else c for c in TINY if c != "python -m pytest -q"],
+)
 def test_readme_command_runs(tmp_path, cmd, request):
     how = TINY[cmd]
     if cmd not in readme_commands():
