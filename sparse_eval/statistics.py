@@ -94,6 +94,19 @@ class ScoreTerms:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @classmethod
+    def mean_of_subtask_means(cls, records: Sequence[dict[str, Any]], subtasks: Sequence[str]) -> "ScoreTerms":
+        """RULER's and LongBench's headline, the mean of the subtasks' means: one group per subtask (each keeps its
+        sample count in a resample), numbered in ``subtasks``' order and then by name for any other subtask found."""
+        scored = [r for r in records if r.get("score") is not None]
+        order = {s: k for k, s in enumerate(dict.fromkeys([*subtasks, *sorted(r["subtask"] for r in scored)]))}
+        return cls(
+            [r["id"] for r in scored],
+            [r["score"] for r in scored],
+            [1.0] * len(scored),
+            [order[r["subtask"]] for r in scored],
+        )
+
     def subset(self, ids: Sequence[str]) -> "ScoreTerms":
         """The terms of ``ids`` (each present), in that order."""
         pos = {i: k for k, i in enumerate(self.ids)}

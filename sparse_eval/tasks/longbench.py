@@ -354,13 +354,4 @@ class LongBench(Task):
         """The mean of the subtasks' means: one bootstrap group per subtask (each keeps its sample count)."""
         from ..statistics import ScoreTerms
 
-        scored = [r for r in records if r.get("score") is not None]
-        order = {
-            s: k for k, s in enumerate(dict.fromkeys([*self.config.subtasks, *sorted(r["subtask"] for r in scored)]))
-        }
-        return ScoreTerms(
-            [r["id"] for r in scored],
-            [r["score"] for r in scored],
-            [1.0] * len(scored),
-            [order[r["subtask"]] for r in scored],
-        )
+        return ScoreTerms.mean_of_subtask_means(records, self.config.subtasks)
