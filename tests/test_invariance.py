@@ -19,6 +19,7 @@ from sparse_eval import invariance
 from sparse_eval.attention.plugin import Runtime, attach, detach
 from sparse_eval.engine import Engine, GenerationRequest, LoglikelihoodRequest
 from sparse_eval.invariance import InvarianceViolation, batch_invariant, checker, deterministic_topk
+from sparse_eval.invariance.check import STATS  # the statistics every invariance check compares
 from sparse_eval.kernels import invariant as kinv
 from sparse_eval.kernels._common import triton_available
 from sparse_eval.methods import METHODS, build_method, make_config
@@ -30,17 +31,6 @@ CONFIGS = {
     for name in sorted(METHODS)
     for i, opts in enumerate(METHODS[name].model_contract_configs())
 }
-STATS = (
-    "cost1",
-    "cost2",
-    "kv_bytes",
-    "static_frac",
-    "est_error",
-    "mass",
-    "topk_recall",
-    "sparse_rows",
-    "empty_selections",
-)
 
 
 # -- the property the CPU reference relies on: MKL's products, measured ------------------------------------------
