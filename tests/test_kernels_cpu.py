@@ -259,9 +259,7 @@ HALF_SLOW = pytest.param(torch.float16, marks=pytest.mark.slow)
 
 
 @needs_numba
-# slow: each dtype is a fresh numba compile of the kernel (about 20 s); the float16/bfloat16 widening itself is
-# checked bit for bit below, and the bfloat16 kernel by every other test here
-@pytest.mark.slow
+@pytest.mark.slow  # each dtype a fresh numba compile, as HALF_SLOW's comment says
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_attention_other_storage_dtypes(dtype):
     q, k, v, mean, kcodes, qcodes = _problem(5, dtype=dtype, n=600)
