@@ -370,3 +370,61 @@ def test_analysis_provenance_is_taken_before_measuring(monkeypatch, tmp_path):
     )
     assert res["result"]["provenance"]["git"]["commit"] == "a" * 40
     assert res["result"]["provenance"]["text"] == "bundled" and "finished" in res["result"]["provenance"]
+
+
+# -- models whose layers attend within a sliding window of their own (Gemma 3) -------------------------------
+
+
+def test_attention_probs_are_the_model_s_own_in_sliding_and_full_layers():
+    """On a tiny Gemma 3 (layers 0 and 2 slide over 8 keys), the weights the analyses compute from captured q, K
+    equal transformers' eager attention weights, the window included; without the window they would not."""
+    from test_sliding_layers import WINDOW, tiny_gemma3
+
+    from sparse_eval.models.inspection import sliding_layers
+
+    model = tiny_gemma3()
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(4))  # 30 keys > the window
+    cap = capture_qkv(model, ids, query_rows=3)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = model(ids, output_attentions=True).attentions  # [L] of [1, Hq, 30, 30]
+    windows = sliding_layers(model)
+    assert windows == {0: WINDOW, 2: WINDOW}
+    for layer, c in cap.items():
+        p = geometry.attention_probs(c.q, c.k, c.scaling, windows.get(layer))
+        torch.testing.assert_close(p, ref[layer][:, :, -3:].float(), rtol=1e-4, atol=1e-6)
+    p0 = geometry.attention_probs(cap[0].q, cap[0].k, cap[0].scaling)  # the whole context: not the layer's weights
+    assert not torch.allclose(p0, ref[0][:, :, -3:].float(), atol=1e-3)
+
+
+def test_geometry_measures_a_sliding_layer_over_its_window(stories):
+    from test_sliding_layers import WINDOW, tiny_gemma3
+
+    _, tok = stories
+    model = tiny_gemma3(vocab=tok.vocab_size)
+    opts = geometry.GeometryOptions(
+        num_random=2, random_len=3, num_sentences=2, sentence_len=16, length=40, num_queries=3, fractions=[0.125, 1.0]
+    )
+    res = geometry.measure(model, tok, 256, opts)
+    assert res["window"] == [WINDOW, None, WINDOW, None]
+    assert res["score_spread_example"]["layer"] == 2 and len(res["score_spread_example"]["scores"]) == WINDOW
+    table = geometry.per_layer_table(res)
+    assert table["window"].tolist()[::2] == [WINDOW, WINDOW] and table["window"].isna().tolist()[1::2] == [True, True]
+
+
+def test_estimates_are_refused_on_a_sliding_layer(stories):
+    """error_vs_budget and magicpig_kl measure estimators over the whole context: by default only on the layers
+    that see it; a sliding-window layer named explicitly is refused with the layers to pick instead."""
+    from test_sliding_layers import tiny_gemma3
+
+    from sparse_eval.analysis import magicpig_kl as mk
+
+    _, tok = stories
+    model = tiny_gemma3(vocab=tok.vocab_size)
+    opts = error_vs_budget.ErrorOptions(length=40, num_queries=2, budgets=[0.5, 1.0], magicpig=[], methods=["topk"])
+    assert {r["layer"] for r in error_vs_budget.measure(model, tok, 256, opts)} == {1, 3}
+    bad = error_vs_budget.ErrorOptions(length=40, num_queries=2, layers=[0, 1], budgets=[1.0], methods=["topk"])
+    with pytest.raises(ValueError, match=r"layer 0 attends within a sliding window of 8 keys.*\[1, 3\]"):
+        error_vs_budget.measure(model, tok, 256, bad)
+    with pytest.raises(ValueError, match=r"layer 2 attends within a sliding window"):
+        mk.measure(model, tok, 256, mk.MagicPIGKLOptions(Ks=[4], length=120, layers=[2], sink=2, local=8))

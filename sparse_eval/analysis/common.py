@@ -126,6 +126,28 @@ def pick_layers(spec: Any, num_layers: int) -> list[int]:
     return sorted(set(out))
 
 
+def full_context_layers(model: Any, spec: Any, num_layers: int) -> list[int]:
+    """The layers an estimate over the whole context is measured on: ``spec`` (``pick_layers``; ``null``/``all``:
+    every layer that sees the whole context).  A layer with a sliding window of its own
+    (``models.inspection.sliding_layers``, Gemma 3's) attends only its window, and the harness keeps it dense, so
+    naming one is refused rather than measured over keys it never sees."""
+    from ..models.inspection import sliding_layers
+
+    sliding = sliding_layers(model)
+    full = [l for l in range(num_layers) if l not in sliding]
+    if spec is None or spec == "all":
+        return full
+    layers = pick_layers(spec, num_layers)
+    bad = [l for l in layers if l in sliding]
+    if bad:
+        raise ValueError(
+            f"layers={spec!r}: layer {bad[0]} attends within a sliding window of {sliding[bad[0]]} keys, not the "
+            f"whole context (the harness keeps such layers dense); pick among the full-attention layers {full}, "
+            "or layers=null for all of them"
+        )
+    return layers
+
+
 # -- output -------------------------------------------------------------------------------------------------
 
 

@@ -16,7 +16,8 @@ prefilled prefix), each method is run through ``sparse_eval.methods.attend`` on 
 
 Static keys: ``sink`` and ``local`` default to 0, the pure estimators of §3 (Fig. 3, 4 and 6 have no static
 keys); set ``sink=4 local=64`` for the methods as deployed (§5.1).  Layers are all layers by default (the
-method's ``dense_layers`` do not apply to a single captured step).
+method's ``dense_layers`` do not apply to a single captured step), except those with a sliding window of their own
+(Gemma 3's: they attend only their window and run dense; ``common.full_context_layers``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ErrorOptions:
     length: int | None = None  # context (tokens, BOS included); null: min(model context, 16384) (paper: 16K)
     passages: int = 1  # consecutive non-overlapping windows of the text; means and 95 % bands over them
     num_queries: int = 4  # decoding steps: the passage's last query rows
-    layers: Any = None  # null: all; an int or a list (negative from the end)
+    layers: Any = None  # null: every layer that sees the whole context; an int or a list (negative from the end)
     methods: list[str] = field(default_factory=lambda: list(METHOD_NAMES))
     budgets: list[float] = field(default_factory=lambda: list(DEFAULT_BUDGETS))  # ratio of the context, (0, 1]
     magicpig: list[list[int]] = field(default_factory=lambda: [list(x) for x in DEFAULT_KL])  # (K, L) pairs
@@ -105,7 +106,7 @@ def measure(
     time left."""
     opts.validate()
     shape = model_shape(model)
-    layers = common.pick_layers(opts.layers, shape["num_layers"])
+    layers = common.full_context_layers(model, opts.layers, shape["num_layers"])
     length = min(context, 16384) if opts.length is None else int(opts.length)
     if not 2 <= length <= context:
         raise ValueError(f"length={length}: must lie in [2, {context}] (the model's context)")

@@ -18,11 +18,12 @@ What is measured (keys and queries post-RoPE, exactly as attention uses them; K/
   ``length`` tokens (mean over them, ``_lo``/``_hi`` their 95 % bootstrap band), the share
   of the attention mass w = softmax(q Kᵀ/√d) held by the top x % of the row's keys (x in ``fractions``; the count
   is ceil(x·n), at least 1), with the sink, and without it (the first ``sink_tokens`` keys dropped and w
-  renormalized over the rest, Fig. 2b).  Mean over query rows (and heads, for the per-layer curve).
+  renormalized over the rest, Fig. 2b).  Mean over query rows (and heads, for the per-layer curve).  A layer with
+  a sliding window of its own (Gemma 3's) is measured over the keys it attends, its window (``window``).
 * Fig. 11, ``value_norms``: ‖v_i‖ by position i, mean over the windows and KV heads.
 * Fig. 10, ``score_spread``: in one decoding step (the first passage's last query row), the spread over the keys i of
   s_i = q·k_i/√d and of log‖v_i − o‖ with o the exact attention output: standard deviation and range
-  (max − min) per query head.
+  (max − min) per query head (a sliding layer: over its window).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 
 from ..methods.core import key_validity, masked_softmax, scores_gqa
 from . import common
+from ..models.inspection import sliding_layers
 from .capture import capture_qkv, model_shape
 
 DEFAULT_FRACTIONS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0]
@@ -94,11 +96,22 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).float()
 
 
-def attention_probs(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Exact attention weights of query rows aligned to the last Q keys (causal): [B, Hq, Q, N] fp32, 0 on
-    masked keys."""
-    b, _, ql, _ = q.shape
-    valid = key_validity(None, b, ql, k.shape[2], q.device)
+def attended_keys(q_len: int, kv_len: int, window: int | None, device: Any = None) -> torch.Tensor:
+    """bool [1, 1, Q, N]: the keys each of the last Q query rows attends: the earlier ones (``key_validity``) and,
+    in a layer with a sliding window of its own (``models.inspection.sliding_layers``), only the last ``window`` of
+    them, itself included (transformers' ``sliding_window_overlay``: row i sees key j iff i − window < j ≤ i)."""
+    valid = key_validity(None, 1, q_len, kv_len, device)
+    if window is None:
+        return valid
+    rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)  # [Q, 1]: absolute positions
+    cols = torch.arange(kv_len, device=device).unsqueeze(0)  # [1, N]
+    return valid & (cols > rows - int(window))
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+    """Exact attention weights of query rows aligned to the last Q keys, over the keys they attend
+    (``attended_keys``: causal, within ``window`` in a sliding layer): [B, Hq, Q, N] fp32, 0 on the others."""
+    valid = attended_keys(q.shape[2], k.shape[2], window, q.device)
     s = scores_gqa(q, k, scaling).masked_fill(~valid, float("-inf"))
     return masked_softmax(s, valid.expand_as(s))
 
@@ -213,6 +226,7 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, sho
     except ValueError:
         passages = common.token_windows(tokenizer, text, length, opts.passages)
     fr = [float(f) for f in opts.fractions]
+    windows = sliding_layers(model)  # {layer: window}: Fig. 2 and 10 over the keys such a layer attends
     mass_p, mass_ns_p, mass_head_p, mass_ns_head_p = [], [], [], []  # [P][L][F], [P][L][Hq][F]
     spread = []
     for pi in range(opts.passages):
@@ -224,9 +238,9 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, sho
         mass, mass_ns, mass_head, mass_ns_head = [], [], [], []
         for l in range(nl):
             bar.update()
-            c = cap[l]
-            p = attention_probs(c.q, c.k, c.scaling)  # [1, Hq, Q, N]
-            valid = key_validity(None, 1, c.q.shape[2], c.k.shape[2], p.device)  # [1, 1, Q, N]
+            c, w = cap[l], windows.get(l)
+            p = attention_probs(c.q, c.k, c.scaling, w)  # [1, Hq, Q, N]
+            valid = attended_keys(c.q.shape[2], c.k.shape[2], w, p.device)  # [1, 1, Q, N]
             m = top_mass(p, valid, fr)  # [1, Hq, Q, F]
             pn, vn = drop_sink(p, valid, opts.sink_tokens)
             mn = top_mass(pn, vn, fr)
@@ -235,7 +249,8 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, sho
             mass.append(m[0].mean((0, 1)))  # [F]
             mass_ns.append(mn[0].mean((0, 1)))
             if pi == 0:  # Fig. 10: one decoding step, the first passage's last query row
-                spread.append(score_spread(c.q[:, :, -1:], c.k, c.v, c.scaling))
+                seen = slice(None) if w is None else slice(max(0, c.k.shape[2] - w), None)  # the row's window
+                spread.append(score_spread(c.q[:, :, -1:], c.k[:, :, seen], c.v[:, :, seen], c.scaling))
         mass_p.append(torch.stack(mass))
         mass_ns_p.append(torch.stack(mass_ns))
         mass_head_p.append(torch.stack(mass_head))
@@ -259,6 +274,7 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, sho
         "model_shape": shape,
         "text": origin,
         "length": length,
+        "window": [windows.get(l) for l in range(nl)],  # [L]: a sliding layer's window (None: the whole passage)
         "fractions": fr,
         "sink_cos": {"mean": list(sink_mean), "min": list(sink_min)},  # [L][Hkv]
         "kavg_cos": {"mean": list(avg_mean), "min": list(avg_min)},
@@ -304,6 +320,7 @@ def per_layer_table(res: dict[str, Any]):
         vn = torch.as_tensor(res["value_norms"]["mean"][l])
         row = {
             "layer": l,
+            "window": (res.get("window") or [None] * (l + 1))[l],  # keys attended in Fig. 2 / 10 (None: all)
             "sink_cos_min": float(torch.as_tensor(res["sink_cos"]["min"][l]).min()),
             "sink_cos_mean": float(torch.as_tensor(res["sink_cos"]["mean"][l]).mean()),
             "kavg_cos_min": float(torch.as_tensor(res["kavg_cos"]["min"][l]).min()),

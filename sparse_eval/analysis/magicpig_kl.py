@@ -128,7 +128,7 @@ def measure(
     """One record per K: the chosen L, its expected Cost2, and the method's measured Cost2 and est_error."""
     opts.validate()
     nl = model_shape(model)["num_layers"]
-    layers = common.pick_layers(opts.layers, nl) if opts.layers is not None else sparse_layers(model, nl)
+    layers = common.full_context_layers(model, opts.layers, nl) if opts.layers is not None else sparse_layers(model, nl)
     if not layers:
         raise ValueError("no sparse layer on this model for MagicPIG's defaults: give analysis.layers=[...]")
     length = min(context, 16384) if opts.length is None else int(opts.length)
