@@ -414,7 +414,8 @@ def test_geometry_measures_a_sliding_layer_over_its_window(stories):
 
 def test_estimates_are_refused_on_a_sliding_layer(stories):
     """error_vs_budget and magicpig_kl measure estimators over the whole context: by default only on the layers
-    that see it; a sliding-window layer named explicitly is refused with the layers to pick instead."""
+    that see it; a sliding-window layer named explicitly is refused with the layers to pick instead.  A context no
+    longer than the window is seen whole by every layer."""
     from test_sliding_layers import tiny_gemma3
 
     from sparse_eval.analysis import magicpig_kl as mk
@@ -424,7 +425,18 @@ def test_estimates_are_refused_on_a_sliding_layer(stories):
     opts = error_vs_budget.ErrorOptions(length=40, num_queries=2, budgets=[0.5, 1.0], magicpig=[], methods=["topk"])
     assert {r["layer"] for r in error_vs_budget.measure(model, tok, 256, opts)} == {1, 3}
     bad = error_vs_budget.ErrorOptions(length=40, num_queries=2, layers=[0, 1], budgets=[1.0], methods=["topk"])
-    with pytest.raises(ValueError, match=r"layer 0 attends within a sliding window of 8 keys.*\[1, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"layer 0 attends within a window of 8 keys, shorter than the 40-token context.*\[1, 3\]"
+    ):
         error_vs_budget.measure(model, tok, 256, bad)
-    with pytest.raises(ValueError, match=r"layer 2 attends within a sliding window"):
+    with pytest.raises(ValueError, match=r"layer 2 attends within a window of 8 keys"):
         mk.measure(model, tok, 256, mk.MagicPIGKLOptions(Ks=[4], length=120, layers=[2], sink=2, local=8))
+    assert common.full_context_layers(model, None, 4, 8) == [0, 1, 2, 3]  # 8 keys: within every window
+    # Mistral-7B-v0.1's one window for every layer (4096): all layers up to it, none beyond
+    from conftest import tiny_model
+
+    mistral = tiny_model("mistral")
+    n = mistral.config.num_hidden_layers
+    assert common.full_context_layers(mistral, None, n, 4096) == list(range(n))
+    with pytest.raises(ValueError, match="every layer attends within a window of 4096 keys"):
+        common.full_context_layers(mistral, None, n, 4097)

@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from sparse_eval.attention.plugin import Runtime, attach, detach, layer_plan, make_cache
-from sparse_eval.models.inspection import attention_window, sliding_layers
+from sparse_eval.models.inspection import attention_window, layer_windows, sliding_layers
 from sparse_eval.config import register_configs
 from sparse_eval.methods import build_method, make_config
 from sparse_eval.store import run_dir_for
@@ -75,13 +75,18 @@ IDS = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
 
 def test_sliding_layers_found_from_the_config():
     model = tiny_gemma3()
-    assert sliding_layers(model) == {0: WINDOW, 2: WINDOW}
+    assert sliding_layers(model) == {0: WINDOW, 2: WINDOW} == layer_windows(model)
     assert attention_window(model) == WINDOW
     from conftest import tiny_model
 
     assert sliding_layers(tiny_model("llama")) == {} and attention_window(tiny_model("llama")) is None
     # Mistral's one window for every layer: no sliding layers (all layers alike), but the window is the model's
     assert sliding_layers(tiny_model("mistral")) == {} and attention_window(tiny_model("mistral")) == 4096
+    n = tiny_model("mistral").config.num_hidden_layers
+    assert (
+        layer_windows(tiny_model("mistral")) == dict.fromkeys(range(n), 4096)
+        and layer_windows(tiny_model("llama")) == {}
+    )
 
 
 def test_full_through_the_plugin_equals_stock_logits_exactly():

@@ -126,24 +126,28 @@ def pick_layers(spec: Any, num_layers: int) -> list[int]:
     return sorted(set(out))
 
 
-def full_context_layers(model: Any, spec: Any, num_layers: int) -> list[int]:
-    """The layers an estimate over the whole context is measured on: ``spec`` (``pick_layers``; ``null``/``all``:
-    every layer that sees the whole context).  A layer with a sliding window of its own
-    (``models.inspection.sliding_layers``, Gemma 3's) attends only its window, and the harness keeps it dense, so
-    naming one is refused rather than measured over keys it never sees."""
-    from ..models.inspection import sliding_layers
+def full_context_layers(model: Any, spec: Any, num_layers: int, length: int) -> list[int]:
+    """The layers an estimate over a whole ``length``-token context is measured on: ``spec`` (``pick_layers``;
+    ``null``/``all``: every layer that sees such a context).  A layer that attends within a window shorter than
+    ``length`` (``models.inspection.layer_windows``: Gemma 3's sliding layers, 512 keys) never sees most of the
+    keys an estimator would sample from, so naming one is refused rather than measured over keys it never sees."""
+    from ..models.inspection import layer_windows
 
-    sliding = sliding_layers(model)
-    full = [l for l in range(num_layers) if l not in sliding]
+    short = {l: w for l, w in layer_windows(model).items() if w < length}
+    full = [l for l in range(num_layers) if l not in short]
     if spec is None or spec == "all":
+        if not full:
+            raise ValueError(
+                f"length={length}: every layer attends within a window of {min(short.values())} keys, shorter than "
+                f"the context; use a length of at most {min(short.values())}"
+            )
         return full
     layers = pick_layers(spec, num_layers)
-    bad = [l for l in layers if l in sliding]
+    bad = [l for l in layers if l in short]
     if bad:
         raise ValueError(
-            f"layers={spec!r}: layer {bad[0]} attends within a sliding window of {sliding[bad[0]]} keys, not the "
-            f"whole context (the harness keeps such layers dense); pick among the full-attention layers {full}, "
-            "or layers=null for all of them"
+            f"layers={spec!r}: layer {bad[0]} attends within a window of {short[bad[0]]} keys, shorter than the "
+            f"{length}-token context; pick among the layers that see it {full}, or layers=null for all of them"
         )
     return layers
 

@@ -16,8 +16,8 @@ prefilled prefix), each method is run through ``sparse_eval.methods.attend`` on 
 
 Static keys: ``sink`` and ``local`` default to 0, the pure estimators of §3 (Fig. 3, 4 and 6 have no static
 keys); set ``sink=4 local=64`` for the methods as deployed (§5.1).  Layers are all layers by default (the
-method's ``dense_layers`` do not apply to a single captured step), except those with a sliding window of their own
-(Gemma 3's: they attend only their window and run dense; ``common.full_context_layers``).
+method's ``dense_layers`` do not apply to a single captured step), except those that attend within a window
+shorter than the passage (Gemma 3's sliding layers: ``common.full_context_layers``).
 """
 
 from __future__ import annotations
@@ -106,10 +106,10 @@ def measure(
     time left."""
     opts.validate()
     shape = model_shape(model)
-    layers = common.full_context_layers(model, opts.layers, shape["num_layers"])
     length = min(context, 16384) if opts.length is None else int(opts.length)
     if not 2 <= length <= context:
         raise ValueError(f"length={length}: must lie in [2, {context}] (the model's context)")
+    layers = common.full_context_layers(model, opts.layers, shape["num_layers"], length)
     if opts.num_queries >= length:
         raise ValueError(f"num_queries={opts.num_queries} must be smaller than length={length}")
     text, origin = common.load_text(opts.text, opts.data_dir, opts.text_path)

@@ -18,8 +18,8 @@ What is measured (keys and queries post-RoPE, exactly as attention uses them; K/
   ``length`` tokens (mean over them, ``_lo``/``_hi`` their 95 % bootstrap band), the share
   of the attention mass w = softmax(q Kᵀ/√d) held by the top x % of the row's keys (x in ``fractions``; the count
   is ceil(x·n), at least 1), with the sink, and without it (the first ``sink_tokens`` keys dropped and w
-  renormalized over the rest, Fig. 2b).  Mean over query rows (and heads, for the per-layer curve).  A layer with
-  a sliding window of its own (Gemma 3's) is measured over the keys it attends, its window (``window``).
+  renormalized over the rest, Fig. 2b).  Mean over query rows (and heads, for the per-layer curve).  A layer that
+  attends within a window (Gemma 3's sliding layers) is measured over the keys it attends (``window``).
 * Fig. 11, ``value_norms``: ‖v_i‖ by position i, mean over the windows and KV heads.
 * Fig. 10, ``score_spread``: in one decoding step (the first passage's last query row), the spread over the keys i of
   s_i = q·k_i/√d and of log‖v_i − o‖ with o the exact attention output: standard deviation and range
@@ -37,7 +37,7 @@ import torch
 
 from ..methods.core import key_validity, masked_softmax, scores_gqa
 from . import common
-from ..models.inspection import sliding_layers
+from ..models.inspection import layer_windows
 from .capture import capture_qkv, model_shape
 
 DEFAULT_FRACTIONS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0]
@@ -98,8 +98,8 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def attended_keys(q_len: int, kv_len: int, window: int | None, device: Any = None) -> torch.Tensor:
     """bool [1, 1, Q, N]: the keys each of the last Q query rows attends: the earlier ones (``key_validity``) and,
-    in a layer with a sliding window of its own (``models.inspection.sliding_layers``), only the last ``window`` of
-    them, itself included (transformers' ``sliding_window_overlay``: row i sees key j iff i − window < j ≤ i)."""
+    in a layer that attends within a window (``models.inspection.layer_windows``), only the last ``window`` of them,
+    itself included (transformers' ``sliding_window_overlay``: row i sees key j iff i − window < j ≤ i)."""
     valid = key_validity(None, 1, q_len, kv_len, device)
     if window is None:
         return valid
@@ -226,7 +226,7 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, sho
     except ValueError:
         passages = common.token_windows(tokenizer, text, length, opts.passages)
     fr = [float(f) for f in opts.fractions]
-    windows = sliding_layers(model)  # {layer: window}: Fig. 2 and 10 over the keys such a layer attends
+    windows = layer_windows(model)  # {layer: window}: Fig. 2 and 10 over the keys such a layer attends
     mass_p, mass_ns_p, mass_head_p, mass_ns_head_p = [], [], [], []  # [P][L][F], [P][L][Hq][F]
     spread = []
     for pi in range(opts.passages):
@@ -316,11 +316,12 @@ def per_layer_table(res: dict[str, Any]):
 
     fr = res["fractions"]
     rows = []
+    windows = res.get("window") or [None] * len(res["sink_cos"]["min"])  # records made before windows: all keys
     for l in range(len(res["sink_cos"]["min"])):
         vn = torch.as_tensor(res["value_norms"]["mean"][l])
         row = {
             "layer": l,
-            "window": (res.get("window") or [None] * (l + 1))[l],  # keys attended in Fig. 2 / 10 (None: all)
+            "window": windows[l],  # keys attended in Fig. 2 / 10 (None: all)
             "sink_cos_min": float(torch.as_tensor(res["sink_cos"]["min"][l]).min()),
             "sink_cos_mean": float(torch.as_tensor(res["sink_cos"]["mean"][l]).mean()),
             "kavg_cos_min": float(torch.as_tensor(res["kavg_cos"]["min"][l]).min()),

@@ -128,12 +128,15 @@ def measure(
     """One record per K: the chosen L, its expected Cost2, and the method's measured Cost2 and est_error."""
     opts.validate()
     nl = model_shape(model)["num_layers"]
-    layers = common.full_context_layers(model, opts.layers, nl) if opts.layers is not None else sparse_layers(model, nl)
-    if not layers:
-        raise ValueError("no sparse layer on this model for MagicPIG's defaults: give analysis.layers=[...]")
     length = min(context, 16384) if opts.length is None else int(opts.length)
     if not opts.num_queries < length <= context:
         raise ValueError(f"length={length}: must lie in ({opts.num_queries}, {context}] (the model's context)")
+    if opts.layers is not None:
+        layers = common.full_context_layers(model, opts.layers, nl, length)
+    else:
+        layers = sparse_layers(model, nl)
+    if not layers:
+        raise ValueError("no sparse layer on this model for MagicPIG's defaults: give analysis.layers=[...]")
     text, origin = common.load_text(opts.text, opts.data_dir, opts.text_path)
     ids = common.token_windows(tokenizer, text, length, opts.passages)  # [P, length]
     caps = []

@@ -1,6 +1,7 @@
 """What a loaded transformers model says about its attention layers, read without attaching anything: its
 self-attention modules (``attention_modules``), the layers that attend within a sliding window of their own
-(``sliding_layers``) and the smallest window any layer sees (``attention_window``).
+(``sliding_layers``), every layer's window (``layer_windows``) and the smallest window any layer sees
+(``attention_window``).
 
 Used by the attention plug-in (``attention.plugin``), the runs, the system path and the methods that read a model
 (Double Sparsity's calibration); no project imports.
@@ -47,11 +48,21 @@ def sliding_layers(model: torch.nn.Module) -> dict[int, int]:
     return dict(sorted(out.items()))
 
 
+def layer_windows(model: torch.nn.Module) -> dict[int, int]:
+    """{layer index: window} of every layer that attends within a window (the keys a query row may see, itself
+    included): the sliding layers (``sliding_layers``) and, where a config sets one ``sliding_window`` and no layer
+    types (Mistral-7B-v0.1, 4096), every layer.  A layer missing here sees every earlier key."""
+    cfg = model.config.get_text_config()
+    out = dict(sliding_layers(model))
+    if getattr(cfg, "layer_types", None) is None and getattr(cfg, "sliding_window", None) is not None:
+        for m in attention_modules(model):
+            out.setdefault(m.layer_idx, int(cfg.sliding_window))
+    return dict(sorted(out.items()))
+
+
 def attention_window(model: torch.nn.Module) -> int | None:
     """The smallest window any layer of ``model`` attends within (None: every layer sees every earlier key): a
-    sliding layer's (``sliding_layers``) or the one ``sliding_window`` a config without layer types sets for all."""
-    cfg = model.config.get_text_config()
-    windows = list(sliding_layers(model).values())
-    if getattr(cfg, "layer_types", None) is None and getattr(cfg, "sliding_window", None) is not None:
-        windows.append(int(cfg.sliding_window))
+    sliding layer's (``sliding_layers``) or the one ``sliding_window`` a config without layer types sets for all
+    (``layer_windows``)."""
+    windows = list(layer_windows(model).values())
     return min(windows) if windows else None
