@@ -35,7 +35,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..methods.core import key_validity, masked_softmax, scores_gqa
+from ..kernels import invariant as kinv
+from ..methods.core import masked_softmax, scores_gqa
 from . import common
 from ..models.inspection import layer_windows
 from .capture import capture_qkv, model_shape
@@ -97,15 +98,10 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def attended_keys(q_len: int, kv_len: int, window: int | None, device: Any = None) -> torch.Tensor:
-    """bool [1, 1, Q, N]: the keys each of the last Q query rows attends: the earlier ones (``key_validity``) and,
-    in a layer that attends within a window (``models.inspection.layer_windows``), only the last ``window`` of them,
-    itself included (transformers' ``sliding_window_overlay``: row i sees key j iff i − window < j ≤ i)."""
-    valid = key_validity(None, 1, q_len, kv_len, device)
-    if window is None:
-        return valid
-    rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)  # [Q, 1]: absolute positions
-    cols = torch.arange(kv_len, device=device).unsqueeze(0)  # [1, N]
-    return valid & (cols > rows - int(window))
+    """bool [1, 1, Q, N]: the keys each of the last Q query rows attends: the earlier ones and, in a layer that
+    attends within a window (``models.inspection.layer_windows``), only the last ``window`` of them, itself included
+    (``kernels.invariant.attention_mask``, the rule of transformers' ``sliding_window_overlay``)."""
+    return kinv.attention_mask(torch.zeros(1, dtype=torch.long, device=device), q_len, kv_len, window or 0)
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
