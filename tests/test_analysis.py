@@ -343,11 +343,57 @@ def test_magicpig_kl_expectation_and_search(stories):
     assert mk.expected_cost2([(p, n_static)], 3, 6, 2) == pytest.approx(sum(rows) / 8, rel=1e-9)
     target = mk.expected_cost2([(p, n_static)], 3, 6, 2)
     assert mk.smallest_L([(p, n_static)], 3, target, 2, 50) == 6
-    opts = mk.MagicPIGKLOptions(Ks=[4], length=200, layers=[2], target_cost2=0.5, sink=2, local=8, repeats=1)
-    (rec,) = mk.measure(model, tok, 512, opts)
+    opts = mk.MagicPIGKLOptions(
+        Ks=[4], length=200, layers=[2], target_cost2=0.5, sink=2, local=8, repeats=1, pairs=[[3, 6]]
+    )
+    res = mk.measure(model, tok, 512, opts)
+    (rec,) = res["records"]
     assert rec["L"] is not None and rec["expected_cost2"] >= 0.5 and 0 < rec["measured_cost2"] <= 1
+    assert 0 < rec["measured_mass"] <= 1 and 0 < rec["expected_mass"] <= 1
+    assert [(r["K"], r["L"], r["chosen"]) for r in res["top_keys"]] == [(4, rec["L"], True), (3, 6, False)]
+    table = mk.top_keys_table(res["top_keys"])
+    assert table["layer"].tolist() == [2, "mean", 2, "mean"] and (table["passages"] == 1).all()
     with pytest.raises(ValueError, match="static keys"):
         mk.measure(model, tok, 512, mk.MagicPIGKLOptions(length=64, layers=[2], target_cost2=0.02))
+
+
+def test_magicpig_top_keys_by_hand():
+    """top_keys: the attention's mass on the static keys, its expected mass under eq. 10 and the heaviest
+    candidate keys' p and u, each summed by hand from softmax(q·k·scaling) and p."""
+    import math
+
+    from sparse_eval.analysis import magicpig_kl as mk
+    from sparse_eval.analysis.capture import LayerQKV
+
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 2, 2, 8, generator=g), 2 * torch.randn(1, 1, 30, 8, generator=g)
+    c = LayerQKV(layer=0, q=q, k=k, v=torch.zeros_like(k), scaling=0.5)
+    p, _ = mk.bit_agreement(q, k, sink=1, local=2)
+    u = lambda x: sum(math.comb(6, j) * x ** (3 * j) * (1 - x**3) ** (6 - j) for j in range(2, 7))  # K=3, L=6
+    got = mk.top_keys(c, p, 3, 6, 2, top_frac=0.1)
+    static, expected, top_p, top_u, top_cos, sampled = [], [], [], [], [], []
+    for h in range(2):
+        for r in range(2):
+            n = 29 + r  # row r of the last 2 rows sees keys 0 .. 28 + r
+            w = torch.softmax(0.5 * (k[0, 0, :n].double() @ q[0, h, r].double()), 0)
+            cand = ~p[h, r, :n].isnan()
+            static.append(float(w[~cand].sum()))
+            expected.append(static[-1] + sum(float(w[i]) * u(float(p[h, r, i])) for i in range(n) if cand[i]))
+            heavy = sorted((i for i in range(n) if cand[i]), key=lambda i: -float(w[i]))[:3]  # ceil(0.1 · 26)
+            top_p.append(sum(float(p[h, r, i]) for i in heavy) / 3)
+            top_u.append(sum(u(float(p[h, r, i])) for i in heavy) / 3)
+            top_cos.append(sum(math.cos((1 - float(p[h, r, i])) * math.pi) for i in heavy) / 3)  # p = 1 − θ/π
+            sampled.append(sum(float(w[i]) * u(float(p[h, r, i])) for i in heavy) / sum(float(w[i]) for i in heavy))
+    assert got["top_keys"] == 3
+    for key, want in (
+        ("static_mass", static),
+        ("expected_mass", expected),
+        ("top_p", top_p),
+        ("top_u", top_u),
+        ("top_cos", top_cos),
+        ("top_mass_sampled", sampled),
+    ):
+        assert got[key] == pytest.approx(sum(want) / 4, rel=1e-6), key  # scores in fp32 there
 
 
 def test_analysis_provenance_is_taken_before_measuring(monkeypatch, tmp_path):

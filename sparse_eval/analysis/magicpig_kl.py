@@ -16,12 +16,23 @@ with L for a fixed K, so the search is a bisection.  Each chosen (K, L) then run
 (``methods.attend``, seeds 0 … ``repeats`` − 1) on the same tensors: its measured Cost2 and est_error beside
 the expectation, so the choice rests on what the method does, not only on the formula.
 
+Which keys a (K, L) samples (``top_keys``, for the chosen pairs and the ``pairs`` given, by default the paper's
+Table 3 settings): with w_i the layer's own attention weights over the row's keys,
+
+    E[kept mass] = Σ_{i ∈ static} w_i + Σ_{i ∉ static} w_i u_i
+
+beside the method's measured kept mass (``kept_mass_and_recall``), and over the ``top_frac`` candidate keys of
+largest w_i (the keys that carry the attention): their mean cos(q, k_i − μ), p_i, u_i and share of the mass.
+An estimator that samples its heavy keys with u_i ≪ 1 divides their few hits by u_i (eq. 11) and has a large
+variance; one that samples them with u_i ≈ 1 does not.
+
 Sparse layers: those MagicPIG makes sparse on this model (``dense_layers``, default [0, mid], and layers with a
 sliding window of their own left dense, as ``sliding_layers=dense``); ``layers`` overrides.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +40,7 @@ from typing import Any
 import torch
 
 from ..methods import attend, build_method, make_config
-from ..methods.core import key_validity, static_keys
+from ..methods.core import key_validity, scores_gqa, static_keys
 from ..methods.magicpig import MagicPIG, collision_probability, sampling_probability
 from . import common
 from .capture import capture_qkv, model_shape
@@ -48,6 +59,8 @@ class MagicPIGKLOptions:
     num_queries: int = 4  # the last query rows of each passage (decoding steps)
     layers: Any = None  # null: the layers MagicPIG makes sparse on this model
     repeats: int = 2  # hash seeds of the check through the method
+    pairs: list[list[int]] = field(default_factory=lambda: [[10, 150], [9, 120], [8, 75]])  # also checked (Table 3)
+    top_frac: float = 0.01  # the heaviest candidate keys of a row (by attention weight) whose sampling is reported
     text: str = "bundled"
     text_path: str | None = None
     data_dir: str | None = None
@@ -63,6 +76,13 @@ class MagicPIGKLOptions:
             raise ValueError(
                 f"max_L={self.max_L}, min_collisions={self.min_collisions}: need 1 <= min_collisions <= max_L"
             )
+        for kl in self.pairs:
+            if not (isinstance(kl, (list, tuple)) and len(kl) == 2 and all(isinstance(x, int) and x >= 1 for x in kl)):
+                raise ValueError(
+                    f"pairs={self.pairs!r}: a list of [K, L] pairs of positive ints, e.g. [[10,150],[8,75]]"
+                )
+        if not 0 < self.top_frac <= 1:
+            raise ValueError(f"top_frac={self.top_frac}: a fraction of the candidate keys in (0, 1], e.g. 0.01")
         for name in ("passages", "num_queries", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -108,6 +128,36 @@ def expected_cost2(ps: list[tuple[torch.Tensor, torch.Tensor]], K: int, L: int, 
     return float(torch.stack(vals).mean())
 
 
+def top_keys(c: Any, p: torch.Tensor, K: int, L: int, m: int, top_frac: float) -> dict[str, float]:
+    """How (K, L) samples the keys that carry one captured step's attention (means over query heads and rows).
+    c: a capture (q [1, Hq, Q, D], k [1, Hkv, N, D], scaling), p [Hq, Q, N] from ``bit_agreement`` (NaN where not
+    a candidate).  w = softmax(q·k·scaling) over the row's causal keys (the layer's own weights: a full-context
+    layer), u = eq. 10.  Returns static_mass Σ_static w, expected_mass Σ_static w + Σ_cand w·u, and over the
+    ceil(top_frac · candidates) candidates of largest w: top_mass Σ w, top_cos, top_p, top_u (means) and
+    top_mass_sampled Σ w·u / Σ w (the share of their mass sampled in expectation)."""
+    _, hq, ql, _ = c.q.shape
+    n = c.k.shape[2]
+    valid = key_validity(None, 1, ql, n, c.q.device)[0, 0]  # [Q, N]
+    w = torch.softmax(scores_gqa(c.q, c.k, c.scaling)[0].double().masked_fill(~valid, float("-inf")), -1)  # [Hq,Q,N]
+    cand = ~p.isnan()
+    u = sampling_probability(p.nan_to_num(0.5), K, L, m).masked_fill(~cand, 0.0)
+    static_mass = (w * (valid & ~cand)).sum(-1)  # [Hq, Q]
+    t = max(1, math.ceil(top_frac * int(cand.sum(-1).min())))
+    top = w.masked_fill(~cand, -1.0).topk(t, dim=-1).indices  # [Hq, Q, t]
+    wt, pt, ut = w.gather(-1, top), p.gather(-1, top), u.gather(-1, top)
+    cos = torch.cos((1.0 - pt) * math.pi)  # p = 1 − arccos(cos)/π
+    return {
+        "static_mass": float(static_mass.mean()),
+        "expected_mass": float((static_mass + (w * u).sum(-1)).mean()),
+        "top_keys": t,
+        "top_mass": float(wt.sum(-1).mean()),
+        "top_cos": float(cos.mean()),
+        "top_p": float(pt.mean()),
+        "top_u": float(ut.mean()),
+        "top_mass_sampled": float(((wt * ut).sum(-1) / wt.sum(-1).clamp_min(1e-300)).mean()),
+    }
+
+
 def smallest_L(ps, K: int, target: float, m: int, max_L: int) -> int | None:
     """The smallest L in [m, max_L] with E[Cost2] ≥ target (E grows with L); None when max_L does not reach it."""
     lo, hi = m, max_L
@@ -122,10 +172,46 @@ def smallest_L(ps, K: int, target: float, m: int, max_L: int) -> int | None:
     return lo
 
 
-def measure(
-    model: Any, tokenizer: Any, context: int, opts: MagicPIGKLOptions, progress: bool = False
-) -> list[dict[str, Any]]:
-    """One record per K: the chosen L, its expected Cost2, and the method's measured Cost2 and est_error."""
+def check(caps: list[Any], ps: list[tuple[torch.Tensor, torch.Tensor]], K: int, L: int, opts: MagicPIGKLOptions):
+    """(K, L) on every captured step (``caps[i]`` with ``ps[i]`` from ``bit_agreement``): one dict per step with
+    the method's measured cost2, est_error and kept mass (``methods.attend``, means over seeds 0 … repeats − 1)
+    beside ``top_keys``'s eq.-10 terms."""
+    rows = []
+    for c, (p, _) in zip(caps, ps):
+        got = []
+        for seed in range(opts.repeats):
+            _, st = attend(
+                MagicPIG.name,
+                c.q,
+                c.k,
+                c.v,
+                scaling=c.scaling,
+                layer_idx=c.layer,
+                K=K,
+                L=L,
+                min_collisions=opts.min_collisions,
+                sink=opts.sink,
+                local=opts.local,
+                seed=seed,
+            )
+            got.append([float(st[x].float().mean()) for x in ("cost2", "est_error", "mass")])
+        mean = torch.tensor(got, dtype=torch.float64).mean(0).tolist()
+        rows.append(
+            {
+                "layer": c.layer,
+                "cost2": mean[0],
+                "est_error": mean[1],
+                "measured_mass": mean[2],
+                "cost2_by_seed": [g[0] for g in got],
+                **top_keys(c, p, K, L, opts.min_collisions, opts.top_frac),
+            }
+        )
+    return rows
+
+
+def measure(model: Any, tokenizer: Any, context: int, opts: MagicPIGKLOptions, progress: bool = False) -> dict:
+    """``records``: one per K (the chosen L, its expected Cost2, the method's measured Cost2, est_error and kept
+    mass); ``top_keys``: one per (K, L, layer, passage) for the chosen pairs and ``pairs`` (``check``)."""
     opts.validate()
     nl = model_shape(model)["num_layers"]
     length = min(context, 16384) if opts.length is None else int(opts.length)
@@ -139,11 +225,12 @@ def measure(
         raise ValueError("no sparse layer on this model for MagicPIG's defaults: give analysis.layers=[...]")
     text, origin = common.load_text(opts.text, opts.data_dir, opts.text_path)
     ids = common.token_windows(tokenizer, text, length, opts.passages)  # [P, length]
-    caps = []
+    caps, passage = [], []
     with common.progress(opts.passages, "magicpig_kl: forwards", "passage", progress) as bar:
         for p in range(opts.passages):
             cap = capture_qkv(model, ids[p : p + 1], layers=layers, query_rows=opts.num_queries)
             caps += [cap[l] for l in layers]
+            passage += [p] * len(layers)
             bar.update()
     ps = [bit_agreement(c.q, c.k, opts.sink, opts.local) for c in caps]
     static_frac = float(torch.stack([(st / ((~p.isnan()).sum(-1) + st)).mean() for p, st in ps]).mean())
@@ -153,7 +240,9 @@ def measure(
             f"are already {static_frac:.3f} of a {length}-token row; give a longer analysis.length or a "
             f"higher target"
         )
-    records = []
+    common_fields = {"length": length, "passages": opts.passages, "text": origin}
+    records, per_step = [], []
+    chosen = []
     for K in opts.Ks:
         L = smallest_L(ps, K, opts.target_cost2, opts.min_collisions, opts.max_L)
         rec = {
@@ -165,42 +254,60 @@ def measure(
             "measured_cost2": None,
             "measured_cost2_sd": None,
             "est_error": None,
-            "length": length,
-            "passages": opts.passages,
+            "expected_mass": None,
+            "measured_mass": None,
+            **common_fields,
             "layers": list(layers),
-            "text": origin,
         }
         if L is not None:
+            chosen.append((K, L))
+            rows = check(caps, ps, K, L, opts)
+            per_step += [dict(r, K=K, L=L, chosen=True, passage=pp) for r, pp in zip(rows, passage)]
+            by_seed = torch.tensor([r["cost2_by_seed"] for r in rows], dtype=torch.float64).mean(0)  # [repeats]
             rec["expected_cost2"] = expected_cost2(ps, K, L, opts.min_collisions)
-            runs = []
-            for seed in range(opts.repeats):
-                c2, err = [], []
-                for c in caps:
-                    _, st = attend(
-                        MagicPIG.name,
-                        c.q,
-                        c.k,
-                        c.v,
-                        scaling=c.scaling,
-                        layer_idx=c.layer,
-                        K=K,
-                        L=L,
-                        min_collisions=opts.min_collisions,
-                        sink=opts.sink,
-                        local=opts.local,
-                        seed=seed,
-                    )
-                    c2.append(float(st["cost2"].float().mean()))
-                    err.append(float(st["est_error"].float().mean()))
-                runs.append((sum(c2) / len(c2), sum(err) / len(err)))
-            rec["measured_cost2"] = sum(r[0] for r in runs) / len(runs)
-            rec["measured_cost2_sd"] = float(torch.tensor([r[0] for r in runs]).std()) if len(runs) > 1 else 0.0
-            rec["est_error"] = sum(r[1] for r in runs) / len(runs)
+            rec["measured_cost2"] = float(by_seed.mean())
+            rec["measured_cost2_sd"] = float(by_seed.std()) if len(by_seed) > 1 else 0.0
+            for key in ("est_error", "expected_mass", "measured_mass"):
+                rec[key] = sum(r[key] for r in rows) / len(rows)
         records.append(rec)
-    return records
+    for K, L in opts.pairs:
+        if (K, L) not in chosen:
+            rows = check(caps, ps, K, L, opts)
+            per_step += [dict(r, K=K, L=L, chosen=False, passage=pp) for r, pp in zip(rows, passage)]
+    for r in per_step:
+        r.pop("cost2_by_seed")
+        r.update(common_fields)
+    return {"records": records, "top_keys": per_step}
+
+
+def top_keys_table(per_step: list[dict[str, Any]]):
+    """One row per (K, L, layer) and a 'mean' layer row per (K, L): each column's mean over passages (and, for
+    the 'mean' rows, over layers), with the 95 % bootstrap band of top_mass_sampled and expected_mass over
+    passages (``common.passage_band``)."""
+    import pandas as pd
+
+    df = pd.DataFrame(per_step)
+    if df.empty:
+        return df
+    val = ["cost2", "est_error", "static_mass", "expected_mass", "measured_mass", "top_mass", "top_cos", "top_p"]
+    val += ["top_u", "top_mass_sampled"]
+    keys = ["K", "L", "chosen"]
+    per_mean = df.groupby(["passage", *keys])[val].mean().reset_index()  # mean over layers, per passage
+    per_mean.insert(0, "layer", "mean")
+    per = pd.concat([df[["layer", "passage", *keys, *val]].astype({"layer": object}), per_mean], ignore_index=True)
+    rows = []
+    for (K, L, chosen, layer), g in per.groupby([*keys, "layer"], sort=False):
+        row = {"K": K, "L": L, "chosen": chosen, "layer": layer, **g[val].mean().to_dict()}
+        for col in ("top_mass_sampled", "expected_mass"):
+            _, row[f"{col}_lo"], row[f"{col}_hi"], row["passages"] = common.passage_band(g[col])
+        rows.append(row)
+    order = {kl: i for i, kl in enumerate(dict.fromkeys(zip(df["K"], df["L"])))}  # pairs as checked
+    rows.sort(key=lambda r: (order[(r["K"], r["L"])], r["layer"] == "mean"))  # each pair: its layers, then 'mean'
+    return pd.DataFrame(rows)
 
 
 def figures(records: list[dict[str, Any]], out: Path, model_name: str, opts: MagicPIGKLOptions) -> list[Path]:
+    """L against K, and expected against measured Cost2 (the chosen pairs)."""
     import matplotlib.pyplot as plt
 
     got = [r for r in records if r["L"] is not None]
@@ -231,18 +338,39 @@ def run(model_cfg, opts: MagicPIGKLOptions) -> dict[str, Any]:
     opts.validate()
     started = common.provenance(model_cfg, opts)
     model, tok, context = common.load(model_cfg)
-    records = measure(model, tok, context, opts, progress=True)
+    res = measure(model, tok, context, opts, progress=True)
+    records = res["records"]
     out = common.out_dir(opts.out, "magicpig_kl", model_cfg.name)
     table = pd.DataFrame(records)
     table.to_csv(out / "magicpig_kl.csv", index=False)
+    top = top_keys_table(res["top_keys"])
+    top.to_csv(out / "magicpig_top_keys.csv", index=False)
     common.write_json(
         out / "magicpig_kl.json",
-        {"provenance": common.finished(started, records[0]["text"] if records else None), "records": records},
+        {"provenance": common.finished(started, records[0]["text"] if records else None), **res},
     )
     paths = figures(records, out, model_cfg.name, opts)
-    return {"out": out, "table": table, "table_file": out / "magicpig_kl.csv", "records": records, "figures": paths}
+    return {
+        "out": out,
+        "table": table,
+        "top_keys": top,
+        "table_file": out / "magicpig_kl.csv",
+        "records": records,
+        "figures": paths,
+    }
 
 
 def summary(result: dict[str, Any]):
-    """Per K: the chosen L, expected and measured Cost2, est_error."""
-    return result["table"][["K", "L", "expected_cost2", "measured_cost2", "est_error"]]
+    """Per pair checked (the chosen ones first): its expected Cost2 (chosen pairs), measured Cost2, est_error,
+    expected and measured kept mass, and how its heaviest keys are sampled; means over layers (every K in
+    ``magicpig_kl.csv``, every layer in ``magicpig_top_keys.csv``)."""
+    table, top = result["table"], result["top_keys"]
+    cols = ["K", "L", "expected_cost2", "measured_cost2", "est_error", "expected_mass", "measured_mass"]
+    if top.empty:
+        return table[cols]
+    top = top[top["layer"] == "mean"]
+    top = top[
+        ["K", "L", "cost2", "est_error", "expected_mass", "measured_mass", "top_mass", "top_u", "top_mass_sampled"]
+    ]
+    chosen = table.dropna(subset=["L"]).astype({"L": int})[["K", "L", "expected_cost2"]]
+    return chosen.merge(top, on=["K", "L"], how="right")
