@@ -322,7 +322,7 @@ def test_app_prints_a_summary_and_names_the_full_table(tmp_path):
     assert float(row[2]) == pytest.approx(float(sink_min.min()), rel=1e-3, abs=1e-4)
 
 
-def test_magicpig_kl_expectation_and_search(stories):
+def test_magicpig_kl_expectation_and_search(stories, tmp_path):
     """The expected Cost2 of (K, L) is eq. 10 summed by hand; the chosen L is the smallest reaching the target; the
     method's measured Cost2 at that (K, L) is recorded beside it."""
     import math
@@ -353,6 +353,10 @@ def test_magicpig_kl_expectation_and_search(stories):
     assert [(r["K"], r["L"], r["chosen"]) for r in res["top_keys"]] == [(4, rec["L"], True), (3, 6, False)]
     table = mk.top_keys_table(res["top_keys"])
     assert table["layer"].tolist() == [2, "mean", 2, "mean"] and (table["passages"] == 1).all()
+    assert [p.name for p in mk.top_keys_figure(table, tmp_path, "stories260k", 200)] == [
+        "magicpig_top_keys.png",
+        "magicpig_top_keys.pdf",
+    ]
     with pytest.raises(ValueError, match="static keys"):
         mk.measure(model, tok, 512, mk.MagicPIGKLOptions(length=64, layers=[2], target_cost2=0.02))
 

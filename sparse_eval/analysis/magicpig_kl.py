@@ -332,6 +332,39 @@ def figures(records: list[dict[str, Any]], out: Path, model_name: str, opts: Mag
     return common.save_figure(fig, out, "magicpig_kl")
 
 
+def top_keys_figure(table: Any, out: Path, model_name: str, length: int | None) -> list[Path]:
+    """Per layer, for every pair checked: the share of the heaviest keys' mass that eq. 10 samples (left), and the
+    expected kept mass against the method's measured one (right; the diagonal is agreement)."""
+    import matplotlib.pyplot as plt
+
+    if table.empty:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for i, ((K, L), g) in enumerate(table.groupby(["K", "L"], sort=False)):
+        layers = g[g["layer"] != "mean"]
+        label = f"({K}, {L}): Cost2 {g[g['layer'] == 'mean']['cost2'].iloc[0]:.3f}"
+        axes[0].plot(
+            layers["layer"].astype(int), layers["top_mass_sampled"], marker="o", ms=3, color=f"C{i}", label=label
+        )
+        axes[1].scatter(layers["expected_mass"], layers["measured_mass"], s=10, color=f"C{i}")
+    axes[0].set_xlabel("layer")
+    axes[0].set_ylabel("Σ w·u / Σ w over the top keys (eq. 10)")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=7)
+    axes[0].set_title("share of the heaviest keys' attention mass sampled", fontsize=10)
+    lo = float(min(table["expected_mass"].min(), table["measured_mass"].min()))
+    axes[1].plot([lo, 1], [lo, 1], color="grey", ls=":")
+    axes[1].set_xlabel("expected kept mass (eq. 10)")
+    axes[1].set_ylabel("measured kept mass (the method)")
+    axes[1].set_title("kept attention mass per layer", fontsize=10)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(
+        f"MagicPIG's sampling of the keys that carry the attention — {model_name}, {length} tokens", fontsize=10
+    )
+    return common.save_figure(fig, out, "magicpig_top_keys")
+
+
 def run(model_cfg, opts: MagicPIGKLOptions) -> dict[str, Any]:
     import pandas as pd
 
@@ -350,6 +383,7 @@ def run(model_cfg, opts: MagicPIGKLOptions) -> dict[str, Any]:
         {"provenance": common.finished(started, records[0]["text"] if records else None), **res},
     )
     paths = figures(records, out, model_cfg.name, opts)
+    paths += top_keys_figure(top, out, model_cfg.name, records[0]["length"] if records else opts.length)
     return {
         "out": out,
         "table": table,
