@@ -102,6 +102,26 @@ def passage_band(values: Any, seed: int = 0) -> tuple[float, float, float, int]:
     return float(ci["score"]), float(ci["lo"]), float(ci["hi"]), int(v.size)
 
 
+def layer_rows_with_bands(per: Any, keys: list[str], values: list[str], bands: list[str]) -> list[dict[str, Any]]:
+    """``per`` (a DataFrame, one row per passage × layer × ``keys``) -> one row per (layer, *keys), plus a 'mean'
+    layer row per ``keys`` (the mean over layers within each passage): each of ``values`` the mean over passages,
+    and for each column in ``bands`` its 95 % bootstrap band over passages (``passage_band``) as ``<col>_lo`` /
+    ``<col>_hi``, with ``passages`` their count.  Rows in order of first appearance, the 'mean' rows last."""
+    import pandas as pd
+
+    per_mean = per.groupby(["passage", *keys], dropna=False)[values].mean().reset_index()  # mean over layers
+    per_mean.insert(1, "layer", "mean")
+    both = pd.concat([per[["passage", "layer", *keys, *values]].astype({"layer": object}), per_mean], ignore_index=True)
+    rows = []
+    for (layer, *key), g in both.groupby(["layer", *keys], dropna=False, sort=False):
+        row = dict(zip(["layer", *keys], [layer, *key]))
+        row.update(g[values].mean().to_dict())
+        for col in bands:
+            _, row[f"{col}_lo"], row[f"{col}_hi"], row["passages"] = passage_band(g[col])
+        rows.append(row)
+    return rows
+
+
 def random_tokens(tokenizer: Any, vocab_size: int, count: int, length: int, seed: int) -> torch.Tensor:
     """``count`` sequences of ``length`` tokens drawn uniformly from the vocabulary minus special tokens."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])

@@ -246,16 +246,7 @@ def summarize(records: list[dict[str, Any]]):
         if c in df
     ]
     per = df.groupby(["passage", "layer", *keys], dropna=False)[val].mean().reset_index()  # mean over seeds
-    per_mean = per.groupby(["passage", *keys], dropna=False)[val].mean().reset_index()  # mean over layers
-    per_mean.insert(1, "layer", "mean")
-    per = pd.concat([per.astype({"layer": object}), per_mean], ignore_index=True)
-    rows = []
-    for (layer, *key), g in per.groupby(["layer", *keys], dropna=False, sort=False):
-        row = dict(zip(["layer", *keys], [layer, *key]))
-        row.update(g[val].mean().to_dict())
-        _, row["error_lo"], row["error_hi"], row["passages"] = common.passage_band(g["error"])
-        rows.append(row)
-    return pd.DataFrame(rows)  # layers in order, then "mean" (groupby(sort=False) keeps the order of `per`)
+    return pd.DataFrame(common.layer_rows_with_bands(per, keys, val, ["error"]))  # layers in order, then "mean"
 
 
 def _default_plot_layers(layers: list[int], num_layers: int) -> list[int]:

@@ -40,10 +40,11 @@ from typing import Any
 import torch
 
 from ..methods import attend, build_method, make_config
-from ..methods.core import key_validity, scores_gqa, static_keys
+from ..methods.core import key_validity, static_keys
 from ..methods.magicpig import MagicPIG, collision_probability, sampling_probability
 from . import common
 from .capture import capture_qkv, model_shape
+from .geometry import attention_probs
 
 
 @dataclass
@@ -131,17 +132,14 @@ def expected_cost2(ps: list[tuple[torch.Tensor, torch.Tensor]], K: int, L: int, 
 def top_keys(c: Any, p: torch.Tensor, K: int, L: int, m: int, top_frac: float) -> dict[str, float]:
     """How (K, L) samples the keys that carry one captured step's attention (means over query heads and rows).
     c: a capture (q [1, Hq, Q, D], k [1, Hkv, N, D], scaling), p [Hq, Q, N] from ``bit_agreement`` (NaN where not
-    a candidate).  w = softmax(q·k·scaling) over the row's causal keys (the layer's own weights: a full-context
-    layer), u = eq. 10.  Returns static_mass Σ_static w, expected_mass Σ_static w + Σ_cand w·u, and over the
-    ceil(top_frac · candidates) candidates of largest w: top_mass Σ w, top_cos, top_p, top_u (means) and
+    a candidate).  w = ``geometry.attention_probs`` over the row's causal keys (the layer's own weights: a
+    full-context layer), u = eq. 10.  Returns static_mass Σ_static w, expected_mass Σ_static w + Σ_cand w·u, and
+    over the ceil(top_frac · candidates) candidates of largest w: top_mass Σ w, top_cos, top_p, top_u (means) and
     top_mass_sampled Σ w·u / Σ w (the share of their mass sampled in expectation)."""
-    _, hq, ql, _ = c.q.shape
-    n = c.k.shape[2]
-    valid = key_validity(None, 1, ql, n, c.q.device)[0, 0]  # [Q, N]
-    w = torch.softmax(scores_gqa(c.q, c.k, c.scaling)[0].double().masked_fill(~valid, float("-inf")), -1)  # [Hq,Q,N]
+    w = attention_probs(c.q, c.k, c.scaling)[0].double()  # [Hq, Q, N], 0 on keys the row does not attend
     cand = ~p.isnan()
     u = sampling_probability(p.nan_to_num(0.5), K, L, m).masked_fill(~cand, 0.0)
-    static_mass = (w * (valid & ~cand)).sum(-1)  # [Hq, Q]
+    static_mass = (w * ~cand).sum(-1)  # [Hq, Q]: the attended keys that are not candidates are the static ones
     t = max(1, math.ceil(top_frac * int(cand.sum(-1).min())))
     top = w.masked_fill(~cand, -1.0).topk(t, dim=-1).indices  # [Hq, Q, t]
     wt, pt, ut = w.gather(-1, top), p.gather(-1, top), u.gather(-1, top)
@@ -292,18 +290,11 @@ def top_keys_table(per_step: list[dict[str, Any]]):
     val = ["cost2", "est_error", "static_mass", "expected_mass", "measured_mass", "top_mass", "top_cos", "top_p"]
     val += ["top_u", "top_mass_sampled"]
     keys = ["K", "L", "chosen"]
-    per_mean = df.groupby(["passage", *keys])[val].mean().reset_index()  # mean over layers, per passage
-    per_mean.insert(0, "layer", "mean")
-    per = pd.concat([df[["layer", "passage", *keys, *val]].astype({"layer": object}), per_mean], ignore_index=True)
-    rows = []
-    for (K, L, chosen, layer), g in per.groupby([*keys, "layer"], sort=False):
-        row = {"K": K, "L": L, "chosen": chosen, "layer": layer, **g[val].mean().to_dict()}
-        for col in ("top_mass_sampled", "expected_mass"):
-            _, row[f"{col}_lo"], row[f"{col}_hi"], row["passages"] = common.passage_band(g[col])
-        rows.append(row)
+    rows = common.layer_rows_with_bands(df, keys, val, ["top_mass_sampled", "expected_mass"])
     order = {kl: i for i, kl in enumerate(dict.fromkeys(zip(df["K"], df["L"])))}  # pairs as checked
     rows.sort(key=lambda r: (order[(r["K"], r["L"])], r["layer"] == "mean"))  # each pair: its layers, then 'mean'
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    return table[[*keys, *table.columns.drop(keys)]]  # K, L, chosen, layer, ...
 
 
 def figures(records: list[dict[str, Any]], out: Path, model_name: str, opts: MagicPIGKLOptions) -> list[Path]:
