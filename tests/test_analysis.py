@@ -375,6 +375,7 @@ def test_magicpig_top_keys_by_hand():
     p, _ = mk.bit_agreement(q, k, sink=1, local=2)
     u = lambda x: sum(math.comb(6, j) * x ** (3 * j) * (1 - x**3) ** (6 - j) for j in range(2, 7))  # K=3, L=6
     got = mk.top_keys(c, p, 3, 6, 2, top_frac=0.1)
+    kc = k[0, 0].double() - k[0, 0, ~p[0, 0].isnan()].double().mean(0)  # k − μ, μ over the first row's candidates
     static, expected, top_p, top_u, top_cos, sampled = [], [], [], [], [], []
     for h in range(2):
         for r in range(2):
@@ -386,7 +387,7 @@ def test_magicpig_top_keys_by_hand():
             heavy = sorted((i for i in range(n) if cand[i]), key=lambda i: -float(w[i]))[:3]  # ceil(0.1 · 26)
             top_p.append(sum(float(p[h, r, i]) for i in heavy) / 3)
             top_u.append(sum(u(float(p[h, r, i])) for i in heavy) / 3)
-            top_cos.append(sum(math.cos((1 - float(p[h, r, i])) * math.pi) for i in heavy) / 3)  # p = 1 − θ/π
+            top_cos.append(sum(float(torch.cosine_similarity(q[0, h, r].double(), kc[i], 0)) for i in heavy) / 3)
             sampled.append(sum(float(w[i]) * u(float(p[h, r, i])) for i in heavy) / sum(float(w[i]) for i in heavy))
     assert got["top_keys"] == 3
     for key, want in (
