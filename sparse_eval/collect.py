@@ -20,7 +20,9 @@ Columns (see also docs/sweeps.md):
 
   model, model_path                  the loaded model's label and path (run identity; not the config's name when
                                      model.path was overridden under it), model_gguf_file, model_revision,
-                                     model_dtype, model_fingerprint (sha256 of its files, else of its config)
+                                     model_dtype, model_fingerprint (sha256 of its files, else of its config),
+                                     model_tokenizer (sha256 of its ids of the canary text: one file tokenized
+                                     two ways is two models; None in records made before it was recorded)
   method, method_config              method name; "name-key=value-..." of its own parameters (store.method_label)
   run_name                           method_config + dense layers + the task's length + hash (status.run_name)
   method.<field>                     every method field (budget, K, L, page_size, alpha, beta, ...; NaN if absent)
@@ -251,6 +253,8 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
         "model_dtype": model.get("dtype"),
         "model_fingerprint": (model.get("fingerprint") or {}).get("files_sha256")
         or (model.get("fingerprint") or {}).get("config_sha256"),
+        # the tokenizer's behaviour (its ids of the canary text); None in records made before it was recorded
+        "model_tokenizer": ((model.get("fingerprint") or {}).get("tokenizer") or {}).get("canary_sha256"),
         "method": method.get("name"),
         "method_config": method_label(method),
         "run_name": state["config"],
@@ -458,6 +462,7 @@ PAIR_KEYS = (
     "model_path",
     "model_gguf_file",
     "model_fingerprint",
+    "model_tokenizer",
     "task_config",
     "protocol",
     "prefill_chunk",

@@ -73,7 +73,9 @@ class Experiment:
             self.model, self.tokenizer = load_model(self.model_cfg)
             self.context = max_context(self.model_cfg, self.model)
             self.num_layers = self.model.config.get_text_config().num_hidden_layers
-            self.model_identity = model_identity(self.model_cfg, self.model, to_plain(self.cfg.paths))
+            self.model_identity = model_identity(
+                self.model_cfg, self.model, to_plain(self.cfg.paths), tokenizer=self.tokenizer
+            )
             self.sliding = sliding_layers(self.model)  # {layer: window} of the layers that attend within a window
 
     def samples(self):

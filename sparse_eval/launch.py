@@ -22,8 +22,9 @@ unreadable entry) takes the normal path, which finds the same results by
 their identity.  Being conservative costs a cache miss, never a wrong skip.
 
 No entry is written for a model from the hub (no local files to stamp), a method input without a file, data the
-task fetched from the hub, ``logger`` other than ``none`` (a relaunch logs again), or remote model code
-(``model.trust_remote_code``: files the fingerprints do not cover).
+task fetched from the hub, ``logger`` other than ``none`` (a relaunch logs again), remote model code
+(``model.trust_remote_code``: files the fingerprints do not cover), or a tokenizer given by ``model.tokenizer``
+(its files are not fingerprinted; its behaviour is, in the identity, but only once it is loaded).
 """
 
 from __future__ import annotations
@@ -50,7 +51,17 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 # package folders that only read finished results (tables and figures) and are never imported by a run: an edit
 # there changes no result, so it leaves finished launches cached
 OUTPUT_ONLY_SOURCES = ("report",)
-VERSIONED = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "numpy", "hydra-core", "omegaconf")
+VERSIONED = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "sentencepiece",
+    "safetensors",
+    "gguf",
+    "numpy",
+    "hydra-core",
+    "omegaconf",
+)
 GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
 # environment that decides where inputs are looked for (Double Sparsity's user calibration folder first)
 ENV_KEYS = ("SPARSE_EVAL_CALIBRATION_DIR", "XDG_DATA_HOME", "HOME")
@@ -105,7 +116,7 @@ def launch_key(plain: dict[str, Any]) -> str | None:
     is not cached (see the module docstring)."""
     logger = plain.get("logger") or {}
     model = plain.get("model") or {}
-    if logger.get("name", "none") != "none" or model.get("trust_remote_code"):
+    if logger.get("name", "none") != "none" or model.get("trust_remote_code") or model.get("tokenizer"):
         return None
     config = {k: v for k, v in plain.items() if k not in OUTPUT_ONLY_KEYS}
     parts: dict[str, Any] = {

@@ -46,6 +46,12 @@ class ModelConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     how_to_get: str = ""  # shown when a local path is missing
+    # the tokenizer from elsewhere (a hub id or a local folder) instead of the checkpoint's own (e.g. the model's
+    # own tokenizer for a GGUF whose tokenizer this transformers builds wrong); None: the checkpoint's
+    tokenizer: str | None = None
+    # check a GGUF's tokenizer against its own vocabulary at load (``tokenizer_check``); false runs it unchecked
+    # and records "checked_against": "off" in the run's identity
+    check_tokenizer: bool = True
 
 
 def resolve_device(device: str) -> "torch.device":
@@ -149,9 +155,52 @@ def quiet_bpe_cleanup(tokenizer: Any) -> None:
         tokenizer.clean_up_tokenization_spaces = False
 
 
+# the attribute of a loaded tokenizer that says what ``load_model`` checked it against (``tokenizer_identity``)
+TOKENIZER_CHECK_ATTR = "sparse_eval_checked_against"
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    """The run's tokenizer: ``model.tokenizer`` when given, else the checkpoint's own; a GGUF checkpoint's is
+    checked against the GGUF's own vocabulary (``tokenizer_check.check_gguf_tokenizer``: a tokenizer that
+    segments the canary text otherwise is refused with the fix) unless ``model.check_tokenizer=false``.  What it
+    was checked against is kept on the tokenizer (``TOKENIZER_CHECK_ATTR``) for the run's identity."""
+    from transformers import AutoTokenizer
+
+    from .tokenizer_check import check_gguf_tokenizer
+
+    path = resolve_path(cfg)
+    kw: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    source = path
+    if cfg.tokenizer:
+        source = str(Path(cfg.tokenizer).expanduser()) if Path(cfg.tokenizer).expanduser().exists() else cfg.tokenizer
+        kw = {"trust_remote_code": cfg.trust_remote_code}
+    elif cfg.gguf_file:
+        kw["gguf_file"] = cfg.gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kw)
+    except (OSError, ValueError) as exc:  # not on disk, not on the hub, or no tokenizer there: one line
+        if cfg.tokenizer:
+            reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise FileNotFoundError(
+                f"model.tokenizer={cfg.tokenizer!r}: cannot load a tokenizer there ({reason}); give a hub id or a "
+                f"folder holding tokenizer files, or drop model.tokenizer to use the checkpoint's own"
+            ) from None
+        raise _load_error(cfg, exc, "the model" if isinstance(exc, OSError) else "its tokenizer") from None
+    if not cfg.gguf_file:
+        checked = "not gguf"
+    elif not cfg.check_tokenizer:
+        checked = "off"
+        log.warning("model.check_tokenizer=false: the tokenizer of %s is not checked against its GGUF", cfg.name)
+    else:
+        checked = check_gguf_tokenizer(tokenizer, Path(path) / cfg.gguf_file, cfg.name)
+    setattr(tokenizer, TOKENIZER_CHECK_ATTR, checked)
+    return tokenizer
+
+
 def load_model(cfg: ModelConfig, attn_implementation: str = "sdpa") -> tuple[Any, Any]:
-    """Returns (model in eval mode on its device, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Returns (model in eval mode on its device, tokenizer (``load_tokenizer``: checked before the weights
+    load))."""
+    from transformers import AutoModelForCausalLM
 
     from ..attention import plugin  # noqa: F401  (registers the attention function before the model is built)
 
@@ -161,10 +210,7 @@ def load_model(cfg: ModelConfig, attn_implementation: str = "sdpa") -> tuple[Any
     kw: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if cfg.gguf_file:
         kw["gguf_file"] = cfg.gguf_file
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-    except (OSError, ValueError) as exc:  # not on disk, not on the hub, or no tokenizer there: one line
-        raise _load_error(cfg, exc, "the model" if isinstance(exc, OSError) else "its tokenizer") from None
+    tokenizer = load_tokenizer(cfg)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kw)
     except (OSError, ValueError) as exc:  # not on disk, not on the hub, not a causal LM: one line naming model.path
@@ -257,15 +303,24 @@ def config_fingerprint(model: Any) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def model_identity(cfg: ModelConfig, model: Any, paths: dict[str, Any] | None = None) -> dict[str, Any]:
+def model_identity(
+    cfg: ModelConfig, model: Any, paths: dict[str, Any] | None = None, tokenizer: Any = None
+) -> dict[str, Any]:
     """What identifies the loaded model in a run's identity (its run directory's hash and its records): the
     path or hub id, revision, GGUF file and the dtype actually used, the fingerprint of its config and, when it
     is local, of its files (sha256 each, cached by path, size and mtime: ``sparse_eval.fingerprint``); for a
-    hub id the hub's commit of the files when transformers reports it.  ``name`` is the label results are filed
-    under (``model_label``; ``paths``: the run's ``paths`` config, for the model configs' interpolations)."""
+    hub id the hub's commit of the files when transformers reports it; and the tokenizer's behaviour
+    (``tokenizer_check.tokenizer_identity``: its ids of the canary text, and what it was checked against), since
+    one file under two transformers versions can tokenize two ways.  ``name`` is the label results are filed
+    under (``model_label``; ``paths``: the run's ``paths`` config, for the model configs' interpolations).
+    ``model.tokenizer`` and ``model.check_tokenizer`` enter only when set away from their defaults."""
     from ..fingerprint import combined_sha256, files_sha256
+    from .tokenizer_check import tokenizer_identity
 
     out = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "how_to_get"}
+    for key, default in (("tokenizer", None), ("check_tokenizer", True)):
+        if out.get(key) == default:
+            out.pop(key)
     out["name"] = model_label(cfg, paths)
     if out["name"] != cfg.name:
         out["given_name"] = cfg.name
@@ -276,5 +331,7 @@ def model_identity(cfg: ModelConfig, model: Any, paths: dict[str, Any] | None = 
         fp["files_sha256"] = combined_sha256(files_sha256(files))
     else:
         fp["hub_commit"] = getattr(model.config, "_commit_hash", None)
+    if tokenizer is not None:
+        fp["tokenizer"] = tokenizer_identity(tokenizer, getattr(tokenizer, TOKENIZER_CHECK_ATTR, "not checked"))
     out["fingerprint"] = fp
     return out
