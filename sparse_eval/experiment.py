@@ -242,6 +242,10 @@ class Experiment:
             "dense_layers": identity["method"].get("dense_layers"),
             "sliding_layers": identity["method"].get("sliding_layers"),
             "sliding_dense_layers": self.sliding_dense_layers(method),
+            # the layers the method ran in: every layer but its dense ones and the sliding ones left dense
+            "sparse_layers": []
+            if method.dense
+            else sorted(set(range(self.num_layers)) - layer_plan(method, self.num_layers, self.sliding)[0]),
             "sink": identity["method"].get("sink"),
             "local": identity["method"].get("local"),
             "prefill_chunk": self.cfg.eval.prefill_chunk,

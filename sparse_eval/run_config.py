@@ -68,7 +68,9 @@ def check_method(
     checked against the model: its values against the depth and the context (``Method.validate``), and a sparse
     method left with no sparse layer by its dense layers or the sliding ones (``layer_plan``,
     ``check_sparse_layers``).  Shared by a run's start and the sweep's preflight."""
-    resolved = dataclasses.replace(method_cfg, dense_layers=resolve_dense_layers(method_cfg.dense_layers, num_layers))
+    resolved = dataclasses.replace(
+        method_cfg, dense_layers=resolve_dense_layers(method_cfg.dense_layers, num_layers, sliding)
+    )
     method = build_method(resolved)
     method.validate(num_layers=num_layers, context=context)
     dense, _ = layer_plan(method, num_layers, sliding)  # refuses one left no layer by sliding ones

@@ -398,7 +398,7 @@ def test_decode_bias_without_pairs_loop_equals_sampled_pairs(opts):
 
 
 def test_config_validation_names_bad_values():
-    assert mp().config.dense_layers == [0, "mid"] and (mp().config.K, mp().config.L) == (10, 150)
+    assert mp().config.dense_layers == ["first", "mid"] and (mp().config.K, mp().config.L) == (10, 150)
     for bad, word in (
         ({"gqa": "kv_head"}, "gqa"),
         ({"K": 0}, "K"),

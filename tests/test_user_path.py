@@ -65,6 +65,19 @@ def test_dense_layers_words_resolve_per_model():
         resolve_dense_layers([0, "middle"], 5)
 
 
+def test_dense_layer_words_count_the_layers_that_see_the_whole_context():
+    """On a hybrid model the words mean the paper's layers among those that attend over the whole context:
+    Gemma-3-270M (18 layers, every sixth one global: 5, 11, 17) keeps 5 and 11 dense under MagicPIG's
+    [first, mid], not 0 and 9 (sliding layers, dense anyway), which left all three global layers sparse."""
+    gemma_sliding = [i for i in range(18) if i % 6 != 5]
+    assert resolve_dense_layers(["first", "mid"], 18, gemma_sliding) == [5, 11]
+    assert resolve_dense_layers(["first", "mid", "last"], 18, gemma_sliding) == [5, 11, 17]
+    assert resolve_dense_layers([0, "mid"], 18, gemma_sliding) == [0, 11]  # an integer is the layer as written
+    assert resolve_dense_layers(["first", "mid"], 18) == [0, 9]  # no sliding layers: all 18 count
+    assert resolve_dense_layers(["first", "mid"], 32, []) == [0, 16]  # Llama: MagicPIG §5.1 unchanged
+    assert resolve_dense_layers(["first", "mid"], 4, [0, 1, 2, 3]) == [0, 2]  # every layer slides: all count
+
+
 def test_magicpig_default_runs_on_the_default_model_and_records_resolved_layers(tmp_path):
     (s,) = run(
         cfg_for(

@@ -26,7 +26,7 @@ largest w_i (the keys that carry the attention): their mean cos(q, k_i − μ), 
 An estimator that samples its heavy keys with u_i ≪ 1 divides their few hits by u_i (eq. 11) and has a large
 variance; one that samples them with u_i ≈ 1 does not.
 
-Sparse layers: those MagicPIG makes sparse on this model (``dense_layers``, default [0, mid], and layers with a
+Sparse layers: those MagicPIG makes sparse on this model (``dense_layers``, default [first, mid], and layers with a
 sliding window of their own left dense, as ``sliding_layers=dense``); ``layers`` overrides.
 """
 
@@ -95,8 +95,8 @@ def sparse_layers(model: Any, num_layers: int) -> list[int]:
     """The layers MagicPIG (its defaults) runs sparse on ``model``: not its dense layers, not a sliding-window layer."""
     from ..models.inspection import sliding_layers
 
-    dense = build_method(make_config(MagicPIG.name, {})).dense_layer_set(num_layers)
     sliding = set(sliding_layers(model))
+    dense = build_method(make_config(MagicPIG.name, {})).dense_layer_set(num_layers, sliding)
     return [l for l in range(num_layers) if l not in dense and l not in sliding]
 
 

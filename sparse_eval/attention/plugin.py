@@ -178,7 +178,7 @@ def layer_plan(method: Method, num_layers: int, sliding: dict[int, int] | list[i
     ``num_layers`` layers whose sliding layers are ``sliding`` (``sliding_layers``).  The dense layers are
     ``method.dense_layers`` resolved, plus, with ``method.sliding_layers="dense"``, every sliding layer.  Raises
     ValueError for a sparse method that would be left with no sparse layer because of its sliding layers."""
-    dense = method.dense_layer_set(num_layers)
+    dense = method.dense_layer_set(num_layers, sliding)
     slide_dense = sorted(set(sliding) - dense) if method.config.sliding_layers == "dense" else []
     both = dense | set(slide_dense)
     if not method.dense and slide_dense and len(both) >= num_layers:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Iterable, Mapping
 
 import torch
 
@@ -37,9 +37,10 @@ class MethodConfig:
     # keys kept exactly, never searched or sampled: the first `sink` and the last `local` keys of each row
     sink: int = 4
     local: int = 64
-    # layers that always run dense attention (MagicPIG: [0, mid], the first and the middle layer, i.e. {0, 16} of a
-    # 32-layer Llama; Quest/TopK/oracle in the MagicPIG repo: [0, 1]).  Entries: a layer index (negative: from
-    # the end) or a word resolved per model by ``resolve_dense_layers``: first, mid (num_layers // 2), last
+    # layers that always run dense attention (MagicPIG: [first, mid], the first and the middle layer, i.e. {0, 16}
+    # of a 32-layer Llama; Quest/TopK/oracle in the MagicPIG repo: [0, 1]).  Entries: a layer index (negative: from
+    # the end) or a word resolved per model by ``resolve_dense_layers`` over the layers that attend over the whole
+    # context (all layers but sliding-window ones): first, mid, last
     dense_layers: list[Any] = field(default_factory=lambda: [0, 1])
     # layers that attend within a sliding window of their own (Gemma 3: 5 of every 6, 512 keys) keep it either way;
     # "dense": they run dense attention over their window, "sparse": the method runs in them, within the window.
@@ -196,7 +197,8 @@ DENSE_LAYER_WORDS = ("first", "mid", "last")
 def _dense_layer_error(spec: Any, detail: str) -> ValueError:
     return ValueError(
         f"method.dense_layers={list(spec)}: {detail}; give layer indices (negative: from the end) or "
-        f"the words {list(DENSE_LAYER_WORDS)} (mid = num_layers // 2), e.g. method.dense_layers=[0,mid]"
+        f"the words {list(DENSE_LAYER_WORDS)} (of the layers that attend over the whole context; mid = the middle "
+        f"one), e.g. method.dense_layers=[first,mid]"
     )
 
 
@@ -209,14 +211,27 @@ def check_dense_layers(spec: Any) -> None:
         raise _dense_layer_error(spec, f"{bad} not a layer index or word")
 
 
-def resolve_dense_layers(spec: Any, num_layers: int) -> list[int]:
+def whole_context_layers(num_layers: int, sliding: Iterable[int] = ()) -> list[int]:
+    """The layers of a model with ``num_layers`` layers that attend over the whole context: all but the
+    ``sliding`` ones (``models.inspection.sliding_layers``); all of them when every layer slides."""
+    slide = set(sliding)
+    return [i for i in range(num_layers) if i not in slide] or list(range(num_layers))
+
+
+def resolve_dense_layers(spec: Any, num_layers: int, sliding: Iterable[int] = ()) -> list[int]:
     """The dense layers of a model with ``num_layers`` layers, sorted, as non-negative indices.
 
-    ``first`` = 0, ``mid`` = num_layers // 2 (16 of 32: MagicPIG §5.1's "first and middle layer"), ``last`` =
-    num_layers − 1; a negative index counts from the end.  Raises ValueError naming an index out of range.
+    The words count the layers that attend over the whole context (``whole_context_layers``: every layer of a
+    model without sliding-window layers): ``first`` is the first of them, ``mid`` the middle one (index
+    n // 2 of the n of them: layer 16 of a 32-layer Llama, MagicPIG §5.1's "first and middle layer"), ``last``
+    the last.  On Gemma-3-270M (18 layers, whole-context layers 5, 11, 17) [first, mid] is {5, 11}: the paper's
+    rule keeps two layers that see the whole context dense, not layers 0 and 9, which slide and are dense anyway.
+    An integer is a layer index as written (negative: from the end).  Raises ValueError naming an index out of
+    range.
     """
     check_dense_layers(spec)
-    words = {"first": 0, "mid": num_layers // 2, "last": num_layers - 1}
+    full = whole_context_layers(num_layers, sliding)
+    words = {"first": full[0], "mid": full[len(full) // 2], "last": full[-1]}
     out = []
     for x in spec:
         i = words[x] if isinstance(x, str) else int(x)
@@ -342,9 +357,10 @@ class Method:
         if num_layers is not None:
             resolve_dense_layers(c.dense_layers, num_layers)
 
-    def dense_layer_set(self, num_layers: int) -> set[int]:
-        """The layers this method leaves dense in a model of ``num_layers`` layers (``dense_layers`` resolved)."""
-        return set(resolve_dense_layers(self.config.dense_layers, num_layers))
+    def dense_layer_set(self, num_layers: int, sliding: Iterable[int] = ()) -> set[int]:
+        """The layers this method leaves dense in a model of ``num_layers`` layers whose sliding-window layers are
+        ``sliding`` (``dense_layers`` resolved: ``resolve_dense_layers``)."""
+        return set(resolve_dense_layers(self.config.dense_layers, num_layers, sliding))
 
     def describe(self) -> str:
         return self.name

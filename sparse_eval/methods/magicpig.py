@@ -93,8 +93,9 @@ class MagicPIGConfig(MethodConfig):
     u_offset: float = 0.0
     sink: int = 4
     local: int = 64
-    # MagicPIG keeps the first and the middle layer dense (§5.1: 0 and 16 of a 32-layer Llama)
-    dense_layers: list[Any] = field(default_factory=lambda: [0, "mid"])
+    # MagicPIG keeps the first and the middle layer dense (§5.1: 0 and 16 of a 32-layer Llama); on a model with
+    # sliding-window layers, the first and the middle of the layers that see the whole context (docs/fidelity.md)
+    dense_layers: list[Any] = field(default_factory=lambda: ["first", "mid"])
     gqa: str = "query_head"
 
 
