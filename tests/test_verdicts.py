@@ -172,3 +172,73 @@ def test_resampled_weights_are_reused_exactly():
     t = st.ScoreTerms([f"s{i}" for i in range(12)], np.arange(12.0), np.arange(1.0, 13.0), group)
     w = st._resample_weights(group, 500, np.random.default_rng(11))
     assert t._stat(w) == pytest.approx(t._stat(w.dense()), rel=1e-13)  # the same sums (order of addition aside)
+
+
+# -- the claims' schema --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "claim,msg",
+    [
+        ({"name": "x", "a": "topk-*"}, "margin"),
+        ({"name": "x", "a": "topk-*", "margin": -1}, "margin"),
+        ({"name": "x", "a": "topk-*", "margin": 2, "test": "equal"}, "test="),
+        ({"name": "x", "a": "topk-*", "margin": 2, "test": "superiority"}, "no margin"),
+        ({"name": "x", "a": "topk-*", "margin": 0.01, "scale": "log"}, "scale="),
+        ({"name": "x", "a": "topk-*", "margin": 2, "scale": "relative"}, "fraction"),
+        ({"name": "x", "a": "topk-*", "margin": 2, "alpha": 0.5}, "alpha="),
+        ({"name": "x", "a": "topk-*", "margin": 2, "where": {"seed": 0}}, "valid keys"),
+        ({"name": "x", "a": "topk-*", "marjin": 2}, "marjin"),
+        ({"name": "x", "a": "topk-*", "margin": "two"}, "two"),
+        ({"name": "x", "a": "", "margin": 2}, "empty"),
+    ],
+)
+def test_a_bad_claim_is_refused_at_start(claim, msg):
+    from omegaconf import OmegaConf
+
+    from sparse_eval.claims import check_claims
+
+    with pytest.raises(ValueError, match=msg):
+        check_claims(OmegaConf.create({"claims": [claim]}))
+
+
+def test_claims_of_the_experiment_configs_are_valid_and_recorded():
+    from omegaconf import OmegaConf
+
+    from sparse_eval.claims import check_claims, claims_record
+
+    declared = 0
+    for p in sorted((ROOT / "conf" / "experiment").glob("*.yaml")):
+        cfg = OmegaConf.load(p)
+        declared += len(check_claims(cfg))
+    assert declared > 0, "no experiment config declares its claims"
+    cfg = OmegaConf.create({"claims": [{"name": "x", "a": "topk-*", "margin": 2}]})
+    assert claims_record(cfg) == [
+        {
+            "name": "x",
+            "test": "equivalence",
+            "a": "topk-*",
+            "b": "full",
+            "margin": 2.0,
+            "scale": "absolute",
+            "alpha": 0.05,
+            "score_factor": 1.0,
+            "where": {},
+            "note": None,
+            "summary": True,
+        }
+    ]
+    with pytest.raises(ValueError, match="two claims"):
+        check_claims(OmegaConf.create({"claims": [{"name": "x", "a": "t", "margin": 2}] * 2}))
+
+
+def test_the_run_config_schema_refuses_an_unknown_claim_key():
+    from omegaconf import OmegaConf
+
+    from sparse_eval.config import Config
+
+    schema = OmegaConf.structured(Config)
+    ok = OmegaConf.merge(schema, {"claims": [{"name": "x", "a": "topk-*", "margin": 2}]})
+    assert ok.claims[0].margin == 2.0 and ok.claims[0].b == "full"
+    with pytest.raises(Exception, match="marjin"):
+        OmegaConf.merge(schema, {"claims": [{"name": "x", "a": "topk-*", "marjin": 2}]})
