@@ -5,7 +5,9 @@ the committed records)."""
 
 from __future__ import annotations
 
+import json
 import math
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -242,3 +244,45 @@ def test_the_run_config_schema_refuses_an_unknown_claim_key():
     assert ok.claims[0].margin == 2.0 and ok.claims[0].b == "full"
     with pytest.raises(Exception, match="marjin"):
         OmegaConf.merge(schema, {"claims": [{"name": "x", "a": "topk-*", "marjin": 2}]})
+
+
+# -- the committed verdicts ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def longbench_rows(tmp_path_factory):
+    """The rows of longbench_triviaqa_smollm2's runs (5 runs, 200 prompts), unpacked once."""
+    from sparse_eval.verdicts import extract, gather_rows
+
+    tmp = tmp_path_factory.mktemp("longbench")
+    with tarfile.open(EXPERIMENTS / "longbench_triviaqa_smollm2" / "runs.tar.gz") as tar:
+        extract(tar, tmp)
+    return tmp, gather_rows(tmp, set())
+
+
+def test_a_claim_must_select_one_configuration_on_each_side(longbench_rows):
+    from sparse_eval.claims import as_claim
+    from sparse_eval.verdicts import ClaimError, evaluate_claim
+
+    _, rows = longbench_rows
+    with pytest.raises(ClaimError, match="2 configurations"):
+        evaluate_claim(as_claim({"name": "x", "a": "magicpig-*", "margin": 2}), rows, 2000, 0)
+    with pytest.raises(ClaimError, match="matches no row"):
+        evaluate_claim(as_claim({"name": "x", "a": "topk-*", "margin": 2}), rows, 2000, 0)
+    with pytest.raises(ClaimError, match="same configuration"):
+        evaluate_claim(as_claim({"name": "x", "a": "full", "margin": 2}), rows, 2000, 0)
+
+
+def test_claims_recorded_by_the_runs_are_tested_from_a_runs_folder(longbench_rows, capsys):
+    """A runs folder has no claims.yaml: the claims its runs recorded in summary.json (declared before the runs)."""
+    from sparse_eval.verdicts import main
+
+    tmp, _ = longbench_rows
+    claim = {"name": "Quest (16, 0.05) ≈ full", "a": "quest-page_size=16-*", "margin": 2.0}
+    for s in tmp.rglob("summary.json"):
+        data = json.loads(s.read_text(encoding="utf-8"))
+        s.write_text(json.dumps(dict(data, claims=[claim])), encoding="utf-8")
+    assert main([str(tmp)]) == 0
+    out = capsys.readouterr().out
+    assert "before the runs" in out and "Quest (16, 0.05) ≈ full" in out and "-> worse" in out
+    assert "post hoc" not in out
