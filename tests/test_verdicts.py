@@ -249,6 +249,35 @@ def test_the_run_config_schema_refuses_an_unknown_claim_key():
 # -- the committed verdicts ----------------------------------------------------------------------------------
 
 
+def _folders():
+    from sparse_eval.verdicts import claim_folders
+
+    return claim_folders(EXPERIMENTS)
+
+
+def test_committed_verdict_sections_are_what_the_command_writes():
+    """Each folder's verdicts.json was made from the claims.yaml and records committed now (their sha256), its
+    README section is that verdicts.json rendered, and experiments/README.md's summary is all of them."""
+    from sparse_eval import verdicts as v
+
+    folders = _folders()
+    assert len(folders) >= 9
+    assert not any(f.name in v.WITHDRAWN for f in folders)
+    datas = []
+    for f in folders:
+        data = v.read_verdicts(f)
+        assert data is not None, f"{f}: no verdicts.json; run python -m sparse_eval.verdicts --all --write"
+        assert data["version"] == v.VERSION, f"{f}: verdicts.json of another version; regenerate it"
+        assert v.inputs_now(f, data) == data["inputs"], f"{f}: claims.yaml or records changed; regenerate"
+        text = (f / "README.md").read_text(encoding="utf-8")
+        assert v.section_of(text, v.BEGIN, v.END) == v.folder_section(data), f"{f}/README.md: stale section"
+        datas.append(data)
+    summary = (EXPERIMENTS / "README.md").read_text(encoding="utf-8")
+    assert v.section_of(summary, v.SUMMARY_BEGIN, v.SUMMARY_END) == v.summary_section(datas)
+    for name in v.WITHDRAWN:  # withdrawn records: in no generated table
+        assert f"`{name}/`" not in v.summary_section(datas)
+
+
 @pytest.fixture(scope="module")
 def longbench_rows(tmp_path_factory):
     """The rows of longbench_triviaqa_smollm2's runs (5 runs, 200 prompts), unpacked once."""
@@ -258,6 +287,19 @@ def longbench_rows(tmp_path_factory):
     with tarfile.open(EXPERIMENTS / "longbench_triviaqa_smollm2" / "runs.tar.gz") as tar:
         extract(tar, tmp)
     return tmp, gather_rows(tmp, set())
+
+
+def test_a_folder_recomputed_from_its_records_gives_its_committed_verdicts(longbench_rows):
+    from sparse_eval import verdicts as v
+
+    folder = EXPERIMENTS / "longbench_triviaqa_smollm2"
+    spec, claims = v.load_claims_file(folder / v.CLAIMS_FILE)
+    _, rows = longbench_rows
+    results = [r for c in claims for r in v.evaluate_claim(c, rows, spec.n_boot, spec.seed)]
+    committed = v.read_verdicts(folder)
+    assert v.folder_section(dict(committed, claims=results)) == v.folder_section(committed)
+    for f in ("error_vs_budget_smollm2_8k", "error_vs_budget_smollm2_4k_passages"):  # the descriptive ratios
+        assert v.folder_section(v.compute_folder(EXPERIMENTS / f)) == v.folder_section(v.read_verdicts(EXPERIMENTS / f))
 
 
 def test_a_claim_must_select_one_configuration_on_each_side(longbench_rows):
