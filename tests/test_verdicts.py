@@ -234,6 +234,19 @@ def test_claims_of_the_experiment_configs_are_valid_and_recorded():
         check_claims(OmegaConf.create({"claims": [{"name": "x", "a": "t", "margin": 2}] * 2}))
 
 
+def test_a_run_with_a_bad_claim_is_refused_before_anything_runs(tmp_path):
+    from omegaconf import OmegaConf
+
+    from sparse_eval.runner import run
+
+    cfg = OmegaConf.create(
+        {"claims": [{"name": "x", "a": "topk-*", "margin": 0}], "paths": {"runs_dir": str(tmp_path)}}
+    )
+    with pytest.raises(ValueError, match="margin"):
+        run(cfg)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_run_config_schema_refuses_an_unknown_claim_key():
     from omegaconf import OmegaConf
 
