@@ -83,6 +83,9 @@ a one-sided test at level α.  The rule, with strict inequalities (an end point 
   lo > −m; else **inferior** when hi < −m; else **worse** when hi < 0; else **undecided**.
 * ``superiority`` (A > B; no margin): **better** when lo > 0; **worse** when hi < 0; else **undecided**.
 
+An end point within rounding of a boundary (1e-9, relative) is on it: replicates on a lattice (accuracies of n
+prompts) put end points exactly on a margin, and the last bits of a sum must not decide the verdict.
+
 Monte Carlo error: with end-point errors (e_lo, e_hi), the verdict stands only when the rule gives the same answer
 for every interval whose end points lie within their errors of [lo, hi] (|lo′ − lo| ≤ e_lo, |hi′ − hi| ≤ e_hi);
 otherwise it is **undecided**.  So a verdict whose deciding end point is within its Monte Carlo error of the margin
@@ -490,6 +493,15 @@ def _rule(lo: float, hi: float, test: str, margin: float) -> str:
     return "better" if lo > 0 else "worse" if hi < 0 else "undecided"  # superiority
 
 
+def _snap(x: float, thresholds: Sequence[float]) -> float:
+    """``x`` put on a boundary it is within rounding of (1e-9, relative): replicates on a lattice (accuracies of n
+    prompts, × 100) put end points exactly on a margin, and the last bits of a sum must not decide which side."""
+    for t in thresholds:
+        if abs(x - t) <= 1e-9 * max(1.0, abs(t)):
+            return t
+    return x
+
+
 def _candidates(x: float, err: float, thresholds: Sequence[float]) -> list[float]:
     """Points of [x − err, x + err] that meet every side of every threshold in it: its ends, the thresholds inside
     and the midpoints between consecutive ones (the rule is constant between thresholds)."""
@@ -523,6 +535,7 @@ def claim_verdict(
         return "undecided"
     e_lo, e_hi = (0.0 if e is None or not math.isfinite(e) else abs(float(e)) for e in mc_error)
     thresholds = (-m, 0.0, m)
+    lo, hi = _snap(float(lo), thresholds), _snap(float(hi), thresholds)
     answers = {
         _rule(a, b, test, m)
         for a in _candidates(lo, e_lo, thresholds)

@@ -64,7 +64,7 @@ WITHDRAWN = (
     "error_vs_budget_gemma3_16k_passages",
     "gemma3_ruler_16k",
 )
-VERSION = 1  # of the computation and of verdicts.json's layout: a change that moves a number bumps it
+VERSION = 2  # of the computation and of verdicts.json's layout: a change that moves a number bumps it
 COMPARISON_KEYS = ("model", "task", "subtask", "length")  # shown where a claim's comparisons differ
 MINUS = "\u2212"
 

@@ -111,6 +111,9 @@ def test_bad_claims_are_refused_and_a_bad_interval_is_undecided():
     with pytest.raises(ValueError, match="test="):
         claim_verdict(-1, 1, "equal", 2.0)
     assert claim_verdict(math.nan, 1.0, "equivalence", 2.0) == "undecided"
+    # an end point on the margin up to the last bits (a lattice of accuracies × 100) is on it
+    assert claim_verdict(-2.0 + 1e-13, 1.0, "equivalence", 2.0) == "undecided"
+    assert claim_verdict(-3.0, -1e-15, "equivalence", 2.0) == "undecided"
     assert claim_verdict(1.0, -1.0, "equivalence", 2.0) == "undecided"
 
 
