@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .collect import PAIR_KEYS, run_rows, seed_order
-from .statistics import seed_pooled_contrast
+from .statistics import N_BOOT, seed_pooled_contrast
 from .store import find_run_dirs
 
 
@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"A: {c['a']} (seeds {c['a_seeds']})\nB: {c['b']} (seeds {c['b_seeds']})")
     print(
         f"A − B = {c['diff']:+.2f} [{c['lo']:+.2f}, {c['hi']:+.2f}] (95 %, two-level paired bootstrap over "
-        f"{c['n']} prompts and the seeds): {sig[c['significant']]}"
+        f"{c['n']} prompts and the seeds, {N_BOOT:,} replicates; Monte Carlo error of the ends ±{c['lo_mc']:.3f}, "
+        f"±{c['hi_mc']:.3f}): {sig[c['significant']]}"
     )
     for run in c["incomplete"]:
         print(f"incomplete: {run}")

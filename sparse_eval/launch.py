@@ -119,6 +119,8 @@ def launch_key(plain: dict[str, Any]) -> str | None:
     if logger.get("name", "none") != "none" or model.get("trust_remote_code") or model.get("tokenizer"):
         return None
     config = {k: v for k, v in plain.items() if k not in OUTPUT_ONLY_KEYS}
+    if not config.get("claims"):  # no claims declared: the key of the launches made before ``claims`` existed
+        config.pop("claims", None)
     parts: dict[str, Any] = {
         "entry_version": ENTRY_VERSION,
         "config": config,

@@ -54,18 +54,55 @@ Order of the draws (so that an independent implementation reproduces the interva
 ``rng = numpy.random.default_rng(seed)``; for each group in increasing group id, ``rng.multinomial(n_g, [1/n_g]
 * n_g, size=n_boot)`` gives W's columns of that group's samples (in their order); then, for the two-level
 intervals, ``rng.integers(0, S, size=(n_boot, S))`` are the seed indices.  The 95 % interval is
-``numpy.quantile(θ*, [0.025, 0.975])`` (linear interpolation) over the finite replicates.
+``numpy.quantile(θ*, [0.025, 0.975])`` (linear interpolation) over the finite replicates.  ``N_BOOT`` = 10,000
+replicates by default.  A resample's weights depend only on the groups, ``n_boot`` and the generator's state, so
+they are drawn once per (groups, n_boot, state) and reused (``_resample_weights``' cache): the same numbers, drawn
+once for the many rows of a table that share a sample layout.
+
+**Monte Carlo error of an end point** (``quantile_mc_error``).  An end point is a quantile of ``n_boot`` finite
+replicates, so it moves with the draws.  Its error is bounded without assumptions on the replicates'
+distribution by the order statistics that bracket the true quantile: the number of replicates below the q-quantile
+of the bootstrap distribution is Binomial(R, q), so [X_(j), X_(k)] with j, k = R q ∓ z √(R q (1 − q)) (normal
+approximation, z for 95 %) covers it with probability about 0.95 (the distribution-free interval for a quantile,
+e.g. H. A. David & H. N. Nagaraja, *Order Statistics*, 3rd ed., Wiley 2003, §7.1).  The error reported is the larger
+distance from the end point to those two order statistics.
+
+**Claims: equivalence, non-inferiority, superiority** (``claim_verdict``).  A claim about a configuration A against
+a reference B (full attention, or another configuration) is tested on the paired difference d = A − B (or the
+relative difference A / B − 1), oriented so that d > 0 means A is better (the task's ``higher_is_better``), with
+its paired bootstrap interval [lo, hi] at level 1 − 2α (α = 0.05: the 90 % interval) and a margin m > 0 declared
+with the claim.  This is the two one-sided tests procedure (TOST; D. J. Schuirmann, "A comparison of the two
+one-sided tests procedure and the power approach for assessing the equivalence of average bioavailability",
+J. Pharmacokinet. Biopharm. 15(6):657–680, 1987) read off the interval: each end point of the (1 − 2α) interval is
+a one-sided test at level α.  The rule, with strict inequalities (an end point on a boundary does not pass it):
+
+* ``equivalence`` (A ≈ B within ±m): **equivalent** when −m < lo and hi < m; else **better** when lo > 0; else
+  **worse** when hi < 0; else **undecided** (the interval reaches past a margin and covers 0).  Equivalent takes
+  precedence: a difference shown to be inside the margin is what the claim asks, even where it also excludes 0.
+* ``non_inferiority`` (A not worse than B by m or more): **better** when lo > 0; else **non-inferior** when
+  lo > −m; else **inferior** when hi < −m; else **worse** when hi < 0; else **undecided**.
+* ``superiority`` (A > B; no margin): **better** when lo > 0; **worse** when hi < 0; else **undecided**.
+
+An end point within rounding of a boundary (1e-9, relative) is on it: replicates on a lattice (accuracies of n
+prompts) put end points exactly on a margin, and the last bits of a sum must not decide the verdict.
+
+Monte Carlo error: with end-point errors (e_lo, e_hi), the verdict stands only when the rule gives the same answer
+for every interval whose end points lie within their errors of [lo, hi] (|lo′ − lo| ≤ e_lo, |hi′ − hi| ≤ e_hi);
+otherwise it is **undecided**.  So a verdict whose deciding end point is within its Monte Carlo error of the margin
+or of 0 is undecided; an end point near a boundary the verdict does not depend on changes nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-N_BOOT = 2000
+N_BOOT = 10_000
 LEVEL = 0.95
 # below this many (paired) samples a percentile bootstrap has too few distinct resamples to claim a difference:
 # ``significant`` is then None (unknown), not False
@@ -116,25 +153,79 @@ class ScoreTerms:
     def score(self) -> float:
         return float(self._stat(np.ones((1, len(self)), dtype=np.float64))[0])
 
-    def _stat(self, weights: np.ndarray) -> np.ndarray:
-        """The score under sample weights [R, n] (a resample's counts), one value per row."""
+    def _stat(self, weights: "np.ndarray | Weights") -> np.ndarray:
+        """The score under sample weights [R, n] (a resample's counts, or ``_resample_weights``' per-group blocks of
+        them, drawn for these terms' groups), one value per row."""
         per_group = []
-        for g in np.unique(self.group):
-            m = self.group == g
-            per_group.append((weights[:, m] @ self.num[m]) / (weights[:, m] @ self.den[m]))
+        if isinstance(weights, Weights):
+            for idx, block in weights.blocks:
+                # einsum, not BLAS: a threaded gemv of these thin blocks is ten times slower on a busy machine
+                num = np.einsum("ij,j->i", block, self.num[idx])
+                den_g = self.den[idx]
+                # a resample keeps each group's count: weights summing unit denominators give n_g exactly
+                den = float(len(idx)) if np.all(den_g == 1.0) else np.einsum("ij,j->i", block, den_g)
+                per_group.append(num / den)
+        else:
+            for g in np.unique(self.group):
+                m = self.group == g
+                per_group.append((weights[:, m] @ self.num[m]) / (weights[:, m] @ self.den[m]))
         return TRANSFORMS[self.transform](np.mean(per_group, axis=0))
 
 
 TRANSFORMS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"identity": lambda x: x, "exp": np.exp}
 
 
-def _resample_weights(group: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """float [n_boot, n]: how often each sample is drawn in each resample, drawn within its group (groups in
-    increasing id, one multinomial each: see the module docstring)."""
-    w = np.zeros((n_boot, len(group)), dtype=np.float64)
+@dataclass(frozen=True, eq=False)
+class Weights:
+    """A resample's counts, group by group: ``blocks`` holds, per group in increasing id, (the positions of its
+    samples, float [n_boot, n_g] counts) -- the columns of the [n_boot, n] weights, kept apart so that a score
+    reads each group's block as it is (no gather of columns)."""
+
+    n_boot: int
+    n: int
+    blocks: tuple[tuple[np.ndarray, np.ndarray], ...]
+
+    def dense(self) -> np.ndarray:
+        """float [n_boot, n]: the counts of every sample in each resample."""
+        w = np.zeros((self.n_boot, self.n), dtype=np.float64)
+        for idx, block in self.blocks:
+            w[:, idx] = block
+        return w
+
+    @property
+    def nbytes(self) -> int:
+        return sum(block.nbytes for _, block in self.blocks)
+
+
+# drawn weights reused (``_resample_weights``): {key: (weights, generator state after the draw)}, least recent first
+_WEIGHTS_CACHE: "OrderedDict[str, tuple[Weights, dict[str, Any]]]" = OrderedDict()
+WEIGHTS_CACHE_BYTES = 256 * 2**20  # at most this much held (a RULER run's 650 samples × 10,000 replicates: 52 MB)
+
+
+def _resample_weights(group: np.ndarray, n_boot: int, rng: np.random.Generator) -> Weights:
+    """How often each sample is drawn in each resample (``Weights``: per group, [n_boot, n_g]), drawn within its
+    group (groups in increasing id, one multinomial each, columns in the samples' order: see the module docstring).
+    The draw is a function of ``group``, ``n_boot`` and ``rng``'s state: a draw made before is returned again
+    (read-only) and ``rng`` is moved to the state that draw left it in, exactly as drawing anew would."""
+    state = rng.bit_generator.state
+    group = np.ascontiguousarray(group, dtype=np.int64)
+    key = hashlib.sha256(repr((state, n_boot, len(group))).encode() + group.tobytes()).hexdigest()
+    hit = _WEIGHTS_CACHE.get(key)
+    if hit is not None:
+        _WEIGHTS_CACHE.move_to_end(key)
+        rng.bit_generator.state = hit[1]
+        return hit[0]
+    blocks = []
     for g in np.unique(group):
         idx = np.flatnonzero(group == g)
-        w[:, idx] = rng.multinomial(len(idx), np.full(len(idx), 1.0 / len(idx)), size=n_boot)
+        block = rng.multinomial(len(idx), np.full(len(idx), 1.0 / len(idx)), size=n_boot).astype(np.float64)
+        idx.flags.writeable = block.flags.writeable = False
+        blocks.append((idx, block))
+    w = Weights(n_boot, len(group), tuple(blocks))
+    if w.nbytes <= WEIGHTS_CACHE_BYTES // 4:
+        _WEIGHTS_CACHE[key] = (w, rng.bit_generator.state)
+        while sum(v[0].nbytes for v in _WEIGHTS_CACHE.values()) > WEIGHTS_CACHE_BYTES:
+            _WEIGHTS_CACHE.popitem(last=False)
     return w
 
 
@@ -264,16 +355,39 @@ def seed_pooled_contrast(
     level: float = LEVEL,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """{diff, lo, hi, n, seeds, reference_seeds, significant}: θ_A − θ_B, two configurations each pooled over its
-    seeds (``runs``: A's, ``reference_runs``: B's; θ as in the module docstring) on the samples every run of both
-    finished, with the two-level paired interval.  Each replicate draws ONE set of sample weights W for both sides
-    (paired on prompts), then A's seed indices, then B's (B's only when B has more than one run, so that a
+    """{diff, lo, hi, lo_mc, hi_mc, n, seeds, reference_seeds, significant}: θ_A − θ_B, two configurations each
+    pooled over its seeds (``runs``: A's, ``reference_runs``: B's; θ as in the module docstring) on the samples every
+    run of both finished, with the two-level paired interval.  Each replicate draws ONE set of sample weights W for
+    both sides (paired on prompts), then A's seed indices, then B's (B's only when B has more than one run, so that a
     deterministic reference draws nothing: ``seed_pooled_difference`` is this with one reference run).  Use it to
-    compare two settings of a stochastic method, e.g. MagicPIG (9, 120) against (10, 150), seeds 0–2 each."""
+    compare two settings of a stochastic method, e.g. MagicPIG (9, 120) against (10, 150), seeds 0–2 each.
+    ``lo_mc``, ``hi_mc``: the end points' Monte Carlo errors (``quantile_mc_error``).  The replicates themselves:
+    ``seed_pooled_draws``."""
+    out = {"diff": None, "lo": None, "hi": None, "lo_mc": None, "hi_mc": None, "n": 0, "seeds": len(runs)}
+    out.update(reference_seeds=len(reference_runs), level=level, significant=None)
+    d = seed_pooled_draws(runs, reference_runs, n_boot=n_boot, seed=seed)
+    out["n"] = len(d["ids"])
+    if not d["ids"]:
+        return out
+    delta = d["theta_a"] - d["theta_b"]
+    lo, hi = _interval(delta, level)
+    significant = None if math.isnan(lo) or out["n"] < MIN_SIGNIFICANCE_N else bool(lo > 0 or hi < 0)
+    a = (1.0 - level) / 2.0
+    mc = {"lo_mc": quantile_mc_error(delta, a), "hi_mc": quantile_mc_error(delta, 1.0 - a)}
+    return dict(out, diff=d["score_a"] - d["score_b"], lo=lo, hi=hi, significant=significant, **mc)
+
+
+def seed_pooled_draws(
+    runs: Sequence[ScoreTerms], reference_runs: Sequence[ScoreTerms], n_boot: int = N_BOOT, seed: int = 0
+) -> dict[str, Any]:
+    """The replicates behind ``seed_pooled_contrast``: {ids, score_a, score_b, theta_a, theta_b}: the samples every
+    run of both sides finished, each side's score (the mean over its seeds), and each side's ``n_boot`` replicates
+    θ*_A, θ*_B (float arrays, one W per replicate shared by both sides; module docstring).  A test of a claim
+    derives its statistic from them (θ*_A − θ*_B, or θ*_A / θ*_B − 1).  No shared sample: ids [] and None for
+    the rest."""
     ref_ids = [set(t.ids) for t in reference_runs]
     ids = [i for i in common_ids(runs) if all(i in r for r in ref_ids)] if reference_runs else []
-    out = {"diff": None, "lo": None, "hi": None, "n": len(ids), "seeds": len(runs)}
-    out.update(reference_seeds=len(reference_runs), level=level, significant=None)
+    out: dict[str, Any] = {"ids": ids, "score_a": None, "score_b": None, "theta_a": None, "theta_b": None}
     if not ids:
         return out
     subs = _seed_subsets(runs, ids, "seed_pooled_contrast")
@@ -285,10 +399,13 @@ def seed_pooled_contrast(
     theta_a = _seed_resample(np.stack([t._stat(w) for t in subs]), rng)  # [R]
     ref_stats = np.stack([t._stat(w) for t in refs])  # [S_B, R]
     theta_b = ref_stats[0] if len(refs) == 1 else _seed_resample(ref_stats, rng)
-    lo, hi = _interval(theta_a - theta_b, level)
-    significant = None if math.isnan(lo) or len(ids) < MIN_SIGNIFICANCE_N else bool(lo > 0 or hi < 0)
-    diff = float(np.mean([t.score() for t in subs]) - np.mean([t.score() for t in refs]))
-    return dict(out, diff=diff, lo=lo, hi=hi, significant=significant)
+    return dict(
+        out,
+        score_a=float(np.mean([t.score() for t in subs])),
+        score_b=float(np.mean([t.score() for t in refs])),
+        theta_a=theta_a,
+        theta_b=theta_b,
+    )
 
 
 def score_interval(task: Any, records: list[dict[str, Any]], seed: int = 0) -> dict[str, Any] | None:
@@ -299,3 +416,130 @@ def score_interval(task: Any, records: list[dict[str, Any]], seed: int = 0) -> d
         return None
     ci = bootstrap_ci(terms, seed=seed)
     return {k: ci[k] for k in ("lo", "hi", "n", "level", "n_boot")}
+
+
+# -- claims: equivalence, non-inferiority, superiority (module docstring) ---------------------------------------
+
+TESTS = ("equivalence", "non_inferiority", "superiority")
+VERDICTS = ("equivalent", "non-inferior", "better", "worse", "inferior", "undecided")
+ALPHA = 0.05  # each one-sided test's level: the (1 − 2α) = 90 % interval decides
+MC_LEVEL = 0.95  # the coverage of the order statistics that bound an end point's Monte Carlo error
+
+
+def quantile_mc_error(draws: np.ndarray, q: float, mc_level: float = MC_LEVEL) -> float:
+    """The Monte Carlo error of ``numpy.quantile(draws, q)`` (the finite draws): the larger distance from it to the
+    order statistics X_(j), X_(k) that hold the q-quantile of the distribution the draws come from with probability
+    about ``mc_level`` (j, k = R q ∓ z √(R q (1 − q)), the binomial count of draws below that quantile in its normal
+    approximation, widened to whole ranks; module docstring).  NaN without finite draws."""
+    v = np.sort(np.asarray(draws, dtype=np.float64)[np.isfinite(draws)])
+    r = v.size
+    if r == 0:
+        return math.nan
+    z = _normal_quantile(0.5 + mc_level / 2.0)
+    half = z * math.sqrt(r * q * (1.0 - q))
+    j = max(0, math.floor(r * q - half) - 1)  # 0-based: the order statistic X_(floor(Rq − h)) and below
+    k = min(r - 1, math.ceil(r * q + half))  # 0-based: X_(ceil(Rq + h) + 1)
+    x = float(np.quantile(v, q))
+    err = float(max(x - v[j], v[k] - x))
+    # replicates on a lattice (accuracies of n prompts) give an end point that does not move: 0, not rounding noise
+    return 0.0 if err <= 1e-9 * max(1.0, abs(float(v[j])), abs(float(v[k]))) else err
+
+
+def _normal_quantile(p: float) -> float:
+    """The standard normal quantile, by bisection on the normal cdf (``math.erfc``)."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"_normal_quantile: p={p} must be in (0, 1)")
+    lo, hi = -10.0, 10.0
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        if 0.5 * math.erfc(-mid / math.sqrt(2.0)) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-15:
+            break
+    return (lo + hi) / 2.0
+
+
+def tost_interval(draws: np.ndarray, alpha: float = ALPHA) -> dict[str, Any]:
+    """{lo, hi, lo_mc, hi_mc, level}: the (1 − 2α) percentile interval of ``draws`` (a paired difference's bootstrap
+    replicates) and each end point's Monte Carlo error (``quantile_mc_error``)."""
+    if not 0.0 < alpha < 0.5:
+        raise ValueError(f"alpha={alpha}: must be in (0, 0.5)")
+    v = np.asarray(draws, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    lo, hi = (float(x) for x in np.quantile(v, [alpha, 1.0 - alpha])) if v.size else (math.nan, math.nan)
+    return {
+        "lo": lo,
+        "hi": hi,
+        "lo_mc": quantile_mc_error(v, alpha),
+        "hi_mc": quantile_mc_error(v, 1.0 - alpha),
+        "level": 1.0 - 2.0 * alpha,
+    }
+
+
+def _rule(lo: float, hi: float, test: str, margin: float) -> str:
+    """The verdict of an interval [lo, hi] of d (d > 0: A better) by the module docstring's rule, exactly."""
+    if test == "equivalence":
+        if -margin < lo and hi < margin:
+            return "equivalent"
+        return "better" if lo > 0 else "worse" if hi < 0 else "undecided"
+    if test == "non_inferiority":
+        if lo > 0:
+            return "better"
+        if lo > -margin:
+            return "non-inferior"
+        return "inferior" if hi < -margin else "worse" if hi < 0 else "undecided"
+    return "better" if lo > 0 else "worse" if hi < 0 else "undecided"  # superiority
+
+
+def _snap(x: float, thresholds: Sequence[float]) -> float:
+    """``x`` put on a boundary it is within rounding of (1e-9, relative): replicates on a lattice (accuracies of n
+    prompts, × 100) put end points exactly on a margin, and the last bits of a sum must not decide which side."""
+    for t in thresholds:
+        if abs(x - t) <= 1e-9 * max(1.0, abs(t)):
+            return t
+    return x
+
+
+def _candidates(x: float, err: float, thresholds: Sequence[float]) -> list[float]:
+    """Points of [x − err, x + err] that meet every side of every threshold in it: its ends, the thresholds inside
+    and the midpoints between consecutive ones (the rule is constant between thresholds)."""
+    pts = sorted({x - err, x + err, *(t for t in thresholds if x - err < t < x + err)})
+    return sorted({*pts, *((a + b) / 2.0 for a, b in zip(pts, pts[1:]))})
+
+
+def claim_verdict(
+    lo: float,
+    hi: float,
+    test: str = "equivalence",
+    margin: float | None = None,
+    mc_error: tuple[float, float] = (0.0, 0.0),
+) -> str:
+    """The verdict of a claim (module docstring, "Claims"): ``lo``, ``hi``, the (1 − 2α) paired interval of the
+    difference d oriented so that d > 0 means A is better than the reference; ``test`` one of ``TESTS``;
+    ``margin`` > 0 (equivalence, non-inferiority; none for superiority); ``mc_error`` the end points' Monte Carlo
+    errors (e_lo, e_hi).  One of ``VERDICTS``: the rule's answer when every interval within the Monte Carlo errors
+    gets the same answer, else "undecided"."""
+    if test not in TESTS:
+        raise ValueError(f"test={test!r}; valid: {list(TESTS)}")
+    if test == "superiority":
+        if margin not in (None, 0):
+            raise ValueError(f"a superiority claim has no margin (got {margin})")
+        m = 0.0
+    else:
+        if margin is None or not math.isfinite(margin) or margin <= 0:
+            raise ValueError(f"an {test} claim needs a finite margin > 0 (got {margin})")
+        m = float(margin)
+    if any(v is None or not math.isfinite(v) for v in (lo, hi)) or lo > hi:
+        return "undecided"
+    e_lo, e_hi = (0.0 if e is None or not math.isfinite(e) else abs(float(e)) for e in mc_error)
+    thresholds = (-m, 0.0, m)
+    lo, hi = _snap(float(lo), thresholds), _snap(float(hi), thresholds)
+    answers = {
+        _rule(a, b, test, m)
+        for a in _candidates(lo, e_lo, thresholds)
+        for b in _candidates(hi, e_hi, thresholds)
+        if a <= b
+    }
+    return answers.pop() if len(answers) == 1 else "undecided"
