@@ -58,6 +58,14 @@ def test_conf_names_the_file_the_script_writes():
     assert c["max_context"] == 32768 and "get_qwen2_5_coder_1_5b.sh" in c["how_to_get"]
 
 
+def test_a_missing_gguf_is_refused_naming_the_script(tmp_path):
+    from sparse_eval.models.loading import ModelConfig, resolve_path
+
+    cfg = ModelConfig(**{**_conf(), "path": str(tmp_path / "qwen2.5-coder-1.5b-instruct")})
+    with pytest.raises(FileNotFoundError, match="scripts/get_qwen2_5_coder_1_5b.sh"):
+        resolve_path(cfg)
+
+
 def _prompts(tok) -> dict[str, torch.Tensor]:
     ids = tok.apply_chat_template(
         [{"role": "user", "content": QUESTION}], add_generation_prompt=True, return_tensors="pt", return_dict=True
