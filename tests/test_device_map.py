@@ -198,6 +198,22 @@ def test_a_run_over_a_map_files_its_records_where_the_one_device_run_does(tmp_pa
     assert runs["map"] == runs["one"]
 
 
+def test_an_lm_eval_task_over_a_map_gives_the_one_device_records(tmp_path):
+    """lm-eval's own generation loop (``task=lm_eval``: HFLM over the engine's model, inputs on the engine's device)
+    over the same map: the toy task's records equal the one-device run's."""
+    from test_lm_eval_task import _run_toy_folder
+
+    dm = "{" + ",".join(f"{k}:{v}" for k, v in _map(lambda i: "disk" if i % 2 else "cpu").items()) + "}"
+    over = ("task.tasks=[toy_story]", "task.limit=2", "compare=[{name:topk,budget:0.1,local:8}]", "model.dtype=float32")
+    runs = {}
+    for label, extra in (("one", ()), ("map", (f"model.device_map={dm}", f"model.offload_folder={tmp_path / 'off'}"))):
+        (summary,) = _run_toy_folder(tmp_path / label, *over, *extra)
+        lines = Path(summary["run_dir"], "samples.jsonl").read_text().splitlines()
+        runs[label] = [{k: v for k, v in json.loads(x).items() if k not in ("time_s", "run_dir")} for x in lines]
+        assert summary["samples"] == 1 and runs[label][0]["sparse_rows"] > 0
+    assert runs["map"] == runs["one"]
+
+
 # -- on the GPU ------------------------------------------------------------------------------------------------------
 
 
