@@ -214,6 +214,25 @@ def test_an_lm_eval_task_over_a_map_gives_the_one_device_records(tmp_path):
     assert runs["map"] == runs["one"]
 
 
+def test_a_random_checkpoint_of_70b_width_loads_over_a_map(tmp_path):
+    """``system.models.write_checkpoint`` (what ``benchmarks/bench_device_map.py`` runs at Llama-3.1-70B's width):
+    a folder the accuracy path loads like any model, here narrowed to CPU size, over a cpu/disk map, giving the
+    logits of the same checkpoint on one device."""
+    from sparse_eval.system.models import SHAPES, write_checkpoint
+
+    assert SHAPES["llama3_1_70b"]["hidden_size"] == 8192 and SHAPES["llama3_1_70b"]["num_hidden_layers"] == 80
+    narrow = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2)
+    ckpt = write_checkpoint(tmp_path / "ckpt", "llama3_1_70b", num_layers=2, dtype=torch.float32, overrides=narrow)
+    dm = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk"}
+    dm |= {"model.norm": "disk", "lm_head": "cpu"}
+    one, tok = load_model(ModelConfig(name="r70", path=str(ckpt), device="cpu"))
+    mapped, _ = load_model(ModelConfig(name="r70", path=str(ckpt), device_map=dm, offload_folder=str(tmp_path / "o")))
+    assert "model.layers.1" in _hooked(mapped) and mapped.config.hidden_size == 64
+    ids = torch.tensor([tok("Once upon a time")["input_ids"]])
+    with torch.inference_mode():
+        assert torch.equal(mapped(input_ids=ids).logits, one(input_ids=ids).logits)
+
+
 # -- on the GPU ------------------------------------------------------------------------------------------------------
 
 
