@@ -30,7 +30,6 @@ CONFIGS = {
     for i, opts in enumerate(METHODS[name].model_contract_configs())
 }
 LAYERS = 5  # the shipped stories260K
-STORIES = "builtin:stories260K"
 
 
 def _map(layer_device, rest: str | int = "cpu") -> dict:
@@ -52,12 +51,14 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 @torch.inference_mode()
 def _records(model, tok, config: str) -> list:
     """Per request: the result and the recorder's whole summary of its row; generation under protocol A (the
-    decode steps sparse) and teacher-forced NLL under protocol S in prefill chunks of 16, in padded batches of 3."""
+    decode steps sparse) and under protocol B (the question rows sparse: a per-row phase where the rows' contexts end
+    at different columns), teacher-forced NLL under protocol S in prefill chunks of 16, in padded batches of 3."""
     name, opts = CONFIGS[config]
     prompts = _prompts(6, seed=3)
     out = []
     for protocol, chunk, reqs in (
         ("A", None, [GenerationRequest(p, max_new_tokens=4, key=f"g{i}") for i, p in enumerate(prompts)]),
+        ("B", None, [GenerationRequest(p, 3, len(p) - 3 - i, key=f"q{i}") for i, p in enumerate(prompts[:3])]),
         ("S", 16, [LoglikelihoodRequest(p, key=f"w{i}") for i, p in enumerate(prompts[:3])]),
     ):
         method = build_method(make_config(name, dict(opts)))
