@@ -93,6 +93,7 @@ def _hooked(model) -> list[str]:
         (dict(max_memory={"cpu": "1GiB"}), "model.max_memory is only read with model.device_map"),
         (dict(device_map="auto", max_memory="10GiB"), "model.max_memory='10GiB': give {device: size}"),
         (dict(device_map="auto", max_memory={"cpu": -1}), "model.max_memory['cpu']=-1"),
+        (dict(device_map="auto", max_memory={"tpu": "1GiB"}), "a model.max_memory key='tpu' is not a device here"),
     ],
 )
 def test_a_bad_placement_is_refused_at_start_in_one_line(fields, says):

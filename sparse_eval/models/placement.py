@@ -39,8 +39,9 @@ def _valid_devices(count: int) -> list[str]:
     return ["cpu", "disk"] + ([f"0..{count - 1}", f"cuda:0..cuda:{count - 1}"] if count else [])
 
 
-def _map_device(name: str, value: Any, count: int) -> int | str:
-    """One entry of an explicit map as accelerate takes it: a GPU index (int), ``"cpu"`` or ``"disk"``."""
+def _map_device(what: str, value: Any, count: int) -> int | str:
+    """One device of an explicit map (or of ``max_memory``) as accelerate takes it: a GPU index (int), ``"cpu"`` or
+    ``"disk"``; ``what`` names the setting in the error."""
     dev: int | str | None = None
     if isinstance(value, bool):
         dev = None
@@ -58,8 +59,8 @@ def _map_device(name: str, value: Any, count: int) -> int | str:
             dev = int(v)
     if dev is None:
         raise ValueError(
-            f"model.device_map[{name!r}]={value!r} is not a device here; valid: {_valid_devices(count)} (cpu and disk "
-            f"hold offloaded weights, run on the map's first GPU)"
+            f"{what}={value!r} is not a device here; valid: {_valid_devices(count)} (cpu and disk hold offloaded "
+            f"weights, run on the map's first GPU)"
         )
     return dev
 
@@ -99,7 +100,7 @@ def check_device_map(
         for name, value in device_map.items():
             if not isinstance(name, str):
                 raise ValueError(f"model.device_map: key {name!r} is not a module name (e.g. model.layers.0)")
-            dm[name] = _map_device(name, value, count)
+            dm[name] = _map_device(f"model.device_map[{name!r}]", value, count)
         if "disk" in dm.values() and not offload_folder:
             raise ValueError(
                 "model.device_map puts modules on disk; give model.offload_folder=DIR (where their weights are kept)"
@@ -116,7 +117,7 @@ def check_device_map(
             )
         mem = {}
         for key, size in max_memory.items():
-            dev = _map_device(f"max_memory:{key}", key, count)
+            dev = _map_device("a model.max_memory key", key, count)
             if dev == "disk":
                 raise ValueError("model.max_memory: disk has no bound; give GPU indices and cpu")
             if isinstance(size, bool) or not isinstance(size, (int, str)) or (isinstance(size, int) and size <= 0):
