@@ -47,6 +47,7 @@ from hydra.core.config_store import ConfigStore
 from .config import CONF_DIR, PathsConfig, register_configs, to_plain
 from .methods.double_sparsity import calibration_dirs, user_calibration_dir
 from .models.loading import ModelConfig, load_model, max_context
+from .models.placement import main_device
 
 FORMAT = "sparse_eval.double_sparsity.channels/1"
 VALIDATION = "wikitext2_validation"  # the default calibration text
@@ -190,7 +191,7 @@ def channel_statistics(
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in mods]
     try:
-        device = next(model.parameters()).device
+        device = main_device(model)  # the input embeddings' device (``model.device_map``: its first GPU)
         for ids in tqdm(
             blocks, desc="calibration forwards", unit="block", disable=not progress, leave=False, dynamic_ncols=True
         ):
@@ -199,7 +200,8 @@ def channel_statistics(
         for hd in handles:
             hd.remove()
     layers = sorted(sums)
-    return {key: torch.stack([sums[l][key] / counts[l] for l in layers]) for key in ("qk", "q", "k")}
+    dev = sums[layers[0]]["qk"].device  # each layer's sums are on its device (``model.device_map``): gathered here
+    return {key: torch.stack([(sums[l][key] / counts[l]).to(dev) for l in layers]) for key in ("qk", "q", "k")}
 
 
 def rank_channels(score: torch.Tensor) -> torch.Tensor:

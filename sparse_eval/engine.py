@@ -31,6 +31,7 @@ import torch
 
 from .attention.plugin import SparseSession, cache_kwargs, make_cache
 from .invariance import batch_invariant
+from .models.placement import main_device
 from .requests import (
     GenerationRequest,
     GenerationResult,
@@ -47,7 +48,11 @@ class Engine:
         self.session = session
         self.protocol = session.runtime.protocol
         self.prefill_chunk = prefill_chunk
-        self.device = next(model.parameters()).device
+        # where the batch's ids, masks, per-row tensors and logits live: the model's device, or for a model placed
+        # over several (``model.device_map``) its input embeddings' (``placement.main_device``), where the whole
+        # model would run on one device; the logits are read there, so greedy tokens, NLL and stopping are
+        # computed where they are on one device
+        self.device = main_device(model)
         self._cache_kw = next(iter(cache_kwargs(model, None)))  # "cache" (transformers >= 5.24) or "past_key_values"
         pad = getattr(tokenizer, "pad_token_id", None)
         if pad is None:
@@ -126,7 +131,7 @@ class Engine:
                 use_cache=cache is not None,
                 **kw,
             )
-        return out.logits
+        return out.logits.to(self.device)
 
     def _seed_rows(self, requests: Sequence[Any], pads: torch.Tensor) -> None:
         """Per row: its seed (from its sample id) and its first column (the left padding before it)."""
@@ -243,9 +248,11 @@ class Engine:
             n += 1
             pos = pos + 1
             with self.session.phase("sparse"), self.session.counting(counted), self.session.generation():
-                logits = self.model(
-                    input_ids=tok, attention_mask=mask[:, :n], position_ids=pos, use_cache=True, **kw
-                ).logits[:, -1]
+                logits = (
+                    self.model(input_ids=tok, attention_mask=mask[:, :n], position_ids=pos, use_cache=True, **kw)
+                    .logits[:, -1]
+                    .to(self.device)
+                )
         results = []
         for i, r in enumerate(requests):
             text = self.tokenizer.decode(outs[i], skip_special_tokens=True)

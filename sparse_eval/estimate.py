@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .models.placement import main_device
+
 WARN_S = 3600.0
 
 
@@ -44,7 +46,7 @@ def forward_flops(model: Any, tokens: Sequence[int]) -> float:
 
 def cpu_estimate(model: Any, samples: Sequence[Any], runs: int) -> tuple[float, str] | None:
     """(seconds, what it is based on) for ``runs`` method runs over ``samples`` when the model is on the CPU."""
-    if next(model.parameters()).device.type != "cpu" or not samples:
+    if main_device(model).type != "cpu" or not samples:
         return None
     flops = forward_flops(model, [sample_tokens(s) for s in samples])
     if flops <= 0:

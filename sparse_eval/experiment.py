@@ -22,6 +22,7 @@ from .fingerprint import file_sha256
 from .methods import Method, MethodConfig, build_method, make_config
 from .models.inspection import sliding_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
+from .models.placement import device_map_of
 from .overlap import check_method as check_calibration_overlap
 from .results_table import short_label
 from .run_config import check_batch_size, check_method, method_configs
@@ -267,6 +268,9 @@ class Experiment:
             # the experiment's claims as declared for this run (``sparse_eval.claims``): the margins its verdicts use
             "claims": getattr(self, "claims", []),
         }
+        placed = device_map_of(self.model) if self.model is not None else None
+        if placed:  # where the model was placed (``model.device_map``): how it ran, not what it computed (no identity)
+            out["device_map"] = placed
         for key in (*RECORD_STATS, "empty_selections"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             out[key] = sum(vals) / len(vals) if vals else None

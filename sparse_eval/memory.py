@@ -250,7 +250,10 @@ def run_row_bytes(exp: Any, method: Any, samples: Sequence[Any]) -> tuple[float,
 
 
 def _device(exp: Any):
-    return next(exp.model.parameters()).device
+    """The run's device: the model's (``model.device_map``: its input embeddings' execution device)."""
+    from .models.placement import main_device
+
+    return main_device(exp.model)
 
 
 def check_index_fits(method: Any, shape: Shape, n: int, device: Any, building_rows: bool = False) -> None:

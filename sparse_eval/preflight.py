@@ -33,12 +33,12 @@ def _local_launcher(config: DictConfig) -> bool:
 def _model_info(model_cfg: Any, cache: dict) -> Any:
     """(config, device) of a model config, read once per distinct config (the model's config file, not its
     weights); raises the single run's error."""
-    from .models.loading import load_config, resolve_device, resolve_dtype
+    from .models.loading import load_config, resolve_dtype, resolve_placement
 
     key = tuple(sorted((k, str(v)) for k, v in dataclasses.asdict(model_cfg).items()))
     if key not in cache:
         try:
-            device = resolve_device(model_cfg.device)
+            device, _, _ = resolve_placement(model_cfg)  # model.device, or model.device_map's checked
             resolve_dtype(model_cfg.dtype, device)
             cache[key] = (load_config(model_cfg), device)
         except (ValueError, FileNotFoundError, ImportError) as exc:

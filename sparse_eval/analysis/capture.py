@@ -18,6 +18,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from ..models.placement import main_device
+
 CAPTURE_NAME = "sparse_eval_capture"
 _STORE_ATTR = "_sparse_eval_capture"
 
@@ -110,7 +112,7 @@ def capture_qkv(
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
-    dev = next(model.parameters()).device
+    dev = main_device(model)
     with capturing(model, layers, query_rows, dtype, device) as store:
         model(input_ids=ids.to(dev), use_cache=False)
     if not store.layers:
@@ -148,7 +150,7 @@ def capture_layer_inputs(model: torch.nn.Module, input_ids: torch.Tensor) -> dic
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
     try:
-        model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
+        model(input_ids=ids.to(main_device(model)), use_cache=False)
     finally:
         for h in handles:
             h.remove()

@@ -229,6 +229,9 @@ class SparseSession:
         self.layer_inputs: dict[int, tuple] = {}  # per layer: (hidden_states, position_embeddings) of the last call
         self._mask_memo: tuple | None = None  # (attention mask, shapes, PassMasks) of the last call
         self._full_memo: dict[tuple, tuple] = {}  # full attention's recorded sums of the current pass (``_full_sums``)
+        # (id, device) -> (tensor, its copy there): the engine's per-batch tensors on the devices of a model placed over
+        # several (``model.device_map``; ``_on``)
+        self._moved: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- protocol ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -269,9 +272,28 @@ class SparseSession:
         sparse calls are exactly its decode steps)."""
         return self._generating or self.runtime.protocol == "A"
 
-    def _count_mask(self, b: int, q_len: int, sparse_rows: torch.Tensor | None) -> torch.Tensor | None:
-        """bool [B, 1, Q] of the rows to record (None: all)."""
-        w = self._counted
+    def _on(self, t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """``t`` (a tensor the engine made on its device for the whole batch: row seeds and starts, the counted rows,
+        a per-row phase) on ``device``, a layer's own: ``t`` itself on one device; for a model placed over several
+        (``model.device_map``) a copy made once per tensor and device (the memo holds ``t``, so an identity match
+        cannot be a later tensor that reuses a freed one's id), so that every layer's work stays on its device."""
+        if t is None or t.device == device:
+            return t
+        key = (id(t), str(device))
+        hit = self._moved.get(key)
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        if len(self._moved) >= 32:
+            self._moved.clear()
+        moved = t.to(device)
+        self._moved[key] = (t, moved)
+        return moved
+
+    def _count_mask(
+        self, b: int, q_len: int, sparse_rows: torch.Tensor | None, device: torch.device | None = None
+    ) -> torch.Tensor | None:
+        """bool [B, 1, Q] of the rows to record (None: all), on ``device`` (None: where the engine made it)."""
+        w = self._counted if device is None else self._on(self._counted, device)
         if w is not None and tuple(w.shape) != (b, q_len):
             raise ValueError(f"counting mask {tuple(w.shape)} does not match the pass's query rows {(b, q_len)}")
         if sparse_rows is not None:
@@ -322,7 +344,7 @@ class SparseSession:
         identity, so a later tensor that reuses a freed one's id cannot match."""
         c = self.method.config
         shapes = (b, hq, q_len, kv_len, key_bytes, str(device), c.sink, c.local)
-        objs = (attention_mask, self._counted, per_row)
+        objs = (attention_mask, self._on(self._counted, device), per_row)
         key = (shapes, *(id(o) for o in objs))
         hit = self._full_memo.get(key)
         if hit is not None and all(a is o for a, o in zip(hit[0], objs)):
@@ -331,17 +353,22 @@ class SparseSession:
             self._full_memo.clear()
         valid = key_validity(attention_mask, b, q_len, kv_len, device)
         static, n_valid = static_keys(valid, c.sink, c.local)
-        sums = self.recorder.full_sums(static, n_valid, hq, self._count_mask(b, q_len, per_row), key_bytes=key_bytes)
+        counted = self._count_mask(b, q_len, per_row, device)
+        sums = self.recorder.full_sums(static, n_valid, hq, counted, key_bytes=key_bytes)
         self._full_memo[key] = (objs, sums)
         return sums
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        """One layer's attention call.  Everything it makes, reads or keeps (the layer's method state, masks, the
+        recorder's sums of this layer) is on the layer's own device, ``query.device``: the engine's per-batch
+        tensors are brought there (``_on``), so a model placed over several devices computes what it does on one."""
         layer_idx = module.layer_idx
         b, hq, q_len, d = query.shape
+        dev = query.device
         scaling = module.scaling if scaling is None else scaling
         sparse = self.is_sparse(layer_idx, q_len)
-        per_row = sparse if torch.is_tensor(sparse) else None  # bool [B, Q]
-        starts = self.row_starts
+        per_row = self._on(sparse, dev) if torch.is_tensor(sparse) else None  # bool [B, Q]
+        starts = self._on(self.row_starts, dev)
         if per_row is None and not sparse:
             out = dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
             if self.method.observes_dense and layer_idx not in self.dense_layers:
@@ -365,7 +392,7 @@ class SparseSession:
                     ),
                 )
             return out
-        counted = self._count_mask(b, q_len, per_row)
+        counted = self._count_mask(b, q_len, per_row, dev)
         with span("masks"):
             masks = self._masks(attention_mask, b, q_len, key.shape[2], query.device)
             valid = (
@@ -374,7 +401,7 @@ class SparseSession:
         if per_row is not None:
             dense, _ = dense_call(module, query, key, value, attention_mask, scaling, dropout, starts, **kwargs)
         state = _layer_state(getattr(module, _CACHE_ATTR, None), layer_idx)
-        seeds = self.row_seeds if self.row_seeds is not None and self.row_seeds.shape[0] == b else None
+        seeds = self._on(self.row_seeds, dev) if self.row_seeds is not None and self.row_seeds.shape[0] == b else None
         out, stats = sparse_attention(
             self.method,
             query,

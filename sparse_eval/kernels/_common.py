@@ -19,7 +19,7 @@ import functools
 import importlib
 import importlib.util
 import os
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -71,6 +71,25 @@ def resolve_gpu_backend(backend: str, *tensors: torch.Tensor) -> str:
                 "first kernel call (or move the tensors to CUDA)"
             )
     return backend
+
+
+def on_tensor_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a Triton launcher on the CUDA device of its first CUDA tensor argument.  Triton launches on the *current*
+    CUDA device, not on its arguments' one; a model spread over GPUs (``model.device_map``) calls a layer's kernels
+    with tensors on that layer's GPU while the current device is another.  Where they agree (one GPU) this only
+    reads the current device."""
+
+    @functools.wraps(fn)
+    def launch(*args: Any, **kwargs: Any) -> Any:
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                if t.device.index != torch.cuda.current_device():
+                    with torch.cuda.device(t.device):
+                        return fn(*args, **kwargs)
+                break
+        return fn(*args, **kwargs)
+
+    return launch
 
 
 def resolve_cpu_backend(backend: str) -> str:

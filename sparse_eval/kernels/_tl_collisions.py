@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import next_pow2, on_tensor_device
 
 
 @triton.jit
@@ -64,6 +64,7 @@ def _collision_kernel(
     tl.store(out, acc.to(tl.int16), mask=rmask[:, None] & nmask[None, :])
 
 
+@on_tensor_device
 def collision_counts(
     q_codes: torch.Tensor, k_codes: torch.Tensor, *, block_n: int | None = None, block_r: int | None = None
 ) -> torch.Tensor:

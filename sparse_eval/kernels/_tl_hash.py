@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, next_pow2
+from ._common import as_rows, next_pow2, on_tensor_device
 
 
 @triton.jit
@@ -53,6 +53,7 @@ def _simhash_kernel(
     )
 
 
+@on_tensor_device
 def hash_codes(x, w, k_bits, n_tables, *, block_m=None, block_l=None):
     x2, lead = as_rows(x)
     m, d = x2.shape

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import triton_interpret
+from ._common import on_tensor_device, triton_interpret
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per input dtype: fixed for every shape (row invariance needs it)
@@ -114,6 +114,7 @@ def _bmm_kernel(
     tl.store(c, acc.to(OUT), mask=mmask[:, None] & nmask[None, :])
 
 
+@on_tensor_device
 def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """a [Bt, M, K] @ b [Bt, K, N] -> [Bt, M, N] (any strides; a stride-0 batch dim is read in place)."""
     dt = torch.promote_types(a.dtype, b.dtype)
@@ -199,6 +200,7 @@ def _row_sum_kernel(
     tl.store(OUT + row + tl.arange(0, 1), acc)
 
 
+@on_tensor_device
 def row_sum(x: torch.Tensor, square: bool) -> torch.Tensor:
     """x [R, n] -> [R] (float32; float64 for float64): end-aligned tile sums, left to right."""
     if x.stride(-1) != 1:
@@ -264,6 +266,7 @@ def _softmax_kernel(
             _softmax_out_step(base, obase, start, t, m, s, BLOCK, LOG, F64)
 
 
+@on_tensor_device
 def softmax(x: torch.Tensor, log: bool) -> torch.Tensor:
     """x [R, n] -> softmax or log-softmax of each row (float32; float64 for float64)."""
     if x.stride(-1) != 1:
@@ -458,6 +461,7 @@ ATTN_BLOCK_M = 64
 ATTN_BLOCK_N = 64
 
 
+@on_tensor_device
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float, window: int = 0
 ) -> torch.Tensor:

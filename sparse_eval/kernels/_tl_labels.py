@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import on_tensor_device
+
 
 @triton.jit
 def _round_half_even(x):
@@ -96,6 +98,7 @@ def _append_labels_kernel(
             tl.store(ZE + b * stride_sb + lh * stride_sl + pos, zero)
 
 
+@on_tensor_device
 def append_labels(k_new, channels, kv_of, codes, scale, zero, pos, bits):
     b, hkv, _, d = k_new.shape
     hl, r = channels.shape
@@ -159,6 +162,7 @@ def _query_labels_kernel(
     tl.store(OUT + (b * HQ + h) * R + offs, x, mask=valid)
 
 
+@on_tensor_device
 def query_labels(q, q_channels, bits, quantize):
     b, hq, d = q.shape
     r = q_channels.shape[1]

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, triton_interpret
+from ._common import next_pow2, on_tensor_device, triton_interpret
 
 
 @triton.jit
@@ -136,6 +136,7 @@ def _attend_merge_kernel(
     tl.store(LSE + b * stride_lb + heads, top + tl.log(tot), mask=gmask)
 
 
+@on_tensor_device
 def attend_and_merge(
     q, k1, v1, k2, v2, o_other, lse_other, scaling: float, block_n: int = 16, num_warps: int = 4
 ) -> tuple[torch.Tensor, torch.Tensor]:

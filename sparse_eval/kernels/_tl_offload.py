@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import next_pow2, on_tensor_device
 
 
 @triton.jit
@@ -51,6 +51,7 @@ def _gather_rows_kernel(
 _WORD = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
+@on_tensor_device
 def gather_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, g: int) -> None:
     word = _WORD.get(src.dtype, src.dtype)
     s, d = src.view(word), dst.view(word)
@@ -113,6 +114,7 @@ def _put_rows_kernel(
     tl.store(DST + b * d_sb + h * d_sh + row[:, None] * d_sn + offs_d[None, :], x, mask=m)
 
 
+@on_tensor_device
 def put_rows(src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:
     word = _WORD.get(src.dtype, src.dtype)
     s, d = src.view(word), dst.view(word)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import next_pow2, on_tensor_device
 
 
 @triton.jit
@@ -87,6 +87,7 @@ def _label_scores_kernel(
         tl.store(OUT + b * stride_ob + lh * stride_oh + offs_n, acc, mask=nmask)
 
 
+@on_tensor_device
 def label_scores(q_label, cache, *, reduce, lengths, block_n, num_warps):
     b, hl, n = cache.shape
     hq = q_label.shape[1]
@@ -200,6 +201,7 @@ def _page_scores_kernel(
         tl.store(OUT + b * stride_ob + kvh * stride_oh + offs_p, acc, mask=pmask)
 
 
+@on_tensor_device
 def page_scores(q, kmin, kmax, *, reduce, n_pages, block_p, num_warps):
     b, hq, d = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, split_plan, triton_interpret
+from ._common import next_pow2, on_tensor_device, split_plan, triton_interpret
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -252,6 +252,7 @@ def _sm_count(device: torch.device) -> int:
     return 4  # interpreter: a few splits, to exercise the reduction
 
 
+@on_tensor_device
 def run(q, k, v, idx, *, scaling, count, out_dtype, block_n, num_splits, num_warps, num_stages, lengths=None):
     """Sparse attention over ``idx``; or, with ``idx=None``, dense attention over the first ``lengths[b]``
     positions of each row (one program per KV head serving its G query heads)."""

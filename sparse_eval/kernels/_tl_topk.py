@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, next_pow2
+from ._common import as_rows, next_pow2, on_tensor_device
 
 
 @triton.jit
@@ -191,6 +191,7 @@ def _write(
     tl.store(out + s, tl.full([PAD], -1, tl.int32), mask=(s >= total) & (s < K_MAX))
 
 
+@on_tensor_device
 def select(
     scores: torch.Tensor, k_max: int, count, *, radix_bits: int, block_n: int, num_warps: int, atomic_from: int
 ) -> torch.Tensor:

@@ -212,6 +212,7 @@ class DoubleSparsity(Method):
         self._model = None
         self._attn: dict[int, Any] = {}
         self._norm_w: dict[int, torch.Tensor] = {}
+        self._norm_w_on: dict[tuple[int, str], torch.Tensor] = {}  # (layer, device) -> its norm weight there
         if config.channels is not None and config.channel_type != "random":
             self._channels = self._as_channels(config.channels)
             self._channels_source = "method.channels"
@@ -401,6 +402,7 @@ class DoubleSparsity(Method):
         """Loads the model's calibrated channels (unless given directly) and, for offload, finds each layer's
         attention module and input norm."""
         from ..models.inspection import attention_modules
+        from ..models.placement import offloaded_tensor
 
         cfg = model.config.get_text_config()
         num_layers, hq = cfg.num_hidden_layers, cfg.num_attention_heads
@@ -432,10 +434,11 @@ class DoubleSparsity(Method):
             self._model_name = model_name
         self._model = model
         self._attn = {m.layer_idx: m for m in attention_modules(model)}
-        self._norm_w = {}
+        self._norm_w, self._norm_w_on = {}, {}
         if self.config.offload and self.config.offload_input == "residual":
-            parents = {}
+            parents, names = {}, {}
             for name, mod in model.named_modules():
+                names[id(mod)] = name
                 for child_name, child in mod.named_children():
                     parents[id(child)] = mod
             for idx, attn in self._attn.items():
@@ -446,7 +449,8 @@ class DoubleSparsity(Method):
                         "method.offload_input='residual' needs each decoder layer's input_layernorm weight "
                         f"(layer {idx} has none); use method.offload_input=attn_input"
                     )
-                self._norm_w[idx] = w.detach()
+                # a layer offloaded by ``model.device_map`` keeps its weights on meta between calls: its hook's copy
+                self._norm_w[idx] = offloaded_tensor(model, f"{names[id(norm)]}.weight")
 
     # -- channels and labels -------------------------------------------------------------------
     def random_channels(self, layer_idx: int, hkv: int, d: int) -> torch.Tensor:
@@ -576,8 +580,10 @@ class DoubleSparsity(Method):
         start = ctx.query_offset
         if pos is None or h.shape[0] != b or h.shape[1] < start + ql:
             return None
-        cos, sin = pos[0][:, start : start + ql], pos[1][:, start : start + ql]
-        return self.predict_query(attn, layer, h[:, start : start + ql], cos, sin, d)
+        # layer l-1's input is on its own device: layer l's query is predicted where layer l runs
+        dev = ctx.q.device
+        cos, sin = pos[0][:, start : start + ql].to(dev), pos[1][:, start : start + ql].to(dev)
+        return self.predict_query(attn, layer, h[:, start : start + ql].to(dev), cos, sin, d)
 
     def predict_query(
         self, attn: Any, layer_idx: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
@@ -598,6 +604,11 @@ class DoubleSparsity(Method):
                     "finds each layer's input norm)"
                 )
             w = self._norm_w[layer_idx - 1]
+            if w.device != h.device:  # an offloaded layer's weight (kept on the host): copied once per device
+                key = (layer_idx - 1, str(h.device))
+                w = self._norm_w_on.get(key)
+                if w is None:
+                    w = self._norm_w_on[key] = self._norm_w[layer_idx - 1].to(h.device)
             h = h / torch.where(w == 0, torch.ones_like(w), w).to(h.dtype)
         b, ql = h.shape[:2]
         q = attn.q_proj(h).view(b, ql, -1, head_dim)

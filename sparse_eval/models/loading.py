@@ -31,6 +31,8 @@ MODEL_FILE_PATTERNS = (
 )
 BUILTIN_PREFIX = "builtin:"
 DTYPES = ("float32", "bfloat16", "float16")  # model.dtype besides auto (torch dtypes of the same names)
+# where the model is placed over several devices: no part of a run's identity (``model_identity``)
+PLACEMENT_FIELDS = ("device_map", "max_memory", "offload_folder")
 
 
 @dataclass
@@ -52,6 +54,15 @@ class ModelConfig:
     # check a GGUF's tokenizer against its own vocabulary at load (``tokenizer_check``); false runs it unchecked
     # and records "checked_against": "off" in the run's identity
     check_tokenizer: bool = True
+    # the model over several devices (``models.placement``; a model larger than one GPU, e.g. Llama-3.1-70B): an
+    # accelerate strategy (auto | balanced | balanced_low_0 | sequential) or an explicit {module name: device} map
+    # (device: N or cuda:N, cpu, disk; cpu/disk hold offloaded weights run on the map's first GPU); null: the whole
+    # model on ``device`` (which must then stay auto).  ``max_memory`` bounds a strategy per device ({0: 70GiB,
+    # cpu: 200GiB}); ``offload_folder`` keeps the weights of modules mapped to disk.  None of the three enters a
+    # run's identity: the records are those of the model on one device (docs/device_map.md)
+    device_map: Any = None
+    max_memory: Any = None
+    offload_folder: str | None = None
 
 
 def resolve_device(device: str) -> "torch.device":
@@ -77,6 +88,21 @@ def resolve_device(device: str) -> "torch.device":
             f"valid here: cuda:0..cuda:{torch.cuda.device_count() - 1}"
         )
     return dev
+
+
+def resolve_placement(cfg: ModelConfig) -> tuple["torch.device", Any, Any]:
+    """(the device that decides ``dtype=auto`` and holds the model's inputs, the checked device map or None, its
+    max_memory or None): ``model.device`` resolved (``resolve_device``) without a map; with ``model.device_map``
+    (``placement.check_device_map``) cuda:0 when the map computes on a GPU, else the CPU.  Raises the one-line
+    ValueError of a bad value or of ``model.device`` and ``model.device_map`` both set."""
+    import torch
+
+    from .placement import check_device_map, map_uses_cuda
+
+    device_map, max_memory = check_device_map(cfg.device, cfg.device_map, cfg.max_memory, cfg.offload_folder)
+    if device_map is None:
+        return resolve_device(cfg.device), None, None
+    return torch.device("cuda:0" if map_uses_cuda(device_map) else "cpu"), device_map, max_memory
 
 
 def resolve_dtype(dtype: str, device: "torch.device") -> "torch.dtype":
@@ -198,25 +224,38 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
 
 
 def load_model(cfg: ModelConfig, attn_implementation: str = "sdpa") -> tuple[Any, Any]:
-    """Returns (model in eval mode on its device, tokenizer (``load_tokenizer``: checked before the weights
-    load))."""
+    """Returns (model in eval mode on its device, or dispatched over ``model.device_map``'s devices by
+    accelerate, tokenizer (``load_tokenizer``: checked before the weights load))."""
     from transformers import AutoModelForCausalLM
 
     from ..attention import plugin  # noqa: F401  (registers the attention function before the model is built)
 
-    device = resolve_device(cfg.device)
+    device, device_map, max_memory = resolve_placement(cfg)
     dtype = resolve_dtype(cfg.dtype, device)
     path = resolve_path(cfg)
     kw: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if cfg.gguf_file:
         kw["gguf_file"] = cfg.gguf_file
+    if device_map is not None:
+        kw["device_map"] = device_map
+        if max_memory is not None:
+            kw["max_memory"] = max_memory
+        if cfg.offload_folder:
+            kw["offload_folder"] = str(Path(cfg.offload_folder).expanduser())
     tokenizer = load_tokenizer(cfg)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kw)
     except (OSError, ValueError) as exc:  # not on disk, not on the hub, not a causal LM: one line naming model.path
+        if device_map is not None and "offload" in str(exc):  # a strategy that spilled modules to disk
+            raise ValueError(
+                f"model.device_map={cfg.device_map!r} does not fit the devices' memory without disk offload; give "
+                f"model.offload_folder=DIR, or raise model.max_memory ({str(exc).strip().splitlines()[0][:160]})"
+            ) from None
         raise _load_error(cfg, exc) from None
     quiet_bpe_cleanup(tokenizer)
-    model.to(device).eval()
+    if device_map is None:
+        model.to(device)
+    model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -313,11 +352,14 @@ def model_identity(
     (``tokenizer_check.tokenizer_identity``: its ids of the canary text, and what it was checked against), since
     one file under two transformers versions can tokenize two ways.  ``name`` is the label results are filed
     under (``model_label``; ``paths``: the run's ``paths`` config, for the model configs' interpolations).
-    ``model.tokenizer`` and ``model.check_tokenizer`` enter only when set away from their defaults."""
+    ``model.tokenizer`` and ``model.check_tokenizer`` enter only when set away from their defaults.  Where the model
+    is placed (``model.device``, ``model.device_map``, ``model.max_memory``, ``model.offload_folder``) does not
+    enter beyond ``device`` as configured: a map's records are those of the model on one device
+    (``models.placement``; ``tests/test_device_map.py``), as a batch's are those of its samples alone."""
     from ..fingerprint import combined_sha256, files_sha256
     from .tokenizer_check import tokenizer_identity
 
-    out = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "how_to_get"}
+    out = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("how_to_get", *PLACEMENT_FIELDS)}
     for key, default in (("tokenizer", None), ("check_tokenizer", True)):
         if out.get(key) == default:
             out.pop(key)

@@ -68,6 +68,11 @@ def run(cfg: Any) -> dict[str, Any]:
     for what in ("context", "batch", "repeat_batch", "new_tokens"):
         if int(cfg[what]) < 1:
             raise ValueError(f"{what}={cfg[what]}: must be >= 1")
+    if cfg.model.get("device_map") is not None:
+        raise ValueError(
+            "model.device_map: the system path runs the model on one device (model.device); drop model.device_map "
+            "(the accuracy path, python -m sparse_eval, places a model over several devices)"
+        )
     opts = to_plain(cfg.method)
     if opts["name"] not in SYSTEM_LAYERS:
         raise ValueError(f"method={opts['name']!r} has no system path; valid: {list(SYSTEM_LAYERS)}")

@@ -773,13 +773,17 @@ class LmEval(Task):
                     rows.after()
                     session.recorder.archive_rows()  # rows of lm-eval's batches pooled in float64: batch-free
 
-        return _PatchedLM(
+        lm = _PatchedLM(
             pretrained=engine.model,
             tokenizer=engine.tokenizer,
             batch_size=self.config.batch_size,
             max_length=self._max_length,
             device=str(engine.device),
         )
+        # HFLM takes a given model's ``device`` (its first parameter's: on meta where ``model.device_map`` offloads
+        # it); its inputs go where the engine's do (``placement.main_device``)
+        lm._device = engine.device
+        return lm
 
     def _primary(self, requested: str, task: str, entry: dict[str, Any]) -> str | None:
         """The result key of the headline metric: ``task.primary_metric`` of the requested name, the lm-eval
