@@ -266,3 +266,23 @@ def test_layers_over_two_gpus_give_the_one_gpu_records():
     dm = _map(lambda i: 0 if i < 3 else 1, rest=0) | {"model.norm": 1}
     two = _gpu_records(ModelConfig(dtype="bfloat16", device_map=dm))
     assert two == one
+
+
+def test_load_model_asks_for_no_hub_kernels(monkeypatch):
+    """transformers >= 5.2x kernelizes a model placed on a GPU at load (a device map) with kernels fetched from the
+    hub when `kernels` is installed: the H200 run of the half-GPU test above failed offline on 'kernels-community/
+    rotary', and such kernels are not checked for batch invariance.  load_model passes use_kernels=False."""
+    import transformers
+
+    from sparse_eval.models.loading import ModelConfig, load_model
+
+    seen = {}
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    model, _ = load_model(ModelConfig(device="cpu"))
+    assert seen.get("use_kernels") is False and not getattr(model, "use_kernels", False)

@@ -233,7 +233,10 @@ def load_model(cfg: ModelConfig, attn_implementation: str = "sdpa") -> tuple[Any
     device, device_map, max_memory = resolve_placement(cfg)
     dtype = resolve_dtype(cfg.dtype, device)
     path = resolve_path(cfg)
-    kw: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    # no hub kernels: transformers >= 5.2x swaps layers (RoPE, activations) for kernels fetched from the hub when the
+    # `kernels` package is installed and the model is placed on a GPU at load (a device map), which needs the network
+    # and runs kernels this package has not checked for batch invariance
+    kw: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, "use_kernels": False}
     if cfg.gguf_file:
         kw["gguf_file"] = cfg.gguf_file
     if device_map is not None:
