@@ -995,11 +995,12 @@ class LmEval(Task):
 
 
 def _documents(r: dict[str, Any]) -> int:
-    """The documents one record scored."""
+    """The documents one record scored: its ``documents``, else those of its per-document records; a record
+    with neither (one written without them) counts as one."""
     n = r.get("documents")
     if isinstance(n, int) and not isinstance(n, bool):
         return n
-    return len({(d.get("task"), d.get("doc_id")) for d in r.get("docs") or []})
+    return len({(d.get("task"), d.get("doc_id")) for d in r.get("docs") or []}) or 1
 
 
 def _headline_docs(r: dict[str, Any]) -> list[tuple[str, float]] | None:
