@@ -6,7 +6,8 @@ For each run directory present in both (matched by its path under the folder: ta
 it compares the sample records (``samples.jsonl``, by sample id), ``summary.json``, ``summary.csv``, ``meta.json``
 and ``config.yaml``, ignoring what differs between two runs of the same code anyway: time fields (``time_s``,
 ``time``, ``started``), the run's own path, process and host, and the provenance (git commit, hardware, command
-line, and each restart's: ``resumes``).  Runs present in one folder only are listed.  Exit status 0 when every
+line, and each restart's: ``resumes``; where each segment started and stopped: ``done_at_start``,
+``done_at_end``).  Runs present in one folder only are listed.  Exit status 0 when every
 shared run's records are identical.
 
 ``--shared-samples`` compares only the samples both runs finished and skips the summaries, for a check that
@@ -24,7 +25,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-IGNORED = {"time_s", "time", "started", "run_dir", "pid", "host", "git", "hardware", "argv", "resumes"}
+IGNORED = {
+    "time_s",
+    "time",
+    "started",
+    "run_dir",
+    "pid",
+    "host",
+    "git",
+    "hardware",
+    "argv",
+    "resumes",
+    "done_at_start",
+    "done_at_end",
+}
 
 
 def _strip(x: Any) -> Any:

@@ -62,8 +62,10 @@ Columns (see also docs/sweeps.md):
                                      layers, heads and query rows): Cost1 search/sampling FLOPs ratio, Cost2
                                      attended-key fraction, KV bytes read per row, relative L2 error of the
                                      attention output, dense attention mass on the kept keys, top-k recall of them
-  samples, failed_samples            finished / errored sample records in the row
-  expected_samples, complete         the run's expected sample count; every one of them finished without an error
+  samples, failed_samples            finished / errored sample records in the row; ``samples`` in the task's
+                                     units (``Task.units``: lm-eval's documents, not its records' pieces)
+  expected_samples, complete         the run's expected sample count (in those units); every one of them
+                                     finished without an error
                                      (run-level: a run with a failed sample is not complete)
   state                              done / incomplete / running / failed / pending (sparse_eval.status)
   time_s                             sum of the row's per-sample times
@@ -303,10 +305,12 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
             subtask=subtask,
             length=length,
             score=score,
-            samples=len(ok),
+            samples=task.units(ok) if task is not None else len(ok),  # lm-eval: documents, not its pieces
             failed_samples=len(recs) - len(ok),
             time_s=sum(float(r.get("time_s") or 0.0) for r in recs),
         )
+        if task is not None and isinstance(out["expected_samples"], int):
+            out["expected_samples"] = task.expected_units(out["expected_samples"], ok)
         for key in MEAN_FIELDS:
             out[key] = _mean([r.get(key) for r in ok])
         terms = _terms(task, ok)

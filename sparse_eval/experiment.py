@@ -31,7 +31,8 @@ from .statistics import score_interval
 from .store import (
     SAMPLES_FILE,
     SampleLog,
-    record_resume,
+    record_segment,
+    record_segment_end,
     record_start,
     run_dir_for,
     write_progress,
@@ -163,20 +164,20 @@ class Experiment:
         if run_dir is None or identity is None:
             identity, run_dir = self.run_dir(method)
         method_cfg = method.config
-        record_start(run_dir, identity)
+        first_start = record_start(run_dir, identity)
         samples_log = SampleLog(run_dir / SAMPLES_FILE)
         if self.cfg.eval.rerun_failed:
             samples_log.drop_failed()
         samples = self.samples()
         todo = [s for s in samples if not samples_log.done(s.id)]
         write_progress(run_dir, len(samples), len(samples) - len(todo))  # for `python -m sparse_eval.status`
-        if todo and len(todo) < len(samples):
-            record_resume(run_dir, len(samples) - len(todo))  # the samples to come may be written by other code
         if method.external_inputs(self.model_cfg.name) != identity["inputs"]:
             raise RuntimeError(
                 f"{run_dir}: a file the method reads changed after the run was named "
                 f"({identity['inputs']}); run again to file the results under the new contents"
             )
+        if todo:  # this process's segment of the run: the samples to come may be written by other code than before
+            record_segment(run_dir, len(samples) - len(todo), first=first_start)
         self._provenance = method.provenance()
         torch.manual_seed(method_cfg.seed)
         session = attach(
@@ -211,6 +212,8 @@ class Experiment:
                     bar.set_postfix(batch=batcher.size, refresh=False)
         finally:
             detach(self.model)
+            if todo:
+                record_segment_end(run_dir, sum(s.id in samples_log.records for s in samples))
         self._batch_used = batcher.used
         records = [samples_log.records[s.id] for s in samples if s.id in samples_log.records]
         summary = self.summarize(run_dir, identity, records, method)

@@ -41,9 +41,12 @@ def pool_seeds(task: Any, summaries: list[dict[str, Any]]) -> list[dict[str, Any
     from .methods import is_dense
     from .statistics import seed_pooled_ci, seed_pooled_difference, seed_spread
 
-    def terms(summary: dict[str, Any]):
+    def finished(summary: dict[str, Any]) -> list[dict[str, Any]]:
         recs = read_samples(Path(summary["run_dir"]) / SAMPLES_FILE).values()
-        return task.score_terms([r for r in recs if r.get("status") == "ok"])
+        return [r for r in recs if r.get("status") == "ok"]
+
+    def terms(summary: dict[str, Any]):
+        return task.score_terms(finished(summary))
 
     groups: dict[str, list[dict[str, Any]]] = {}
     for s in summaries:
@@ -65,7 +68,8 @@ def pool_seeds(task: Any, summaries: list[dict[str, Any]]) -> list[dict[str, Any
                 group[0]["stochastic"] if "stochastic" in group[0] else is_stochastic(group[0]["method_config"])
             ),
             "complete": complete,
-            "expected_samples": group[0]["expected_samples"],
+            # in the task's units (``Task.units``: lm-eval's documents), as ``samples`` below
+            "expected_samples": task.expected_units(group[0]["expected_samples"], finished(group[0])),
             "failed": sum(s["failed"] for s in group),
             "time_s": sum(s["time_s"] for s in group),
             "ci": None,
@@ -84,7 +88,7 @@ def pool_seeds(task: Any, summaries: list[dict[str, Any]]) -> list[dict[str, Any
                     d["significant"] = None  # no claim from an incomplete run (or reference)
                 row["vs_full"] = d
         score = row["ci"]["score"] if row["ci"] else group[0]["score"]
-        row["score"], row["samples"] = score, row["ci"]["n"] if row["ci"] else group[0]["samples"]
+        row["score"], row["samples"] = score, row["ci"]["n"] if row["ci"] else task.units(finished(group[0]))
         rows.append(row)
     return rows
 

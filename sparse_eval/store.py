@@ -9,7 +9,9 @@ config, the sha256 of the files the method reads (``inputs``), the task, the eva
     <runs_dir>/<task>/<model>/<method>-<key=value...>-<hash>/
         config.yaml      the run's identity (what the hash is of)
         meta.json        git commit, library versions, hardware, command line, start time (``provenance``), and
-                         the same for each restart that added samples (``resumes``, with the count it found)
+                         the same for each restart that added samples (``resumes``); each of these segments
+                         also holds the run's sample count when it started and when it stopped (``done_at_start``,
+                         ``done_at_end``; none at the end of a process that was killed)
         samples.jsonl    one JSON line per finished sample, appended and flushed as it finishes
         summary.json     the run's metrics, costs and settings (+ per-layer / per-head aggregates)
         summary.csv      the same as one flat row
@@ -200,8 +202,9 @@ def read_json(path: Path) -> Any:
 # -- writing a run ---------------------------------------------------------------------------------------------
 
 
-def record_start(run_dir: Path, identity: dict[str, Any]) -> None:
-    """``config.yaml`` (the identity) and, at a run's first start, ``meta.json`` (its provenance)."""
+def record_start(run_dir: Path, identity: dict[str, Any]) -> bool:
+    """``config.yaml`` (the identity) and, at a run's first start, ``meta.json`` (its provenance).  True when this
+    call wrote meta.json (the run's first start), False when it was there (a restart)."""
     from omegaconf import OmegaConf
 
     from .provenance import provenance
@@ -209,21 +212,53 @@ def record_start(run_dir: Path, identity: dict[str, Any]) -> None:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(identity)))
-    if not (run_dir / META_FILE).exists():
-        write_json(run_dir / META_FILE, provenance())
+    if (run_dir / META_FILE).exists():
+        return False
+    write_json(run_dir / META_FILE, provenance())
+    return True
 
 
 def record_resume(run_dir: Path, done_at_start: int) -> None:
-    """A restart that adds samples to a run holding ``done_at_start`` of them: this process's provenance (git,
-    versions, hardware, command line, start time) appended to ``meta.json``'s ``resumes``, so that a run whose
-    samples were written by different code, libraries or hardware says so (``collect``'s ``segments`` and
-    ``mixed_provenance``)."""
+    """A restart that adds samples to a run holding ``done_at_start`` of them (0 when the processes before it
+    stopped before their first sample): this process's provenance (git commit and the hash of a dirty tree's
+    difference, versions, hardware, command line, start time) appended to ``meta.json``'s ``resumes``, so that a
+    run whose samples were written by different code, libraries or hardware says so (``collect``'s ``segments``
+    and ``mixed_provenance``)."""
     from .provenance import provenance
 
     path = Path(run_dir) / META_FILE
     meta = read_json(path) or {}
     meta.setdefault("resumes", []).append({"done_at_start": int(done_at_start), **provenance()})
     write_json(path, meta)
+
+
+def record_segment(run_dir: Path, done_at_start: int, first: bool) -> None:
+    """A process about to add samples to a run that holds ``done_at_start`` of them, under the run's lock: its
+    segment of the run.  At the run's first start (``first``: ``record_start`` wrote meta.json) the count joins
+    meta.json's own provenance; any later start is a restart (``record_resume``), whatever it found."""
+    if not first:
+        record_resume(run_dir, done_at_start)
+        return
+    path = Path(run_dir) / META_FILE
+    meta = read_json(path) or {}
+    meta["done_at_start"] = int(done_at_start)
+    write_json(path, meta)
+
+
+def record_segment_end(run_dir: Path, done_at_end: int) -> None:
+    """The end (finished, interrupted or failed) of the process that ``record_segment`` recorded last: the run's
+    sample count then, as its segment's ``done_at_end``.  With every segment's counts on record, the next one
+    starts where the last one stopped and the last one stops at the samples the run holds
+    (tests/test_experiments_record.py checks this of every archived run), so a segment missing from meta.json
+    shows.  A write that fails is logged, not raised: it must not hide the run's own error."""
+    path = Path(run_dir) / META_FILE
+    try:
+        meta = read_json(path) or {}
+        resumes = meta.get("resumes") or []
+        (resumes[-1] if resumes else meta)["done_at_end"] = int(done_at_end)
+        write_json(path, meta)
+    except OSError as exc:
+        log.warning("could not record the end of this segment in %s: %s", path, exc)
 
 
 def slurm_job_id() -> str | None:

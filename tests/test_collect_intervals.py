@@ -120,3 +120,39 @@ def test_report_of_a_runs_folder_takes_full_at_least_and_a_collected_table_refus
     code = report_main([str(tmp_path / "results.csv"), "--out", str(tmp_path / "rep2"), "--full-at-least", "30"])
     assert code == 2 and not (tmp_path / "rep2").exists()
     assert "collect <runs> --full-at-least 30" in capsys.readouterr().err
+
+
+LM_RUNS = Path(__file__).resolve().parents[1] / "experiments" / "lmeval_table1_smollm2" / "runs.tar.gz"
+
+
+def test_lm_eval_rows_count_documents_not_pieces(tmp_path):
+    """An lm-eval run's record is a piece of a task's documents (task.shards): collect's and the printed table's
+    ``samples`` count the documents (GSM8K-CoT: 250 in 8 pieces), and so does ``expected_samples``, exactly once
+    every piece finished and at the finished pieces' mean before, so that a run cut short still shows as such."""
+    import json
+
+    from sparse_eval.collect import _task, run_rows
+    from sparse_eval.results_table import pool_seeds
+    from sparse_eval.store import read_identity
+
+    folder = "runs_lm/lm_eval/smollm2_135m/full-e41f22d7ad"  # full attention on GSM8K-CoT
+    with tarfile.open(LM_RUNS) as tar:
+        tar.extractall(tmp_path, members=[m for m in tar.getmembers() if m.name.startswith(folder)], filter="data")
+    run_dir = tmp_path / folder
+    (row,) = run_rows(run_dir)
+    assert (row["subtask"], row["samples"], row["expected_samples"], row["complete"]) == (
+        "gsm8k_cot_local",
+        250,
+        250,
+        True,
+    )
+    task = _task(read_identity(run_dir)["task"])
+    summary = {**json.loads((run_dir / "summary.json").read_text()), "run_dir": str(run_dir)}
+    (printed,) = pool_seeds(task, [summary])
+    assert (printed["samples"], printed["expected_samples"]) == (250, 250)
+
+    lines = (run_dir / "samples.jsonl").read_text().splitlines()
+    (run_dir / "samples.jsonl").write_text("\n".join(lines[:6]) + "\n")  # 2 of the 8 pieces missing
+    (short,) = run_rows(run_dir)
+    done = sum(json.loads(line)["documents"] for line in lines[:6])
+    assert short["samples"] == done < short["expected_samples"] == done + round(2 * done / 6)

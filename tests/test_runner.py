@@ -126,6 +126,8 @@ def test_resume_after_interrupted_run(tmp_path, monkeypatch):
     meta = json.loads((run_dir / "meta.json").read_text())
     assert [r["done_at_start"] for r in meta["resumes"]] == [2]
     assert {"git", "versions", "hardware", "argv", "started"} <= set(meta["resumes"][0])
+    # each segment's counts at start and end: the interrupted first start stopped at 2, the restart at all 4
+    assert (meta["done_at_start"], meta["done_at_end"], meta["resumes"][0]["done_at_end"]) == (0, 2, 4)
     from sparse_eval.collect import run_rows
 
     row = run_rows(run_dir, by_subtask=False)[0]

@@ -51,6 +51,24 @@ def test_a_restart_from_other_code_is_flagged(tmp_path):
     assert _provenance({"git": {"commit": "a"}})["segments"] == 1  # a record from before resumes were kept
 
 
+def test_each_segment_records_where_it_started_and_stopped(tmp_path):
+    """The first start and every restart with samples to write (one that found none included: the process before
+    it stopped before its first sample) is a segment of meta.json with its counts at start and at end."""
+    run_dir = tmp_path / "task" / "model" / "full-abc"
+    identity = {"method": {"name": "full"}, "task": {"name": "wikitext"}, "model": {"name": "m"}}
+    assert store.record_start(run_dir, identity) is True
+    store.record_segment(run_dir, 0, first=True)
+    store.record_segment_end(run_dir, 0)  # stopped before its first sample
+    assert store.record_start(run_dir, identity) is False
+    store.record_segment(run_dir, 0, first=False)
+    store.record_segment_end(run_dir, 3)
+    store.record_segment(run_dir, 3, first=False)  # then killed: no end on record
+    meta = store.read_json(run_dir / store.META_FILE)
+    assert (meta["done_at_start"], meta["done_at_end"]) == (0, 0)
+    assert [(r["done_at_start"], r.get("done_at_end")) for r in meta["resumes"]] == [(0, 3), (3, None)]
+    assert {"git", "versions", "hardware", "argv", "started"} <= set(meta["resumes"][1])
+
+
 def test_summary_failure_and_progress_files(tmp_path):
     store.write_summary(tmp_path, {"score": float("nan"), "metrics": {"ppl": 2.0}, "per_layer": {"cost1": [0.1]}})
     assert store.read_json(tmp_path / store.SUMMARY_FILE)["score"] is None  # NaN never reaches a result file

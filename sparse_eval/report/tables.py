@@ -294,7 +294,7 @@ def magicpig_table1(df) -> Table:
         "MagicPIG Table 1: lm-eval-harness",
         "Scores in % (lm-eval's headline metric ×100: GSM8K-CoT exact match, CoQA F1, MMLU-Flan-CoT exact "
         f"match); Avg over the columns present; costs measured over the decode steps. lm-eval tasks run: {ran}. "
-        "A run's samples are its pieces (task.shards: one record per piece of the documents).",
+        "n counts documents (a run's records are pieces of them: task.shards).",
         ["GSM", "COQA", "MMLU"],
         ["MagicPIG Table 1"],
     )

@@ -120,6 +120,17 @@ class Task:
         scores = [r["score"] for r in records if r.get("score") is not None]
         return {self.metric: sum(scores) / len(scores) if scores else None}
 
+    def units(self, records: list[dict[str, Any]]) -> int:
+        """How many scored units the finished sample records hold: what a results table's ``samples`` counts
+        (``collect``, ``results_table``) and the score's interval resamples.  One per record, unless a task's
+        record holds several (lm-eval's: the documents of a task or of a piece of one)."""
+        return len(records)
+
+    def expected_units(self, expected: int, records: list[dict[str, Any]]) -> int:
+        """The units of a run of ``expected`` sample records, ``records`` being those it finished (in ``units``'s
+        count): ``expected`` when a record is one unit."""
+        return expected
+
     def score_terms(self, records: list[dict[str, Any]]) -> "ScoreTerms | None":
         """The per-sample terms of the headline score (``sparse_eval.statistics``), from which its confidence
         interval and paired differences are bootstrapped; ``terms.score()`` equals ``aggregate``'s.  The default:

@@ -964,6 +964,20 @@ class LmEval(Task):
         out["tasks"] = len(scores)
         return out
 
+    def units(self, records: list[dict[str, Any]]) -> int:
+        """Documents: a record is a requested task, or a piece of one (``task.shards``), holding many (its
+        ``documents``; from its per-document records when a record lacks the count)."""
+        return sum(_documents(r) for r in records)
+
+    def expected_units(self, expected: int, records: list[dict[str, Any]]) -> int:
+        """The documents of a run of ``expected`` records: exact once every record finished; before, each missing
+        record counted at the finished ones' mean (a task's pieces hold equal shares of its documents, to one);
+        ``expected`` itself while none finished."""
+        if not records:
+            return expected
+        done = self.units(records)
+        return done + round((expected - len(records)) * done / len(records)) if expected > len(records) else done
+
     def score_terms(self, records: list[dict[str, Any]]):
         """Per document: the headline metric of each document under the headline filter, one bootstrap group per
         lm-eval task (the score is the mean of the tasks' means).  None when a task's headline is not the mean of
@@ -982,6 +996,15 @@ class LmEval(Task):
             vals += [v for _, v in docs]
             groups += [g] * len(docs)
         return ScoreTerms(ids, vals, [1.0] * len(ids), groups)
+
+
+def _documents(r: dict[str, Any]) -> int:
+    """The documents one record scored: its ``documents``, else those of its per-document records; a record
+    with neither (one written without them) counts as one."""
+    n = r.get("documents")
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n
+    return len({(d.get("task"), d.get("doc_id")) for d in r.get("docs") or []}) or 1
 
 
 def _headline_docs(r: dict[str, Any]) -> list[tuple[str, float]] | None:
