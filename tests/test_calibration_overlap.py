@@ -30,6 +30,7 @@ from sparse_eval.overlap import (
     check_method,
     fingerprint,
     shared_shingles,
+    shingle_hashes,
     words,
 )
 from sparse_eval.config import CONF_DIR
@@ -178,6 +179,46 @@ def test_ruler_prompts_are_checked_too(stories, shared_data):
     ):
         check_method(Calibrated(essays[:30_000]), task, samples, tok)
     assert check_method(Calibrated(valid[:100_000]), task, samples, tok) == {"checked": True, "shared": 0}
+
+
+def test_two_shared_shingles_refuse_a_run_and_one_does_not():
+    """The boundary: the texts overlap when they share at least ``MIN_SHARED`` = 2 kept shingles (the module's
+    rule).  Evaluated passages cut from the calibration text so that they hold exactly 1, 2 and 3 of its kept
+    shingles: 1 passes (an isolated common sentence), 2 and 3 refuse the run."""
+    import random
+
+    assert MIN_SHARED == 2
+    rng = random.Random(0)
+    cal_words = [f"w{rng.randrange(10**9)}" for _ in range(3000)]
+    # the start of every kept shingle of the calibration text, each shingle hashed alone
+    kept = [
+        i
+        for i in range(len(cal_words) - SHINGLE_WORDS + 1)
+        if shingle_hashes([" ".join(cal_words[i : i + SHINGLE_WORDS])])[0].size
+    ]
+    assert len(kept) > 100  # about 1 in KEEP_ONE_IN
+
+    class Calibrated:
+        def calibration_text(self):
+            return CalibrationText("cal.json", "random words", fingerprint(" ".join(cal_words)), "recalibrate")
+
+    class Evaluates:
+        name, config = "wikitext", type("C", (), {"name": "wikitext"})()
+
+        def __init__(self, text):
+            self.text = text
+
+        def evaluated_texts(self, samples, tokenizer):
+            return [self.text]
+
+    for j, m in ((10, 1), (20, 2), (30, 3)):
+        # from the j-th kept shingle's first word to the (j+m-1)-th's last: exactly m kept shingles inside
+        passage = " ".join(cal_words[kept[j] : kept[j + m - 1] + SHINGLE_WORDS])
+        if m < MIN_SHARED:
+            assert check_method(Calibrated(), Evaluates(passage), [], None) == {"checked": True, "shared": m}
+        else:
+            with pytest.raises(CalibrationOverlapError, match=rf"\({m} of its {len(kept)} sampled 13-word shingles"):
+                check_method(Calibrated(), Evaluates(passage), [], None)
 
 
 def test_methods_without_calibration_and_tasks_without_text_are_not_refused(tmp_path, caplog):

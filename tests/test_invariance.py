@@ -80,6 +80,31 @@ def test_reference_reductions_are_end_aligned(dtype):
         assert torch.equal(kinv.cumsum_reference(F.pad(x, (0, p))[..., :300]), cs)  # later entries change nothing
 
 
+def test_reference_softmax_is_finite_and_exact_for_logits_above_88():
+    """exp overflows float32 above 88.7: the reference softmax (the CPU path, and so every softmax inside
+    ``batch_invariant()`` and the invariant attention) subtracts each row's max first, so rows of large logits give
+    the float64 softmax, finite, and so does the log form; a row of −inf stays NaN as torch's."""
+    x = torch.tensor([[100.0, 99.0, 90.0, -5.0], [1000.0, 1000.0, 999.0, 0.0], [89.0, 0.0, 0.0, 0.0]])
+    want = torch.softmax(x.double(), -1)
+    for got in (kinv.softmax_reference(x), kinv.softmax(x, backend="torch")):
+        assert torch.isfinite(got).all(), got
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-12)
+    log = kinv.softmax_reference(x, log=True)
+    assert torch.isfinite(log).all(), log
+    torch.testing.assert_close(log.double(), torch.log_softmax(x.double(), -1), rtol=1e-6, atol=1e-5)
+    assert torch.isnan(kinv.softmax_reference(torch.full((1, 3), float("-inf")))).all()
+    # the invariant attention over scores far above 88 (q·k/√d ≈ 400): the float64 attention, finite
+    g = torch.Generator().manual_seed(0)
+    q = 40 * torch.randn(1, 2, 3, 8, generator=g)
+    k, v = 3 * torch.randn(1, 1, 6, 8, generator=g), torch.randn(1, 1, 6, 8, generator=g)
+    out = kinv.attention(q, k, v, torch.tensor([0]), 1 / 8**0.5, backend="torch")
+    s = (q.double() @ k.double().transpose(-1, -2)) / 8**0.5
+    assert s.max() > 88
+    s = s.masked_fill(~torch.ones(3, 6, dtype=torch.bool).tril(3), float("-inf"))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), torch.softmax(s, -1) @ v.double(), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_reference_products_do_not_depend_on_the_batch_or_the_padding(dtype):
     g = torch.Generator().manual_seed(2)

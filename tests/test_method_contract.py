@@ -22,6 +22,7 @@ store's side of resuming (``test_runner.test_resume_after_interrupted_run``, ``t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -29,7 +30,7 @@ import torch
 
 from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, make_cache
 from sparse_eval.engine import Engine, LoglikelihoodRequest
-from sparse_eval.methods import METHODS, attend, build_method, make_config
+from sparse_eval.methods import METHODS, Method, MethodConfig, Selection, attend, build_method, make_config
 
 CASES = [
     pytest.param(name, opts, id=f"{name}-{i}")
@@ -177,16 +178,29 @@ def _magicpig_weights(method, s, p_hat, keep, static, valid, q, k):
     return _softmax_over(logits, keep)
 
 
+# the shipped methods' formulas, written here; a method of a plugin gives its own (``Method.contract_weights``)
 WEIGHTS = {"oracle": _oracle_weights, "magicpig": _magicpig_weights}
+
+
+def _expected_weights(name: str, opts: dict, s, p_hat, keep, static, valid, q, k) -> torch.Tensor:
+    """The weights of the method's formula: the suite's ``WEIGHTS`` for a shipped method, else the class's
+    ``contract_weights`` (a plugin's hook)."""
+    method = build_method(make_config(name, opts))
+    if name in WEIGHTS:
+        return WEIGHTS[name](method, s, p_hat, keep, static, valid, q, k)
+    expected = method.contract_weights(s, p_hat, keep, static, valid, q, k)
+    assert expected is not None, (
+        f"{name} corrects its logits (Selection.bias): give its weight formula as {type(method).__name__}."
+        "contract_weights (sparse_eval/methods/base.py), or in this suite's WEIGHTS for a shipped method"
+    )
+    assert expected.shape == s.shape, f"{name}.contract_weights: shape {tuple(expected.shape)}, want {tuple(s.shape)}"
+    return expected
 
 
 # -- on synthetic tensors ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,opts", CASES)
-def test_per_key_weights_are_the_methods_formula(name, opts):
-    """With static keys present, each kept key carries exactly the weight of the method's formula, every other key
-    none; a method whose selections carry a logit bias needs its formula in ``WEIGHTS``."""
+def _check_weights(name: str, opts: dict) -> None:
     q, k, v, valid = _block(seed=1, identity_values=True)
     opts = opts | {"sink": SINK, "local": LOCAL}
     p_hat, st, biased = _run(name, opts, q, k, v, valid)  # [B, Hq, Q, N]: the output over V = I
@@ -199,10 +213,58 @@ def test_per_key_weights_are_the_methods_formula(name, opts):
     if not biased:
         expected = _softmax_over(s, keep)
     else:
-        assert name in WEIGHTS, f"{name} corrects its logits: give its weight formula in WEIGHTS"
-        method = build_method(make_config(name, opts))
-        expected = WEIGHTS[name](method, s, p_hat, keep, static, valid, q, k)
+        expected = _expected_weights(name, opts, s, p_hat, keep, static, valid, q, k)
     torch.testing.assert_close(p_hat, expected, rtol=1e-4, atol=1e-7)  # p̂: fp32 scores and softmax
+
+
+@pytest.mark.parametrize("name,opts", CASES)
+def test_per_key_weights_are_the_methods_formula(name, opts):
+    """With static keys present, each kept key carries exactly the weight of the method's formula, every other key
+    none; a method whose selections carry a logit bias needs its formula: in ``WEIGHTS`` for a shipped method, its
+    class's ``contract_weights`` for a plugin's."""
+    _check_weights(name, opts)
+
+
+@dataclasses.dataclass
+class _HalvedOddConfig(MethodConfig):
+    name: str = "halved_odd_keys"
+    factor: float = 0.5
+
+
+class _HalvedOdd(Method):
+    """A plugin-like method: keeps every valid key and multiplies the weight of odd-numbered keys by ``factor``
+    (logit bias log factor).  ``formula`` says what its ``contract_weights`` returns: the right formula, a wrong one
+    (the bias forgotten) or none."""
+
+    name = "halved_odd_keys"
+    config_class = _HalvedOddConfig
+    formula = "right"
+
+    def select(self, ctx):
+        n = ctx.scores.shape[-1]
+        odd = (torch.arange(n, device=ctx.scores.device) % 2 == 1).expand_as(ctx.scores)
+        bias = torch.where(odd, math.log(self.config.factor), 0.0).to(ctx.scores.dtype)
+        return Selection(keep=ctx.valid.expand_as(ctx.scores), bias=bias)
+
+    def contract_weights(self, s, p_hat, keep, static, valid, q, k):
+        if self.formula == "none":
+            return None
+        odd = torch.arange(s.shape[-1]) % 2 == 1
+        logits = s + (math.log(self.config.factor) * odd if self.formula == "right" else 0.0)
+        return torch.softmax(logits.masked_fill(~keep, -math.inf), -1).masked_fill(~keep, 0.0)
+
+
+@pytest.mark.parametrize("formula", ["right", "wrong", "none"])
+def test_a_plugin_method_gives_its_weight_formula_on_its_class(monkeypatch, formula):
+    """A method not shipped here (registered by a plugin) whose selections carry a bias is checked against its
+    class's ``contract_weights``: passes with the right formula, fails with a wrong one, and is refused without."""
+    cls = type(f"_HalvedOdd_{formula}", (_HalvedOdd,), {"formula": formula})
+    monkeypatch.setitem(METHODS, cls.name, cls)
+    if formula == "right":
+        _check_weights(cls.name, {})
+        return
+    with pytest.raises(AssertionError, match="contract_weights" if formula == "none" else "Tensor-likes are not close"):
+        _check_weights(cls.name, {})
 
 
 @pytest.mark.parametrize("name,opts", CASES)

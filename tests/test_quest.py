@@ -10,7 +10,7 @@ import torch
 
 from conftest import attach_generate, tiny_qwen2
 from sparse_eval.methods import attend, build_method, make_config
-from sparse_eval.methods.quest import build_pages, page_bound, page_ids
+from sparse_eval.methods.quest import build_pages, page_bound, page_budget, page_ids
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "sparse_eval" / "models" / "stories260K"
@@ -154,6 +154,39 @@ def test_min_pages_reproduces_the_quest_repo_minimum_of_three_pages():
         build_method(make_config("quest", {"min_pages": 0}))
     with pytest.raises(ValueError, match="budget"):
         build_method(make_config("quest", {"budget": 1.5}))
+
+
+def test_page_budget_rounds_down_in_both_forms():
+    """Pages = max(min_pages, ⌊tokens / page_size⌋), on the host (an int) and per row on the device (a tensor)."""
+    tokens = [0, 15, 16, 17, 31, 32, 47, 60, 63, 64]
+    want = [max(1, t // 16) for t in tokens]  # 1, 1, 1, 1, 1, 2, 2, 3, 3, 4
+    assert [page_budget(t, 16) for t in tokens] == want
+    assert page_budget(torch.tensor(tokens), 16).tolist() == want
+    assert page_budget(torch.tensor(tokens), 16, min_pages=3).tolist() == [max(3, t // 16) for t in tokens]
+
+
+def test_each_rows_page_budget_rounds_down_below_the_batchs_bound():
+    """A ratio budget in a left-padded batch: each row selects ⌊⌊r·n_b⌋ / page_size⌋ pages of its own n_b valid keys,
+    fewer than the batch's longest row (whose count bounds the top-k), and exactly brute force's pages."""
+    torch.manual_seed(4)
+    hq, hkv, n, d, ps, r = 4, 2, 203, 8, 16, 0.3
+    pads = [0, 19, 53, 90]  # n_b = 203, 184, 150, 113: ⌊0.3·n_b⌋ = 60, 55, 45, 33 tokens -> 3, 3, 2, 2 pages
+    b = len(pads)
+    q = torch.randn(b, hq, 1, d, dtype=torch.float64)
+    k = torch.randn(b, hkv, n, d, dtype=torch.float64)
+    v = torch.randn(b, hkv, n, d, dtype=torch.float64)
+    mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    for i, p in enumerate(pads):
+        mask[i, ..., :p] = False
+    _, st = attend("quest", q, k, v, attention_mask=mask, budget=r, page_size=ps, sink=0, local=0)
+    for i, p in enumerate(pads):
+        pages = max(1, int(r * (n - p)) // ps)
+        assert st["pages"][i, :, 0].tolist() == [pages] * hq, (
+            f"row {i} ({n - p} keys): {st['pages'][i, :, 0].tolist()} pages"
+        )
+        expected = brute_quest_keep(q[i, :, 0], k[i, :, p:], ps, pages, 0, 0)
+        assert torch.equal(st["keep"][i, :, 0, p:], expected) and not st["keep"][i, :, 0, :p].any(), f"row {i}"
+    assert st["pages"][:, :, 0].tolist() != [[3] * hq] * b  # the rows' budgets differ: not the batch's bound for all
 
 
 @pytest.mark.parametrize("q_len", [1, 9])

@@ -147,6 +147,70 @@ def test_sparse_sliding_layers_keep_their_window():
     assert not torch.allclose(unwindowed, stock, atol=1e-3)
 
 
+class _Tok:
+    pad_token_id = 0
+
+
+def _stock_nll(model, window: list[int]) -> float:
+    """The model's own ``labels=`` loss of a window alone (stock sdpa: its sliding layers keep their window), summed."""
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor([window])
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids).loss) * (len(window) - 1)
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.parametrize("invariant", [True, False], ids=["batch_invariant", "stock_sdpa"])
+@pytest.mark.parametrize("meth", ["full", "topk_keep_all"])
+def test_every_dense_path_attends_within_the_sliding_window(meth, invariant, chunk):
+    """The engine's dense attention, batch-invariant (the invariant kernel, each row from its first key) or stock
+    sdpa, whole or in prefill chunks, for full attention and for the dense sliding layers of a sparse method (TopK
+    keeping every key elsewhere): a left-padded batch of windows longer than the 8-key window gets each window's own
+    stock NLL, which attends within the window, and not the NLL of the same weights without a window."""
+    from sparse_eval.engine import Engine, LoglikelihoodRequest
+
+    model = tiny_gemma3()
+    wide = tiny_gemma3(window=1024)
+    wide.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(7)
+    windows = [[1] + torch.randint(3, 128, (n - 1,), generator=gen).tolist() for n in (30, 19)]
+    refs = [_stock_nll(model, w) for w in windows]
+    unwindowed = [_stock_nll(wide, w) for w in windows]
+    assert all(abs(a - b) > 0.05 for a, b in zip(refs, unwindowed))  # the window matters here (by 0.09 and 0.4)
+    m = method("full") if meth == "full" else method("topk", budget=1.0, sink=1, local=2, dense_layers=[])
+    session = attach(model, m, Runtime(protocol="S", batch_invariant=invariant, compute_error=False))
+    try:
+        got = Engine(model, _Tok(), session, chunk).nll_batch([LoglikelihoodRequest(w) for w in windows])
+    finally:
+        detach(model)
+    assert meth == "full" or session.sliding_dense_layers == [0, 2]
+    for r, ref, far in zip(got, refs, unwindowed):
+        assert abs(r.nll_sum - ref) < 1e-3, (  # float noise: ~1e-5; the window moves these NLLs by 0.09 and 0.4
+            f"NLL {r.nll_sum:.6f}: the window's stock NLL is {ref:.6f}, without the sliding window {far:.6f}"
+        )
+
+
+def test_batch_invariant_dense_attention_without_row_starts_keeps_the_window():
+    """Inside ``batch_invariant()`` with no row starts from the engine (a model called directly), dense attention
+    goes through the mask (``core.dense_attention``): the logits are the windowed model's."""
+    from sparse_eval.invariance import batch_invariant
+
+    model = tiny_gemma3()
+    stock, _ = logits(model, IDS)
+    attach(model, method("full"))
+    try:
+        with torch.no_grad(), batch_invariant():
+            out = model(IDS).logits
+    finally:
+        detach(model)
+        model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(out, stock, rtol=1e-4, atol=1e-4)
+    wide = tiny_gemma3(window=1024)
+    wide.load_state_dict(model.state_dict())
+    unwindowed, _ = logits(wide, IDS)
+    assert not torch.allclose(unwindowed, stock, rtol=1e-4, atol=1e-4)  # the window matters here
+
+
 def test_a_method_left_with_no_sparse_layer_is_refused():
     model = tiny_gemma3()
     with pytest.raises(ValueError, match=r"would run in no layer.*method.sliding_layers=sparse"):

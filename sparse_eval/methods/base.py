@@ -337,6 +337,29 @@ class Method:
         method has no such budget (say why in the override's docstring).  Default: None."""
         return None
 
+    def contract_weights(
+        self,
+        s: torch.Tensor,
+        p_hat: torch.Tensor,
+        keep: torch.Tensor,
+        static: torch.Tensor,
+        valid: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """For a method whose selections carry a logit correction (``Selection.bias``): the per-key weights its
+        formula gives, which the contract suite (``test_per_key_weights_are_the_methods_formula``) compares with the
+        weights its output carries (the output over one-hot values V = I, p̂).  Write it from the paper, not by
+        calling the method's own code (the check is only as good as that independence).  Arguments, on the suite's
+        synthetic block (float64; B batch rows, Hq query heads over Hkv KV heads, Q query rows, N keys):
+        s [B, Hq, Q, N] the logits q·kᵀ/√d (−inf where not valid); p_hat [B, Hq, Q, N] the weights the method's
+        output carries (for a formula that needs the realised draws, as sampling's counts f_i = p̂_i·B/W_c);
+        keep bool [B, Hq, Q, N] the kept keys; static bool [B, 1, Q, N] the sink and local keys; valid bool
+        [B, 1, Q, N] (causal, left padding); q [B, Hq, Q, D], k [B, Hkv, N, D].  Returns [B, Hq, Q, N], 0 off
+        ``keep``.  The suite's own formulas for the shipped methods (its ``WEIGHTS``) take precedence.  Default:
+        None (no formula: the suite refuses a method whose selections carry a bias)."""
+        return None
+
     # -- configuration -------------------------------------------------------------------------
     def validate(self, num_layers: int | None = None, context: int | None = None) -> None:
         c = self.config
