@@ -113,3 +113,35 @@ def attach_generate(model, method, ids, mask, new=5, model_name="test", runtime=
     finally:
         detach(model)
     return out, session
+
+
+def jsonl_records(path) -> list[dict]:
+    """Every line of a run's ``samples.jsonl`` as a record (a JSON object with an ``id``), in file order.  A line
+    that is not one (torn, two records run together, a stray value) fails the calling test with an assertion that
+    names the line: a store that wrote a bad line gave a wrong result, which a test must report as such, not as the
+    ``JSONDecodeError`` of its own reading."""
+    import json
+
+    records, bad = [], []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            bad.append(f"line {i} ({e.msg} at column {e.colno}): {line[:80]!r}{'...' if len(line) > 80 else ''}")
+            continue
+        if not isinstance(rec, dict) or "id" not in rec:
+            bad.append(f"line {i} is not a record with an id: {line[:80]!r}")
+            continue
+        records.append(rec)
+    assert not bad, f"{path}: {len(bad)} of its lines are not sample records: " + "; ".join(bad)
+    return records
+
+
+def records_by_id(path, drop=("time_s",)) -> dict[str, dict]:
+    """``jsonl_records`` as {id: record without the ``drop`` fields}; one record per id is asserted (a resumed run
+    must not write a sample twice)."""
+    recs = jsonl_records(path)
+    ids = [r["id"] for r in recs]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    assert not dup, f"{path}: samples recorded more than once: {dup}"
+    return {r["id"]: {k: v for k, v in r.items() if k not in drop} for r in recs}

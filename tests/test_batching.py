@@ -4,12 +4,12 @@ method; rows that stopped and padding are not counted; resume after a kill in th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import jsonl_records
 from sparse_eval.attention.plugin import Runtime, attach, detach
 from sparse_eval.engine import Engine, GenerationRequest, LoglikelihoodRequest
 from sparse_eval.methods import METHODS, build_method, make_config
@@ -136,12 +136,12 @@ def test_resume_after_kill_in_the_middle_of_a_batch(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         exp.run_method(exp.method_configs()[0])
     _, run_dir = exp.run_dir(exp.method_configs()[0])
-    first = [json.loads(line)["id"] for line in Path(run_dir, "samples.jsonl").read_text().splitlines()]
+    first = [r["id"] for r in jsonl_records(Path(run_dir, "samples.jsonl"))]
     assert len(first) == 4  # the first batch is stored; nothing of the killed batch is
 
     exp2 = Experiment(cfg_for(tmp_path, *over))
     summary = exp2.run_method(exp2.method_configs()[0])
-    ids = [json.loads(line)["id"] for line in Path(run_dir, "samples.jsonl").read_text().splitlines()]
+    ids = [r["id"] for r in jsonl_records(Path(run_dir, "samples.jsonl"))]
     assert sorted(ids) == [f"w{i:05d}" for i in range(6)]  # no sample lost or duplicated
     assert summary["samples"] == 6 and summary["batch_size"] == 2
 

@@ -391,9 +391,9 @@ def test_a_run_killed_in_a_batch_resumes_to_the_records_of_an_unbroken_run(tmp_p
     """Resume after a kill: a key-value retrieval run on the shipped model (generation, so whatever a method keeps
     between decode steps is exercised) killed while its second batch is scored keeps only its first batch; the same run
     started again finishes the rest, and every record equals that of a run never killed (wall times apart)."""
-    import json
     from pathlib import Path
 
+    from conftest import records_by_id
     from test_runner import cfg_for
 
     from sparse_eval.experiment import Experiment
@@ -408,9 +408,8 @@ def test_a_run_killed_in_a_batch_resumes_to_the_records_of_an_unbroken_run(tmp_p
         "print_table=false",
     )
 
-    def records(run_dir):
-        lines = Path(run_dir, "samples.jsonl").read_text().splitlines()
-        return {r["id"]: {k: v for k, v in r.items() if k != "time_s"} for r in map(json.loads, lines)}
+    def records(run_dir):  # one record per sample, every line a record: else an assertion names what is wrong
+        return records_by_id(Path(run_dir, "samples.jsonl"))
 
     killed = Experiment(cfg_for(tmp_path / "killed", *over))
     score, scored = killed.task.score, []

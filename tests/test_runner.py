@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from conftest import jsonl_records
 from sparse_eval.config import register_configs
 from sparse_eval.config import CONF_DIR
 from sparse_eval.experiment import Experiment
@@ -26,7 +27,8 @@ def cfg_for(tmp_path, *overrides):
 
 
 def read_samples(run_dir):
-    return [json.loads(line) for line in Path(run_dir, "samples.jsonl").read_text().splitlines()]
+    """The run's records in file order; a line that is not a record fails with an assertion (``jsonl_records``)."""
+    return jsonl_records(Path(run_dir, "samples.jsonl"))
 
 
 def run_cli(*args, cwd=REPO, timeout=300):
