@@ -55,7 +55,7 @@ AUTHORS = {
         "mips": False,  # eq. 8 not used in the experiments
         "sink": 4,  # sink 4 + local window 64 (§5.1)
         "local": 64,
-        "dense_layers": [0, "mid"],  # layers 0 and 16 of 32 (§5.1)
+        "dense_layers": ["first", "mid"],  # layers 0 and 16 of 32 (§5.1), counted over whole-context layers
     },
     "double_sparsity": {
         "label_bits": 4,  # 4-bit label cache (§4.2; the converter drops --q_bits, every module keeps 4)
