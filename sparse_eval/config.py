@@ -15,7 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from .claims import ClaimConfig
+from .verdicts.claims import ClaimConfig
 from .hydra_support import CONF_DIR, register_resolvers
 from .models.loading import ModelConfig
 
@@ -74,7 +74,7 @@ class Config:
     # multirun (-m): check every job's config, model and data before launching any (``sparse_eval.preflight``);
     # false launches without the check
     preflight: bool = True
-    # what the experiment claims, declared before its runs (``sparse_eval.claims``): each a comparison, its test
+    # what the experiment claims, declared before its runs (``verdicts.claims``): each a comparison, its test
     # (equivalence, non-inferiority, superiority) and margin; checked at start, recorded in every run's
     # summary.json, tested by ``python -m sparse_eval.verdicts``
     claims: list[ClaimConfig] = field(default_factory=list)

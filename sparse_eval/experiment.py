@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from .attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan
 from .batching import RECORD_STATS, Batcher
-from .claims import claims_record
+from .verdicts.claims import claims_record
 from .config import to_plain
 from .engine import Engine
 from .fingerprint import file_sha256
@@ -64,7 +64,7 @@ class Experiment:
         if cfg.eval.prefill_chunk is not None and cfg.eval.prefill_chunk < 1:
             raise ValueError(f"eval.prefill_chunk={cfg.eval.prefill_chunk}: must be >= 1 or null")
         self.batch_size = check_batch_size(cfg.eval.get("batch_size", 1))
-        self.claims = claims_record(cfg)  # checked at start (``sparse_eval.claims``); recorded in the summary
+        self.claims = claims_record(cfg)  # checked at start (``sparse_eval.verdicts.claims``); recorded in the summary
         self.model = self.tokenizer = None
         self._samples = None
 
@@ -268,7 +268,7 @@ class Experiment:
             "seed": identity["seed"],
             "stochastic": method.stochastic,
             "time_s": sum(r.get("time_s", 0.0) for r in records),
-            # the experiment's claims as declared for this run (``sparse_eval.claims``): the margins its verdicts use
+            # the experiment's claims as declared for this run (``verdicts.claims``): the margins its verdicts use
             "claims": getattr(self, "claims", []),
         }
         placed = device_map_of(self.model) if self.model is not None else None

@@ -48,7 +48,7 @@ def run(cfg: Any, use_cache: bool = True) -> list[dict[str, Any]]:
     A launch whose runs all finished before is answered from the launch cache (``sparse_eval.launch``) without
     loading the model; ``use_cache=False`` skips that lookup (the caller made it).  After a launch whose every
     run finished, its cache entry is written."""
-    from .claims import check_claims
+    from .verdicts.claims import check_claims
 
     check_claims(cfg)  # a claim that cannot be tested is refused before anything runs (also when cached)
     if use_cache:

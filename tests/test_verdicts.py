@@ -201,7 +201,7 @@ def test_resampled_weights_are_reused_exactly():
 def test_a_bad_claim_is_refused_at_start(claim, msg):
     from omegaconf import OmegaConf
 
-    from sparse_eval.claims import check_claims
+    from sparse_eval.verdicts.claims import check_claims
 
     with pytest.raises(ValueError, match=msg):
         check_claims(OmegaConf.create({"claims": [claim]}))
@@ -210,7 +210,7 @@ def test_a_bad_claim_is_refused_at_start(claim, msg):
 def test_claims_of_the_experiment_configs_are_valid_and_recorded():
     from omegaconf import OmegaConf
 
-    from sparse_eval.claims import check_claims, claims_record
+    from sparse_eval.verdicts.claims import check_claims, claims_record
 
     declared = 0
     for p in sorted((ROOT / "conf" / "experiment").glob("*.yaml")):
@@ -266,7 +266,7 @@ def test_the_run_config_schema_refuses_an_unknown_claim_key():
 
 
 def _folders():
-    from sparse_eval.verdicts import claim_folders
+    from sparse_eval.verdicts.evaluate import claim_folders
 
     return claim_folders(EXPERIMENTS)
 
@@ -274,7 +274,7 @@ def _folders():
 def test_committed_verdict_sections_are_what_the_command_writes():
     """Each folder's verdicts.json was made from the claims.yaml and records committed now (their sha256), its
     README section is that verdicts.json rendered, and experiments/README.md's summary is all of them."""
-    from sparse_eval import verdicts as v
+    from sparse_eval.verdicts import evaluate as v
 
     folders = _folders()
     assert len(folders) >= 9
@@ -297,7 +297,7 @@ def test_committed_verdict_sections_are_what_the_command_writes():
 @pytest.fixture(scope="module")
 def longbench_rows(tmp_path_factory):
     """The rows of longbench_triviaqa_smollm2's runs (5 runs, 200 prompts), unpacked once."""
-    from sparse_eval.verdicts import extract, gather_rows
+    from sparse_eval.verdicts.evaluate import extract, gather_rows
 
     tmp = tmp_path_factory.mktemp("longbench")
     with tarfile.open(EXPERIMENTS / "longbench_triviaqa_smollm2" / "runs.tar.gz") as tar:
@@ -306,7 +306,7 @@ def longbench_rows(tmp_path_factory):
 
 
 def test_a_folder_recomputed_from_its_records_gives_its_committed_verdicts(longbench_rows):
-    from sparse_eval import verdicts as v
+    from sparse_eval.verdicts import evaluate as v
 
     folder = EXPERIMENTS / "longbench_triviaqa_smollm2"
     spec, claims = v.load_claims_file(folder / v.CLAIMS_FILE)
@@ -319,8 +319,8 @@ def test_a_folder_recomputed_from_its_records_gives_its_committed_verdicts(longb
 
 
 def test_a_claim_must_select_one_configuration_on_each_side(longbench_rows):
-    from sparse_eval.claims import as_claim
-    from sparse_eval.verdicts import ClaimError, evaluate_claim
+    from sparse_eval.verdicts.claims import as_claim
+    from sparse_eval.verdicts.evaluate import ClaimError, evaluate_claim
 
     _, rows = longbench_rows
     with pytest.raises(ClaimError, match="2 configurations"):
@@ -333,7 +333,7 @@ def test_a_claim_must_select_one_configuration_on_each_side(longbench_rows):
 
 def test_claims_recorded_by_the_runs_are_tested_from_a_runs_folder(longbench_rows, capsys):
     """A runs folder has no claims.yaml: the claims its runs recorded in summary.json (declared before the runs)."""
-    from sparse_eval.verdicts import main
+    from sparse_eval.verdicts.evaluate import main
 
     tmp, _ = longbench_rows
     claim = {"name": "Quest (16, 0.05) ≈ full", "a": "quest-page_size=16-*", "margin": 2.0}

@@ -7,7 +7,7 @@ undecided, each with its margin, interval and Monte Carlo error.
     python -m sparse_eval.verdicts --all --check                           # exit 1 where a written section is stale
     python -m sparse_eval.verdicts runs/ruler                              # a runs folder: the claims its runs declared
 
-A folder of ``experiments/`` declares its claims in ``claims.yaml`` (``sparse_eval.claims.ClaimsFile``; for the
+A folder of ``experiments/`` declares its claims in ``claims.yaml`` (``sparse_eval.verdicts.claims.ClaimsFile``; for the
 records made before claims could be declared with the experiment, after the runs: post hoc, and every table says
 so).  Its records (``records``: the run archive, ``root``: the runs folder inside it) are unpacked into a temporary
 folder and read as ``collect`` reads them; each claim selects its two configurations by collect's
@@ -48,13 +48,13 @@ from typing import Any, Iterator
 import numpy as np
 
 from .claims import ClaimConfig, ClaimsFile, DescriptiveConfig, as_claim, load_claims_file
-from .statistics import N_BOOT, _interval, claim_verdict, seed_pooled_draws, tost_interval
+from ..statistics import N_BOOT, _interval, claim_verdict, seed_pooled_draws, tost_interval
 
 CLAIMS_FILE = "claims.yaml"
 VERDICTS_FILE = "verdicts.json"
 BEGIN, END = "<!-- verdicts:begin -->", "<!-- verdicts:end -->"
 SUMMARY_BEGIN, SUMMARY_END = "<!-- verdicts-summary:begin -->", "<!-- verdicts-summary:end -->"
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 # folders whose records are withdrawn (Gemma-3-270M run with a mis-tokenized model): never in a generated table
 WITHDRAWN = (
     "ruler_gemma3_16k",
@@ -119,8 +119,8 @@ def _norm(name: str) -> str:
 def gather_rows(root: Path, subsets: set[float]) -> list[dict[str, Any]]:
     """collect's rows of every run under ``root`` (per subtask, "all", and ``full>=X`` for each X in ``subsets``),
     each with its private ``_terms`` (the per-sample score terms)."""
-    from .collect import add_subset_rows, run_rows
-    from .store import find_run_dirs
+    from ..collect import add_subset_rows, run_rows
+    from ..store import find_run_dirs
 
     rows: list[dict[str, Any]] = []
     for d in find_run_dirs(root):
@@ -133,7 +133,7 @@ def gather_rows(root: Path, subsets: set[float]) -> list[dict[str, Any]]:
 
 
 def _subset_levels(claims: list[ClaimConfig]) -> set[float]:
-    from .collect import SUBSET_PREFIX, is_subset_label
+    from ..collect import SUBSET_PREFIX, is_subset_label
 
     out = set()
     for c in claims:
@@ -162,7 +162,7 @@ def _same(value: Any, wanted: Any) -> bool:
 
 
 def _pair_key(row: dict[str, Any]) -> tuple:
-    from .collect import PAIR_KEYS
+    from ..collect import PAIR_KEYS
 
     return tuple(str(row.get(k)) for k in ("task", *PAIR_KEYS))
 
@@ -170,7 +170,7 @@ def _pair_key(row: dict[str, Any]) -> tuple:
 def _side(rows: list[dict[str, Any]], what: str, claim: ClaimConfig) -> list[dict[str, Any]]:
     """The runs of one configuration a claim pools: one seed group, one run per seed (the one with the most
     samples), the complete ones when some are (as ``collect`` pools them), in seed order."""
-    from .collect import seed_order
+    from ..collect import seed_order
 
     groups = sorted({str(r.get("seed_group")) for r in rows})
     if len(groups) != 1:
@@ -188,7 +188,7 @@ def _side(rows: list[dict[str, Any]], what: str, claim: ClaimConfig) -> list[dic
 
 
 def _higher_is_better(row: dict[str, Any]) -> bool:
-    from .collect import _task
+    from ..collect import _task
 
     try:
         task = _task(json.loads(row.get("task_config") or "{}"))
@@ -654,7 +654,7 @@ def dump(data: dict[str, Any]) -> str:
 
 def declared_claims(root: Path) -> list[ClaimConfig]:
     """The claims the runs under ``root`` recorded (summary.json ``claims``), each once."""
-    from .store import SUMMARY_FILE, find_run_dirs, read_json
+    from ..store import SUMMARY_FILE, find_run_dirs, read_json
 
     seen: dict[str, ClaimConfig] = {}
     for d in find_run_dirs(root):
@@ -793,7 +793,3 @@ def main(argv: list[str] | None = None) -> int:
         print("run `python -m sparse_eval.verdicts --all --write` and commit what it writes", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from .statistics import ALPHA, N_BOOT, TESTS
+from ..statistics import ALPHA, N_BOOT, TESTS
 
 SCALES = ("absolute", "relative")
 WHERE_KEYS = ("task", "subtask", "length")  # collect's columns a claim may select rows by
