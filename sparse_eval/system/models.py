@@ -10,50 +10,38 @@ from typing import Any
 import torch
 
 # Llama-3.1-8B(-Instruct) config.json: 32 layers, 32 query / 8 KV heads of dim 128, llama3 RoPE scaling
+_LLAMA3_1_8B: dict[str, Any] = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    tie_word_embeddings=False,
+)
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama3_1_8b": dict(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        tie_word_embeddings=False,
-    ),
+    "llama3_1_8b": _LLAMA3_1_8B,
     # Llama-3.1-70B(-Instruct) config.json (MagicPIG Table 4/5): 80 layers, 64 query / 8 KV heads of dim 128, width
-    # 8192; ~141 GB in bf16, more than one GPU: run it over several with ``model.device_map`` (``write_checkpoint``;
-    # ``num_layers`` gives a shallower stand-in of the same width)
-    "llama3_1_70b": dict(
-        vocab_size=128256,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        tie_word_embeddings=False,
-    ),
+    # 8192, the 8B's vocabulary and RoPE; ~141 GB in bf16, more than one GPU: run it over several with
+    # ``model.device_map`` (``write_checkpoint``; ``num_layers`` gives a shallower stand-in of the same width)
+    "llama3_1_70b": {
+        **_LLAMA3_1_8B,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+    },
     # Llama-2-7B: 32 layers, 32 heads (no GQA), 4K context (the Double Sparsity paper's system model)
     "llama2_7b": dict(
         vocab_size=32000,
