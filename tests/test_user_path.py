@@ -429,14 +429,33 @@ def test_cpu_estimate_over_an_hour_is_told(stories, caplog, monkeypatch):
     from sparse_eval.tasks.base import Sample
 
     model, _ = stories
-    monkeypatch.setattr(estimate, "cpu_matmul_rate", lambda: 1e9)
+    modes = []
+    monkeypatch.setattr(estimate, "model_flop_rate", lambda m, invariant=False: modes.append(invariant) or 1e9)
     samples = [Sample(id=str(i), data={"input_ids": [1] * 512}) for i in range(4)]
     with caplog.at_level(logging.WARNING):
         assert estimate.warn_if_long(model, samples, 1, logging.getLogger("t")) < 3600
         assert not caplog.records
         big = samples * 20000
-        assert estimate.warn_if_long(model, big, 1, logging.getLogger("t")) > 3600
-    assert "h on this CPU" in caplog.text and "matmul rate" in caplog.text
+        assert estimate.warn_if_long(model, big, 1, logging.getLogger("t"), batch_invariant=True) > 3600
+    assert "h on this CPU" in caplog.text and "forward rate" in caplog.text and "batch-invariant" in caplog.text
+    assert modes == [False, True]  # the rate is measured in the run's own kernel mode
+
+
+def test_cpu_estimate_counts_generated_tokens_and_measures_the_model(stories, monkeypatch):
+    from types import SimpleNamespace
+
+    from sparse_eval import estimate
+    from sparse_eval.tasks.base import Sample
+
+    model, _ = stories
+    rate = estimate.model_flop_rate(model)  # this model's own forward pass, measured
+    assert rate > 0
+    monkeypatch.setattr(estimate, "model_flop_rate", lambda m, invariant=False: 1e9)
+    samples = [Sample(id="0", data={"input_ids": [1] * 256})]
+    prompt_only, _ = estimate.cpu_estimate(model, samples, 1)
+    with_new, _ = estimate.cpu_estimate(model, samples, 1, request=lambda s: SimpleNamespace(max_new_tokens=128))
+    params = sum(p.numel() for p in model.parameters())
+    assert with_new - prompt_only >= 128 * 2.0 * params / 1e9  # each generated token costs at least 2·P FLOPs
 
 
 # -- figures -----------------------------------------------------------------------------------------------------

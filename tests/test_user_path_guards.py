@@ -124,7 +124,7 @@ def test_host_memory_is_read_within_the_cgroup_limit(monkeypatch):
 def test_a_long_cpu_run_asks_for_the_flag_and_a_finished_one_does_not(tmp_path, monkeypatch, caplog):
     from sparse_eval import estimate
 
-    monkeypatch.setattr(estimate, "cpu_matmul_rate", lambda: 1e3)  # a CPU this slow makes 1 sample take hours
+    monkeypatch.setattr(estimate, "model_flop_rate", lambda m, invariant=False: 1e3)  # 1 sample would take hours
     args = ("method=full", "task.num_samples=1", "task.window=64")
     with pytest.raises(ValueError, match=r"this run would take roughly .* h on this CPU .* add eval.allow_long=true"):
         run(cfg_for(tmp_path, *args))
