@@ -25,8 +25,8 @@ from .registry import register
 @dataclass
 class OracleConfig(MethodConfig):
     name: str = "oracle"
-    # sampling budget B: ratio of the context (float) or number of draws (int)
-    budget: Any = 0.02
+    # sampling budget B: ratio of the context (float) or number of draws (int) (MagicPIG Table 5: 0.1)
+    budget: Any = 0.1
 
 
 @register
