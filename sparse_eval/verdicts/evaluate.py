@@ -713,6 +713,58 @@ def _comparable(data: dict[str, Any]) -> str:
     )
 
 
+class _UsageError(Exception):
+    """A folder the command cannot use (exit status 2, one line)."""
+
+
+def _verdicts_of_folder(folder: Path, write: bool, check: bool, stale: list[str]) -> None:
+    """Prints one folder's verdicts; writes them (``write``) or adds what is stale to ``stale`` (``check``)."""
+    if not folder.is_dir():
+        raise _UsageError(f"{folder} is not a folder")
+    if folder.name in WITHDRAWN:
+        print(f"skip {folder}: its records are withdrawn", file=sys.stderr)
+        return
+    if not (folder / CLAIMS_FILE).is_file():
+        claims = declared_claims(folder)
+        if not claims:
+            raise _UsageError(f"{folder}: no {CLAIMS_FILE} and no run that recorded claims")
+        rows = gather_rows(folder, _subset_levels(claims))
+        results = [r for c in claims for r in evaluate_claim(c, rows, N_BOOT, 0)]
+        print(f"== {folder} (claims declared with the experiment, before the runs)")
+        print_results(results, post_hoc=False)
+        return
+    data = compute_folder(folder)
+    print(f"== {folder}" + (" (claims declared after the runs: post hoc)" if data["post_hoc"] else ""))
+    print_results(data["claims"], data["post_hoc"])
+    for d in data["descriptive"]:
+        print(f"{d['name']}: {_ratio_text(d)} -> {d['verdict']}")
+    if write:
+        for p in _write_folder(folder, data):
+            print(f"wrote {p}")
+    elif check:
+        stale += _check_folder(folder, data)
+
+
+def _summary_table(experiments: Path, check: bool, write: bool, stale: list[str]) -> None:
+    """experiments/README.md's summary table from the folders' verdicts.json: checked or written."""
+    folders = claim_folders(experiments)
+    datas = [read_verdicts(f) for f in folders]
+    missing = [str(f) for f, d in zip(folders, datas) if d is None]
+    if missing:
+        raise _UsageError(f"no {VERDICTS_FILE} in {', '.join(missing)}: run with --write first")
+    readme = experiments / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    body = summary_section([d for d in datas if d is not None])
+    if check:
+        if section_of(text, SUMMARY_BEGIN, SUMMARY_END) != body:
+            stale.append(f"{readme}: its summary table is not what the folders' verdicts give")
+    elif write:
+        new = replace_section(text, SUMMARY_BEGIN, SUMMARY_END, body, str(readme))
+        if new != text:
+            readme.write_text(new, encoding="utf-8")
+            print(f"wrote {readme}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparse_eval.verdicts", description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="*", help="experiments folders with a claims.yaml, or a runs folder")
@@ -736,51 +788,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stale: list[str] = []
     try:
-        if not args.summary_only:
-            for folder in folders:
-                if not folder.is_dir():
-                    print(f"error: {folder} is not a folder", file=sys.stderr)
-                    return 2
-                if folder.name in WITHDRAWN:
-                    print(f"skip {folder}: its records are withdrawn", file=sys.stderr)
-                    continue
-                if not (folder / CLAIMS_FILE).is_file():
-                    claims = declared_claims(folder)
-                    if not claims:
-                        print(f"error: {folder}: no {CLAIMS_FILE} and no run that recorded claims", file=sys.stderr)
-                        return 2
-                    rows = gather_rows(folder, _subset_levels(claims))
-                    results = [r for c in claims for r in evaluate_claim(c, rows, N_BOOT, 0)]
-                    print(f"== {folder} (claims declared with the experiment, before the runs)")
-                    print_results(results, post_hoc=False)
-                    continue
-                data = compute_folder(folder)
-                print(f"== {folder}" + (" (claims declared after the runs: post hoc)" if data["post_hoc"] else ""))
-                print_results(data["claims"], data["post_hoc"])
-                for d in data["descriptive"]:
-                    print(f"{d['name']}: {_ratio_text(d)} -> {d['verdict']}")
-                if args.write:
-                    for p in _write_folder(folder, data):
-                        print(f"wrote {p}")
-                elif args.check:
-                    stale += _check_folder(folder, data)
+        for folder in [] if args.summary_only else folders:
+            _verdicts_of_folder(folder, args.write, args.check, stale)
         if args.all or args.summary_only:
-            datas = [read_verdicts(f) for f in claim_folders(experiments)]
-            missing = [str(f) for f, d in zip(claim_folders(experiments), datas) if d is None]
-            if missing:
-                print(f"error: no {VERDICTS_FILE} in {', '.join(missing)}: run with --write first", file=sys.stderr)
-                return 2
-            readme = experiments / "README.md"
-            text = readme.read_text(encoding="utf-8")
-            body = summary_section([d for d in datas if d is not None])
-            if args.check:
-                if section_of(text, SUMMARY_BEGIN, SUMMARY_END) != body:
-                    stale.append(f"{readme}: its summary table is not what the folders' verdicts give")
-            elif args.write or args.summary_only:
-                new = replace_section(text, SUMMARY_BEGIN, SUMMARY_END, body, str(readme))
-                if new != text:
-                    readme.write_text(new, encoding="utf-8")
-                    print(f"wrote {readme}")
+            _summary_table(experiments, args.check, args.write or args.summary_only, stale)
+    except _UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except ClaimError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
