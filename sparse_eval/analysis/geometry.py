@@ -354,14 +354,12 @@ def _title(res: dict[str, Any], model_name: str, what: str) -> str:
     return f"{what} — {model_name}"
 
 
-def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptions) -> list[Path]:
+def _fig5_key_geometry(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptions) -> list[Path]:
+    """Fig. 5: three heatmaps, layer × KV head (k_sink, k_avg and their cosine)."""
     import matplotlib.pyplot as plt
     import numpy as np
 
-    paths: list[Path] = []
     nl = len(res["sink_cos"]["min"])
-
-    # Fig. 5: three heatmaps layer x KV head
     panels = [
         (
             _np(torch.stack([torch.as_tensor(x) for x in res["sink_cos"]["min"]])),
@@ -402,9 +400,16 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
         + f"; windows of {opts.sentence_len} tokens, keys post-RoPE",
         fontsize=11,
     )
-    paths += common.save_figure(fig, out, "fig5_key_geometry")
+    return common.save_figure(fig, out, "fig5_key_geometry")
 
-    # Fig. 2a/b: top-x% mass per layer, with and without the sink
+
+def _fig2_top_mass(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptions) -> list[Path]:
+    """Fig. 2a/b: the top-x % mass per layer, with and without the sink."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    nl = len(res["sink_cos"]["min"])
+    cmap = plt.get_cmap("viridis")
     fr = np.array(res["fractions"]) * 100
     cmap = plt.get_cmap("viridis")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True, sharey=True)
@@ -439,9 +444,17 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
         ),
         fontsize=11,
     )
-    paths += common.save_figure(fig, out, "fig2_top_mass")
+    return common.save_figure(fig, out, "fig2_top_mass")
 
-    # per layer with bands: the smallest top-x% mass (Fig. 2, over passages) and cos(k_sink, k_avg) (Fig. 5c, over
+
+def _fig2_5c_bands(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptions) -> list[Path]:
+    """Per layer with bands: the smallest top-x % mass (Fig. 2, over passages) and cos(k_sink, k_avg) (Fig. 5c,
+    over the text windows)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    nl = len(res["sink_cos"]["min"])
+    layers = np.arange(nl)
     # the text windows)
     layers = np.arange(nl)
     tm = res["top_mass"]
@@ -475,9 +488,16 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle(_title(res, model_name, "Per layer, with bands (MagicPIG Fig. 2, 5c)"), fontsize=11)
-    paths += common.save_figure(fig, out, "fig2_5c_per_layer_bands")
+    return common.save_figure(fig, out, "fig2_5c_per_layer_bands")
 
-    # Fig. 10: spread of q·k/√d vs log‖v − o‖
+
+def _fig10_score_spread(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptions) -> list[Path]:
+    """Fig. 10: the spread of q·k/√d against log‖v − o‖."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    nl = len(res["sink_cos"]["min"])
+    layers = np.arange(nl)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     ss = res["score_spread"]
     w = 0.38
@@ -512,9 +532,16 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
         + f"; {res['length']}-token passage",
         fontsize=11,
     )
-    paths += common.save_figure(fig, out, "fig10_score_spread")
+    return common.save_figure(fig, out, "fig10_score_spread")
 
-    # Fig. 11: value norms by position
+
+def _fig11_value_norms(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptions) -> list[Path]:
+    """Fig. 11: value norms by position."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    nl = len(res["sink_cos"]["min"])
+    cmap = plt.get_cmap("viridis")
     fig, ax = plt.subplots(figsize=(8, 4), constrained_layout=True)
     for l in range(nl):
         ax.plot(_np((res["value_norms"]["mean"][l])), lw=0.9, color=cmap(l / max(nl - 1, 1)), label=f"layer {l}")
@@ -534,8 +561,15 @@ def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptio
         + f"\n{opts.num_sentences} windows of {opts.sentence_len} tokens",
         fontsize=10,
     )
-    paths += common.save_figure(fig, out, "fig11_value_norms")
-    return paths
+    return common.save_figure(fig, out, "fig11_value_norms")
+
+
+FIGURES = (_fig5_key_geometry, _fig2_top_mass, _fig2_5c_bands, _fig10_score_spread, _fig11_value_norms)
+
+
+def figures(res: dict[str, Any], out: Path, model_name: str, opts: GeometryOptions) -> list[Path]:
+    """Every figure of the geometry analysis (``FIGURES``), written under ``out``; their paths."""
+    return [p for fig in FIGURES for p in fig(res, out, model_name, opts)]
 
 
 def summary(result: dict[str, Any]):
