@@ -1,6 +1,6 @@
 """The package, tests, scripts and benchmarks pass ``ruff check`` with the rules of pyproject.toml ([tool.ruff.lint]:
-syntax errors, pyflakes and lines of at most 120 characters) and are formatted as ``ruff format`` writes them.  ruff
-is in the test extra, so CI runs these checks."""
+syntax errors, pyflakes, lines of at most 120 characters, and in the package a function's complexity and statement
+count) and are formatted as ``ruff format`` writes them.  ruff is in the test extra, so CI runs these checks."""
 
 from __future__ import annotations
 
