@@ -411,7 +411,6 @@ def _fig2_top_mass(res: dict[str, Any], out: Path, model_name: str, opts: Geomet
     nl = len(res["sink_cos"]["min"])
     cmap = plt.get_cmap("viridis")
     fr = np.array(res["fractions"]) * 100
-    cmap = plt.get_cmap("viridis")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True, sharey=True)
     for ax, key, title in (
         (axes[0], "with_sink", "(a) all keys"),
