@@ -113,7 +113,7 @@ def test_deadline_stops_the_sweep_and_the_same_command_resumes_it(tmp_path):
         if not now:
             deadline *= 2
         before = now
-    assert resumed, f"no run was stopped part-way in two launches: {({k: len(v) for k, v in before.items()})}"
+    assert resumed, f"no run was stopped part-way in two launches: {[len(v) for v in before.values()]}"
 
 
 def test_deadline_alarm_raises_in_the_block_and_is_disarmed_after(tmp_path):

@@ -12,6 +12,7 @@ if hasattr(_sweep, "TolerantSlurmLauncher"):
     class LocalLauncher(_sweep.TolerantLocalLauncher):
         pass
 
+
 if hasattr(_sweep, "DeadlineJoblibLauncher"):
 
     class JoblibLauncher(_sweep.DeadlineJoblibLauncher):
