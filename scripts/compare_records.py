@@ -11,7 +11,7 @@ line, and each restart's: ``resumes``; where each segment started and stopped: `
 shared run's records are identical.
 
 ``--shared-samples`` compares only the samples both runs finished and skips the summaries, for a check that
-re-runs the first part of a long run (interrupted, e.g. by ``run_jobs.py --deadline``) at other code or on
+re-runs the first part of a long run (interrupted, e.g. by ``hydra.launcher.deadline_s``) at other code or on
 another machine; at least one sample must be shared.
 """
 

@@ -2,9 +2,9 @@
 
 Before meta.json recorded each restart (``resumes``, 9e5e30d) a resumed run named only its first start's commit.
 The runs of experiments/ruler_smollm2_4k and experiments/ruler_smollm2_8k were resumed over many device calls,
-some at other commits.  Their archives keep every call's job logs (``scripts/run_jobs.py``: one log per job, and
-``jobs.json`` with the commands), and each folder's README and the commit messages say at which commit each call
-ran.  This script reads, for every job log of every call in order:
+some at other commits.  Their archives keep every call's job logs (``scripts/run_jobs.py``, since removed: one log
+per job, and ``jobs.json`` with the commands), and each folder's README and the commit messages say at which commit
+each call ran.  This script reads, for every job log of every call in order:
 
 * the run's progress bars (``<method label>: ... n/650 [...]``): the first count is the samples the process found,
   the last (or the ``stopped with n/650`` line of an interrupted run) where it stopped, the run folder named by

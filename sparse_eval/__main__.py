@@ -5,7 +5,8 @@ configuration or input (Hydra errors, bad values, missing data or weights, an un
 ``error:`` line before anything is written; 130 interrupted (the run resumes when the same command runs again).
 Multirun (``-m``): every job runs through ``sweep.run_job``, which records a job's error (``failed.json`` in its
 run dir, ``job_status.json`` in its Hydra output folder) instead of stopping the sweep; at the end the
-``SweepReport`` callback prints how many jobs failed and the process exits with 1 if any did.
+``SweepReport`` callback prints how many jobs failed and the process exits with 1 if any did (else with 124 if the
+launcher's deadline stopped some: ``hydra/launcher=local_gpus hydra.launcher.deadline_s=S``).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
     1    a failure while running (a crash after the run started; a multirun with failed jobs)
     2    bad configuration or input, found before anything was written: a Hydra error (unknown key, group or
          option), a bad value, missing data or model weights, a corrupt calibration file, an unwritable runs dir
+    124  a multirun stopped at its deadline (``hydra/launcher=local_gpus hydra.launcher.deadline_s=S``): what
+         finished is kept, the same command resumes it
     130  interrupted (Ctrl-C): the run keeps what it wrote and resumes when the same command runs again
     143  terminated (SIGTERM, what Slurm and ``timeout`` send): as Ctrl-C
 
@@ -26,6 +28,7 @@ from typing import Any, Callable
 from .hydra_support import CONF_DIR, MADE
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+EXIT_DEADLINE = 124  # a multirun stopped at its deadline (as ``timeout``); the same command resumes it
 SCHEMA_SUFFIX = "_schema"
 _APP_STARTED = False  # set by ``check_choices`` when Hydra has called the app: an OSError before it is Hydra's
 

@@ -159,7 +159,11 @@ class SweepPreflight(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from .cli import EXIT_USAGE, fail
+        from .sweep import launcher_problem
 
+        problem = launcher_problem(config)  # the launcher's own options (a deadline), even with preflight=false
+        if problem:
+            fail(problem, EXIT_USAGE)
         if not bool(OmegaConf.select(config, PREFLIGHT_KEY, default=True)):
             return
         problems = check_sweep(config)

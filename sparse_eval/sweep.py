@@ -8,8 +8,13 @@ launchers that survive a job dying.
   ``sweep_status.json`` in the sweep folder, logs the failures, and makes ``python -m sparse_eval -m ...`` exit
   with status 1 when any job failed (``exit_status``).
 * Local parallel launchers (``hydra/launcher=local_gpus`` (joblib) or ``submitit_tolerant_local``): each job
-  process claims GPUs of its own (``claim_gpus``: one lock file per GPU) and narrows ``CUDA_VISIBLE_DEVICES``
-  before CUDA starts.  (Plain ``submitit_local`` gives every job the same GPUs 0..gpus_per_node-1.)
+  process claims a GPU of its own, or a share of one (``claim_gpus``: lock files per GPU, ``ceil(n_jobs / GPUs)``
+  slots per GPU under joblib), and narrows ``CUDA_VISIBLE_DEVICES`` before CUDA starts.  (Plain ``submitit_local``
+  gives every job the same GPUs 0..gpus_per_node-1.)
+* A deadline (``hydra/launcher=local_gpus hydra.launcher.deadline_s=S``, ``DeadlineJoblibLauncher``): S seconds
+  after the launch every running job stops as on Ctrl-C (``DeadlineReached``, raised by SIGALRM in the job's main
+  thread: its finished samples kept) and the jobs not yet started are skipped; a job still running
+  ``grace_s`` later is killed.  The sweep exits with 124; the same command resumes it.
 * ``TolerantSlurmLauncher`` / ``TolerantLocalLauncher`` (``hydra/launcher=slurm`` / ``submitit_tolerant_local``;
   registered with Hydra by ``hydra_plugins/sparse_eval_launcher``): hydra-submitit-launcher's launchers, except
   that a job that dies without a result (killed, out of memory, too many timeouts, a vanished job on a cluster
@@ -19,10 +24,14 @@ launchers that survive a job dying.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
+import signal
 import socket
 import subprocess
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -31,6 +40,7 @@ from typing import Any, Sequence
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from .cli import EXIT_DEADLINE
 from .store import read_json, slurm_job_id, write_json
 
 log = logging.getLogger("sparse_eval")
@@ -40,7 +50,14 @@ SWEEP_STATUS = "sweep_status.json"  # in the sweep folder
 LAUNCHER_FAILURES = "launcher_failures"  # folder in the sweep folder: jobs that died without writing a status
 GPU_LOCK_DIR = Path(os.environ.get("SPARSE_EVAL_GPU_LOCK_DIR", "/tmp/sparse_eval_gpu_locks"))
 GPUS_PER_JOB_ENV = "SPARSE_EVAL_GPUS_PER_JOB"  # GPUs each local job process claims (see claim_gpus)
+DEADLINE_FILE = "deadline.json"  # in the sweep folder: when the jobs of a sweep with a deadline stop
+STOPPED = ("stopped", "not started", "killed")  # job statuses of a sweep stopped at its deadline (not failures)
 _LAST_REPORT: dict[str, Any] | None = None
+
+
+class DeadlineReached(KeyboardInterrupt):
+    """The sweep's deadline (``hydra.launcher.deadline_s``), raised in the job's main thread: the run stops as on
+    Ctrl-C (its finished samples kept; the same command resumes it)."""
 
 
 # -- the job -----------------------------------------------------------------------------------------------------
@@ -70,14 +87,21 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         "slurm_job_id": slurm_job_id(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    per_job = os.environ.get(GPUS_PER_JOB_ENV)  # set by TolerantLocalLauncher for its job processes
-    if per_job is None and "joblib" in str(OmegaConf.select(hc, "launcher._target_", default="")):
-        per_job = "1"
-    if per_job and int(per_job) > 0:
-        record["gpus"] = claim_gpus(int(per_job))
+    deadline = job_deadline(hc)
+    if deadline is not None and time.time() >= deadline[0]:
+        record.update(status="not started", reason="deadline", time_s=0.0)
+        write_json(out_dir / JOB_STATUS, record)
+        log.warning("job %s not started: the sweep's deadline has passed", hc.job.num)
+        return record
     t0 = time.perf_counter()
     try:
-        summaries = run(cfg)
+        with deadline_alarm(deadline, out_dir / JOB_STATUS, record):
+            per_job, slots = os.environ.get(GPUS_PER_JOB_ENV), 1  # GPUS_PER_JOB_ENV: set by TolerantLocalLauncher
+            if per_job is None and "joblib" in str(OmegaConf.select(hc, "launcher._target_", default="")).lower():
+                per_job, slots = "1", jobs_per_gpu(OmegaConf.select(hc, "launcher.n_jobs", default=1))
+            if per_job and int(per_job) > 0:
+                record["gpus"] = claim_gpus(int(per_job), slots=slots)
+            summaries = run(cfg)
         record.update(
             status="ok",
             run_dirs=[s["run_dir"] for s in summaries],
@@ -99,6 +123,23 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
                 for s in summaries
             ],
         )
+    except DeadlineReached as exc:  # the run stopped as on Ctrl-C: its samples are kept, a relaunch resumes it
+        run_dir = getattr(exc, "run_dir", None)
+        record.update(status="stopped" if run_dir else "not started", reason="deadline", run_dirs=[run_dir])
+        if run_dir:
+            from .status import run_state
+
+            st = run_state(Path(run_dir))
+            record["samples_written"], record["expected_samples"] = st["written"], st["expected"]
+            log.warning(
+                "job %s stopped at the deadline: %s with %s/%s samples written; the same command resumes it",
+                hc.job.num,
+                run_dir,
+                st["written"],
+                "?" if st["expected"] is None else st["expected"],
+            )
+        else:
+            log.warning("job %s stopped at the deadline before its run started", hc.job.num)
     except Exception as exc:  # noqa: BLE001 - a job's error is recorded and the sweep goes on
         record.update(
             status="failed",
@@ -110,6 +151,102 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     record["time_s"] = time.perf_counter() - t0
     write_json(out_dir / JOB_STATUS, record)
     return record
+
+
+# -- the deadline ------------------------------------------------------------------------------------------------
+
+
+def write_deadline(sweep_dir: Path, deadline_s: float | None, grace_s: float | None) -> float | None:
+    """At launch: ``<sweep dir>/deadline.json`` says when the sweep's jobs stop (``deadline_s`` seconds from now;
+    removed when there is none, so a relaunch into the same folder without one is not stopped by an old one)."""
+    path = Path(sweep_dir) / DEADLINE_FILE
+    if deadline_s is None:
+        path.unlink(missing_ok=True)
+        return None
+    if float(deadline_s) <= 0 or (grace_s is not None and float(grace_s) < 0):
+        raise ValueError(f"hydra.launcher.deadline_s={deadline_s}, grace_s={grace_s}: give a positive deadline")
+    at = time.time() + float(deadline_s)
+    write_json(
+        path,
+        {
+            "deadline_s": float(deadline_s),
+            "grace_s": None if grace_s is None else float(grace_s),
+            "deadline_at": at,
+            "deadline": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(at)),
+        },
+    )
+    return at
+
+
+def launcher_problem(config: DictConfig) -> str | None:
+    """What is wrong with the launcher's deadline options (``hydra.launcher.deadline_s`` / ``grace_s``), checked
+    before any job is launched; None when nothing is."""
+    launcher = OmegaConf.select(config, "hydra.launcher", default=None)
+    if launcher is None or "deadline_s" not in launcher:
+        return None
+    for key, least in (("deadline_s", 0.0), ("grace_s", 0.0)):
+        value = launcher.get(key)
+        if value is None:
+            continue
+        try:
+            ok = float(value) > least if key == "deadline_s" else float(value) >= least
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            what = "seconds after the launch, > 0" if key == "deadline_s" else "seconds, >= 0"
+            return f"hydra.launcher.{key}={value}: give a number of {what} (or null for none)"
+    return None
+
+
+def job_deadline(hc: Any) -> tuple[float, float | None] | None:
+    """(deadline as a Unix time, grace in seconds) of this job's sweep, or None: only a launcher with a
+    ``deadline_s`` (``hydra/launcher=local_gpus``) sets one, written by it at launch into the sweep folder."""
+    if OmegaConf.select(hc, "launcher.deadline_s", default=None) is None:
+        return None
+    rec = read_json(Path(str(hc.sweep.dir)) / DEADLINE_FILE)
+    if not rec or rec.get("deadline_at") is None:
+        return None
+    return float(rec["deadline_at"]), rec.get("grace_s")
+
+
+def _raise_deadline(signum: int, frame: Any) -> None:
+    raise DeadlineReached()
+
+
+@contextlib.contextmanager
+def deadline_alarm(deadline: tuple[float, float | None] | None, status_path: Path, record: dict[str, Any]):
+    """Within the block, ``DeadlineReached`` is raised in this (main) thread at the deadline (SIGALRM).  A job that
+    has not returned ``grace`` seconds later (stuck in a long native call) has its status written as ``killed``
+    and its process ended (``os._exit(124)``): what it wrote is kept; the launcher records the lost process."""
+    if deadline is None:
+        yield
+        return
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("the deadline applies only to jobs run in a process's main thread; this job has none")
+        yield
+        return
+    at, grace = deadline
+
+    def kill() -> None:
+        write_json(status_path, {**record, "status": "killed", "reason": "deadline", "time_s": None})
+        log.error("job %s: still running %s s after the deadline; its process is ended", record["job_num"], grace)
+        logging.shutdown()
+        os._exit(EXIT_DEADLINE)
+
+    old = signal.signal(signal.SIGALRM, _raise_deadline)
+    signal.setitimer(signal.ITIMER_REAL, max(at - time.time(), 1e-3))
+    watchdog = None
+    if grace is not None:
+        watchdog = threading.Timer(max(at + float(grace) - time.time(), 0.0), kill)
+        watchdog.daemon = True
+        watchdog.start()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if watchdog is not None:
+            watchdog.cancel()
 
 
 # -- GPUs for local parallel launchers ---------------------------------------------------------------------------
@@ -136,12 +273,29 @@ def gpu_count() -> int:
     return len(visible_gpus())
 
 
-def claim_gpus(n: int = 1, lock_dir: Path | None = None, poll_s: float = 2.0) -> list[str] | None:
-    """Take ``n`` of the visible GPUs for this process (one lock file per GPU) and narrow CUDA_VISIBLE_DEVICES.
+def jobs_per_gpu(n_jobs: Any) -> int:
+    """GPU slots a joblib job process may claim per GPU: the launcher's ``n_jobs`` processes spread evenly over the
+    visible GPUs (``ceil(n_jobs / GPUs)``: n_jobs = GPUs is one job per GPU; n_jobs = 4 on one GPU, four on it)."""
+    try:
+        n = int(n_jobs)
+    except (TypeError, ValueError):
+        return 1
+    if n < 0:  # joblib: -1 = all CPUs, -2 = all but one, ...
+        import joblib
 
-    Processes of local parallel launchers (joblib workers, submitit_local jobs) on one machine each get their own
-    GPUs; a process waits while all are taken.  The claim lasts as long as the process (joblib reuses a worker
-    for several jobs: the same GPUs again).  Nothing happens when at most ``n`` GPUs are visible.
+        n = joblib.cpu_count() + 1 + n
+    return max(1, math.ceil(max(n, 1) / max(gpu_count(), 1)))
+
+
+def claim_gpus(n: int = 1, lock_dir: Path | None = None, poll_s: float = 2.0, slots: int = 1) -> list[str] | None:
+    """Take ``n`` of the visible GPUs for this process (lock files) and narrow CUDA_VISIBLE_DEVICES.
+
+    Processes of local parallel launchers (joblib workers, submitit_local jobs) on one machine share the GPUs:
+    each GPU has ``slots`` lock files (``gpu-<dev>.lock``, ``gpu-<dev>.<k>.lock``), so at most ``slots`` processes
+    use it, and a process takes a free slot, every GPU's first slot before any second one (so the processes spread
+    over the GPUs); it waits while all are taken.  The claim
+    lasts as long as the process (joblib reuses a worker for several jobs: the same GPUs again).  Nothing happens
+    when at most ``n`` GPUs are visible (every job uses them).
     """
     global _CLAIMED
     import fcntl
@@ -153,11 +307,14 @@ def claim_gpus(n: int = 1, lock_dir: Path | None = None, poll_s: float = 2.0) ->
         return None
     lock_dir = Path(lock_dir or GPU_LOCK_DIR)
     lock_dir.mkdir(parents=True, exist_ok=True)
+    names = [(dev, f"gpu-{dev}.lock" if k == 0 else f"gpu-{dev}.{k}.lock") for k in range(slots) for dev in gpus]
     t0 = last_log = time.monotonic()
     while True:
         fds, got = [], []
-        for dev in gpus:
-            fd = os.open(lock_dir / f"gpu-{dev}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        for dev, name in names:  # slot-major: the first free slot is on a GPU with the fewest processes
+            if dev in got:
+                continue
+            fd = os.open(lock_dir / name, os.O_RDWR | os.O_CREAT, 0o666)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -231,16 +388,22 @@ class SweepReport(Callback):
         records = collect_job_records(sweep_dir)
         expected = expected_jobs(config)
         ok = [r for r in records if r.get("status") == "ok"]
-        failed = [r for r in records if r.get("status") != "ok"]
+        stopped = [r for r in records if r.get("status") in STOPPED]
+        failed = [r for r in records if r.get("status") != "ok" and r.get("status") not in STOPPED]
         missing = max(0, expected - len(records)) if expected is not None else 0
         report = {
             "sweep_dir": str(sweep_dir),
             "jobs": expected if expected is not None else len(records),
             "ok": len(ok),
             "failed": len(failed),
+            "stopped": len(stopped),
             "missing": missing,
             "failures": [
                 {k: r.get(k) for k in ("job_num", "overrides", "error", "run_dirs", "output_dir")} for r in failed
+            ],
+            "stopped_jobs": [
+                {k: r.get(k) for k in ("job_num", "overrides", "status", "run_dirs", "samples_written")}
+                for r in stopped
             ],
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
@@ -250,9 +413,17 @@ class SweepReport(Callback):
         line = (
             f"sweep: {report['jobs']} jobs, {len(ok)} ok, {len(failed)} failed"
             + (f", {missing} without a status" if missing else "")
+            + (
+                f", {len(stopped)} stopped at the deadline "
+                f"({sum(r.get('status') != 'not started' for r in stopped)} interrupted, "
+                f"{sum(r.get('status') == 'not started' for r in stopped)} not started; "
+                f"the same command resumes them)"
+                if stopped
+                else ""
+            )
             + f"  ({sweep_dir / SWEEP_STATUS})"
         )
-        (log.error if failed or missing else log.info)(line)
+        (log.error if failed or missing else log.warning if stopped else log.info)(line)
         _LAST_REPORT = report
 
 
@@ -261,9 +432,14 @@ def last_report() -> dict[str, Any] | None:
 
 
 def exit_status() -> int:
-    """1 when the last sweep of this process had a failed (or silent) job, else 0."""
+    """1 when the last sweep of this process had a failed (or silent) job; else 124 when its deadline stopped
+    some job (``EXIT_DEADLINE``: the same command resumes them); else 0."""
     r = _LAST_REPORT
-    return 1 if r is not None and (r["failed"] or r["missing"]) else 0
+    if r is None:
+        return 0
+    if r["failed"] or r["missing"]:
+        return 1
+    return EXIT_DEADLINE if r.get("stopped") else 0
 
 
 # -- submitit launchers that record dead jobs instead of aborting ------------------------------------------------
@@ -430,3 +606,63 @@ if _sl is not None:
 
     class TolerantLocalLauncher(_Tolerant, _sl.LocalLauncher):
         pass
+
+
+# -- joblib with a deadline --------------------------------------------------------------------------------------
+
+try:  # hydra-joblib-launcher is optional (extra "slurm")
+    from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher as _JoblibLauncher
+except ImportError:  # pragma: no cover - without the plugin hydra/launcher=local_gpus does not exist
+    _JoblibLauncher = None
+
+if _JoblibLauncher is not None:
+
+    class DeadlineJoblibLauncher(_JoblibLauncher):
+        """hydra-joblib-launcher's launcher (``n_jobs`` job processes at a time, loky) with a deadline:
+        ``deadline_s`` seconds after the launch every running job stops as on Ctrl-C and the jobs not started are
+        skipped (``run_job``); a job process still running ``grace_s`` seconds later is ended.  The remaining
+        options go to ``joblib.Parallel`` as in the plugin."""
+
+        def __init__(self, deadline_s: float | None = None, grace_s: float | None = 30.0, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.deadline_s, self.grace_s = deadline_s, grace_s
+
+        def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
+            sweep_dir = Path(str(self.config.hydra.sweep.dir))
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            at = write_deadline(sweep_dir, self.deadline_s, self.grace_s)
+            if at is not None:
+                log.info(
+                    "deadline: jobs stop at %s (in %s s; killed %s s later)",
+                    time.strftime("%H:%M:%S", time.localtime(at)),
+                    self.deadline_s,
+                    self.grace_s,
+                )
+            try:
+                return super().launch(job_overrides, initial_job_idx)
+            except Exception as exc:  # noqa: BLE001 - a job process ended after the deadline: joblib gave up
+                if at is None or time.time() < at:
+                    raise
+                log.error("the sweep stopped at its deadline with a job process ended (%s)", type(exc).__name__)
+                return self._returns_after_kill(sweep_dir, job_overrides, initial_job_idx)
+
+        @staticmethod
+        def _returns_after_kill(
+            sweep_dir: Path, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+        ) -> list[Any]:
+            """joblib stops every worker when one dies: each job's own status where it wrote one, else ``killed``
+            (in ``launcher_failures/``, which ``SweepReport`` reads as well)."""
+            from hydra.core.utils import JobReturn, JobStatus
+
+            have = {r.get("job_num"): r for r in collect_job_records(sweep_dir)}
+            returns = []
+            for i, ov in enumerate(job_overrides):
+                num = initial_job_idx + i
+                rec = have.get(num)
+                if rec is None:
+                    rec = {"job_num": num, "overrides": list(ov), "status": "killed", "reason": "deadline"}
+                    write_json(sweep_dir / LAUNCHER_FAILURES / f"{num}.json", rec)
+                ret = JobReturn(overrides=list(ov), status=JobStatus.COMPLETED)
+                ret.return_value = rec
+                returns.append(ret)
+            return returns

@@ -1,5 +1,6 @@
-"""``hydra/launcher=slurm`` (and ``submitit_tolerant_local``): see ``sparse_eval.sweep`` for what they add to
-hydra-submitit-launcher's launchers.  Absent (nothing to register) when hydra-submitit-launcher is not installed."""
+"""``hydra/launcher=slurm`` (and ``submitit_tolerant_local``), ``hydra/launcher=local_gpus``: see
+``sparse_eval.sweep`` for what they add to hydra-submitit-launcher's and hydra-joblib-launcher's launchers.  Each is
+absent (nothing to register) when its plugin is not installed."""
 
 from sparse_eval import sweep as _sweep
 
@@ -9,4 +10,10 @@ if hasattr(_sweep, "TolerantSlurmLauncher"):
         pass
 
     class LocalLauncher(_sweep.TolerantLocalLauncher):
+        pass
+
+
+if hasattr(_sweep, "DeadlineJoblibLauncher"):
+
+    class JoblibLauncher(_sweep.DeadlineJoblibLauncher):
         pass
