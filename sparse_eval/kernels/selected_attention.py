@@ -185,12 +185,13 @@ def attention(
     kth: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     backend: str = "auto",
-    split: int = SPLIT,
+    split: int | None = None,
 ) -> Result:
     """The selected attention and, with ``dense``, the dense statistics of the same pass (module docstring).
     Arguments as ``attention_reference``.  With ``scores`` given the kernel reads them instead of K (the exact values
     the selection was made from); ``kth`` needs ``scores`` and ``dense``.  ``split``: keys per split of the
-    Triton kernel (a multiple of 64; the default ``SPLIT`` everywhere outside tests: the bits depend on it)."""
+    Triton kernel (a multiple of 64; None: ``SPLIT``, read at the call, so that tests under the interpreter may set a
+    smaller one; the bits depend on it)."""
     _check(q, k, v)
     if kth is not None and (scores is None or not dense):
         raise ValueError("kth (top-k recall's threshold) needs scores= and dense=True")
@@ -209,7 +210,9 @@ def attention(
 # -- Triton launchers --------------------------------------------------------------------------------------------
 
 
-def _check_split(split: int) -> int:
+def _check_split(split: int | None) -> int:
+    if split is None:
+        split = SPLIT
     if isinstance(split, bool) or not isinstance(split, int) or split < 64 or split % 64:
         raise ValueError(f"split={split!r}: a multiple of 64 keys (default {SPLIT})")
     return split
@@ -220,10 +223,13 @@ def _strides(x: torch.Tensor | None, n: int) -> tuple[int, ...]:
 
 
 def _block_n(k: torch.Tensor, small: bool = False) -> int:
-    """64 keys per tile for 16-bit tiles on the GPU; 32 for float32 tiles there (IEEE products on the FMA units, as
-    in ``_tl_sparse_decode``), under the interpreter, and with ``small`` (the index form's q·k: 64 spills at sm_90,
-    ``_aot_check``).  At 8 warps every default configuration compiles for sm_90 without spilling."""
-    return 32 if small or triton_interpret() or k.dtype == torch.float32 else 64
+    """64 keys per tile for 16-bit tiles on the GPU and under the interpreter (fewer steps there); 32 for float32
+    tiles on the GPU (IEEE products on the FMA units, as in ``_tl_sparse_decode``) and with ``small`` (the index
+    form's q·k: 64 spills at sm_90, ``_aot_check``).  At 8 warps every default configuration compiles for sm_90
+    without spilling."""
+    if triton_interpret():
+        return 64
+    return 32 if small or k.dtype == torch.float32 else 64
 
 
 def _u8(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -473,7 +479,7 @@ def attention_indexed(
     scaling: float | None = None,
     out_dtype: torch.dtype | None = None,
     backend: str = "auto",
-    split: int = SPLIT,
+    split: int | None = None,
 ) -> Result:
     """Decode attention over index lists with a per-entry logit correction (``attention_indexed_reference``); splits
     of ``SPLIT`` list entries from the list's start, merged in order: batch-invariant."""
