@@ -325,3 +325,50 @@ def test_fused_attention_enters_the_identity_only_where_it_runs(tmp_path, monkey
     assert set(ident("method=topk", "eval.fused_attention=off")) == before
     assert set(ident("method=full", "eval.fused_attention=on")) == before
     assert ident("method=topk", "eval.fused_attention=on")["fused_attention"] is True
+
+
+def test_score_product_at_an_aligned_key_length_is_exact_for_the_real_keys():
+    """The CUDA score product (outside the batch-invariant mode) takes rows · Kᵀ over the cache's keys rounded up to
+    a multiple of 16 where its buffer has room (a view, no copy): the real keys' scores are those of the product over
+    the N keys alone, spare rows full of NaN never leak into them, and a cache without room falls back (None)."""
+    from sparse_eval.methods.core import _cuda_scores, _rows_times_aligned_keys, aligned_keys
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    buf = torch.full((2, 2, 64, 16), float("nan"), device=dev)  # a SparseLayer-like buffer: room past N
+    qg = torch.randn(2, 2, 8, 16, device=dev)
+    for n in (16, 37, 50):
+        buf[:, :, :n] = torch.randn(2, 2, n, 16, device=dev)
+        k = buf[:, :, :n]
+        ka = aligned_keys(k)
+        assert ka.shape[2] == -(-n // 16) * 16 and ka.data_ptr() == k.data_ptr()
+        got = _rows_times_aligned_keys(qg, k)
+        want = torch.matmul(qg, k.transpose(-1, -2))
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(_cuda_scores(qg, k), want, rtol=1e-6, atol=1e-5)
+    tight = torch.randn(2, 2, 37, 16, device=dev)  # no room past N: (K · rowsᵀ)ᵀ
+    assert aligned_keys(tight) is None and _rows_times_aligned_keys(qg, tight) is None
+    assert aligned_keys(tight[:, :, :32]) is not None  # 32 is aligned already: itself
+    torch.testing.assert_close(_cuda_scores(qg, tight), torch.matmul(qg, tight.transpose(-1, -2)), rtol=1e-6, atol=1e-5)
+    assert aligned_keys(buf[:, :, :60]) is not None  # 64 rows: the buffer's whole capacity
+    short = torch.randn(2, 2, 70, 16, device=dev)[:, :, :68]  # 80 rows would run past the last head's 70
+    assert aligned_keys(short) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_scores_at_an_aligned_key_length():
+    """On the GPU, bf16, the Llama-3.1-8B decode shape at misaligned lengths: ``scores_gqa`` (stock mode) takes the
+    aligned product over a buffer with room and agrees with float64 scores; NaN in the spare rows never shows."""
+    from sparse_eval.methods.core import aligned_keys, scores_gqa
+
+    buf = torch.full((2, 8, 16384 + 256, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    for n in (16384, 16389, 16399):
+        buf[:, :, :n] = torch.randn(2, 8, n, 128, device="cuda", dtype=torch.bfloat16)
+        k = buf[:, :, :n]
+        assert aligned_keys(k) is not None
+        got = scores_gqa(q, k, 128**-0.5)
+        want = (q.double() @ k.double().repeat_interleave(4, 1).transpose(-1, -2)) * 128**-0.5
+        assert got.shape == (2, 32, 1, n) and torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
