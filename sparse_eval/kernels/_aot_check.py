@@ -208,6 +208,8 @@ def _configs():
         (sa, dict(HAS_BIAS=True, HAS_SC=True, HAS_KTH=False, DENSE=False, UPCAST=False), 8),  # error off
         (sa, dict(HAS_BIAS=False, HAS_SC=False, HAS_KTH=False, DENSE=True, UPCAST=False), 8),  # q·k in the kernel
         (sa32, dict(HAS_BIAS=True, HAS_SC=True, HAS_KTH=True, DENSE=True, UPCAST=True, BLOCK_N=32), 8),
+        # a block of 64 query rows (a sparse prefill's G·Q rows): 255 registers, no spill
+        (sa, dict(HAS_BIAS=True, HAS_SC=True, HAS_KTH=True, DENSE=True, UPCAST=False, BLOCK_R=64), 8),
     ):
         out.append((_tl_selected_attention._mask_split, ptrs, dict(mbase, **extra), ("qk_scale",), warps))
     # index form: BLOCK_N 32 where q·k is taken in the kernel (64 spills there), 64 where the scores are read
