@@ -40,7 +40,22 @@ def _online(m_i, l_i, acc, lg, v, UPCAST: tl.constexpr):
     return m_new, m_use, alpha, p, l_i, acc
 
 
-@triton.jit
+# Triton compiles a variant per divisibility-by-16 of each integer argument.  The key count and the strides over rows
+# (which hold N and the cache's capacity) differ between a row alone and the same row in a padded batch, and another
+# variant may lay out a tile's loads, and with them the order of a tile's sums, differently: those arguments are not
+# specialised, so every launch runs the same code (the innermost strides, the same in both, stay specialised)
+_MASK_UNSPECIALISED = [
+    "L", "QL", "HQ", "HKV", "n_splits", "sqb", "sqh", "sqt", "skb", "skh", "svb", "svh",
+    "s_kb", "s_kh", "s_kg", "s_kt", "s_bb", "s_bh", "s_bg", "s_bt", "s_sb", "s_sh", "s_sg", "s_st",
+    "s_vb", "s_vh", "s_vg", "s_vt", "s_tb", "s_th", "s_tg", "s_tt",
+]  # fmt: skip
+_INDEX_UNSPECIALISED = [
+    "S", "HQ", "HI", "n_splits", "sqb", "sqh", "skb", "skh", "svb", "svh", "s_ib", "s_ih", "s_cb", "s_ch",
+    "s_bb", "s_bh", "s_sb", "s_sh",
+]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_MASK_UNSPECIALISED)
 def _mask_split(
     Q,
     K,
@@ -238,7 +253,7 @@ def _mask_split(
         tl.store(PAD + prow[:, None] * BLOCK_D + offs_d[None, :], acc_d, mask=rmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_INDEX_UNSPECIALISED)
 def _index_split(
     Q,
     K,
@@ -418,7 +433,7 @@ def _merge_split(
     return M, Ls, A, Md, Ld, Lk, Ad, cnt, hits, mu, mud
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def _merge(
     PM,
     PL,
