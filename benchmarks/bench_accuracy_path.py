@@ -22,9 +22,16 @@ the profile's GPU busy time; a step that waits for the device cannot be captured
 With ``--batch-invariant`` the prefill and every plug-in method's steps run inside ``batch_invariant()``, the mode a
 run evaluates in by default (``eval.batch_invariant``: fixed-order products and reductions, so a record does not
 depend on its batch); stock transformers is timed outside it either way.
+With ``--fused both`` (the default) every plug-in method that declares ``Method.fused_attention`` is timed twice in
+the same round-robin, with ``eval.fused_attention=on`` (its attention over the selection and the statistics from
+``kernels.selected_attention``: rows labelled ``name [fused]``) and ``off`` (the torch ops of ``methods.core``), and the
+ratios to full attention are printed for both; ``--fused on`` / ``off`` times one of them.  Without CUDA the fused
+variants run only in Triton's interpreter (``TRITON_INTERPRET=1``) and are otherwise skipped.
 
     python benchmarks/bench_accuracy_path.py --model stories260k --context 448 --out experiments/accuracy_path_speed
     python benchmarks/bench_accuracy_path.py --model llama3_8b_random --context 16384 --out $OUT   # GPU machine
+    python benchmarks/bench_accuracy_path.py --model llama3_8b_random --context 16384 --batch 8 --batch-invariant \
+        --fused both --repeats 5 --out $OUT    # fused on and off in one process, the mode a run uses
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, make_cache  # noqa: E402
+from sparse_eval.kernels._common import triton_available, triton_interpret  # noqa: E402
 from sparse_eval.methods import build_method, make_config  # noqa: E402
 from sparse_eval.provenance import hardware, versions  # noqa: E402
 from sparse_eval.run_config import method_options  # noqa: E402
@@ -159,10 +167,10 @@ def profile_methods(
     would see (the same calls) and the aten operators per step, no device figures."""
     cuda = device.type == "cuda"
     out: dict[tuple[str, bool], dict] = {}
-    for name, method in methods:
+    for name, method, fused in methods:
         for err in (False,) if method is None else (True, False):
             if method is not None:
-                attach(model, method, Runtime(protocol="A", compute_error=err))
+                attach(model, method, Runtime(protocol="A", compute_error=err, fused_attention=fused))
             c = stock_cache if method is None else cache
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
             prof = torch.profiler.profile(activities=acts)
@@ -266,11 +274,11 @@ def capture_methods(
     """Per (method, error on), plug-in methods only: ``time_captured``'s ms per step (median over ``--repeats``)
     or why the step could not be captured."""
     out: dict[tuple[str, bool], dict] = {}
-    for name, method in methods:
+    for name, method, fused in methods:
         if method is None:
             continue
         for err in (True, False):
-            attach(model, method, Runtime(protocol="A", compute_error=err))
+            attach(model, method, Runtime(protocol="A", compute_error=err, fused_attention=fused))
             results = []
             try:
                 with mode(method):
@@ -317,6 +325,13 @@ def main(argv=None) -> int:
         help="time the plug-in's methods and the prefill inside batch_invariant() (a run's default mode); "
         "stock transformers stays outside it",
     )
+    ap.add_argument(
+        "--fused",
+        choices=("both", "on", "off"),
+        default="both",
+        help="eval.fused_attention of the plug-in's sparse methods: time each method with the fused kernel and "
+        "without (both, rows 'name [fused]'), or one of them; a method without Method.fused_attention runs off",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from sparse_eval.invariance import batch_invariant
@@ -361,10 +376,17 @@ def main(argv=None) -> int:
         with torch.inference_mode():
             model(input_ids=ids, use_cache=True, **cache_kwargs(model, stock_cache))
 
+    # (label, method, eval.fused_attention): the fused variant of a method that declares the capability is a
+    # method of its own in the round-robin ("name [fused]")
+    settings = {"both": ("off", "on"), "on": ("on",), "off": ("off",)}[args.fused]
+    fused_runs = device.type == "cuda" or triton_interpret()
+    if "on" in settings and not (fused_runs and triton_available()):
+        print("fused variants skipped: they need CUDA (or TRITON_INTERPRET=1) and triton")
+        settings = ("off",)
     methods = []
     for name in [m for m in args.methods.split(",") if m]:
         if name == "stock":
-            methods.append((name, None))
+            methods.append((name, None, "off"))
             continue
         opts = method_options(name)
         opts["dense_layers"] = [i for i in opts.get("dense_layers", []) if isinstance(i, str) or i < n_layers] or [0]
@@ -382,16 +404,18 @@ def main(argv=None) -> int:
         except (ValueError, TypeError, FileNotFoundError) as exc:
             print(f"skip {name}: {exc}")
             continue
-        methods.append((name, method))
+        for fused in settings if (method.fused_attention and not method.dense) else ("off",):
+            methods.append((f"{name} [fused]" if fused == "on" else name, method, fused))
 
     # round-robin over methods, so drift of the machine does not favour whichever ran first
     times: dict[tuple[str, bool], list[float]] = {}
     first_times: dict[tuple[str, bool], list[float]] = {}
     stats: dict[tuple[str, bool], dict] = {}
     for rep in range(args.repeats):
-        for name, method in methods:
+        for name, method, fused in methods:
             for err in (False,) if method is None else (True, False):
-                session = None if method is None else attach(model, method, Runtime(protocol="A", compute_error=err))
+                rt = Runtime(protocol="A", compute_error=err, fused_attention=fused)
+                session = None if method is None else attach(model, method, rt)
                 c = stock_cache if method is None else cache
                 with mode(method):
                     if rep == 0:
@@ -403,30 +427,33 @@ def main(argv=None) -> int:
                 times.setdefault((name, err), []).append(ms)
                 first_times.setdefault((name, err), []).append(first_ms)
                 # each measurement as it is taken: a run stopped at a time limit still shows what it measured
-                print(f"  repeat {rep} {name:16s} error={'on ' if err else 'off'} {ms:9.3f} ms/step", flush=True)
+                print(f"  repeat {rep} {name:24s} error={'on ' if err else 'off'} {ms:9.3f} ms/step", flush=True)
                 stats[(name, err)] = session.recorder.summary() if session is not None else {}
                 if session is not None:
                     detach(model)
     profiles = profile_methods(model, cache, stock_cache, args, first, device, methods, mode) if args.profile else {}
     captured = capture_methods(model, cache, args, first, methods, mode) if args.capture else {}
     rows = []
+    fused_of = {label: fused == "on" for label, _, fused in methods}
     for (name, err), ts in times.items():
         summ = stats[(name, err)]
         rows.append(
             {
                 "method": name,
+                "fused_attention": fused_of[name],
                 "est_error_on": err,
                 "ms_per_step": statistics.median(ts),
                 "all_ms": ts,
                 "first_step_ms": statistics.median(first_times[(name, err)]),
                 "cost2": summ.get("cost2"),
                 "est_error": summ.get("est_error"),
+                "mass": summ.get("mass"),
                 **profiles.get((name, err), {}),
                 **captured.get((name, err), {}),
             }
         )
         print(
-            f"{name:16s} error={'on ' if err else 'off'} {statistics.median(ts):9.3f} ms/step  "
+            f"{name:24s} error={'on ' if err else 'off'} {statistics.median(ts):9.3f} ms/step  "
             f"first step {statistics.median(first_times[(name, err)]):9.3f} ms  cost2={summ.get('cost2')}"
         )
     base = {r["est_error_on"]: r["ms_per_step"] for r in rows if r["method"] == "full"}
@@ -470,15 +497,27 @@ def main(argv=None) -> int:
             rest = (total or 0.0) - sum(sp.values())
             cells = "".join(f"{sp.get(n, 0.0):9.2f}" for n in names)
             print(f"{r['method']:16s} {'on ' if r['est_error_on'] else 'off'}    {cells}{rest:9.2f}")
-    print("\nmethod            ratio vs full (error on / off)")
+    inv = "batch-invariant mode" if args.batch_invariant else "stock kernels"
+    print(f"\nmethod                    ratio vs full (error on / off; medians of {args.repeats}, {inv})")
     for name in dict.fromkeys(r["method"] for r in rows):
         on = next((r for r in rows if r["method"] == name and r["est_error_on"]), None)
         off = next((r for r in rows if r["method"] == name and not r["est_error_on"]), None)
         print(
-            f"{name:16s}  {on['ratio_vs_full']:.2f}x / {off['ratio_vs_full']:.2f}x"
+            f"{name:24s}  {on['ratio_vs_full']:.2f}x / {off['ratio_vs_full']:.2f}x"
             if on
-            else f"{name:16s}  - / {off['ratio_vs_full']:.2f}x"
+            else f"{name:24s}  - / {off['ratio_vs_full']:.2f}x"
         )
+    labels = {r["method"] for r in rows}
+    pairs = [n for n in dict.fromkeys(r["method"] for r in rows) if f"{n} [fused]" in labels]
+    if pairs:
+        print("\nmethod            fused / unfused ms per step (error on / off)")
+        for name in pairs:
+            cells = []
+            for err in (True, False):
+                a = next(r for r in rows if r["method"] == f"{name} [fused]" and r["est_error_on"] == err)
+                b = next(r for r in rows if r["method"] == name and r["est_error_on"] == err)
+                cells.append(f"{a['ms_per_step'] / b['ms_per_step']:.2f}x")
+            print(f"{name:16s}  {' / '.join(cells)}")
     record = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "args": vars(args),
@@ -487,6 +526,7 @@ def main(argv=None) -> int:
         "hardware": hardware(),
         "versions": versions(),
         "batch_invariant": args.batch_invariant,
+        "fused": args.fused,
         "prefill_ms": statistics.median(prefill_ms),
         "prefill_all_ms": prefill_ms,
         "rows": rows,

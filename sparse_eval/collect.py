@@ -35,6 +35,8 @@ Columns (see also docs/sweeps.md):
                                      complete run scores at least X, named in subset_subtasks)
   protocol, prefill_chunk,           evaluation settings (batch_invariant: the fixed-order kernels of
   batch_invariant                    ``sparse_eval.invariance``; None for runs made before the setting existed)
+  fused_attention                    whether the sparse calls took the fused kernel (``eval.fused_attention``
+                                     resolved: ``kernels.selected_attention``); False where it was not used
   seed                               the seed the run's method drew from (``seeds.effective_seed``)
   seed_group, stochastic             the hash of the run's identity without its seed; whether the method draws at
                                      random (``Method.stochastic``)
@@ -276,6 +278,7 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
         "protocol": ev.get("protocol"),
         "prefill_chunk": ev.get("prefill_chunk"),
         "batch_invariant": ev.get("batch_invariant"),
+        "fused_attention": bool(ev.get("fused_attention", False)),
         "seed": effective_seed(identity),
         "seed_group": seed_group(identity),
         "stochastic": summary["stochastic"] if "stochastic" in summary else is_stochastic(method),

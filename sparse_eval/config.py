@@ -33,6 +33,12 @@ class EvalConfig:
     # with any companions and padding, on the CPU as on the GPU; false: stock kernels (faster; records then move in
     # the last bits, and greedy tokens and selections with them).  Part of the run's identity
     batch_invariant: bool = True
+    # the sparse calls' attention over the selection and its statistics (kept keys, kept mass, est_error's dense
+    # reference, top-k recall) from one batch-invariant Triton kernel (``kernels.selected_attention``) instead of the
+    # torch ops of ``methods.core``: auto (on CUDA for a method that declares ``Method.fused_attention``; off on the
+    # CPU, whose records stay bit for bit as before), on (refused where it cannot run), off.  It changes the last
+    # bits of outputs and statistics, so where it is used the run's identity says so (``eval.fused_attention: true``)
+    fused_attention: str = "auto"
     # samples per padded batch (a sample's record is the same in any batch with ``batch_invariant``); ``auto``:
     # the largest that fits, from min(samples, 128) halving on out-of-memory (the size used is in the summary)
     batch_size: Any = 1

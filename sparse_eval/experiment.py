@@ -20,6 +20,7 @@ from .config import to_plain
 from .engine import Engine
 from .fingerprint import file_sha256
 from .methods import Method, MethodConfig, build_method, make_config
+from .methods.core import fused_attention_used
 from .models.inspection import sliding_layers
 from .models.loading import ModelConfig, load_model, max_context, model_identity
 from .models.placement import device_map_of
@@ -97,6 +98,7 @@ class Experiment:
         self.load()
         _, method = check_method(method_cfg, self.num_layers, self.context, self.sliding, self.model_cfg.name)
         method.setup(self.model, self.model_cfg.name)
+        self.fused_attention(method)  # eval.fused_attention=on where it cannot run: refused now
         # calibration text (DS's channels) disjoint from the evaluated text, by content (sparse_eval.overlap)
         check_calibration_overlap(method, self.task, self.samples(), self.tokenizer)
         return method
@@ -140,9 +142,18 @@ class Experiment:
             },
             "seed": method["seed"],
         }
+        if self.fused_attention(built):  # only where the kernel runs: every other run keeps its directory
+            ident["eval"]["fused_attention"] = True
         if self.task.read_files:  # only tasks that read local data files: other runs keep their directories
             ident["data"] = {name: file_sha256(p) for name, p in sorted(self.task.read_files.items())}
         return ident
+
+    def fused_attention(self, method: Method) -> bool:
+        """Whether ``method``'s sparse calls take the fused kernel on this model's device and dtype
+        (``eval.fused_attention`` resolved by ``core.fused_attention_used``; raises for ``on`` where it cannot run)."""
+        self.load()
+        setting = self.cfg.eval.get("fused_attention", "auto")
+        return fused_attention_used(setting, method, self.model.device, self.model.dtype)
 
     def run_dir(self, method: Method | MethodConfig) -> tuple[dict[str, Any], Path]:
         """(identity, run directory) of one method's run: the one place both are computed."""
@@ -188,6 +199,7 @@ class Experiment:
                 self.cfg.eval.compute_error,
                 self.cfg.eval.query_chunk,
                 batch_invariant=self.cfg.eval.batch_invariant,
+                fused_attention=self.cfg.eval.get("fused_attention", "auto"),
             ),
         )
         engine = Engine(self.model, self.tokenizer, session, self.cfg.eval.prefill_chunk)

@@ -19,7 +19,8 @@ import bench_accuracy_path as bench  # noqa: E402
 def _run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / ("inv" if extra else "plain")
     argv = ["--model", "stories260k", "--context", "64", "--batch", "2", "--steps", "2", "--repeats", "1"]
-    assert bench.main([*argv, "--methods", "stock,full,topk", "--profile", "--out", str(out), *extra]) == 0
+    methods = ["--methods", "stock,full,topk", "--fused", "off"]
+    assert bench.main([*argv, *methods, "--profile", "--out", str(out), *extra]) == 0
     return json.loads((out / "accuracy_path_stories260k_64_b2.json").read_text())
 
 
@@ -45,6 +46,34 @@ def test_batch_invariant_times_the_methods_in_that_mode_and_stock_outside_it(tmp
         assert set(spans[("topk", True)]) == every
         assert "error" not in spans[("topk", False)] and "select" in spans[("topk", False)]
         assert set(spans[("full", True)]) == {"attend", "record"}
+
+
+def test_fused_both_times_each_method_with_and_without_the_kernel(tmp_path, monkeypatch):
+    """``--fused both`` (the default): a method that declares ``Method.fused_attention`` is timed with the fused kernel
+    (row ``name [fused]``) and without, in one process and one round-robin, each with its ratio to full attention;
+    full attention (dense) and stock once.  Without CUDA the kernel runs in Triton's interpreter (splits of 64 keys
+    here, for speed)."""
+    pytest.importorskip("triton")
+    import os
+
+    if not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            pytest.skip("no CUDA and no TRITON_INTERPRET=1")
+        from sparse_eval.kernels import selected_attention
+
+        monkeypatch.setattr(selected_attention, "SPLIT", 64)
+    argv = ["--model", "stories260k", "--context", "48", "--batch", "2", "--steps", "1", "--repeats", "1"]
+    assert bench.main([*argv, "--methods", "stock,full,topk", "--batch-invariant", "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "accuracy_path_stories260k_48_b2.json").read_text())
+    assert rec["fused"] == "both" and rec["batch_invariant"] is True
+    rows = {(r["method"], r["est_error_on"]): r for r in rec["rows"]}
+    assert set(rows) == {("stock", False)} | {(m, e) for m in ("full", "topk", "topk [fused]") for e in (True, False)}
+    assert rows[("topk [fused]", True)]["fused_attention"] and not rows[("topk", True)]["fused_attention"]
+    assert not rows[("full", True)]["fused_attention"]  # a dense method makes no sparse call
+    for err in (True, False):  # the same selections: the same kept share; est_error to fp32 rounding
+        a, b = rows[("topk [fused]", err)], rows[("topk", err)]
+        assert a["cost2"] == pytest.approx(b["cost2"]) and a["ratio_vs_full"] > 0
+    assert rows[("topk [fused]", True)]["est_error"] == pytest.approx(rows[("topk", True)]["est_error"], rel=1e-4)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")

@@ -4,6 +4,7 @@ weights, costs, est_error and full attention at a keep-all budget: ``test_method
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -214,3 +215,160 @@ def test_oracle_kept_draw_parts_give_the_draws_of_a_fresh_method():
             for m in (reused, fresh)
         ]
         assert torch.equal(outs[0][1]["keep"], outs[1][1]["keep"]) and torch.equal(outs[0][0], outs[1][0]), call
+
+
+# -- eval.fused_attention: the setting, its resolution, and the kernel inside a model --------------------------------
+
+
+def test_fused_attention_setting_resolves_per_method_device_and_dtype(monkeypatch):
+    """auto: on for CUDA when the method declares the capability, off on the CPU (so CPU records stay the torch
+    path's); on: refused where it cannot run (no capability, a dtype the kernel does not take, a CPU outside
+    Triton's interpreter); off: never; a dense method makes no sparse call."""
+    from sparse_eval.methods.base import Method
+    from sparse_eval.methods.core import fused_attention_used
+
+    topk, full = build_method(make_config("topk", {})), build_method(make_config("full", {}))
+
+    class NoCapability(Method):
+        name = "no_capability"
+
+    plain = NoCapability(make_config("topk", {}))
+    f32 = torch.float32
+    assert not fused_attention_used("auto", topk, "cpu", f32)
+    assert not fused_attention_used("off", topk, "cuda", f32) and not fused_attention_used("on", full, "cuda", f32)
+    with pytest.raises(ValueError, match="valid"):
+        fused_attention_used("yes", topk, "cpu", f32)
+    pytest.importorskip("triton")
+    assert fused_attention_used("auto", topk, "cuda", torch.bfloat16)
+    assert not fused_attention_used("auto", plain, "cuda", f32) and not fused_attention_used(
+        "auto", topk, "cuda", torch.float64
+    )
+    with pytest.raises(ValueError, match="does not declare"):
+        fused_attention_used("on", plain, "cuda", f32)
+    with pytest.raises(ValueError, match="float64"):
+        fused_attention_used("on", topk, "cuda", torch.float64)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="not CUDA"):
+        fused_attention_used("on", topk, "cpu", f32)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fused_attention_used("on", topk, "cpu", f32)
+
+
+def test_fused_attention_in_a_model_decodes_as_the_torch_path(stories, monkeypatch):
+    """The setting through the plug-in: stories260K decoding under protocol A inside the batch-invariant mode, a
+    left-padded batch of 2, MagicPIG (a selection with a logit correction), with ``eval.fused_attention=on`` (Triton's
+    interpreter on the CPU, with splits of 64 keys) and ``off``: the same greedy tokens and the same recorded
+    statistics to fp32 rounding; ``auto`` on the CPU is ``off`` bit for bit."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            pytest.skip("no CUDA and no TRITON_INTERPRET=1")
+        from sparse_eval.kernels import selected_attention
+
+        monkeypatch.setattr(selected_attention, "SPLIT", 64)
+    from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, make_cache
+    from sparse_eval.invariance import batch_invariant
+
+    model, tok = stories
+    enc = tok(["Once upon a time there was a little dog who", "The sun"], return_tensors="pt", padding=True)
+    name, opts = "magicpig", dict(K=4, L=20, sink=2, local=4, dense_layers=[0])
+
+    def decode(setting):
+        method = build_method(make_config(name, opts))
+        session = attach(model, method, Runtime(protocol="A", fused_attention=setting))
+        try:
+            cache = make_cache(model)
+            ids, mask, toks = enc["input_ids"], enc["attention_mask"], []
+            with torch.no_grad(), batch_invariant():
+                for _ in range(2):  # the dense prefill (protocol A), then a sparse step
+                    out = model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
+                    ids = out.logits[:, -1].argmax(-1, keepdim=True)
+                    mask = torch.cat([mask, torch.ones_like(ids)], 1)
+                    toks.append(ids)
+            return torch.cat(toks, 1), session.recorder.summary()
+        finally:
+            detach(model)
+
+    (t_off, s_off), (t_on, s_on), (t_auto, s_auto) = decode("off"), decode("on"), decode("auto")
+    assert torch.equal(t_on, t_off) and torch.equal(t_auto, t_off) and s_auto == s_off
+    assert s_on.keys() == s_off.keys()
+    for key, val in s_off.items():
+        if isinstance(val, float):
+            assert s_on[key] == pytest.approx(val, rel=1e-4, abs=1e-6), key
+
+
+def test_fused_attention_enters_the_identity_only_where_it_runs(tmp_path, monkeypatch):
+    """A run's identity says ``eval.fused_attention: true`` where the kernel runs (here: ``on`` under Triton's
+    interpreter), and nothing where it does not (``auto`` on the CPU, ``off``, a dense method): those runs keep the
+    directories they had before the setting existed."""
+    pytest.importorskip("triton")
+    from hydra import compose, initialize_config_dir
+
+    from sparse_eval.config import CONF_DIR, register_configs
+    from sparse_eval.experiment import Experiment
+
+    register_configs()
+    monkeypatch.setenv("SPARSE_EVAL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def ident(*overrides):
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+            cfg = compose(
+                config_name="config",
+                overrides=[f"paths.runs_dir={tmp_path / 'runs'}", "task.window=64", "task.num_samples=1", *overrides],
+            )
+        exp = Experiment(cfg)
+        return exp.identity(exp.method_configs()[0])["eval"]
+
+    before = {"protocol", "compute_error", "prefill_chunk", "batch_invariant"}
+    assert set(ident("method=topk")) == before  # auto on the CPU
+    assert set(ident("method=topk", "eval.fused_attention=off")) == before
+    assert set(ident("method=full", "eval.fused_attention=on")) == before
+    assert ident("method=topk", "eval.fused_attention=on")["fused_attention"] is True
+
+
+def test_score_product_at_an_aligned_key_length_is_exact_for_the_real_keys():
+    """The CUDA score product (outside the batch-invariant mode) takes rows · Kᵀ over the cache's keys rounded up to
+    a multiple of 16 where its buffer has room (a view, no copy): the real keys' scores are those of the product over
+    the N keys alone, spare rows full of NaN never leak into them, and a cache without room falls back (None)."""
+    from sparse_eval.methods.core import _cuda_scores, _rows_times_aligned_keys, aligned_keys
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    buf = torch.full((2, 2, 64, 16), float("nan"), device=dev)  # a SparseLayer-like buffer: room past N
+    qg = torch.randn(2, 2, 8, 16, device=dev)
+    for n in (16, 37, 50):
+        buf[:, :, :n] = torch.randn(2, 2, n, 16, device=dev)
+        k = buf[:, :, :n]
+        ka = aligned_keys(k)
+        assert ka.shape[2] == -(-n // 16) * 16 and ka.data_ptr() == k.data_ptr()
+        got = _rows_times_aligned_keys(qg, k)
+        want = torch.matmul(qg, k.transpose(-1, -2))
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(_cuda_scores(qg, k), want, rtol=1e-6, atol=1e-5)
+    tight = torch.randn(2, 2, 37, 16, device=dev)  # no room past N: (K · rowsᵀ)ᵀ
+    assert aligned_keys(tight) is None and _rows_times_aligned_keys(qg, tight) is None
+    assert aligned_keys(tight[:, :, :32]) is not None  # 32 is aligned already: itself
+    torch.testing.assert_close(_cuda_scores(qg, tight), torch.matmul(qg, tight.transpose(-1, -2)), rtol=1e-6, atol=1e-5)
+    assert aligned_keys(buf[:, :, :60]) is not None  # 64 rows: the buffer's whole capacity
+    short = torch.randn(2, 2, 70, 16, device=dev)[:, :, :68]  # 80 rows would run past the last head's 70
+    assert aligned_keys(short) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_scores_at_an_aligned_key_length():
+    """On the GPU, bf16, the Llama-3.1-8B decode shape at misaligned lengths: ``scores_gqa`` (stock mode) takes the
+    aligned product over a buffer with room and agrees with float64 scores; NaN in the spare rows never shows."""
+    from sparse_eval.methods.core import aligned_keys, scores_gqa
+
+    buf = torch.full((2, 8, 16384 + 256, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    for n in (16384, 16389, 16399):
+        buf[:, :, :n] = torch.randn(2, 8, n, 128, device="cuda", dtype=torch.bfloat16)
+        k = buf[:, :, :n]
+        assert aligned_keys(k) is not None
+        got = scores_gqa(q, k, 128**-0.5)
+        want = (q.double() @ k.double().repeat_interleave(4, 1).transpose(-1, -2)) * 128**-0.5
+        assert got.shape == (2, 32, 1, n) and torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)

@@ -526,3 +526,204 @@ def test_attend_and_merge_matches_reference():
         merge.attend_and_merge(
             q, sink_k[:, :, :0], sink_v[:, :, :0], buf_k[:, :, :0], buf_v[:, :, :0], o_other, lse_other, 0.125
         )
+
+
+# ----------------------------------------------------------------------------------------- selected attention
+def _selected_inputs(b, hq, hkv, ql, n, d, dtype, gen, pads=None, shared=False, density=0.15):
+    """q, k, v, valid [B, 1, Q, N] (causal, bottom-right; row i left-padded by pads[i]), fp32 scores (−inf where
+    not valid), keep ⊆ valid [B, Hq or Hkv, Q, N] (a key always kept per row) and a bias."""
+    q = _randn(b, hq, ql, d, gen=gen, dtype=dtype)
+    k = _randn(b, hkv, n, d, gen=gen, dtype=dtype)
+    v = _randn(b, hkv, n, d, gen=gen, dtype=dtype)
+    rows = torch.arange(ql).view(ql, 1) + (n - ql)
+    valid = (torch.arange(n).view(1, n) <= rows).view(1, 1, ql, n).repeat(b, 1, 1, 1)
+    for i, p in enumerate(pads or []):
+        valid[i, :, :, :p] = False
+    valid = valid.to(DEV)
+    g = hq // hkv
+    s = (q.float() @ k.float().repeat_interleave(g, 1).transpose(-1, -2)) / d**0.5
+    s = s.masked_fill(~valid, float("-inf"))
+    hs = hkv if shared else hq
+    keep = (torch.rand(b, hs, ql, n, generator=gen) < density).to(DEV) & valid
+    keep[..., -1] = True  # the newest key (valid for every row)
+    bias = (torch.randn(b, hq, ql, n, generator=gen) * 2).to(DEV)
+    return q, k, v, valid, s, keep, bias
+
+
+@pytest.mark.parametrize(
+    "dtype,shared,ql,with_scores,dense,with_bias",
+    [
+        (torch.float32, False, 1, True, True, True),  # the accuracy path's decode call (error on)
+        (torch.float32, False, 1, True, False, True),  # error off
+        (torch.float32, True, 3, True, True, False),  # one selection per KV group, 3 query rows
+        (torch.float32, False, 2, False, True, True),  # q·k taken in the kernel, over a valid mask
+        (torch.bfloat16, False, 1, False, False, False),
+    ],
+)
+def test_selected_attention_matches_reference(dtype, shared, ql, with_scores, dense, with_bias):
+    """The fused attention over a selection with a logit correction, and the dense statistics of the same pass (kept
+    mass, est_error, top-k recall hits, the dense output), against the torch reference: rows over several splits
+    (``split=64``), a left-padded row, GQA 4."""
+    from sparse_eval.kernels import selected_attention as sa
+    from sparse_eval.kernels import topk as tk
+
+    gen = _gen(31 + ql)
+    b, hq, hkv, n, d = 2, 8, 2, 200, 32
+    q, k, v, valid, s, keep, bias = _selected_inputs(b, hq, hkv, ql, n, d, dtype, gen, pads=[0, 37], shared=shared)
+    kw = dict(bias=bias if with_bias else None, dense=dense)
+    kw.update(scores=s) if with_scores else kw.update(valid=valid)
+    if with_scores and dense:
+        kept = keep.expand(b, hq, ql, n) if not shared else keep.repeat_interleave(hq // hkv, 1)
+        kw["kth"] = tk.kth_largest(s, kept.sum(-1), backend="triton")
+        assert torch.equal(kw["kth"], tk.kth_largest_reference(s, kept.sum(-1)))
+    got = sa.attention(q, k, v, keep, backend="triton", split=64, **kw)
+    ref = sa.attention_reference(q, k, v, keep, **kw)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    assert got.o.dtype == dtype and got.o.shape == (b, hq, ql, d)
+    assert _rel(got.o.float(), ref.o.float()) < tol
+    assert torch.allclose(got.lse, ref.lse, atol=1e-4, rtol=1e-5)
+    assert torch.equal(got.kept, ref.kept)
+    if dense:
+        assert _rel(got.o_dense.float(), ref.o_dense.float()) < tol
+        assert torch.allclose(got.lse_dense, ref.lse_dense, atol=1e-4, rtol=1e-5)
+        assert torch.allclose(got.mass, ref.mass, atol=1e-6, rtol=1e-5)
+        assert torch.allclose(got.est_error, ref.est_error, atol=1e-5, rtol=1e-4 if dtype == torch.float32 else 3e-2)
+        if "kth" in kw:
+            assert torch.equal(got.hits, ref.hits)
+    else:
+        assert got.o_dense is None and got.mass is None and got.est_error is None
+
+
+def _left_padded_batch(alone: list[tuple], n: int) -> list[torch.Tensor]:
+    """Rows made alone by ``_selected_inputs`` (batch 1, each its own key count) left-padded to n keys and stacked:
+    K and V padded with 7.0 (it would show if a padding key entered), valid and keep with False, scores with −inf,
+    the bias with 3.0."""
+    fills = {1: 7.0, 2: 7.0, 3: False, 4: float("-inf"), 5: False, 6: 3.0}
+    out = []
+    for j in range(7):
+        xs = [a[j] for a in alone]
+        if j in (1, 2):  # [1, Hkv, m, D]
+            xs = [torch.nn.functional.pad(x, (0, 0, n - x.shape[2], 0), value=fills[j]) for x in xs]
+        elif j >= 3:  # [1, H, Q, m]
+            xs = [torch.nn.functional.pad(x, (n - x.shape[-1], 0), value=fills[j]) for x in xs]
+        out.append(torch.cat(xs, 0))
+    return out
+
+
+@pytest.mark.parametrize("with_scores", [True, False])
+def test_selected_attention_is_batch_invariant(with_scores):
+    """Row i computed alone (its own key count) and inside a left-padded batch of 4 is bit for bit the same: output,
+    lse, dense output, mass, est_error, hits; splits of a fixed size laid from the end of the keys, merged in order.
+    The padding keys hold values that would show if they entered (7.0)."""
+    from sparse_eval.kernels import selected_attention as sa
+    from sparse_eval.kernels import topk as tk
+
+    gen = _gen(41)
+    lengths = [130, 200, 77, 191]
+    alone = [_selected_inputs(1, 8, 2, 1, m, 32, torch.float32, gen) for m in lengths]
+    batch = _left_padded_batch(alone, max(lengths))
+
+    def run(q, k, v, valid, s, keep, bias):
+        kw = dict(bias=bias, dense=True)
+        if with_scores:
+            kw.update(scores=s, kth=tk.kth_largest(s, keep.sum(-1), backend="triton"))
+        else:
+            kw.update(valid=valid)
+        return sa.attention(q, k, v, keep, backend="triton", split=64, **kw)
+
+    together = run(*batch)
+    for i in range(len(lengths)):
+        one = run(*alone[i])
+        for f in ("o", "lse", "kept", "o_dense", "lse_dense", "mass", "est_error") + (("hits",) if with_scores else ()):
+            assert torch.equal(getattr(one, f)[0], getattr(together, f)[i]), (i, f)
+
+
+def test_selected_attention_indexed_matches_reference_and_is_batch_invariant():
+    """The index form: per-entry bias, per-query-head and per-group lists, counts, −1 padding, scores read at the
+    listed keys; a row alone and in a batch with longer lists (more splits) gives the same bits."""
+    from sparse_eval.kernels import selected_attention as sa
+
+    gen = _gen(43)
+    b, hq, hkv, n, d = 3, 8, 2, 150, 32
+    q = _randn(b, hq, d, gen=gen)
+    k = _randn(b, hkv, n, d, gen=gen)
+    v = _randn(b, hkv, n, d, gen=gen)
+    s = (q[:, :, None] @ k.repeat_interleave(4, 1).transpose(-1, -2))[:, :, 0] / d**0.5
+    for shared in (False, True):
+        hi = hkv if shared else hq
+        idx = torch.randint(0, n, (b, hi, 140), generator=gen, dtype=torch.int32)
+        idx[:, :, -9:] = -1
+        count = torch.randint(40, 140, (b, hi), generator=gen, dtype=torch.int32)
+        count[0, 0] = 0  # an empty row
+        idx, count = idx.to(DEV), count.to(DEV)
+        bias = _randn(b, hq, 140, gen=gen)
+        for scores in (None, s):
+            kw = dict(count=count, bias=bias, scores=scores)
+            got = sa.attention_indexed(q, k, v, idx, backend="triton", split=64, **kw)
+            ref = sa.attention_indexed_reference(q, k, v, idx, **kw)
+            assert _rel(got.o, ref.o) < 2e-5 and torch.equal(got.kept, ref.kept)
+            fin = torch.isfinite(ref.lse)
+            assert torch.equal(fin, torch.isfinite(got.lse)) and torch.allclose(got.lse[fin], ref.lse[fin], atol=1e-4)
+            # row 1 alone, its list cut at its longest count (fewer splits): the same bits
+            m = int(count[1].max())
+            one = sa.attention_indexed(
+                q[1:2],
+                k[1:2],
+                v[1:2],
+                idx[1:2, :, :m],
+                backend="triton",
+                split=64,
+                count=count[1:2],
+                bias=bias[1:2, :, :m],
+                scores=None if scores is None else scores[1:2],
+            )
+            assert torch.equal(one.o[0], got.o[1]) and torch.equal(one.lse[0], got.lse[1])
+
+
+def test_kth_largest_matches_the_sorted_row():
+    """Top-k recall's threshold without a sort: ties, −inf tails, count 1 and count = every finite key."""
+    gen = _gen(47)
+    s = torch.randn(3, 4, 300, generator=gen)
+    s[0, 0] = torch.round(s[0, 0] * 2) / 2
+    s[1, :, 250:] = float("-inf")
+    count = torch.randint(1, 250, (3, 4), generator=gen)
+    count[0, 1], count[1, 2] = 1, 250
+    s, count = s.to(DEV), count.to(DEV)
+    assert torch.equal(topk.kth_largest(s, count, backend="triton"), topk.kth_largest_reference(s, count))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("with_scores", [True, False])
+def test_gpu_selected_attention_llama_shape(with_scores):
+    """Llama-3.1-8B attention shape, bf16, the default split (1,024 keys): close to the reference, and row i alone
+    (its own length, 3-9K keys) bit for bit the same as inside a left-padded batch of 4 (compiled kernels; lengths
+    alone and in the batch that differ in divisibility by 16)."""
+    from sparse_eval.kernels import selected_attention as sa
+
+    gen = _gen(53)
+    hq, hkv, d = 32, 8, 128
+    # alone, rows 0 and 3 have key counts divisible by 16 and the batch's (9,000) is not: Triton would compile another
+    # variant for them if those arguments were specialised
+    lengths = [4096, 9000, 3100, 8192]
+    alone = [_selected_inputs(1, hq, hkv, 1, m, d, torch.bfloat16, gen, density=0.03) for m in lengths]
+    batch = _left_padded_batch(alone, max(lengths))
+
+    def run(q, k, v, valid, s, keep, bias):
+        kw = dict(bias=bias, dense=True)
+        if with_scores:
+            kw.update(scores=s, kth=topk.kth_largest(s, keep.sum(-1)))
+        else:
+            kw.update(valid=valid)
+        return sa.attention(q, k, v, keep, **kw), kw
+
+    together, kw = run(*batch)
+    ref = sa.attention_reference(*batch[:3], batch[5], **kw)
+    assert _rel(together.o.float(), ref.o.float()) < 2e-2 and _rel(together.o_dense.float(), ref.o_dense.float()) < 2e-2
+    assert torch.allclose(together.mass, ref.mass, atol=2e-3) and torch.equal(together.kept, ref.kept)
+    if with_scores:
+        assert torch.equal(together.hits, ref.hits)
+    for i in range(4):
+        one, _ = run(*alone[i])
+        for f in ("o", "lse", "kept", "o_dense", "lse_dense", "mass", "est_error"):
+            assert torch.equal(getattr(one, f)[0], getattr(together, f)[i]), (i, f)

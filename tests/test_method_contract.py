@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -314,6 +315,42 @@ def test_a_budget_that_keeps_every_key_gives_full_attention(name, opts):
     assert torch.equal(st["keep"], valid.expand(B, HQ, QL, N))
     torch.testing.assert_close(out, o, rtol=1e-4, atol=1e-6)
     assert (st["cost2"] == 1).all() and (st["est_error"] < 1e-5).all()
+
+
+# one config per method for the fused check: the kernel reads only the selection (mask, bias), whatever made it, and
+# each check costs seconds in Triton's interpreter
+FUSED_CASES = [pytest.param(name, METHODS[name].contract_configs()[0], id=f"{name}-0") for name in sorted(METHODS)]
+
+
+@pytest.mark.parametrize("name,opts", FUSED_CASES)
+def test_the_fused_attention_agrees_with_the_torch_path(name, opts, monkeypatch):
+    """A method that declares ``fused_attention``: the same synthetic block (float32: the kernel's dtypes) through the
+    fused kernel (``kernels.selected_attention``, Triton's interpreter on the CPU, there with splits of 64 keys: two
+    per row) keeps the same keys, and gives the torch path's output and statistics to fp32 rounding (est_error, kept
+    mass, top-k recall, costs)."""
+    pytest.importorskip("triton")
+    if not METHODS[name].fused_attention:
+        pytest.skip(f"{name} does not declare Method.fused_attention")
+    if not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            pytest.skip("no CUDA and no TRITON_INTERPRET=1")
+        from sparse_eval.kernels import selected_attention
+
+        monkeypatch.setattr(selected_attention, "SPLIT", 64)
+    q, k, v, valid = (x.float() if x.is_floating_point() else x for x in _block(seed=5, identity_values=False))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, valid = (x.to(dev) for x in (q, k, v, valid))
+    runs = []
+    for fused in (False, True):
+        method = build_method(make_config(name, opts))
+        runs.append(attend(method, q, k, v, attention_mask=valid, fused=fused))
+    (out, st), (out_f, st_f) = runs
+    assert torch.equal(st["keep"], st_f["keep"])
+    torch.testing.assert_close(out_f, out, rtol=1e-4, atol=1e-5)
+    for what in ("cost1", "cost2", "kv_bytes", "static_frac", "empty", "rows", "topk_recall"):
+        assert torch.equal(st_f[what], st[what]), what
+    for what in ("est_error", "mass"):
+        torch.testing.assert_close(st_f[what], st[what], rtol=1e-4, atol=1e-5)
 
 
 # -- on the shipped model ------------------------------------------------------------------------------------------

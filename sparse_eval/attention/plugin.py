@@ -38,7 +38,15 @@ from transformers.masking_utils import sdpa_mask
 from .. import invariance
 from ..kernels import invariant as kinv
 from ..methods.base import CacheTrackedState, Method
-from ..methods.core import PassMasks, dense_attention, key_validity, pass_masks, sparse_attention, static_keys
+from ..methods.core import (
+    PassMasks,
+    dense_attention,
+    fused_attention_used,
+    key_validity,
+    pass_masks,
+    sparse_attention,
+    static_keys,
+)
 from ..models.inspection import attention_modules, sliding_layers
 from ..spans import span
 from .recorder import StatsRecorder
@@ -60,6 +68,10 @@ class Runtime:
     # the engine runs each batch inside ``invariance.batch_invariant()``: a sample's record is bit for bit the one
     # it gets alone or in any other batch (fixed-order kernels; dense attention by ``core.dense_attention``)
     batch_invariant: bool = True
+    # ``eval.fused_attention``: auto | on | off.  The sparse calls' attention and statistics from one Triton kernel
+    # (``kernels.selected_attention``) where ``core.fused_attention_used`` says so for the layer's device and dtype
+    # (auto: on CUDA for a method that declares ``Method.fused_attention``; off on the CPU)
+    fused_attention: str = "auto"
 
 
 _GROW_TOKENS = 256  # spare tokens a SparseLayer's K/V buffers get when they are (re)allocated
@@ -223,6 +235,7 @@ class SparseSession:
         self.recorder = StatsRecorder(num_layers, num_heads)
         self._phase: str | torch.Tensor | None = None
         self._counted: torch.Tensor | None = None  # bool [B, Q] of the current pass: query rows whose stats count
+        self._fused_memo: dict[tuple, bool] = {}  # ``fused``: per (device, dtype)
         self._generating = False  # inside ``generation()``: the passes are decode steps after a finished prompt
         self.row_seeds: torch.Tensor | None = None  # long [B]: each row's seed (its sample id), for sampling methods
         self.row_starts: torch.Tensor | None = None  # long [B]: each row's first column (left padding), from the engine
@@ -358,6 +371,15 @@ class SparseSession:
         self._full_memo[key] = (objs, sums)
         return sums
 
+    def fused(self, query: torch.Tensor) -> bool:
+        """Whether this session's sparse calls on ``query``'s device and dtype take the fused kernel
+        (``core.fused_attention_used`` for ``Runtime.fused_attention``), decided once per (device, dtype)."""
+        key = (query.device, query.dtype)
+        memo = self._fused_memo
+        if key not in memo:
+            memo[key] = fused_attention_used(self.runtime.fused_attention, self.method, query.device, query.dtype)
+        return memo[key]
+
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """One layer's attention call.  Everything it makes, reads or keeps (the layer's method state, masks, the
         recorder's sums of this layer) is on the layer's own device, ``query.device``: the engine's per-batch
@@ -418,6 +440,7 @@ class SparseSession:
             layer_inputs=self.layer_inputs,
             sparse_rows=per_row,
             generating=self.generating(),
+            fused=self.fused(query),
         )
         with span("record"):
             self.recorder.add(layer_idx, stats, counted)

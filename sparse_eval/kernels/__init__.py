@@ -10,7 +10,10 @@ Modules (imported on first use, so ``import sparse_eval.kernels`` costs nothing)
   sparse attention with the −log u correction returning (output, log-sum-exp)
 * ``merge``         -- ``merge_by_lse``: exact merge of two partial attention outputs
 * ``offload``       -- DS-Offload: gather selected KV rows from pinned host memory into a GPU buffer
-* ``topk``          -- row-wise top-k without sorting (radix select), per-row budgets on the device
+* ``topk``          -- row-wise top-k without sorting (radix select), per-row budgets on the device; the k-th
+  largest score (top-k recall's threshold)
+* ``selected_attention`` -- the accuracy path's attention over a selection with a logit correction, and the dense
+  statistics (kept mass, est_error, recall hits) of the same pass; batch-invariant (fixed split size)
 
 Each public function takes ``backend="auto" | "triton"/"numba" | "torch"`` (see ``_common``).  Keep this module
 free of heavy imports.
@@ -20,7 +23,17 @@ from __future__ import annotations
 
 import importlib
 
-_SUBMODULES = ("sparse_decode", "ds", "quest", "magicpig", "magicpig_cpu", "merge", "offload", "topk")
+_SUBMODULES = (
+    "sparse_decode",
+    "ds",
+    "quest",
+    "magicpig",
+    "magicpig_cpu",
+    "merge",
+    "offload",
+    "topk",
+    "selected_attention",
+)
 
 __all__ = [*_SUBMODULES, "merge_by_lse"]
 

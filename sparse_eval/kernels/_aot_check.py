@@ -17,7 +17,16 @@ import tempfile
 
 
 def _configs():
-    from . import _tl_collisions, _tl_hash, _tl_labels, _tl_merge, _tl_scores, _tl_sparse_decode, _tl_topk
+    from . import (
+        _tl_collisions,
+        _tl_hash,
+        _tl_labels,
+        _tl_merge,
+        _tl_scores,
+        _tl_selected_attention,
+        _tl_sparse_decode,
+        _tl_topk,
+    )
 
     sd = {
         "Q": "*bf16",
@@ -177,7 +186,60 @@ def _configs():
             out.append((_tl_topk._hist, tk, dict(c, PASS=p, ATOMIC=p >= 2), (), 4))
         out.append((_tl_topk._count, tk, dict(c, PASSES=32 // rb), (), 4))
         out.append((_tl_topk._write, tk, dict(c, PASSES=32 // rb, TILES_P2=64, PAD=256), (), 4))
+    out.append((_tl_topk._kth_value, tk, dict(PASSES=4, BITS=8), (), 1))
+    # the accuracy path's fused attention (kernels.selected_attention) at the Llama-3.1-8B shape: G = 4, D = 128
+    sa = {
+        "Q": "*bf16",
+        "K": "*bf16",
+        "V": "*bf16",
+        "KEEP": "*u8",
+        "VAL": "*u8",
+        "IDX": "*i32",
+        "CNT": "*i32",
+        "PCNT": "*i32",
+    }
+    sa32 = {**sa, "Q": "*fp32", "K": "*fp32", "V": "*fp32"}
+    fl = ("BIAS", "SC", "KTH", "PM", "PL", "PA", "PMD", "PLD", "PLK", "PAD")
+    sa.update({n: "*fp32" for n in fl})
+    sa32.update({n: "*fp32" for n in fl})
+    mbase = dict(G=4, D=128, BLOCK_D=128, BLOCK_R=16, BLOCK_N=64, SPLIT=1024, HAS_VAL=False)
+    for ptrs, extra, warps in (
+        (sa, dict(HAS_BIAS=True, HAS_SC=True, HAS_KTH=True, DENSE=True, UPCAST=False), 8),  # the wired form
+        (sa, dict(HAS_BIAS=True, HAS_SC=True, HAS_KTH=False, DENSE=False, UPCAST=False), 8),  # error off
+        (sa, dict(HAS_BIAS=False, HAS_SC=False, HAS_KTH=False, DENSE=True, UPCAST=False), 8),  # q·k in the kernel
+        (sa32, dict(HAS_BIAS=True, HAS_SC=True, HAS_KTH=True, DENSE=True, UPCAST=True, BLOCK_N=32), 8),
+        # a block of 64 query rows (a sparse prefill's G·Q rows): 255 registers, no spill
+        (sa, dict(HAS_BIAS=True, HAS_SC=True, HAS_KTH=True, DENSE=True, UPCAST=False, BLOCK_R=64), 8),
+    ):
+        out.append((_tl_selected_attention._mask_split, ptrs, dict(mbase, **extra), ("qk_scale",), warps))
+    # index form: BLOCK_N 32 where q·k is taken in the kernel (64 spills there), 64 where the scores are read
+    ibase = dict(G=4, D=128, BLOCK_D=128, BLOCK_R=16, SPLIT=1024, HAS_CNT=True, UPCAST=False)
+    for qpi, sc in ((4, False), (1, False), (4, True), (1, True)):
+        out.append(
+            (
+                _tl_selected_attention._index_split,
+                sa,
+                dict(ibase, QPI=qpi, HAS_BIAS=True, HAS_SC=sc, BLOCK_N=64 if sc else 32),
+                ("qk_scale",),
+                8,
+            )
+        )
+    merge_ptrs = {n: "*fp32" for n in ("PM", "PL", "PA", "PMD", "PLD", "PLK", "PAD", "LSE", "LSED", "MASS", "ERR")}
+    merge_ptrs.update({"PCNT": "*i32", "CNT": "*i32", "O": "*bf16", "OD": "*bf16"})
+    for dense in (True, False):
+        out.append(
+            (
+                _tl_selected_attention._merge,
+                merge_ptrs,
+                dict(D=128, BLOCK_D=128, DENSE=dense, INTERP=False, NS=0),
+                (),
+                4,
+            )
+        )
     return out
+
+
+_SHOWN = ("QPI", "BITS", "UPCAST", "REDUCE", "K", "DENSE", "PASS", "HAS_SC")  # the constexprs a report line names
 
 
 def main() -> int:
@@ -194,10 +256,7 @@ def main() -> int:
     for fn, ptrs, consts, floats, warps, *allow in _configs():
         allowed_spill = allow[0] if allow else 0  # bytes of spill stores accepted (measured harmless)
         sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
-        name = (
-            f"{fn.__name__}"
-            f"{ {k: v for k, v in consts.items() if k in ('QPI', 'BITS', 'UPCAST', 'REDUCE', 'K', 'DENSE', 'PASS')} }"
-        )
+        name = f"{fn.__name__}{ {k: v for k, v in consts.items() if k in _SHOWN} }"
         try:
             k = triton.compile(
                 ASTSource(fn=fn, signature=sig, constexprs=consts), target=target, options={"num_warps": warps}

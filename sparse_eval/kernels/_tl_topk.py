@@ -232,3 +232,48 @@ def select(
         **common,
     )
     return out.view(*lead, k_max)
+
+
+@triton.jit
+def _kth_value(H, ST, CNT, OUT, N, rows, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """OUT[row] = the float whose order-preserving key is the k-th largest key (k = count[row]): ``_keys`` inverted
+    (a set sign bit was a non-negative float: clear it; else all bits were flipped)."""
+    row = tl.program_id(0)
+    k = _budget(CNT, row, N, N, True)
+    thr, _ = _state(H, ST, row, rows, k, PASSES, BITS)
+    u = tl.where((thr >> 31) == 1, thr ^ 0x80000000, thr ^ 0xFFFFFFFF)
+    tl.store(OUT + row, u.to(tl.float32, bitcast=True))
+
+
+@on_tensor_device
+def kth_largest(scores: torch.Tensor, count: torch.Tensor, *, radix_bits: int, block_n: int) -> torch.Tensor:
+    s2, lead = as_rows(scores)
+    rows, n = s2.shape
+    out = torch.empty(rows, dtype=torch.float32, device=scores.device)
+    if rows == 0 or n == 0:
+        return out.fill_(float("-inf")).view(lead)
+    cnt = count.reshape(-1).to(device=scores.device, dtype=torch.int32).contiguous()
+    block_n = min(block_n, max(16, next_pow2(n)))
+    tiles = triton.cdiv(n, block_n)
+    passes = 32 // radix_bits
+    hist = torch.zeros((passes, rows, 1 << radix_bits), dtype=torch.int32, device=scores.device)
+    state = torch.empty((passes, rows, 2), dtype=torch.int32, device=scores.device)
+    for p in range(passes):
+        _hist[(rows, tiles)](
+            s2,
+            cnt,
+            hist,
+            state,
+            s2.stride(0),
+            n,
+            n,
+            rows,
+            PASS=p,
+            HAS_CNT=True,
+            BITS=radix_bits,
+            BLOCK_N=block_n,
+            ATOMIC=p >= 2,
+            num_warps=4,
+        )
+    _kth_value[(rows,)](hist, state, cnt, out, n, rows, PASSES=passes, BITS=radix_bits, num_warps=1)
+    return out.view(lead)

@@ -23,7 +23,7 @@ import torch
 
 from ._common import resolve_gpu_backend
 
-__all__ = ["select", "select_reference"]
+__all__ = ["select", "select_reference", "kth_largest", "kth_largest_reference"]
 
 
 def _check(scores: torch.Tensor, k_max: int, count):
@@ -80,3 +80,28 @@ def select(
     return _tl_topk.select(
         scores, k_max, count, radix_bits=radix_bits, block_n=block_n, num_warps=num_warps, atomic_from=atomic_from
     )
+
+
+def kth_largest_reference(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The count[r]-th largest entry of each row of scores float32 [..., N] (with multiplicity; −inf entries count
+    as the smallest), float32 [...]: a descending sort read at count − 1 (clamped to [0, N − 1]; a row with count 0
+    gives its largest entry).  Top-k recall's threshold (``methods.core.kept_mass_and_recall``)."""
+    ranked = scores.sort(dim=-1, descending=True).values
+    at = (count.to(device=scores.device, dtype=torch.long) - 1).clamp(0, max(0, scores.shape[-1] - 1))
+    return ranked.gather(-1, at.unsqueeze(-1)).squeeze(-1)
+
+
+def kth_largest(
+    scores: torch.Tensor, count: torch.Tensor, *, backend: str = "auto", radix_bits: int = 8, block_n: int = 2048
+) -> torch.Tensor:
+    """``kth_largest_reference`` without sorting: the radix search of ``select`` (its histogram passes) and one
+    kernel that turns the found key back into the float, so a budget on the device costs no host sync.  The value
+    is exact (an order statistic: the same in any summation order, so batch-invariant).  A row with count 0 gives
+    an unspecified value (no key is at rank 0)."""
+    _check(scores, 1, count)
+    which = resolve_gpu_backend(backend, scores, count)
+    if which == "torch":
+        return kth_largest_reference(scores, count)
+    from . import _tl_topk
+
+    return _tl_topk.kth_largest(scores, count, radix_bits=radix_bits, block_n=block_n)

@@ -38,6 +38,7 @@ def attend(
     layer_idx: int = 0,
     state: dict[str, Any] | None = None,
     compute_error: bool = True,
+    fused: bool = False,
     **options: Any,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Run one decode step of ``method`` over a given cache.
@@ -50,7 +51,8 @@ def attend(
     Returns ``(output [B, Hq, Q, D], stats)``; stats has per-row ``cost1``, ``cost2``, ``static_frac``,
     ``est_error`` (‖ô − o‖/‖o‖ against dense attention on the same q, K, V), ``keep`` (bool [B, Hq, Q, N], the
     keys that entered the output), ``indices`` (for B = Q = 1: a list per head of kept key positions) and the
-    method's own extras.
+    method's own extras.  ``fused``: the attention and its statistics from the fused kernel
+    (``kernels.selected_attention``; on CPU tensors it needs ``TRITON_INTERPRET=1``).
     """
     if not isinstance(method, Method):
         method = build_method(make_config(method, options))
@@ -79,6 +81,7 @@ def attend(
         layer_idx,
         compute_error=compute_error,
         keep_masks=True,
+        fused=fused,
     )
     if b == 1 and ql == 1:
         stats["indices"] = [torch.nonzero(stats["keep"][0, h, 0]).flatten() for h in range(q.shape[1])]

@@ -285,6 +285,12 @@ class Method:
     # protocol A, the context under B: e.g. scores accumulated over the dense prompt, as an eviction policy that keeps
     # the keys the prompt attended most) sets this; the session then calls ``observe_dense`` on each such call
     observes_dense: ClassVar[bool] = False
+    # whether the method's selections may go through the fused attention kernel (``kernels.selected_attention``,
+    # ``eval.fused_attention``): its Selection's keep mask and bias (any [B, Hq, Q, N] mask, a finite bias on kept keys)
+    # are all the shared attention reads, and nothing of the method looks at the probabilities.  A method that
+    # declares it is checked by the contract suite with the fused path on (``test_method_contract``); off by default,
+    # so a new method opts in once that passes
+    fused_attention: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig):
         if config.seed is None:  # outside a run (attend(), the system path): seed 0

@@ -8,6 +8,12 @@ and, on the same q, K, V, the dense output o = softmax(s) V for the estimation e
 
 This is the accuracy path: it is written for clarity and exactness (dense scores, boolean masks), which also
 lets every method's selection be checked against brute force.  The kernels in ``kernels/`` are the fast path.
+
+With ``fused`` (``eval.fused_attention``, resolved by ``fused_attention_used``) the attention over the selection and
+the statistics from it (kept keys, and with the estimation error on the dense reference, kept mass and top-k recall)
+come from one batch-invariant Triton pass over V (``kernels.selected_attention``), reading the same fp32 scores and
+the same keep mask and bias, instead of the masked softmax, the two products over every key and the sort below.
+Selections are unchanged (the methods' own code); outputs and statistics agree to fp32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -19,10 +25,42 @@ import torch
 
 from .. import invariance
 from ..kernels import invariant as kinv
+from ..kernels._common import triton_available, triton_interpret
 from ..spans import span
 from .base import AttentionContext, Method, Selection
 
 NEG_INF = float("-inf")
+FUSED_SETTINGS = ("auto", "on", "off")
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the dtypes of ``kernels.selected_attention``
+
+
+def fused_attention_used(setting: str, method: Method, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``method``'s sparse calls on ``device`` with a ``dtype`` cache take the fused kernel, for the setting
+    ``eval.fused_attention``: ``off`` never; ``auto`` on a CUDA device when the method declares the capability
+    (``Method.fused_attention``), the dtype is one the kernel takes and triton is installed, else not (the CPU keeps
+    the torch path, bit for bit as before the setting existed); ``on`` as ``auto`` but a refusal (ValueError) where
+    it cannot run: a method without the capability, another dtype, no triton, or a CPU device outside Triton's
+    interpreter (``TRITON_INTERPRET=1``, tests).  A dense method (full attention) makes no sparse call: False.
+    The result changes a run's bits, so it enters the run's identity (``Experiment.identity``)."""
+    if setting not in FUSED_SETTINGS:
+        raise ValueError(f"eval.fused_attention={setting!r}; valid: {list(FUSED_SETTINGS)}")
+    if setting == "off" or method.dense:
+        return False
+    dev = torch.device(device)
+    if setting == "auto":
+        return bool(method.fused_attention and dev.type == "cuda" and dtype in FUSED_DTYPES and triton_available())
+    why = None
+    if not method.fused_attention:
+        why = f"method {method.name!r} does not declare the capability (Method.fused_attention)"
+    elif dtype not in FUSED_DTYPES:
+        why = f"the kernel takes {[str(d) for d in FUSED_DTYPES]}, not {dtype}"
+    elif not triton_available():
+        why = "triton is not installed"
+    elif dev.type != "cuda" and not triton_interpret():
+        why = f"the device is {dev.type}, not CUDA (on the CPU the kernel only runs in Triton's interpreter, for tests)"
+    if why:
+        raise ValueError(f"eval.fused_attention=on: {why}; use eval.fused_attention=auto or off")
+    return True
 
 
 def key_validity(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -96,16 +134,54 @@ def scores_gqa(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor
     """q [B, Hq, Q, D], k [B, Hkv, N, D] -> fp32 scores [B, Hq, Q, N] without repeating K.
 
     The G query heads of a KV group are stacked as G·Q rows of one product with that group's K.  (Broadcasting K
-    over the G heads instead makes ``matmul`` expand and copy K G times.)  On CUDA the product is taken as
-    K · rowsᵀ (``_keys_times_rows``)."""
+    over the G heads instead makes ``matmul`` expand and copy K G times.)  On CUDA the product is taken at a key
+    length rounded up to a multiple of 16 where the cache has room (``_cuda_scores``), else as K · rowsᵀ."""
     b, hq, ql, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     qg = q.reshape(b, hkv, (hq // hkv) * ql, d)
     if invariance.enabled():  # fixed-order products, accumulated and returned in fp32 (not rounded to q's dtype)
         s = kinv.bmm(qg.reshape(b * hkv, -1, d), k.reshape(b * hkv, n, d).transpose(1, 2), out_dtype=torch.float32)
         return s.reshape(b, hq, ql, n) * scaling
-    s = _keys_times_rows(qg, k) if k.is_cuda else torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G·Q, N]
+    s = _cuda_scores(qg, k) if k.is_cuda else torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G·Q, N]
     return s.float().reshape(b, hq, ql, n) * scaling
+
+
+ALIGN_KEYS = 16  # the score product's key length is rounded up to a multiple of this where the cache has room
+
+
+def aligned_keys(k: torch.Tensor, mult: int = ALIGN_KEYS) -> torch.Tensor | None:
+    """k [B, Hkv, N, D] as a view of N' = N rounded up to a multiple of ``mult`` keys, with k's own strides over the
+    same memory (the spare rows a ``SparseLayer``'s buffer keeps past the cache's N keys), or None where k's storage
+    ends before N' (nothing is copied, nothing read outside the storage).  The rows past N hold whatever the memory
+    holds (old keys, uninitialised values, NaN): a product with them is only taken column by column."""
+    b, h, n, d = k.shape
+    n_al = -(-n // mult) * mult
+    if n_al == n:
+        return k
+    if min(b, h, n, d) == 0:
+        return None
+    last = k.storage_offset() + sum((size - 1) * st for size, st in zip((b, h, n_al, d), k.stride()))
+    if last >= k.untyped_storage().nbytes() // k.element_size():
+        return None
+    return k.as_strided((b, h, n_al, d), k.stride())
+
+
+def _rows_times_aligned_keys(qg: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """qg [B, Hkv, R, D] · kᵀ over ``aligned_keys(k)``, then its first N columns: [B, Hkv, R, N] (a view), or None when
+    the cache has no room.  Column j of a product is q·k_j alone, so the real keys' scores are exact (no spare row
+    enters them), and cuBLAS takes its kernel for an aligned length: rows · Kᵀ ran 30 µs at N = 16,384 and 90 µs at
+    N = 16,389, (K · rowsᵀ)ᵀ 39 µs at both (H200, ``experiments/decode_products_alignment``)."""
+    ka = aligned_keys(k)
+    if ka is None:
+        return None
+    return torch.matmul(qg, ka.transpose(-1, -2))[..., : k.shape[2]]
+
+
+def _cuda_scores(qg: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The CUDA score product outside the batch-invariant mode: rows · Kᵀ at an aligned key length where the cache
+    has room past its N keys (``_rows_times_aligned_keys``), else as (K · rowsᵀ)ᵀ (``_keys_times_rows``)."""
+    s = _rows_times_aligned_keys(qg, k)
+    return _keys_times_rows(qg, k) if s is None else s
 
 
 def _keys_times_rows(qg: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -192,6 +268,23 @@ def kept_mass_and_recall(
     return mass, recall
 
 
+def _fused_attention(q, k, v, scores, keep, bias, scaling, dense):
+    """``kernels.selected_attention`` in the shared attention's place: (its Result, |keep| per row [B, Hq, Q]).  With
+    ``dense`` (the estimation error on) the same pass gives the dense reference, the kept mass and the top-k recall's
+    hits over the k-th largest score (k = |keep|, ``topk.kth_largest``: the radix search, no sort)."""
+    from ..kernels import selected_attention, topk
+
+    if dense:
+        n_keep = keep.sum(-1)  # [B, Hq, Q]: the rank whose score is recall's threshold
+        kth = topk.kth_largest(scores, n_keep, backend="triton")
+        res = selected_attention.attention(
+            q, k, v, keep, bias=bias, scores=scores, dense=True, kth=kth, scaling=scaling, backend="triton"
+        )
+        return res, n_keep
+    res = selected_attention.attention(q, k, v, keep, bias=bias, scores=scores, scaling=scaling, backend="triton")
+    return res, res.kept
+
+
 def kv_bytes_read(
     method: Method, ctx: AttentionContext, sel: Selection, keep: torch.Tensor, kept: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -231,6 +324,7 @@ def sparse_attention(
     layer_inputs: dict[int, tuple] | None = None,
     sparse_rows: torch.Tensor | None = None,
     generating: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One attention call of a sparse layer.
 
@@ -245,7 +339,8 @@ def sparse_attention(
     same in any batch).  ``layer_inputs``: the session's per-layer (hidden_states, position_embeddings) of the
     current pass (DS-Offload's prediction from the previous layer).  ``sparse_rows`` bool [B, Q]: the rows whose
     output the caller uses (a per-row phase; None: all), handed to the method as ``ctx.sparse_rows``.  ``generating``:
-    the rows are generated tokens after a finished prompt (``AttentionContext.generating``).
+    the rows are generated tokens after a finished prompt (``AttentionContext.generating``).  ``fused``: the attention
+    and its statistics from ``kernels.selected_attention`` (the caller resolves it: ``fused_attention_used``).
     """
     cfg = method.config
     with span("prepare"):  # the method's index over the keys (built once, then appended to)
@@ -300,12 +395,19 @@ def sparse_attention(
                 # key.  With a sink or a local window every row with a valid key keeps at least that static key.
                 nothing = ~keep.any(-1, keepdim=True) & (n_valid > 0)
                 keep = keep | (nothing & vc & (vc.cumsum(-1) == n_valid))
-            logits = scores if sel.bias is None else scores + torch.where(keep, sel.bias, torch.zeros_like(scores))
-            p = masked_softmax(logits, keep)
-            out = weighted_values(p, v)
+            if fused:
+                res, n_keep = _fused_attention(
+                    q[:, :, start:stop], k, v, scores, keep, sel.bias, scaling, compute_error
+                )
+                out = res.o
+            else:
+                logits = scores if sel.bias is None else scores + torch.where(keep, sel.bias, torch.zeros_like(scores))
+                p = masked_softmax(logits, keep)
+                out = weighted_values(p, v)
         with span("stats"):  # the per-row costs and bytes read
             rows = m.rows.expand(b, hq, stop - start)
-            n_keep = keep.sum(-1)  # long [B, Hq, Q]
+            if not fused:
+                n_keep = keep.sum(-1)  # long [B, Hq, Q]
             n_keep_f = n_keep.float()
             st: dict[str, torch.Tensor] = {
                 "rows": rows,
@@ -320,7 +422,15 @@ def sparse_attention(
                 else c1.float().expand(b, hq, stop - start)
             )
             st["kv_bytes"] = kv_bytes_read(method, ctx, sel, keep, kept=n_keep_f)
-        if compute_error:
+        if compute_error and fused:  # from the same pass as the output
+            with span("error"):
+                st["est_error"], st["mass"] = res.est_error, res.mass
+                st["topk_recall"] = torch.where(
+                    n_keep > 0,
+                    (res.hits.float() / n_keep.clamp_min(1).float()).clamp_max(1.0),
+                    torch.zeros_like(res.mass),
+                )
+        elif compute_error:
             with span("error"):
                 # masked_softmax(scores, valid): scores are already -inf wherever a key is not valid
                 p_dense = torch.softmax(scores, dim=-1).masked_fill_(m.invalid, 0.0)

@@ -190,6 +190,7 @@ class DoubleSparsity(Method):
     """
 
     name = "double_sparsity"
+    fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
     config_class = DoubleSparsityConfig
     index_reads_keys = False
     display_name = "DS"

@@ -19,6 +19,7 @@ class Full(Method):
     ``attend`` (and in tests) it runs the shared sparse path with every key kept, which must agree."""
 
     name = "full"
+    fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
     config_class = FullConfig
     dense = True
     display_name = "Full"

@@ -119,6 +119,7 @@ class H2O(Method):
     """Heavy hitters by accumulated attention + the recent window; a key not kept is evicted for good."""
 
     name = "h2o"
+    fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
     config_class = H2OConfig
     display_name = "H2O"
     budget_field = "heavy"

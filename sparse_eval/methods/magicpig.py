@@ -169,6 +169,7 @@ class MagicPIG(Method):
     """LSH sampling + importance-weighted attention (MagicPIG §4.3, Algorithm 1); see the module docstring."""
 
     name = "magicpig"
+    fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
     config_class = MagicPIGConfig
     stochastic = True  # SimHash projections drawn from config.seed
     index_reads_keys = False

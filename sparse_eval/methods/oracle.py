@@ -38,6 +38,7 @@ class OracleSampling(Method):
     """
 
     name = "oracle"
+    fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
     config_class = OracleConfig
     stochastic = True  # i.i.d. draws from config.seed
     display_name = "Oracle sampling"

@@ -161,6 +161,7 @@ class Quest(Method):
     """
 
     name = "quest"
+    fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
     config_class = QuestConfig
     index_reads_keys = False
     display_name = "Quest"

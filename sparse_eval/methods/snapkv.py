@@ -104,6 +104,7 @@ class SnapKV(Method):
     observation window, the window's keys and everything after it (generated tokens)."""
 
     name = "snapkv"
+    fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
     config_class = SnapKVConfig
     display_name = "SnapKV"
     budget_field = "max_capacity_prompt"

@@ -43,6 +43,7 @@ class TopK(Method):
     """
 
     name = "topk"
+    fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
     config_class = TopKConfig
     display_name = "TopK"
     budget_field = "budget"
