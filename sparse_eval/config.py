@@ -37,8 +37,10 @@ class EvalConfig:
     # reference, top-k recall) from one batch-invariant Triton kernel (``kernels.selected_attention``) instead of the
     # torch ops of ``methods.core``: auto (on CUDA for a method that declares ``Method.fused_attention``; off on the
     # CPU, whose records stay bit for bit as before), on (refused where it cannot run), off.  It changes the last
-    # bits of outputs and statistics, so where it is used the run's identity says so (``eval.fused_attention: true``)
-    fused_attention: str = "auto"
+    # bits of outputs and statistics, so where it is used the run's identity says so (``eval.fused_attention: true``).
+    # Default off until the kernel's records are checked on a GPU against the unfused ones (issue 51: pytest -m gpu,
+    # the greedy predictions of RULER-4K's 650 samples); built and tested in Triton's interpreter only
+    fused_attention: str = "off"
     # samples per padded batch (a sample's record is the same in any batch with ``batch_invariant``); ``auto``:
     # the largest that fits, from min(samples, 128) halving on out-of-memory (the size used is in the summary)
     batch_size: Any = 1

@@ -152,7 +152,7 @@ class Experiment:
         """Whether ``method``'s sparse calls take the fused kernel on this model's device and dtype
         (``eval.fused_attention`` resolved by ``core.fused_attention_used``; raises for ``on`` where it cannot run)."""
         self.load()
-        setting = self.cfg.eval.get("fused_attention", "auto")
+        setting = self.cfg.eval.get("fused_attention", "off")
         return fused_attention_used(setting, method, self.model.device, self.model.dtype)
 
     def run_dir(self, method: Method | MethodConfig) -> tuple[dict[str, Any], Path]:
@@ -199,7 +199,7 @@ class Experiment:
                 self.cfg.eval.compute_error,
                 self.cfg.eval.query_chunk,
                 batch_invariant=self.cfg.eval.batch_invariant,
-                fused_attention=self.cfg.eval.get("fused_attention", "auto"),
+                fused_attention=self.cfg.eval.get("fused_attention", "off"),
             ),
         )
         engine = Engine(self.model, self.tokenizer, session, self.cfg.eval.prefill_chunk)

@@ -48,6 +48,7 @@ def test_batch_invariant_times_the_methods_in_that_mode_and_stock_outside_it(tmp
         assert set(spans[("full", True)]) == {"attend", "record"}
 
 
+@pytest.mark.slow  # 70 s on 2 cores (the kernel in the interpreter); fused vs unfused: test_method_contract
 def test_fused_both_times_each_method_with_and_without_the_kernel(tmp_path, monkeypatch):
     """``--fused both`` (the default): a method that declares ``Method.fused_attention`` is timed with the fused kernel
     (row ``name [fused]``) and without, in one process and one round-robin, each with its ratio to full attention;

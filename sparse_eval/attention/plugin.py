@@ -70,8 +70,9 @@ class Runtime:
     batch_invariant: bool = True
     # ``eval.fused_attention``: auto | on | off.  The sparse calls' attention and statistics from one Triton kernel
     # (``kernels.selected_attention``) where ``core.fused_attention_used`` says so for the layer's device and dtype
-    # (auto: on CUDA for a method that declares ``Method.fused_attention``; off on the CPU)
-    fused_attention: str = "auto"
+    # (auto: on CUDA for a method that declares ``Method.fused_attention``; off on the CPU); off by default until
+    # checked on a GPU (``config.EvalConfig.fused_attention``)
+    fused_attention: str = "off"
 
 
 _GROW_TOKENS = 256  # spare tokens a SparseLayer's K/V buffers get when they are (re)allocated
