@@ -190,6 +190,7 @@ class DoubleSparsity(Method):
     """
 
     name = "double_sparsity"
+    summary = "the top beta·n keys by label scores over alpha·d calibrated channels (Double Sparsity)"
     config_class = DoubleSparsityConfig
     index_reads_keys = False
     display_name = "DS"

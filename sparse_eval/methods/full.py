@@ -19,6 +19,7 @@ class Full(Method):
     ``attend`` (and in tests) it runs the shared sparse path with every key kept, which must agree."""
 
     name = "full"
+    summary = "every key, with stock scaled_dot_product_attention: the reference every method is compared with"
     config_class = FullConfig
     dense = True
     display_name = "Full"

@@ -119,6 +119,7 @@ class H2O(Method):
     """Heavy hitters by accumulated attention + the recent window; a key not kept is evicted for good."""
 
     name = "h2o"
+    summary = "heavy hitters by accumulated attention + the recent window; an evicted key is gone (H2O)"
     config_class = H2OConfig
     display_name = "H2O"
     budget_field = "heavy"

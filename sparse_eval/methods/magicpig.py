@@ -169,6 +169,7 @@ class MagicPIG(Method):
     """LSH sampling + importance-weighted attention (MagicPIG §4.3, Algorithm 1); see the module docstring."""
 
     name = "magicpig"
+    summary = "keys that collide with q in SimHash tables (K bits, L tables), importance-weighted (MagicPIG)"
     config_class = MagicPIGConfig
     stochastic = True  # SimHash projections drawn from config.seed
     index_reads_keys = False

@@ -38,6 +38,7 @@ class OracleSampling(Method):
     """
 
     name = "oracle"
+    summary = "oracle sampling: budget i.i.d. draws from the true attention, importance-weighted (MagicPIG eq. 4-5)"
     config_class = OracleConfig
     stochastic = True  # i.i.d. draws from config.seed
     display_name = "Oracle sampling"

@@ -161,6 +161,7 @@ class Quest(Method):
     """
 
     name = "quest"
+    summary = "the pages whose min/max keys bound q·k highest, within the budget (Quest)"
     config_class = QuestConfig
     index_reads_keys = False
     display_name = "Quest"

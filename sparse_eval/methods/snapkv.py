@@ -104,6 +104,7 @@ class SnapKV(Method):
     observation window, the window's keys and everything after it (generated tokens)."""
 
     name = "snapkv"
+    summary = "the prompt keys the last window_size queries vote for, chosen once at the first token (SnapKV)"
     config_class = SnapKVConfig
     display_name = "SnapKV"
     budget_field = "max_capacity_prompt"

@@ -36,6 +36,7 @@ class StreamingLLM(Method):
     """Attention sinks + a recent window: the static keys alone (``selects_static_only``)."""
 
     name = "streaming_llm"
+    summary = "attention sinks + the recent window, nothing else (StreamingLLM)"
     config_class = StreamingLLMConfig
     display_name = "StreamingLLM"
     selects_static_only = True  # a row keeping no candidate is the method, not an empty selection

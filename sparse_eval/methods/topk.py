@@ -42,6 +42,7 @@ class TopK(Method):
     """
 
     name = "topk"
+    summary = "the budget keys with the largest q·k, exact (MagicPIG eq. 3)"
     config_class = TopKConfig
     display_name = "TopK"
     budget_field = "budget"

@@ -76,6 +76,8 @@ class RulerConfig(TaskConfig):
 @register_task
 class Ruler(Task):
     name = "ruler"
+    summary = "the 13 RULER tasks, generated locally at task.length with the model's tokenizer (MagicPIG Table 3)"
+    num_samples_means = "the first N samples of each subtask"
     config_class = RulerConfig
     default_protocol = "A"
     metric = "score"
