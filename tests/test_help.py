@@ -56,3 +56,36 @@ def test_method_facts_read_from_source_match_the_registry():
             assert facts.get("summary") == cls.summary and tuple(facts.get("headline_options", ())) == tuple(
                 cls.headline_options
             ), name
+
+
+def test_a_limited_run_is_its_own_run_never_pooled_or_paired_with_another_limit(tmp_path):
+    """``task.num_samples=N`` (the quick try) is part of the run's identity: a run of 1 sample gets its own run
+    directory, its summary records N, and ``collect`` neither pairs it with full attention's run of 2 samples nor
+    pools it with the 2-sample run of the same method."""
+    from hydra import compose, initialize_config_dir
+
+    from sparse_eval.collect import collect
+    from sparse_eval.config import CONF_DIR, register_configs
+    from sparse_eval.runner import run
+
+    register_configs()
+
+    def one(*overrides):
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+            cfg = compose(
+                config_name="config",
+                overrides=[f"paths.runs_dir={tmp_path / 'runs'}", "task.window=64", "print_table=false", *overrides],
+            )
+        (summary,) = run(cfg)
+        return summary
+
+    full2 = one("method=full", "task.num_samples=2")
+    topk2 = one("method=topk", "task.num_samples=2")
+    topk1 = one("method=topk", "task.num_samples=1")
+    assert topk1["run_dir"] != topk2["run_dir"]
+    assert topk1["task_config"]["num_samples"] == 1 and topk1["expected_samples"] == 1 and topk1["complete"]
+    df = collect(tmp_path / "runs", by_subtask=False).set_index("run_dir")
+    assert df.loc[topk2["run_dir"], "n_paired"] == 2  # paired with full attention's run of the same N
+    assert df.loc[topk1["run_dir"]].isna()["diff_vs_full"]  # no full attention run of N = 1: no pair
+    assert df.loc[topk1["run_dir"], "seed_group"] != df.loc[topk2["run_dir"], "seed_group"]  # never pooled
+    assert df.loc[full2["run_dir"], "samples"] == 2
