@@ -435,12 +435,19 @@ def add_subset_rows(rows: list[dict[str, Any]], at_least: float) -> None:
         rows.append(sub)
 
 
-def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0, full_at_least: float | None = None):
-    """A pandas DataFrame of every run under ``root`` (see the module docstring for the columns)."""
+def collect(
+    root: Path | None,
+    by_subtask: bool = True,
+    recent_s: float = 300.0,
+    full_at_least: float | None = None,
+    run_dirs: list[Path] | None = None,
+):
+    """A pandas DataFrame of every run under ``root`` (see the module docstring for the columns), or of the runs
+    ``run_dirs`` (a sweep's: ``sweep.SweepReport``), paired and pooled among themselves."""
     import pandas as pd
 
     rows = []
-    for run_dir in find_run_dirs(root):
+    for run_dir in find_run_dirs(root) if run_dirs is None else [Path(d) for d in run_dirs]:
         rows.extend(run_rows(run_dir, by_subtask=by_subtask, recent_s=recent_s))
     if full_at_least is not None:
         add_subset_rows(rows, full_at_least)

@@ -146,7 +146,7 @@ def options_section() -> list[str]:
         "paths.runs_dir=DIR": "where runs are written (default runs, env SPARSE_EVAL_RUNS_DIR)",
         "paths.data_dir=DIR": "the local data sets (env SPARSE_EVAL_DATA_DIR); the default run needs none",
         "-m a=x,y b=z,w": "a multirun: one job per combination (e.g. -m method=topk method.budget=0.02,0.1), "
-        "every job checked before any starts",
+        "every job checked before any starts, one table of all their runs at the end",
         "+experiment=NAME": "a paper experiment, with -m: " + ", ".join(experiments) + " (smoke/NAME: a minute on a "
         "CPU)",
     }
