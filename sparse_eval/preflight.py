@@ -1,13 +1,15 @@
-"""Checks made before a multirun sweep runs (``SweepPreflight``, a Hydra callback in ``conf/config.yaml``).
+"""Checks made before a run starts that need no model load: the runs folder of every run (``check_runs_dir``,
+called by ``runner.run`` before the model loads) and every job of a multirun sweep (``SweepPreflight``, a Hydra
+callback in ``conf/config.yaml``).
 
-A sweep is checked once, before the launcher starts a job (or submits one to Slurm): each distinct model is found
-and its config read (not its weights: ``models.loading.load_config``), each job's config is composed and checked
-as a single run checks it at start (the task and its data, the protocol, the batch size, every method's options,
-its dense layers against the model's depth, its budgets against the context, the task's length against the
-context, and, for jobs run on this machine, MagicPIG's tables against this machine's memory).  If any job would
-fail there, nothing is launched: one message groups the jobs by error, names the fix, and the process exits with
-status 2.  ``preflight=false`` launches without the check (each job then fails alone, recorded in its
-``job_status.json``).
+A sweep is checked once, before the launcher starts a job (or submits one to Slurm): each job's runs folder can be
+written, each distinct model is found and its config read (not its weights: ``models.loading.load_config``), each
+job's config is composed and checked as a single run checks it at start (the task and its data, the protocol, the
+batch size, every method's options, its dense layers against the model's depth, its budgets against the context,
+the task's length against the context, and, for jobs run on this machine, MagicPIG's tables against this machine's
+memory).  If any job would fail there, nothing is launched: one message groups the jobs by error, names the fix,
+and the process exits with status 2.  ``preflight=false`` launches without the check (each job then fails alone,
+recorded in its ``job_status.json``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,40 @@ def _model_info(model_cfg: Any, cache: dict) -> Any:
 CHECKED = (ValueError, FileNotFoundError, ImportError)  # what a run refuses at start with (one line, exit status 2)
 
 
+def check_runs_dir(runs_dir: Any) -> None:
+    """Refuse a ``paths.runs_dir`` that cannot be written, before the model loads (``runner.run`` calls it once the
+    launch cache has not answered; a sweep checks each job's): a file is created and removed in the folder, or in
+    its nearest existing parent when it does not exist yet, so nothing is left behind.  Raises
+    ``store.RunsDirError`` (one line: the path, why, the fix)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from .store import RunsDirError
+
+    path = Path(str(runs_dir)).expanduser()
+    probe = next((p for p in (path, *path.parents) if p.exists()), None)
+    if probe is None:
+        return
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(20, "not a directory", str(probe))
+        fd, name = tempfile.mkstemp(prefix=".write_probe-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        where = "" if probe == path else f" at {probe}"
+        read = (
+            f" (python -m sparse_eval.collect {runs_dir} --out <writable path> reads the finished runs there)"
+            if probe == path
+            else ""
+        )
+        raise RunsDirError(
+            f"paths.runs_dir={runs_dir}: cannot write {path} ({exc.strerror or exc}{where}); give a writable folder, "
+            f"e.g. paths.runs_dir=runs{read}"
+        ) from None
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -64,6 +100,10 @@ def job_errors(cfg: Any, models: dict, local: bool) -> list[str]:
     from .models.loading import ModelConfig
 
     errors = []
+    try:
+        check_runs_dir(cfg.paths.runs_dir)
+    except CHECKED as exc:
+        errors.append(_first_line(exc))
     try:
         _model_info(ModelConfig(**to_plain(cfg.model)), models)
     except CHECKED as exc:

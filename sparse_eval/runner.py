@@ -55,7 +55,10 @@ def run(cfg: Any, use_cache: bool = True) -> list[dict[str, Any]]:
         hit = launch.reuse(cfg)
         if hit is not None:
             return hit
+    from .preflight import check_runs_dir
     from .tasks.base import HUB_READS  # the tasks (and torch) only once the cache did not answer
+
+    check_runs_dir(cfg.paths.runs_dir)  # a runs folder that cannot be written: refused before the model loads
 
     started_ns, hub_reads = time.time_ns(), HUB_READS[0]
     with recording() as files:
