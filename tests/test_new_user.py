@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 from pathlib import Path
 
@@ -59,3 +60,42 @@ def test_a_runs_folder_that_cannot_be_made_is_refused_before_the_model_loads(mon
     _no_load(monkeypatch)
     with pytest.raises(ValueError, match=r"^paths.runs_dir=/proc/runs: cannot write /proc/runs \(.* at /proc\); give"):
         run(cfg_for(Path("/proc/runs"), "method=full", "task.num_samples=1", "task.window=64"))
+
+
+# -- a corrupt line of samples.jsonl: reported, its sample computed again, the run not called complete -----------
+
+
+def test_a_corrupt_sample_line_is_reported_recomputed_and_not_complete(tmp_path, caplog):
+    from sparse_eval.status import format_states, run_state
+    from sparse_eval.store import SAMPLES_FILE
+
+    args = ("method=full", "task.num_samples=2", "task.window=64", "print_table=false")
+    (first,) = run(cfg_for(tmp_path / "runs", *args))
+    run_dir = Path(first["run_dir"])
+    log = run_dir / SAMPLES_FILE
+    lines = log.read_text(encoding="utf-8").splitlines()
+    assert run_state(run_dir)["state"] == "done"
+    # a garbage line among the records (written behind the store's back: the file's time unchanged): the run is not
+    # done nor complete, and status says which line
+    stamp = log.stat()
+    log.write_text("\n".join([lines[0], "garbage}{", lines[1]]) + "\n", encoding="utf-8")
+    os.utime(log, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    state = run_state(run_dir)
+    assert state["state"] == "incomplete" and not state["complete"] and state["corrupt_lines"] == [2]
+    assert "samples.jsonl line 2 is not a sample record" in format_states([state])
+    # ... and a record garbled in the middle (its id still readable): that sample is computed again, not dropped
+    broken = lines[1][:20] + "\x00" + lines[1][40:]
+    sid = json.loads(lines[1])["id"]
+    log.write_text("\n".join([lines[0], "garbage}{", broken]) + "\n", encoding="utf-8")
+    assert run_state(run_dir)["written"] == 1
+    with caplog.at_level(logging.WARNING, logger="sparse_eval"):
+        (again,) = run(cfg_for(tmp_path / "runs", *args))
+    assert f"{log} line 2 is not a sample record (corrupt)" in caplog.text
+    assert f"{log} line 3 is not a sample record (corrupt)" in caplog.text
+    assert f"sample {sid} is computed again" in caplog.text
+    progress = json.loads((run_dir / "progress.json").read_text())
+    assert progress["done_at_start"] == 1 and again["samples"] == 2 and again["complete"]  # one computed again
+    ids = [json.loads(line)["id"] for line in log.read_text(encoding="utf-8").splitlines()]
+    assert ids == [json.loads(lines[0])["id"], sid]
+    assert again["score"] == pytest.approx(first["score"], rel=0, abs=0)  # the same record, computed again
+    assert run_state(run_dir)["state"] == "done"
