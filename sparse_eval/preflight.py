@@ -1,6 +1,5 @@
-"""Checks made before a run starts that need no model load: the runs folder of every run (``check_runs_dir``,
-called by ``runner.run`` before the model loads) and every job of a multirun sweep (``SweepPreflight``, a Hydra
-callback in ``conf/config.yaml``).
+"""Checks made before a multirun sweep runs (``SweepPreflight``, a Hydra callback in ``conf/config.yaml``); a single
+run checks its runs folder before its model loads the same way (``store.check_runs_dir``, called by ``runner.run``).
 
 A sweep is checked once, before the launcher starts a job (or submits one to Slurm): each job's runs folder can be
 written, each distinct model is found and its config read (not its weights: ``models.loading.load_config``), each
@@ -54,40 +53,6 @@ def _model_info(model_cfg: Any, cache: dict) -> Any:
 CHECKED = (ValueError, FileNotFoundError, ImportError)  # what a run refuses at start with (one line, exit status 2)
 
 
-def check_runs_dir(runs_dir: Any) -> None:
-    """Refuse a ``paths.runs_dir`` that cannot be written, before the model loads (``runner.run`` calls it once the
-    launch cache has not answered; a sweep checks each job's): a file is created and removed in the folder, or in
-    its nearest existing parent when it does not exist yet, so nothing is left behind.  Raises
-    ``store.RunsDirError`` (one line: the path, why, the fix)."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from .store import RunsDirError
-
-    path = Path(str(runs_dir)).expanduser()
-    probe = next((p for p in (path, *path.parents) if p.exists()), None)
-    if probe is None:
-        return
-    try:
-        if not probe.is_dir():
-            raise NotADirectoryError(20, "not a directory", str(probe))
-        fd, name = tempfile.mkstemp(prefix=".write_probe-", dir=probe)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as exc:
-        where = "" if probe == path else f" at {probe}"
-        read = (
-            f" (python -m sparse_eval.collect {runs_dir} --out <writable path> reads the finished runs there)"
-            if probe == path
-            else ""
-        )
-        raise RunsDirError(
-            f"paths.runs_dir={runs_dir}: cannot write {path} ({exc.strerror or exc}{where}); give a writable folder, "
-            f"e.g. paths.runs_dir=runs{read}"
-        ) from None
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -98,6 +63,8 @@ def job_errors(cfg: Any, models: dict, local: bool) -> list[str]:
     (``check_job``), one line each; [] when it can start."""
     from .config import to_plain
     from .models.loading import ModelConfig
+
+    from .store import check_runs_dir
 
     errors = []
     try:

@@ -27,6 +27,7 @@ from .store import (
     PROGRESS_FILE,
     SUMMARY_FILE,
     RunsDirError,
+    check_runs_dir,
     check_writable,
     clear_failure,
     read_json,
@@ -55,7 +56,6 @@ def run(cfg: Any, use_cache: bool = True) -> list[dict[str, Any]]:
         hit = launch.reuse(cfg)
         if hit is not None:
             return hit
-    from .preflight import check_runs_dir
     from .tasks.base import HUB_READS  # the tasks (and torch) only once the cache did not answer
 
     check_runs_dir(cfg.paths.runs_dir)  # a runs folder that cannot be written: refused before the model loads

@@ -123,6 +123,36 @@ def check_writable(run_dir: Path) -> str | None:
     return None
 
 
+def check_runs_dir(runs_dir: Any) -> None:
+    """Refuse a ``paths.runs_dir`` that cannot be written, before the model loads (``runner.run`` calls it once the
+    launch cache has not answered; ``preflight`` for each job of a sweep): a file is created and removed in the
+    folder, or in its nearest existing parent when it does not exist yet, so nothing is left behind.  Raises
+    ``RunsDirError`` (one line: the path, why, the fix)."""
+    import tempfile
+
+    path = Path(str(runs_dir)).expanduser()
+    probe = next((p for p in (path, *path.parents) if p.exists()), None)
+    if probe is None:
+        return
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(20, "not a directory", str(probe))
+        fd, name = tempfile.mkstemp(prefix=".write_probe-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        where = "" if probe == path else f" at {probe}"
+        read = (
+            f" (python -m sparse_eval.collect {runs_dir} --out <writable path> reads the finished runs there)"
+            if probe == path
+            else ""
+        )
+        raise RunsDirError(
+            f"paths.runs_dir={runs_dir}: cannot write {path} ({exc.strerror or exc}{where}); give a writable folder, "
+            f"e.g. paths.runs_dir=runs{read}"
+        ) from None
+
+
 # -- JSON files ------------------------------------------------------------------------------------------------
 
 
