@@ -99,3 +99,43 @@ def test_a_corrupt_sample_line_is_reported_recomputed_and_not_complete(tmp_path,
     assert ids == [json.loads(lines[0])["id"], sid]
     assert again["score"] == pytest.approx(first["score"], rel=0, abs=0)  # the same record, computed again
     assert run_state(run_dir)["state"] == "done"
+
+
+# -- the setup says what it does: model load, tokenizer check, the task's samples, the run ------------------------
+
+
+def test_the_setup_says_what_it_does(tmp_path, caplog):
+    """A RULER sample on the CPU took minutes with nothing on the screen: each step of the setup is now a log line."""
+    from sparse_eval.experiment import Experiment
+
+    ruler = ("task=ruler", "task.length=512", "task.haystack=noise", "task.subtasks=[niah_single_1]")
+    with caplog.at_level(logging.INFO, logger="sparse_eval"):
+        Experiment(cfg_for(tmp_path / "runs", *ruler, "task.num_samples=1", "method=full")).samples()
+        run(cfg_for(tmp_path / "runs", "method=full", "task.num_samples=1", "task.window=64", "print_table=false"))
+    said = [r.getMessage() for r in caplog.records]
+    steps = [
+        "loading the model stories260k from ",
+        "model loaded in ",
+        "ruler: generating 1 sample of 1 subtask at 512 tokens with the model's tokenizer",
+        "ruler: niah_single_1: 1 sample at 512 tokens in ",
+        "task ruler: 1 samples made in ",
+        "loading the model stories260k from ",
+        "task wikitext: 1 samples made in ",
+        "full: running 1 of 1 samples (64 tokens the longest)",
+    ]
+    at = [next((i for i, m in enumerate(said) if m.startswith(step)), None) for step in steps]
+    assert None not in at, [s for s, i in zip(steps, at) if i is None]
+    assert at[:5] == sorted(at[:5]) and at[5:] == sorted(at[5:]), said
+
+
+@pytest.mark.slow  # loads the GGUF tokenizer (10-15 s); tests/test_tokenizer_check.py tests the check
+def test_the_tokenizer_check_says_what_it_does(caplog):
+    from sparse_eval.models.loading import ModelConfig, load_tokenizer
+
+    gguf = Path("~/.cache/sparse_eval/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
+    if not gguf.exists():
+        pytest.skip(f"{gguf} not present (scripts/get_smollm2.sh)")
+    with caplog.at_level(logging.INFO, logger="sparse_eval"):
+        load_tokenizer(ModelConfig(name="smollm2_135m", path=str(gguf.parent), gguf_file=gguf.name))
+    assert f"checking the tokenizer against the vocabulary of {gguf.name}" in caplog.text
+    assert "tokenizer checked in " in caplog.text
