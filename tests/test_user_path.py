@@ -511,6 +511,7 @@ TINY = {
     "python -m pytest -q -m slow": "the slow checks themselves (minutes), run by hand",
     "python -m sparse_eval": "run and checked by tests/test_runner.py::test_default_command_end_to_end",
     "python -m sparse_eval.verdicts": "run over the committed records by tests/test_verdicts.py",
+    "python -m sparse_eval --help": "run and checked by tests/test_help.py",
     "python -m sparse_eval method=magicpig method.K=9 method.L=120": ["task.num_samples=1", "task.window=64"],
     "python -m sparse_eval -m method=topk method.budget=0.02,0.06,0.1": ["task.num_samples=1", "task.window=64"],
     "python -m sparse_eval method=magicpig seed=1": ["task.num_samples=1", "task.window=64"],
