@@ -667,8 +667,7 @@ def print_wide(df) -> None:
     view = df[show].copy()
     if "interval_omits_seeds" in df.columns:  # a stochastic method's single seed: its intervals omit seeds
         view["seeds"] = [
-            f"{n} {SINGLE_SEED_MARK}" if flag is True else n
-            for n, flag in zip(df["seeds"], df["interval_omits_seeds"])
+            f"{n} {SINGLE_SEED_MARK}" if flag is True else n for n, flag in zip(df["seeds"], df["interval_omits_seeds"])
         ]
     with pd.option_context("display.max_rows", 200, "display.width", 250, "display.max_colwidth", 40):
         print(view.to_string(index=False, float_format=lambda x: f"{x:.4g}"))

@@ -160,8 +160,7 @@ def format_compact(df, width: int | None = None) -> str:
         notes.append(f"{INCOMPLETE_MARK} not complete: over the samples it finished, never marked significant")
     notes.append(
         "vs full: paired difference with full attention, * where its interval excludes 0; a configuration's seeds "
-        "pooled"
-        + (f"; left out for the width: {', '.join(c for c in OPTIONAL if c in dropped)}" if dropped else "")
+        "pooled" + (f"; left out for the width: {', '.join(c for c in OPTIONAL if c in dropped)}" if dropped else "")
     )
     return "\n".join(out + [line for note in notes for line in textwrap.wrap(note, width, subsequent_indent="  ")])
 
