@@ -1,20 +1,22 @@
 """Every run under a folder gathered into one tidy table (CSV and parquet).
 
     python -m sparse_eval.collect runs/                       # writes runs/results.csv and runs/results.parquet
+    python -m sparse_eval.collect runs/ --wide                # prints every run's row (22 columns), not the compact one
     python -m sparse_eval.collect runs/ruler --out /tmp/ruler  # /tmp/ruler.csv, /tmp/ruler.parquet
     python -m sparse_eval.collect runs/ --no-subtasks          # one row per run
     python -m sparse_eval.collect runs/ --full-at-least 30     # + rows over the subtasks full attention solves
 
-One row per (model, method with its parameters, task with its parameters, subtask, length, protocol, seed).  Rows
-of runs that differ only in their seed (``seeds.seed_group``: the same identity without the seed) also carry the
-scores pooled over those seeds (``pooled_*``, ``seed_*``): the mean over seeds with its two-level interval over
-prompts and seeds (``sparse_eval.statistics``), and the paired difference against full attention the same way.  A
-run (``<runs_dir>/<task>/<model>/<method>-<hash>``: config.yaml, samples.jsonl, summary.json, meta.json) gives one
-row per subtask and length found in its per-sample records (fields ``subtask`` -- or ``lm_eval_task`` -- and,
-for tasks with a ``length`` setting, ``length``), plus one row ``subtask = "all"`` with the task's own aggregate
-over all its samples when it has several subtasks.  Scores of a row are the task's own ``aggregate`` over that
-row's finished samples (e.g. perplexity = exp(mean NLL), LongBench = mean of per-dataset means), so a subtask row
-equals what the task reports for that subtask.
+It prints the table fitted to the terminal (``sparse_eval.compact_table``: one row per configuration, its seeds
+pooled) and writes every column to the files. One row per (model, method with its parameters, task with its
+parameters, subtask, length, protocol, seed). Rows of runs that differ only in their seed (``seeds.seed_group``: the
+same identity without the seed) also carry the scores pooled over those seeds (``pooled_*``, ``seed_*``): the mean
+over seeds with its two-level interval over prompts and seeds (``sparse_eval.statistics``), and the paired
+difference against full attention the same way. A run (``<runs_dir>/<task>/<model>/<method>-<hash>``: config.yaml,
+samples.jsonl, summary.json, meta.json) gives one row per subtask and length found in its per-sample records (fields
+``subtask`` -- or ``lm_eval_task`` -- and, for tasks with a ``length`` setting, ``length``), plus one row
+``subtask = "all"`` with the task's own aggregate over all its samples when it has several subtasks.
+Scores of a row are the task's own ``aggregate`` over that row's finished samples (e.g. perplexity =
+exp(mean NLL), LongBench = mean of per-dataset means), so a subtask row equals what the task reports for that subtask.
 
 Columns (see also docs/sweeps.md):
 
@@ -436,12 +438,19 @@ def add_subset_rows(rows: list[dict[str, Any]], at_least: float) -> None:
         rows.append(sub)
 
 
-def collect(root: Path, by_subtask: bool = True, recent_s: float = 300.0, full_at_least: float | None = None):
-    """A pandas DataFrame of every run under ``root`` (see the module docstring for the columns)."""
+def collect(
+    root: Path | None,
+    by_subtask: bool = True,
+    recent_s: float = 300.0,
+    full_at_least: float | None = None,
+    run_dirs: list[Path] | None = None,
+):
+    """A pandas DataFrame of every run under ``root`` (see the module docstring for the columns), or of the runs
+    ``run_dirs`` (a sweep's: ``sweep.SweepReport``), paired and pooled among themselves."""
     import pandas as pd
 
     rows = []
-    for run_dir in find_run_dirs(root):
+    for run_dir in find_run_dirs(root) if run_dirs is None else [Path(d) for d in run_dirs]:
         rows.extend(run_rows(run_dir, by_subtask=by_subtask, recent_s=recent_s))
     if full_at_least is not None:
         add_subset_rows(rows, full_at_least)
@@ -626,6 +635,57 @@ def write_table(df, out: Path) -> list[Path]:
     return written
 
 
+def print_wide(df) -> None:
+    """``--wide``: one row per run (and subtask, length) with its own and its seed-pooled numbers, 22 columns."""
+    import pandas as pd
+
+    show = [
+        c
+        for c in (
+            "model",
+            "run_name",
+            "task",
+            "subtask",
+            "length",
+            "protocol",
+            "seed",
+            "score",
+            "score_lo",
+            "score_hi",
+            "n_paired",
+            "diff_vs_full",
+            "seeds",
+            "pooled_score",
+            "pooled_lo",
+            "pooled_hi",
+            "cost1",
+            "cost2",
+            "est_error",
+            "samples",
+            "failed_samples",
+            "state",
+        )
+        if c in df.columns
+    ]
+    view = df[show].copy()
+    if "interval_omits_seeds" in df.columns:  # a stochastic method's single seed: its intervals omit seeds
+        view["seeds"] = [
+            f"{n} {SINGLE_SEED_MARK}" if flag is True else n for n, flag in zip(df["seeds"], df["interval_omits_seeds"])
+        ]
+    with pd.option_context("display.max_rows", 200, "display.width", 250, "display.max_colwidth", 40):
+        print(view.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    if (df.get("interval_omits_seeds") == True).any():  # noqa: E712 - a column of True / False / None
+        print(
+            f"{SINGLE_SEED_MARK} one seed of a stochastic method: its intervals omit the seed-to-seed variation "
+            "(run it with seed=[0,1,2])"
+        )
+    if (df["state"] != "done").any():
+        print(
+            "rows of runs not done (incomplete, failed, running, pending) are over the samples they finished and "
+            "are never marked significant"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparse_eval.collect", description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", help="a runs folder (paths.runs_dir) or any folder below it")
@@ -646,6 +706,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--recent", type=float, default=300.0, help="seconds within which a run counts as running")
     ap.add_argument("--quiet", action="store_true", help="do not print the table")
+    ap.add_argument(
+        "--wide",
+        action="store_true",
+        help="print one row per run with its own and its seed-pooled numbers (22 columns, wider than a terminal) "
+        "instead of one row per configuration fitted to the terminal; the CSV holds every column",
+    )
     args = ap.parse_args(argv)
     root = Path(args.dir)
     if not root.exists():
@@ -661,55 +727,12 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty:
         print(f"no runs under {root}", file=sys.stderr)
         return 1
-    if not args.quiet:
-        import pandas as pd
+    if not args.quiet and args.wide:
+        print_wide(df)
+    elif not args.quiet:
+        from .compact_table import format_compact
 
-        show = [
-            c
-            for c in (
-                "model",
-                "run_name",
-                "task",
-                "subtask",
-                "length",
-                "protocol",
-                "seed",
-                "score",
-                "score_lo",
-                "score_hi",
-                "n_paired",
-                "diff_vs_full",
-                "seeds",
-                "pooled_score",
-                "pooled_lo",
-                "pooled_hi",
-                "cost1",
-                "cost2",
-                "est_error",
-                "samples",
-                "failed_samples",
-                "state",
-            )
-            if c in df.columns
-        ]
-        view = df[show].copy()
-        if "interval_omits_seeds" in df.columns:  # a stochastic method's single seed: its intervals omit seeds
-            view["seeds"] = [
-                f"{n} {SINGLE_SEED_MARK}" if flag is True else n
-                for n, flag in zip(df["seeds"], df["interval_omits_seeds"])
-            ]
-        with pd.option_context("display.max_rows", 200, "display.width", 250, "display.max_colwidth", 40):
-            print(view.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
-        if (df.get("interval_omits_seeds") == True).any():  # noqa: E712 - a column of True / False / None
-            print(
-                f"{SINGLE_SEED_MARK} one seed of a stochastic method: its intervals omit the seed-to-seed variation "
-                "(run it with seed=[0,1,2])"
-            )
-        if (df["state"] != "done").any():
-            print(
-                "rows of runs not done (incomplete, failed, running, pending) are over the samples they finished and "
-                "are never marked significant"
-            )
+        print(format_compact(df))
     out = Path(args.out) if args.out else root / "results"
     try:
         paths = write_table(df, out)
@@ -719,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    print(f"{len(df)} rows from {df['run_dir'].nunique()} runs -> " + ", ".join(str(p) for p in paths))
+    print(f"{len(df)} rows from {df['run_dir'].nunique()} runs, every column -> " + ", ".join(str(p) for p in paths))
     bad = df[df["state"] == "unreadable"]["run_dir"].unique() if "state" in df else []
     if len(bad):  # the table lacks those runs' results: say so, and not with exit status 0
         print(

@@ -94,6 +94,10 @@ def register_configs(methods: bool = True) -> None:
     from .tasks import TASKS
 
     register_resolvers()
+    if not OmegaConf.has_resolver("sparse_eval_help"):  # ``--help``'s text (conf/config.yaml: hydra.help.template)
+        from .help_text import app_help
+
+        OmegaConf.register_new_resolver("sparse_eval_help", app_help)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(group="model", name="model_schema", node=ModelConfig)

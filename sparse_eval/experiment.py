@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from .batching import RECORD_STATS, Batcher
 from .verdicts.claims import claims_record
 from .config import to_plain
 from .engine import Engine
+from .estimate import sample_tokens
 from .fingerprint import file_sha256
 from .methods import Method, MethodConfig, build_method, make_config
 from .methods.core import fused_attention_used
@@ -86,7 +88,9 @@ class Experiment:
     def samples(self):
         if self._samples is None:
             self.load()
+            t0 = time.perf_counter()
             self._samples = self.task.samples(self.tokenizer, self.context)
+            log.info("task %s: %d samples made in %.1f s", self.task.name, len(self._samples), time.perf_counter() - t0)
         return self._samples
 
     def preflight(self, method_cfg: MethodConfig) -> Method:
@@ -206,6 +210,9 @@ class Experiment:
         logger = WandbLogger(self.cfg.logger, run_dir, identity)
         batcher = Batcher(self, session, engine, todo)
         label = short_label(identity["method"])
+        if todo:  # the bar below moves when a batch finishes: on a CPU the first one can take minutes
+            longest = max((sample_tokens(s) for s in todo), default=0)
+            log.info("%s: running %d of %d samples (%d tokens the longest)", label, len(todo), len(samples), longest)
         try:
             with tqdm(
                 total=len(samples),

@@ -1,11 +1,13 @@
-"""What ``status`` and ``collect`` need to know about a method, without importing the methods (they import torch).
+"""What ``status``, ``collect`` and ``python -m sparse_eval --help`` need to know about a method, without importing
+the methods (they import torch).
 
-The one fact they ask is whether a run's method is the dense reference (``Method.dense``: full attention).  The
-registry answers it once the methods are imported; before that, the shipped methods' class bodies are read from
-their source (``name = "..."`` and ``dense = True`` at class level, by ``ast``), which gives the same answer in a
-few milliseconds.  A name no shipped module declares (a user's method from ``SPARSE_EVAL_PLUGINS`` or an entry
-point) is asked of the registry, importing the methods then.
-"""
+The facts they ask: whether a run's method is the dense reference (``Method.dense``: full attention), the options
+its configs are told apart by (``headline_options``: ``collect``'s config column) and its one-line ``summary``
+(``--help``).  The registry answers once the methods are imported; before that, the shipped methods' class bodies
+are read from their source (class-level assignments of literals such as ``name = "..."``, ``dense = True``, by
+``ast``), which gives the same answer in a few milliseconds (``tests/test_startup_imports.py`` checks that they
+agree).  A name no shipped module declares (a user's method from ``SPARSE_EVAL_PLUGINS`` or an entry point) is
+asked of the registry, importing the methods then; so is the help's list while a plugin is configured."""
 
 from __future__ import annotations
 
@@ -19,25 +21,55 @@ METHODS_DIR = Path(__file__).resolve().parent / "methods"
 
 
 @functools.lru_cache(maxsize=1)
-def shipped_dense_flags() -> dict[str, bool]:
-    """{name: dense} of every class in ``sparse_eval/methods/*.py`` that assigns a string ``name`` in its body."""
-    flags: dict[str, bool] = {}
+def shipped_class_facts() -> dict[str, dict[str, Any]]:
+    """{name: {attribute: value}} of every class in ``sparse_eval/methods/*.py`` that assigns a string ``name`` in
+    its body: the class-level assignments of literals (``dense``, ``summary``, ``headline_options``, ...)."""
+    facts: dict[str, dict[str, Any]] = {}
     for path in sorted(METHODS_DIR.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.ClassDef):
                 continue
-            attrs = {}
+            attrs: dict[str, Any] = {}
             for stmt in node.body:
-                if (
-                    isinstance(stmt, ast.Assign)
-                    and len(stmt.targets) == 1
-                    and isinstance(stmt.targets[0], ast.Name)
-                    and isinstance(stmt.value, ast.Constant)
-                ):
-                    attrs[stmt.targets[0].id] = stmt.value.value
+                if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+                    try:
+                        attrs[stmt.targets[0].id] = ast.literal_eval(stmt.value)
+                    except ValueError:  # not a literal (a class, a call): not a fact this module reads
+                        pass
             if isinstance(attrs.get("name"), str) and attrs["name"]:
-                flags[attrs["name"]] = attrs.get("dense") is True
-    return flags
+                facts[attrs["name"]] = attrs
+    return facts
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_dense_flags() -> dict[str, bool]:
+    """{name: dense} of every shipped method (``shipped_class_facts``)."""
+    return {name: attrs.get("dense") is True for name, attrs in shipped_class_facts().items()}
+
+
+def _plugins_configured() -> bool:
+    """Whether a user's methods may be registered besides the shipped ones (``sparse_eval.discovery``)."""
+    from .discovery import _entry_points, plugin_modules
+
+    return bool(plugin_modules() or _entry_points())
+
+
+def method_summaries() -> dict[str, str]:
+    """{name: one line} of every registered method (``Method.summary``, else its docstring's first sentence), in
+    ``methods.compare_names``'s order (the dense reference first, then by name): from the shipped modules' source
+    when no plugin is configured (no torch), else from the registry."""
+    if "sparse_eval.methods" in sys.modules or _plugins_configured():
+        from .methods import METHODS, compare_names
+
+        return {name: METHODS[name].summary or _first_sentence(METHODS[name].__doc__) for name in compare_names()}
+    facts = shipped_class_facts()
+    order = sorted(facts, key=lambda name: (facts[name].get("dense") is not True, name))
+    return {name: facts[name].get("summary") or "" for name in order}
+
+
+def _first_sentence(doc: str | None) -> str:
+    text = " ".join((doc or "").split())
+    return text.split(". ", 1)[0].rstrip(".")
 
 
 def is_dense(name: Any) -> bool:
@@ -47,3 +79,14 @@ def is_dense(name: Any) -> bool:
     from .methods import is_dense as registry_is_dense
 
     return registry_is_dense(name)
+
+
+def headline_options(name: Any) -> tuple[str, ...]:
+    """``Method.headline_options`` of ``name`` (the options a reader tells its configs apart by: the printed table's
+    config column), torch-free for the shipped methods; () for a name no registered method has."""
+    if "sparse_eval.methods" not in sys.modules and isinstance(name, str) and name in shipped_class_facts():
+        return tuple(shipped_class_facts()[name].get("headline_options") or ())
+    from .methods import METHODS
+
+    cls = METHODS.get(name) if isinstance(name, str) else None
+    return tuple(cls.headline_options) if cls is not None else ()

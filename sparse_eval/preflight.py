@@ -1,13 +1,14 @@
-"""Checks made before a multirun sweep runs (``SweepPreflight``, a Hydra callback in ``conf/config.yaml``).
+"""Checks made before a multirun sweep runs (``SweepPreflight``, a Hydra callback in ``conf/config.yaml``); a single
+run checks its runs folder before its model loads the same way (``store.check_runs_dir``, called by ``runner.run``).
 
-A sweep is checked once, before the launcher starts a job (or submits one to Slurm): each distinct model is found
-and its config read (not its weights: ``models.loading.load_config``), each job's config is composed and checked
-as a single run checks it at start (the task and its data, the protocol, the batch size, every method's options,
-its dense layers against the model's depth, its budgets against the context, the task's length against the
-context, and, for jobs run on this machine, MagicPIG's tables against this machine's memory).  If any job would
-fail there, nothing is launched: one message groups the jobs by error, names the fix, and the process exits with
-status 2.  ``preflight=false`` launches without the check (each job then fails alone, recorded in its
-``job_status.json``).
+A sweep is checked once, before the launcher starts a job (or submits one to Slurm): each job's runs folder can be
+written, each distinct model is found and its config read (not its weights: ``models.loading.load_config``), each
+job's config is composed and checked as a single run checks it at start (the task and its data, the protocol, the
+batch size, every method's options, its dense layers against the model's depth, its budgets against the context,
+the task's length against the context, and, for jobs run on this machine, MagicPIG's tables against this machine's
+memory).  If any job would fail there, nothing is launched: one message groups the jobs by error, names the fix,
+and the process exits with status 2.  ``preflight=false`` launches without the check (each job then fails alone,
+recorded in its ``job_status.json``).
 """
 
 from __future__ import annotations
@@ -63,7 +64,13 @@ def job_errors(cfg: Any, models: dict, local: bool) -> list[str]:
     from .config import to_plain
     from .models.loading import ModelConfig
 
+    from .store import check_runs_dir
+
     errors = []
+    try:
+        check_runs_dir(cfg.paths.runs_dir)
+    except CHECKED as exc:
+        errors.append(_first_line(exc))
     try:
         _model_info(ModelConfig(**to_plain(cfg.model)), models)
     except CHECKED as exc:

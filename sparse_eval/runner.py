@@ -27,6 +27,7 @@ from .store import (
     PROGRESS_FILE,
     SUMMARY_FILE,
     RunsDirError,
+    check_runs_dir,
     check_writable,
     clear_failure,
     read_json,
@@ -56,6 +57,8 @@ def run(cfg: Any, use_cache: bool = True) -> list[dict[str, Any]]:
         if hit is not None:
             return hit
     from .tasks.base import HUB_READS  # the tasks (and torch) only once the cache did not answer
+
+    check_runs_dir(cfg.paths.runs_dir)  # a runs folder that cannot be written: refused before the model loads
 
     started_ns, hub_reads = time.time_ns(), HUB_READS[0]
     with recording() as files:

@@ -19,8 +19,10 @@ States (the first that applies):
     failed    failed.json exists: the run stopped with an error (a sample's own error does not fail the run; it
               is a record with status "error" in samples.jsonl, counted in ``errors``)
     done      summary.json is newer than the last sample and every expected sample finished without an error
-    incomplete  as done, but some samples ended in an error: its scores are over the samples it finished.  The same
-              command runs the failed samples again (``eval.rerun_failed``, on by default) and keeps the others
+    incomplete  as done, but some samples ended in an error, or samples.jsonl has a line that is not a sample record
+              (corrupt; ``store.parse_samples``): its scores are over the samples it finished.  The same
+              command runs the failed samples again (``eval.rerun_failed``, on by default), reports a corrupt line
+              (file, line number) and computes its sample again, and keeps the others
     running   the lock is held by a live process, or, when the run was started on another host (e.g. a Slurm
               node, whose lock this host may not see), samples.jsonl / progress.json changed in the last
               ``--recent`` seconds (default 300); a run started on this host whose lock nobody holds is not running
@@ -53,7 +55,7 @@ from .store import (
     method_label,
     read_identity,
     read_json,
-    read_samples,
+    read_samples_checked,
 )
 
 STATES = ("done", "incomplete", "running", "failed", "pending", "unreadable")
@@ -92,6 +94,16 @@ def run_name(identity: dict[str, Any] | None, run_dir: Path) -> str:
     return "-".join(parts + [run_dir.name.rsplit("-", 1)[-1]])
 
 
+def corrupt_note(corrupt: list[tuple[int, str]]) -> str:
+    """What ``status`` says of a run whose samples.jsonl has lines that are not records (``store.parse_samples``)."""
+    numbers = ", ".join(str(n) for n, _ in corrupt[:10]) + (" ..." if len(corrupt) > 10 else "")
+    return (
+        f"{SAMPLES_FILE} line{'s' if len(corrupt) > 1 else ''} {numbers} {'are' if len(corrupt) > 1 else 'is'} not a "
+        "sample record (corrupt): the run is not complete; the same command reports them and computes their samples "
+        "again"
+    )
+
+
 def _holder_gone(progress: dict[str, Any]) -> bool:
     """The run was last started on this host and nobody here holds its lock: the process that ran it ended (or was
     killed), so recent writes do not mean it still runs.  (A holder on another host is only known by its writes.)"""
@@ -102,7 +114,9 @@ def run_state(run_dir: Path, now: float | None = None, recent_s: float = DEFAULT
     """The state of one run directory and its counts (see the module docstring)."""
     run_dir = Path(run_dir)
     now = time.time() if now is None else now
-    records = read_samples(run_dir / SAMPLES_FILE)
+    records, bad = read_samples_checked(run_dir / SAMPLES_FILE)
+    # lines that are not records, but a last line cut short (a write a kill interrupted: no finished sample's record)
+    corrupt = [(number, line) for number, line, cut_short in bad if not cut_short]
     summary = read_json(run_dir / SUMMARY_FILE) or {}
     progress = read_json(run_dir / PROGRESS_FILE) or {}
     failed = read_json(run_dir / FAILED_FILE)
@@ -125,7 +139,7 @@ def run_state(run_dir: Path, now: float | None = None, recent_s: float = DEFAULT
     elif failed is not None and not held and (t_failed or 0) >= max(t_samples or 0, t_progress or 0):
         state = "failed"
     elif all_written and t_summary is not None and t_summary >= (t_samples or 0) and not held:
-        state = "incomplete" if errors else "done"
+        state = "incomplete" if errors or corrupt else "done"
     elif held or (now - max(t_samples or 0, t_progress or 0) < recent_s and not _holder_gone(progress)):
         state = "running"
     else:
@@ -139,12 +153,15 @@ def run_state(run_dir: Path, now: float | None = None, recent_s: float = DEFAULT
         "written": written,
         "expected": expected,
         "errors": errors,
-        "complete": expected is not None and written - errors >= expected,
+        "complete": expected is not None and written - errors >= expected and not corrupt,
+        "corrupt_lines": [number for number, _ in corrupt],
         "age_s": now - last if last else None,
         "error": (failed or {}).get("error")
         if state == "failed"
         else UNREADABLE_FIX
         if state == "unreadable"
+        else corrupt_note(corrupt)
+        if corrupt
         else None,
         "host": progress.get("host"),
         "slurm_job_id": progress.get("slurm_job_id"),

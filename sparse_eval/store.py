@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import time
 import traceback
@@ -120,6 +121,36 @@ def check_writable(run_dir: Path) -> str | None:
     except OSError as exc:
         return f"{exc.filename or run_dir} ({exc.strerror or exc})"
     return None
+
+
+def check_runs_dir(runs_dir: Any) -> None:
+    """Refuse a ``paths.runs_dir`` that cannot be written, before the model loads (``runner.run`` calls it once the
+    launch cache has not answered; ``preflight`` for each job of a sweep): a file is created and removed in the
+    folder, or in its nearest existing parent when it does not exist yet, so nothing is left behind.  Raises
+    ``RunsDirError`` (one line: the path, why, the fix)."""
+    import tempfile
+
+    path = Path(str(runs_dir)).expanduser()
+    probe = next((p for p in (path, *path.parents) if p.exists()), None)
+    if probe is None:
+        return
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(20, "not a directory", str(probe))
+        fd, name = tempfile.mkstemp(prefix=".write_probe-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        where = "" if probe == path else f" at {probe}"
+        read = (
+            f" (python -m sparse_eval.collect {runs_dir} --out <writable path> reads the finished runs there)"
+            if probe == path
+            else ""
+        )
+        raise RunsDirError(
+            f"paths.runs_dir={runs_dir}: cannot write {path} ({exc.strerror or exc}{where}); give a writable folder, "
+            f"e.g. paths.runs_dir=runs{read}"
+        ) from None
 
 
 # -- JSON files ------------------------------------------------------------------------------------------------
@@ -309,24 +340,29 @@ def clear_failure(run_dir: Path) -> None:
 
 
 class SampleLog:
-    """Append-only JSONL of finished samples; tolerant of a last line cut short by a kill."""
+    """Append-only JSONL of finished samples.  A line that is not a sample's record (a last line cut short by a kill,
+    a line garbled on disk) is reported, line number and file, with ``log.warning``; the sample it belonged to (its
+    id, when the line still shows one) is dropped, so the run computes it again, and the file is rewritten without
+    them so appends stay valid JSONL (``corrupt``: the lines, as ``parse_samples`` gives them)."""
 
     def __init__(self, path: Path):
         self.path = path
         self.records: dict[str, dict[str, Any]] = {}
+        self.corrupt: list[tuple[int, str, bool]] = []
         if path.exists():
-            good, bad = [], 0
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    rec = json.loads(line)
-                    good.append(line)
-                    self.records[rec["id"]] = rec
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    bad += 1
-            if bad:  # rewrite without the torn line(s) so appends stay valid JSONL
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text("".join(line + "\n" for line in good), encoding="utf-8")
-                os.replace(tmp, path)
+            self.records, self.corrupt = parse_samples(path.read_text(encoding="utf-8"))
+            for number, line, cut_short in self.corrupt:
+                sid = corrupt_line_id(line)
+                log.warning(
+                    "%s line %d is not a sample record (%s): %.80r; %s",
+                    path,
+                    number,
+                    "cut short" if cut_short else "corrupt",
+                    line,
+                    f"sample {sid} is computed again" if sid else "it names no sample, nothing to compute again",
+                )
+            if self.corrupt:  # rewrite without the bad lines (and their samples' records) so appends stay valid JSONL
+                self.rewrite(self.records.values())
 
     def done(self, sample_id: str, rerun_failed: bool = False) -> bool:
         rec = self.records.get(sample_id)
@@ -468,17 +504,51 @@ def read_identity(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def read_samples(path: Path) -> dict[str, dict[str, Any]]:
-    """samples.jsonl as {id: record}; the last record of an id wins (as ``SampleLog``); torn lines skipped."""
-    out: dict[str, dict[str, Any]] = {}
+_ID_IN_LINE = re.compile(r'"id":\s*"((?:[^"\\]|\\.)*)"')
+
+
+def corrupt_line_id(line: str) -> str | None:
+    """The sample id a corrupt line of samples.jsonl still shows (``"id": "..."``), or None."""
+    m = _ID_IN_LINE.search(line)
+    if not m:
+        return None
+    try:
+        return json.loads(f'"{m.group(1)}"')
+    except json.JSONDecodeError:
+        return None
+
+
+def parse_samples(text: str) -> tuple[dict[str, dict[str, Any]], list[tuple[int, str, bool]]]:
+    """samples.jsonl's text as ({id: record}, [(line number from 1, line, cut short)] of the lines that are not a
+    record; cut short: the last line, without its newline, as a kill in the middle of a write leaves it).  The last
+    record of an id wins; a sample whose id a bad line shows has no record (its record cannot be trusted: the run
+    computes it again)."""
+    records: dict[str, dict[str, Any]] = {}
+    corrupt: list[tuple[int, str, bool]] = []
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            records[rec["id"]] = rec
+        except (json.JSONDecodeError, KeyError, TypeError):
+            corrupt.append((number, line, number == len(lines) and not text.endswith("\n")))
+    for _, line, _ in corrupt:
+        records.pop(corrupt_line_id(line), None)
+    return records, corrupt
+
+
+def read_samples_checked(path: Path) -> tuple[dict[str, dict[str, Any]], list[tuple[int, str, bool]]]:
+    """``parse_samples`` of the file (nothing when it cannot be read)."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
-        return out
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-            out[rec["id"]] = rec
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-    return out
+        return {}, []
+    return parse_samples(text)
+
+
+def read_samples(path: Path) -> dict[str, dict[str, Any]]:
+    """samples.jsonl as {id: record}, as ``SampleLog`` reads it (``parse_samples``: corrupt lines and the samples they
+    name left out)."""
+    return read_samples_checked(path)[0]

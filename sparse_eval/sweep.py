@@ -5,7 +5,8 @@ launchers that survive a job dying.
   model path, a bad value or a crash is written to ``failed.json`` in the run directory (by the runner) and to
   ``job_status.json`` in the job's Hydra output folder, and the sweep goes on.
 * ``SweepReport`` (a Hydra callback, in ``conf/config.yaml``) counts the jobs at the end of a sweep, writes
-  ``sweep_status.json`` in the sweep folder, logs the failures, and makes ``python -m sparse_eval -m ...`` exit
+  ``sweep_status.json`` in the sweep folder, logs the failures, prints one table of every run the jobs wrote
+  (``print_sweep_table``; ``print_table=false``: none), and makes ``python -m sparse_eval -m ...`` exit
   with status 1 when any job failed (``exit_status``).
 * Local parallel launchers (``hydra/launcher=local_gpus`` (joblib) or ``submitit_tolerant_local``): each job
   process claims a GPU of its own, or a share of one (``claim_gpus``: lock files per GPU, ``ceil(n_jobs / GPUs)``
@@ -424,7 +425,40 @@ class SweepReport(Callback):
             + f"  ({sweep_dir / SWEEP_STATUS})"
         )
         (log.error if failed or missing else log.warning if stopped else log.info)(line)
+        if bool(OmegaConf.select(config, "print_table", default=True)):
+            print_sweep_table(records)
         _LAST_REPORT = report
+
+
+def print_sweep_table(records: list[dict[str, Any]]) -> None:
+    """One table of every run the sweep's jobs wrote, after each job's own: ``collect`` over their run dirs, with full
+    attention's runs of the same task, model and settings found beside them (so a sweep of one method is compared
+    too), printed as ``compact_table`` fits it to the terminal."""
+    from .collect import PAIR_KEYS, collect
+    from .compact_table import format_compact
+    from .method_facts import is_dense
+    from .store import is_run_dir, read_identity
+
+    dirs = list(dict.fromkeys(str(d) for r in records for d in r.get("run_dirs") or [] if d and Path(d).is_dir()))
+    if not dirs:
+        return
+    beside = {p for d in dirs for p in Path(d).parent.iterdir() if str(p) not in dirs and is_run_dir(p)}
+    refs = [str(p) for p in sorted(beside) if is_dense(((read_identity(p) or {}).get("method") or {}).get("name"))]
+    try:
+        df = collect(None, by_subtask=True, run_dirs=[Path(d) for d in dirs + refs])
+    except Exception as exc:  # noqa: BLE001 - the sweep's own report (its status, its exit code) comes first
+        log.warning("could not make the sweep's table: %s: %s", type(exc).__name__, exc)
+        return
+    if df.empty:
+        return
+    key = df[[k for k in PAIR_KEYS if k in df.columns]].astype(str).apply(tuple, axis=1)
+    ours = df["run_dir"].isin(dirs)
+    df = df[ours | key.isin(set(key[ours]))]  # the references that pair with one of the sweep's runs
+    extra = df["run_dir"].nunique() - len(dirs)
+    runs, them = (f"{len(dirs)} runs", "them") if len(dirs) > 1 else ("run", "it")
+    found = f", with the full-attention run{'s' if extra > 1 else ''} found beside {them}" if extra > 0 else ""
+    print(f"\nthe sweep's {runs}{found} (every run there: python -m sparse_eval.collect <runs_dir>)")
+    print(format_compact(df))
 
 
 def last_report() -> dict[str, Any] | None:

@@ -41,3 +41,31 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     client.execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("output_type") == "error"]
     assert not errors
+
+
+@pytest.mark.slow
+def test_results_overview_runs_on_any_runs_folder(tmp_path, monkeypatch):
+    """On real results of any task (here two WikiText runs of the shipped model: no RULER, no paper table), not only
+    on the fixture's MagicPIG RULER runs: it used to stop with StopIteration looking for MagicPIG Table 3."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SPARSE_EVAL_RUNS_DIR=str(tmp_path / "runs"), HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    subprocess.run(
+        [sys.executable, "-m", "sparse_eval", "-m", "method=full,topk", "task.num_samples=2", "task.window=64"],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    monkeypatch.setenv("SPARSE_EVAL_RESULTS", str(tmp_path / "runs"))
+    monkeypatch.setenv("SPARSE_EVAL_REPORT_OUT", str(tmp_path / "report"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    path = REPO / "notebooks" / "results_overview.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()  # raises CellExecutionError on the first failing cell

@@ -505,20 +505,25 @@ def test_shared_labels_get_what_tells_them_apart():
 # -- the README's commands ---------------------------------------------------------------------------------------
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
+# the pages of docs/ that the README's details moved to (issue 52): their commands are checked as the README's are
+MOVED_TO = ("speed", "statistics", "methods", "tasks", "models", "errors", "testing", "analysis", "sweeps")
+PAGES = [README] + [(REPO / "docs" / f"{name}.md").read_text(encoding="utf-8") for name in MOVED_TO]
 SMOLLM2 = Path("~/.cache/sparse_eval/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
 
 
 def readme_commands() -> list[str]:
-    """Every command line in the README's code blocks that runs this package (continuations joined)."""
+    """Every command line in the code blocks of the README and the ``MOVED_TO`` pages that runs this package
+    (continuations joined), but templates (``<dir>``, ``...``)."""
     cmds: list[str] = []
-    for block in re.findall(r"```\n(.*?)```|\n((?:    .*\n)+)", README, flags=re.S):
-        text = (block[0] or block[1]).replace("\\\n", " ")
-        for line in text.splitlines():
-            line = line.strip().split("  #")[0].split(" # ")[0].strip()
-            if re.match(r"(python (-m sparse_eval|benchmarks/)|scripts/)", line):
-                cmds.append(re.sub(r"\s+", " ", line))
-    cmds += re.findall(r"`(python -m [^`]+)`", README)  # commands quoted in the text
-    return list(dict.fromkeys(cmds))
+    for page in PAGES:
+        for block in re.findall(r"```\n(.*?)```|\n((?:    .*\n)+)", page, flags=re.S):
+            text = (block[0] or block[1]).replace("\\\n", " ")
+            for line in text.splitlines():
+                line = line.strip().split("  #")[0].split(" # ")[0].strip()
+                if re.match(r"(python (-m sparse_eval|benchmarks/)|scripts/)", line):
+                    cmds.append(re.sub(r"\s+", " ", line))
+        cmds += re.findall(r"`(python -m [^`]+)`", page)  # commands quoted in the text
+    return [c for c in dict.fromkeys(cmds) if "<" not in c and "..." not in c]
 
 
 # how each README command runs in the test: (tiny overrides appended, or a skip reason)
@@ -530,6 +535,7 @@ TINY = {
     "python -m pytest -q -m slow": "the slow checks themselves (minutes), run by hand",
     "python -m sparse_eval": "run and checked by tests/test_runner.py::test_default_command_end_to_end",
     "python -m sparse_eval.verdicts": "run over the committed records by tests/test_verdicts.py",
+    "python -m sparse_eval --help": "run and checked by tests/test_help.py",
     "python -m sparse_eval method=magicpig method.K=9 method.L=120": ["task.num_samples=1", "task.window=64"],
     "python -m sparse_eval -m method=topk method.budget=0.02,0.06,0.1": ["task.num_samples=1", "task.window=64"],
     "python -m sparse_eval method=magicpig seed=1": ["task.num_samples=1", "task.window=64"],
@@ -584,6 +590,19 @@ TINY = {
     if not torch.cuda.is_available()
     else [],
     "python benchmarks/bench_system_decode.py --out experiments/system_decode_throughput": "a GPU benchmark (hours)",
+    "python -m sparse_eval.analysis analysis=geometry model=stories260k": "the path of analysis=geometry "
+    "model=smollm2_135m, on the shipped model",
+    "python -m sparse_eval.analysis analysis=error_vs_budget model=llama3_1_8b_instruct analysis.length=16384 "
+    "analysis.layers=[11,19]": PAPER_SCALE,
+    "python -m sparse_eval.analysis analysis=ds_checks model=llama2_7b analysis.channel_type=qk": PAPER_SCALE,
+    "python -m sparse_eval.analysis analysis=geometry --cfg job": "Hydra's --cfg: prints the composed config",
+    "python -m sparse_eval.report runs/results.csv": "the path of python -m sparse_eval.report runs/, from the "
+    "collected table",
+    "python -m sparse_eval.report a.csv b.csv --out rep/": "two tables named for the example",
+    "python -m sparse_eval.report runs/ --full-at-least 30": "the path of python -m sparse_eval.report runs/ with "
+    "the subset rows of tests/test_collect_intervals.py",
+    "python -m sparse_eval.verdicts --all --write": "rewrites the committed verdicts: tests/test_verdicts.py checks "
+    "them against the records",
     "python -m sparse_eval.kernels._aot_check": "run and checked by "
     "tests/test_kernels_triton.py::test_kernels_compile_for_hopper_without_spills",
 }
@@ -632,7 +651,7 @@ def one_run(tmp_path_factory):
 def test_readme_command_runs(tmp_path, cmd, request):
     how = TINY[cmd]
     if cmd not in readme_commands():
-        pytest.skip("no longer in the README")
+        pytest.skip("no longer in the README nor the pages its details moved to")
     if isinstance(how, str):
         pytest.skip(how)
     if "smollm2_135m" in cmd and not SMOLLM2.exists():

@@ -266,6 +266,9 @@ class Method:
     # randomness depends on its options overrides this with a property (Double Sparsity's random channels), so
     # generic code asks an instance (``build_method(config).stochastic``), never the class or the method's name
     stochastic: ClassVar[bool] = False
+    # one line for ``python -m sparse_eval --help``: what the method keeps (and whose paper it is); "" = the first
+    # sentence of the class docstring
+    summary: ClassVar[str] = ""
     # the report's name of the method (tables, legends), e.g. "TopK"; "" = ``name``
     display_name: ClassVar[str] = ""
     # the config field of the method's token budget (float: a ratio of the context, int: tokens), if it has one:

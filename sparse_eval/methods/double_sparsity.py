@@ -191,6 +191,7 @@ class DoubleSparsity(Method):
 
     name = "double_sparsity"
     fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
+    summary = "the top beta·n keys by label scores over alpha·d calibrated channels (Double Sparsity)"
     config_class = DoubleSparsityConfig
     index_reads_keys = False
     display_name = "DS"

@@ -20,6 +20,7 @@ class Full(Method):
 
     name = "full"
     fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
+    summary = "every key, with stock scaled_dot_product_attention: the reference every method is compared with"
     config_class = FullConfig
     dense = True
     display_name = "Full"

@@ -120,6 +120,7 @@ class H2O(Method):
 
     name = "h2o"
     fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
+    summary = "heavy hitters by accumulated attention + the recent window; an evicted key is gone (H2O)"
     config_class = H2OConfig
     display_name = "H2O"
     budget_field = "heavy"

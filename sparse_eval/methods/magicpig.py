@@ -170,6 +170,7 @@ class MagicPIG(Method):
 
     name = "magicpig"
     fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
+    summary = "keys that collide with q in SimHash tables (K bits, L tables), importance-weighted (MagicPIG)"
     config_class = MagicPIGConfig
     stochastic = True  # SimHash projections drawn from config.seed
     index_reads_keys = False

@@ -39,6 +39,7 @@ class OracleSampling(Method):
 
     name = "oracle"
     fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
+    summary = "oracle sampling: budget i.i.d. draws from the true attention, importance-weighted (MagicPIG eq. 4-5)"
     config_class = OracleConfig
     stochastic = True  # i.i.d. draws from config.seed
     display_name = "Oracle sampling"

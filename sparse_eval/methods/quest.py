@@ -162,6 +162,7 @@ class Quest(Method):
 
     name = "quest"
     fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
+    summary = "the pages whose min/max keys bound q·k highest, within the budget (Quest)"
     config_class = QuestConfig
     index_reads_keys = False
     display_name = "Quest"

@@ -105,6 +105,7 @@ class SnapKV(Method):
 
     name = "snapkv"
     fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
+    summary = "the prompt keys the last window_size queries vote for, chosen once at the first token (SnapKV)"
     config_class = SnapKVConfig
     display_name = "SnapKV"
     budget_field = "max_capacity_prompt"

@@ -37,6 +37,7 @@ class StreamingLLM(Method):
 
     name = "streaming_llm"
     fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
+    summary = "attention sinks + the recent window, nothing else (StreamingLLM)"
     config_class = StreamingLLMConfig
     display_name = "StreamingLLM"
     selects_static_only = True  # a row keeping no candidate is the method, not an empty selection

@@ -44,6 +44,7 @@ class TopK(Method):
 
     name = "topk"
     fused_attention = True  # a keep mask (and bias) only: kernels.selected_attention serves it
+    summary = "the budget keys with the largest q·k, exact (MagicPIG eq. 3)"
     config_class = TopKConfig
     display_name = "TopK"
     budget_field = "budget"

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -218,7 +219,10 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
         checked = "off"
         log.warning("model.check_tokenizer=false: the tokenizer of %s is not checked against its GGUF", cfg.name)
     else:
+        t0 = time.perf_counter()
+        log.info("checking the tokenizer against the vocabulary of %s (a canary text, both ways)", cfg.gguf_file)
         checked = check_gguf_tokenizer(tokenizer, Path(path) / cfg.gguf_file, cfg.name)
+        log.info("tokenizer checked in %.1f s", time.perf_counter() - t0)
     setattr(tokenizer, TOKENIZER_CHECK_ATTR, checked)
     return tokenizer
 
@@ -245,6 +249,15 @@ def load_model(cfg: ModelConfig, attn_implementation: str = "sdpa") -> tuple[Any
             kw["max_memory"] = max_memory
         if cfg.offload_folder:
             kw["offload_folder"] = str(Path(cfg.offload_folder).expanduser())
+    t0 = time.perf_counter()
+    log.info(
+        "loading the model %s from %s%s (%s, on %s)",
+        cfg.name,
+        path,
+        f"/{cfg.gguf_file}: the GGUF is dequantised" if cfg.gguf_file else "",
+        dtype if isinstance(dtype, str) else str(dtype).replace("torch.", ""),
+        device_map if device_map is not None else device,
+    )
     tokenizer = load_tokenizer(cfg)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kw)
@@ -259,6 +272,7 @@ def load_model(cfg: ModelConfig, attn_implementation: str = "sdpa") -> tuple[Any
     if device_map is None:
         model.to(device)
     model.eval()
+    log.info("model loaded in %.1f s", time.perf_counter() - t0)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

@@ -66,6 +66,10 @@ class Task:
     name: ClassVar[str] = ""
     config_class: ClassVar[type[TaskConfig]] = TaskConfig
     default_protocol: ClassVar[str] = "A"
+    # one line for ``python -m sparse_eval --help``: what the task measures (and which paper item it serves)
+    summary: ClassVar[str] = ""
+    # what ``task.num_samples=N`` keeps, for the help's quick-try line (a run's identity holds the number)
+    num_samples_means: ClassVar[str] = "the first N samples"
     metric: ClassVar[str] = "score"  # the headline number of the summary table
     higher_is_better: ClassVar[bool] = True
     # config fields added after runs were archived that enter a run's identity only when set (not None), so the

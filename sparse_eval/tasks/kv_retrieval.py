@@ -103,6 +103,8 @@ def move_gold(records: list[tuple[str, str]], gold_index: int, position: int) ->
 @register_task
 class KVRetrieval(Task):
     name = "kv_retrieval"
+    summary = "lost-in-the-middle key-value retrieval, exact match (DS Fig. 4)"
+    num_samples_means = "the first N examples (each at every listed gold position)"
     config_class = KVRetrievalConfig
     default_protocol = "A"
     metric = "accuracy"

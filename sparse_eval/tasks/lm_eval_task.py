@@ -504,6 +504,8 @@ class _RowsUntilStop:
 @register_task
 class LmEval(Task):
     name = "lm_eval"
+    summary = "lm-evaluation-harness generation tasks (task.tasks=[...]) scored by lm-eval itself (MagicPIG Table 1)"
+    num_samples_means = "the first N documents of each lm-eval task (its --limit)"
     config_class = LmEvalConfig
     default_protocol = "A"
     metric = "score"  # the mean of the tasks' headline metrics (MagicPIG Table 1 "Avg.")

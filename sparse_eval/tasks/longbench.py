@@ -209,6 +209,8 @@ def load_hub(name: str, hub_id: str) -> tuple[list[dict[str, Any]], str]:
 @register_task
 class LongBench(Task):
     name = "longbench"
+    summary = "LongBench datasets with their prompts, truncation, chat rule and metrics (MagicPIG Table 2)"
+    num_samples_means = "the first N samples of each dataset"
     config_class = LongBenchConfig
     default_protocol = "A"  # MagicPIG Table 2: prompt prefilled densely, sparse decoding
     metric = "score"

@@ -76,6 +76,8 @@ class RulerConfig(TaskConfig):
 @register_task
 class Ruler(Task):
     name = "ruler"
+    summary = "the 13 RULER tasks, generated locally at task.length with the model's tokenizer (MagicPIG Table 3)"
+    num_samples_means = "the first N samples of each subtask"
     config_class = RulerConfig
     default_protocol = "A"
     metric = "score"
@@ -125,6 +127,14 @@ class Ruler(Task):
             log.warning("ruler: the tokenizer has no chat template; using RULER's plain (base) prompt")
         res = self.resources()
         out = []
+        log.info(
+            "ruler: generating %d sample%s of %d subtask%s at %d tokens with the model's tokenizer",
+            c.num_samples,
+            "" if c.num_samples == 1 else "s",
+            len(c.subtasks),
+            "" if len(c.subtasks) == 1 else "s",
+            c.length,
+        )
         for sub in c.subtasks:
             t0 = time.perf_counter()
             out += rd.generate(sub, c.num_samples, c.length, prompter, res, keep_text=keep_text)

@@ -67,6 +67,8 @@ def load_text(cfg: WikitextConfig, data_dir: Path | None) -> tuple[str, str]:
 @register_task
 class Wikitext(Task):
     name = "wikitext"
+    summary = "WikiText-2 test perplexity over non-overlapping task.window-token windows (DS Table 2)"
+    num_samples_means = "the first N windows"
     config_class = WikitextConfig
     default_protocol = "S"
     metric = "ppl"
