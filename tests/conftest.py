@@ -145,3 +145,54 @@ def records_by_id(path, drop=("time_s",)) -> dict[str, dict]:
     dup = sorted({i for i in ids if ids.count(i) > 1})
     assert not dup, f"{path}: samples recorded more than once: {dup}"
     return {r["id"]: {k: v for k, v in r.items() if k not in drop} for r in recs}
+
+
+# -- what the default run leaves to `-m slow` -----------------------------------------------------------------------
+# Per-method variants of a check whose path is shared: the default run keeps the variants that exercise each distinct
+# piece of method state (MagicPIG's tables and seeds, H2O's eviction, Double Sparsity's labels, Quest's pages, TopK's
+# ties, oracle sampling's draws) and `-m slow` runs the rest. Each entry: test function -> parameter ids kept in the
+# default run (every other id of it is marked slow), with what covers the moved ones.
+DEFAULT_VARIANTS = {
+    # the resume machinery is the runner's (also tests/test_runner.py::test_resume_after_interrupted_run); the kept
+    # methods carry state across a kill (hash tables, eviction, labels)
+    "test_a_run_killed_in_a_batch_resumes_to_the_records_of_an_unbroken_run": {
+        "magicpig-0",
+        "h2o-0",
+        "double_sparsity-0",
+    },
+    # the fixed-order kernels are shared (tests/test_invariance.py's kernel tests); every method under protocol A,
+    # protocols B and S through MagicPIG (sampled selections) and TopK (ties)
+    "test_records_do_not_depend_on_the_batch": {
+        "A-None-double_sparsity-0",
+        "A-None-full-0",
+        "A-None-h2o-0",
+        "A-None-magicpig-0",
+        "A-None-oracle-0",
+        "A-None-quest-0",
+        "A-None-snapkv-0",
+        "A-None-streaming_llm-0",
+        "A-None-topk-0",
+        "B-None-magicpig-0",
+        "S-16-magicpig-0",
+        "S-16-topk-0",
+    },
+    # the dispatch hooks and the per-layer device of method state: the methods that keep state on a layer's device
+    "test_records_over_a_device_map_are_those_on_one_device": {
+        "magicpig-0",
+        "quest-0",
+        "h2o-0",
+        "oracle-0",
+        "double_sparsity-0",
+    },
+    # the system path's static step: one configuration per method family (the rest vary an option of the same kernel)
+    "test_static_step_gives_the_same_tokens": {"full", "magicpig", "quest", "ds", "ds_offload"},
+    "test_same_tokens_as_accuracy_path": {"magicpig", "quest", "ds", "ds_offload"},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        keep = DEFAULT_VARIANTS.get(getattr(item, "originalname", item.name))
+        callspec = getattr(item, "callspec", None)
+        if keep is not None and callspec is not None and callspec.id not in keep:
+            item.add_marker(pytest.mark.slow)
