@@ -64,7 +64,11 @@ def new_tokens_of(sample: Any, request: Callable[[Any], Any] | None) -> int:
     request or without a task)."""
     if request is None:
         return 0
-    return int(getattr(request(sample), "max_new_tokens", 0) or 0)
+    try:
+        req = request(sample)
+    except NotImplementedError:  # a task that runs itself (lm_eval): its generation lengths are its own
+        return 0
+    return int(getattr(req, "max_new_tokens", 0) or 0)
 
 
 def cpu_estimate(

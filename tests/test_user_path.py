@@ -535,6 +535,12 @@ TINY = {
     "python -m pytest -q -m slow": "the slow checks themselves (minutes), run by hand",
     "python -m sparse_eval": "run and checked by tests/test_runner.py::test_default_command_end_to_end",
     "python -m sparse_eval.verdicts": "run over the committed records by tests/test_verdicts.py",
+    "python -m sparse_eval -m hydra/launcher=local_gpus +experiment=ruler_magicpig": "the paper sweep (GPU) through the"
+    " local_gpus launcher; the launcher's records and deadline: tests/test_launchers.py",
+    "python -m sparse_eval -m hydra/launcher=local_gpus hydra.launcher.n_jobs=4 hydra.launcher.deadline_s=470"
+    " +experiment=ruler_magicpig model=smollm2_135m task.length=8192 eval.batch_size=32"
+    " method=full,topk,oracle,magicpig_k10_l150,magicpig_k9_l120,magicpig_k8_l75,quest_p16_4pct,quest_p32_6pct": "GPU"
+    " (8 RULER-8K runs); the launcher's records and deadline: tests/test_launchers.py",
     "python -m sparse_eval --help": "run and checked by tests/test_help.py",
     "python -m sparse_eval method=magicpig method.K=9 method.L=120": ["task.num_samples=1", "task.window=64"],
     "python -m sparse_eval -m method=topk method.budget=0.02,0.06,0.1": ["task.num_samples=1", "task.window=64"],
