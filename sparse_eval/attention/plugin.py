@@ -47,7 +47,7 @@ from ..methods.core import (
     sparse_attention,
     static_keys,
 )
-from ..models.inspection import attention_modules, sliding_layers
+from ..models.inspection import attention_modules, head_shape, sliding_layers
 from ..spans import span
 from .recorder import StatsRecorder
 
@@ -494,10 +494,8 @@ def _grab_cache(module, args, kwargs):
 def attach(model: torch.nn.Module, method: Method, runtime: Runtime | None = None) -> SparseSession:
     """Route ``model``'s attention through ``method``.  Returns the session (statistics, phases)."""
     detach(model)
-    cfg = model.config.get_text_config()
-    session = SparseSession(
-        method, runtime or Runtime(), cfg.num_hidden_layers, cfg.num_attention_heads, sliding_layers(model)
-    )
+    shape = head_shape(model.config)
+    session = SparseSession(method, runtime or Runtime(), shape.layers, shape.heads, sliding_layers(model))
     session.modules = attention_modules(model)
     for m in session.modules:
         setattr(m, _SESSION_ATTR, session)
