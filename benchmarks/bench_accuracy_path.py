@@ -52,6 +52,7 @@ sys.path.insert(0, str(REPO))
 from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, make_cache  # noqa: E402
 from sparse_eval.kernels._common import triton_available, triton_interpret  # noqa: E402
 from sparse_eval.methods import build_method, make_config  # noqa: E402
+from sparse_eval.models.inspection import head_shape  # noqa: E402
 from sparse_eval.provenance import hardware, versions  # noqa: E402
 from sparse_eval.run_config import method_options  # noqa: E402
 from sparse_eval.spans import PREFIX as SPAN_PREFIX  # noqa: E402
@@ -394,10 +395,8 @@ def main(argv=None) -> int:
             opts["dense_layers"] = [0, n_layers // 2]
         if opts["name"] == "double_sparsity" and args.model != "stories260k":
             # a random-weight model has no calibration file: give every head channels 0..d-1 in order
-            head_dim = (
-                getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-            )
-            opts["channels"] = [list(range(head_dim))] * model.config.num_attention_heads
+            shape = head_shape(model.config)
+            opts["channels"] = [list(range(shape.head_dim))] * shape.heads
         try:
             method = build_method(make_config(opts["name"], opts))
             method.setup(model, args.model)

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_accuracy_path import build_model, time_decode  # noqa: E402
 from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, make_cache  # noqa: E402
 from sparse_eval.methods import build_method, make_config  # noqa: E402
+from sparse_eval.models.inspection import head_shape  # noqa: E402
 from sparse_eval.run_config import method_options  # noqa: E402
 
 
@@ -38,8 +39,8 @@ def make_method(name: str, model, model_name: str, dense_layers: list[int] | Non
     if dense_layers is not None:
         opts["dense_layers"] = dense_layers
     if name == "double_sparsity" and model_name != "stories260k":
-        hd = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-        opts["channels"] = [list(range(hd))] * model.config.num_attention_heads
+        shape = head_shape(model.config)
+        opts["channels"] = [list(range(shape.head_dim))] * shape.heads
     method = build_method(make_config(name, opts))
     method.setup(model, model_name)
     return method

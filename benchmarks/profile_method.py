@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_accuracy_path import build_model, time_decode  # noqa: E402
 from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, make_cache  # noqa: E402
 from sparse_eval.methods import build_method, make_config  # noqa: E402
+from sparse_eval.models.inspection import head_shape  # noqa: E402
 from sparse_eval.run_config import method_options  # noqa: E402
 
 
@@ -46,8 +47,8 @@ def profile_one(name, model, cache, first, args, device) -> None:
     n_layers = model.config.num_hidden_layers
     opts["dense_layers"] = [i for i in opts.get("dense_layers", []) if isinstance(i, str) or i < n_layers] or [0]
     if name == "double_sparsity":
-        hd = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-        opts["channels"] = [list(range(hd))] * model.config.num_attention_heads
+        shape = head_shape(model.config)
+        opts["channels"] = [list(range(shape.head_dim))] * shape.heads
     method = build_method(make_config(name, opts))
     method.setup(model, args.model)
     attach(model, method, Runtime(protocol="A", compute_error=args.error))

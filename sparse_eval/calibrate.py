@@ -46,6 +46,7 @@ from hydra.core.config_store import ConfigStore
 
 from .config import CONF_DIR, PathsConfig, register_configs, to_plain
 from .methods.double_sparsity import calibration_dirs, user_calibration_dir
+from .models.inspection import head_shape
 from .models.loading import ModelConfig, load_model, max_context
 from .models.placement import main_device
 
@@ -244,17 +245,16 @@ def calibrate(
     used = tokenizer.decode(t.tolist(), skip_special_tokens=True)  # the text the statistics saw
     blocks = [t[i * block_size : (i + 1) * block_size].unsqueeze(0) for i in range(nb)]
     scores = channel_statistics(model, blocks, rope, progress=progress)
-    cfg = model.config.get_text_config()
-    hq = cfg.num_attention_heads
+    shape = head_shape(model.config)
     return {
         "format": FORMAT,
         "model": {
             "name": model_name,
             "path": model_path,
-            "num_layers": cfg.num_hidden_layers,
-            "num_heads": hq,
-            "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or hq,
-            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // hq,
+            "num_layers": shape.layers,
+            "num_heads": shape.heads,
+            "num_kv_heads": shape.kv_heads,
+            "head_dim": shape.head_dim,
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         },
         "calibration": {

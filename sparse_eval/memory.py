@@ -114,14 +114,16 @@ class Shape:
 
     @classmethod
     def from_config(cls, config: Any, elem: int = 4) -> "Shape":
+        from .models.inspection import head_shape
+
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = int(cfg.num_attention_heads)
+        hs = head_shape(cfg)
         hidden = int(cfg.hidden_size)
         return cls(
-            layers=int(cfg.num_hidden_layers),
-            heads=heads,
-            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
+            layers=hs.layers,
+            heads=hs.heads,
+            kv_heads=hs.kv_heads,
+            head_dim=hs.head_dim,
             hidden=hidden,
             intermediate=int(getattr(cfg, "intermediate_size", None) or 4 * hidden),
             vocab=int(getattr(cfg, "vocab_size", 0) or 0),

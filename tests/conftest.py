@@ -35,8 +35,6 @@ def stories():
     """(model, tokenizer) of the shipped stories260K, fp32 on CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import sparse_eval.attention.plugin  # noqa: F401
-
     tok = AutoTokenizer.from_pretrained(STORIES_DIR)
     tok.pad_token, tok.padding_side = tok.eos_token, "left"
     model = AutoModelForCausalLM.from_pretrained(STORIES_DIR, dtype=torch.float32).eval()
@@ -53,8 +51,6 @@ def tiny_model(kind: str = "llama", layers: int = 3, seed: int = 0):
         Qwen2Config,
         Qwen2ForCausalLM,
     )
-
-    import sparse_eval.attention.plugin  # noqa: F401
 
     common = dict(
         vocab_size=256,

@@ -19,7 +19,7 @@ from sparse_eval import invariance
 from sparse_eval.attention.plugin import Runtime, attach, detach
 from sparse_eval.engine import Engine, GenerationRequest, LoglikelihoodRequest
 from sparse_eval.invariance import InvarianceViolation, batch_invariant, checker, deterministic_topk
-from sparse_eval.invariance.check import STATS  # the statistics every invariance check compares
+from sparse_eval.checks.batch_invariance import STATS  # the statistics every invariance check compares
 from sparse_eval.kernels import invariant as kinv
 from sparse_eval.kernels._common import triton_available
 from sparse_eval.methods import METHODS, build_method, make_config
@@ -404,7 +404,7 @@ def test_records_do_not_depend_on_the_batch_on_the_gpu(tmp_path):
     """Every registered method on SmolLM2-135M-Instruct (when its GGUF is on the machine; else the shipped model),
     bf16, RULER samples at two lengths mixed in one pool (so batches are padded): records at batch 1, 7 and 50 are
     identical.  Writes ``$SPARSE_EVAL_INVARIANCE_OUT`` (a JSON summary) when that variable is set."""
-    from sparse_eval.invariance.check import run_check
+    from sparse_eval.checks.batch_invariance import run_check
 
     out = os.environ.get("SPARSE_EVAL_INVARIANCE_OUT")
     report = run_check(device="cuda", out=Path(out) if out else tmp_path / "invariance.json")
@@ -412,11 +412,11 @@ def test_records_do_not_depend_on_the_batch_on_the_gpu(tmp_path):
 
 
 def test_the_real_model_check_covers_every_registered_method(tmp_path):
-    """The check the GPU test runs (``sparse_eval.invariance.check``) takes its runs from the registry: every
+    """The check the GPU test runs (``sparse_eval.checks.batch_invariance``) takes its runs from the registry: every
     registered method under its ``paper_configs`` (a method added as one file is checked with no list to edit).  Two
     of them run here on the shipped model on the CPU (every method's CPU invariance: the tests above); an unknown
     label is refused."""
-    from sparse_eval.invariance.check import method_runs, run_check
+    from sparse_eval.checks.batch_invariance import method_runs, run_check
 
     labels = [label for label, _, _ in method_runs()]
     assert {name for _, name, _ in method_runs()} == set(METHODS)

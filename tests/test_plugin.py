@@ -269,3 +269,27 @@ def test_recorder_archive_pools_rows_whatever_their_batching():
     assert a["cost2"] == b["cost2"] and a["est_error"] == b["est_error"]
     with pytest.raises(ValueError, match="archive_rows"):
         split.summary(row=0)
+
+
+def test_registration_is_explicit_and_idempotent():
+    """Importing the plug-in registers nothing; ``register()`` (called by ``load_model`` and ``attach``) registers
+    the attention function and its mask under ``ATTENTION_NAME``, and again changes nothing."""
+    import subprocess
+    import sys
+
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    from sparse_eval.attention.plugin import ATTENTION_NAME, register, sparse_eval_attention
+
+    code = (
+        "from transformers import AttentionInterface, AttentionMaskInterface\n"
+        "import sparse_eval.attention.plugin as p\n"
+        "assert p.ATTENTION_NAME not in AttentionInterface() and p.ATTENTION_NAME not in AttentionMaskInterface()\n"
+        "p.register(); p.register()\n"
+        "assert AttentionInterface()[p.ATTENTION_NAME] is p.sparse_eval_attention\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    register()
+    register()
+    assert AttentionInterface()[ATTENTION_NAME] is sparse_eval_attention and ATTENTION_NAME in AttentionMaskInterface()

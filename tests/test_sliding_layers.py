@@ -30,8 +30,6 @@ register_configs()
 def tiny_gemma3(window: int = WINDOW, vocab: int = 128):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    import sparse_eval.attention.plugin  # noqa: F401
-
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(
         vocab_size=vocab,

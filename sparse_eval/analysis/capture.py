@@ -18,6 +18,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from ..models.inspection import head_shape
 from ..models.placement import main_device
 
 CAPTURE_NAME = "sparse_eval_capture"
@@ -172,12 +173,12 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def model_shape(model: Any) -> dict[str, int]:
     cfg = model.config.get_text_config()
-    hq = cfg.num_attention_heads
+    shape = head_shape(cfg)
     return {
-        "num_layers": cfg.num_hidden_layers,
-        "num_heads": hq,
-        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or hq,
-        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // hq,
+        "num_layers": shape.layers,
+        "num_heads": shape.heads,
+        "num_kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
     }

@@ -1,7 +1,8 @@
 """Attaching a method to a transformers model: AttentionInterface + mask function + a per-layer method state.
 
-* One attention function, registered at import as ``"sparse_eval"`` in transformers' ``AttentionInterface``,
-  together with transformers' own ``sdpa_mask`` under the same name, so padding always arrives as a mask.
+* One attention function, registered by ``register()`` as ``"sparse_eval"`` in transformers' ``AttentionInterface``,
+  together with transformers' own ``sdpa_mask`` under the same name, so padding always arrives as a mask
+  (``models.loading.load_model`` calls it before the model is built, ``attach`` before it switches a model to it).
 * ``attach(model, method, ...)`` stores a ``SparseSession`` on each attention module (an instance attribute,
   no class is patched) and a forward pre-hook that hands the module the cache object of the current call.
 * The method's index (hash codes, page bounds, label cache) lives in the cache layer: ``SparseCache`` builds
@@ -47,7 +48,7 @@ from ..methods.core import (
     sparse_attention,
     static_keys,
 )
-from ..models.inspection import attention_modules, sliding_layers
+from ..models.inspection import attention_modules, head_shape, sliding_layers
 from ..spans import span
 from .recorder import StatsRecorder
 
@@ -480,8 +481,12 @@ def sparse_eval_attention(module, query, key, value, attention_mask, scaling=Non
     return session.attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-AttentionInterface.register(ATTENTION_NAME, sparse_eval_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+def register() -> None:
+    """Registers ``sparse_eval_attention`` as ``ATTENTION_NAME`` in transformers' ``AttentionInterface`` and its
+    ``sdpa_mask`` under the same name in ``AttentionMaskInterface``.  Idempotent (the same function under the same
+    name); importing this module registers nothing."""
+    AttentionInterface.register(ATTENTION_NAME, sparse_eval_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 def _grab_cache(module, args, kwargs):
@@ -494,10 +499,9 @@ def _grab_cache(module, args, kwargs):
 def attach(model: torch.nn.Module, method: Method, runtime: Runtime | None = None) -> SparseSession:
     """Route ``model``'s attention through ``method``.  Returns the session (statistics, phases)."""
     detach(model)
-    cfg = model.config.get_text_config()
-    session = SparseSession(
-        method, runtime or Runtime(), cfg.num_hidden_layers, cfg.num_attention_heads, sliding_layers(model)
-    )
+    register()
+    shape = head_shape(model.config)
+    session = SparseSession(method, runtime or Runtime(), shape.layers, shape.heads, sliding_layers(model))
     session.modules = attention_modules(model)
     for m in session.modules:
         setattr(m, _SESSION_ATTR, session)

@@ -335,8 +335,8 @@ class Method:
     @classmethod
     def paper_configs(cls) -> dict[str, dict[str, Any]]:
         """Labelled option sets (over the defaults) that the real-model batch-invariance check
-        (``sparse_eval.invariance.check``, on the GPU in ``tests/test_invariance.py``) runs at the paper's settings on
-        RULER prompts of 2-4K tokens.  Default: the defaults alone, labelled with the method's name."""
+        (``sparse_eval.checks.batch_invariance``, on the GPU in ``tests/test_invariance.py``) runs at the paper's
+        settings on RULER prompts of 2-4K tokens.  Default: the defaults alone, labelled with the method's name."""
         return {cls.name: {}}
 
     @classmethod

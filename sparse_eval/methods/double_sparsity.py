@@ -403,13 +403,11 @@ class DoubleSparsity(Method):
     def setup(self, model: Any, model_name: str) -> None:
         """Loads the model's calibrated channels (unless given directly) and, for offload, finds each layer's
         attention module and input norm."""
-        from ..models.inspection import attention_modules
+        from ..models.inspection import attention_modules, head_shape
         from ..models.placement import offloaded_tensor
 
-        cfg = model.config.get_text_config()
-        num_layers, hq = cfg.num_hidden_layers, cfg.num_attention_heads
-        hkv = getattr(cfg, "num_key_value_heads", None) or hq
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+        shape = head_shape(model.config)
+        num_layers, hq, hkv, head_dim = shape.layers, shape.heads, shape.kv_heads, shape.head_dim
         if self.config.channels is None and self.config.channel_type != "random":
             path = self.channels_path(model_name)
             if not path.exists():

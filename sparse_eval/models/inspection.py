@@ -1,7 +1,8 @@
 """What a loaded transformers model says about its attention layers, read without attaching anything: its
 self-attention modules (``attention_modules``), the layers that attend within a sliding window of their own
 (``sliding_layers``), every layer's window (``layer_windows``) and the smallest window any layer sees
-(``attention_window``).
+(``attention_window``); and, from its config alone, its layer and head counts and head dimension
+(``head_shape``), the one place these are read.
 
 Used by the attention plug-in (``attention.plugin``), the runs, the system path and the methods that read a model
 (Double Sparsity's calibration); no project imports.
@@ -9,7 +10,34 @@ Used by the attention plug-in (``attention.plugin``), the runs, the system path 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """A model's layer count, query heads, KV heads and head dimension."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def head_shape(config: Any) -> HeadShape:
+    """The layer and head counts and head dimension of a model's ``config`` (its text sub-config where it has one,
+    ``get_text_config()``): KV heads default to the query heads where ``num_key_value_heads`` is absent or None,
+    and the head dimension to ``hidden_size // num_attention_heads`` where ``head_dim`` is."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(cfg.num_attention_heads)
+    return HeadShape(
+        layers=int(cfg.num_hidden_layers),
+        heads=heads,
+        kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
+    )
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention.plugin import layer_plan
-from ..models.inspection import attention_modules, attention_window, sliding_layers
+from ..models.inspection import attention_modules, attention_window, head_shape, sliding_layers
 from ..methods.base import Method
 from ..methods import is_dense
 from .layers import FullLayer, LayerOptions, build_layer, layer_class
@@ -84,10 +84,8 @@ def build_layers(
     and the sliding layers are dense or the method's as ``method.sliding_layers`` says (``layer_plan``, as on the
     accuracy path)."""
     layer_class(method.name)  # refuses a method without a system path, naming the valid ones
-    cfg = model.config.get_text_config()
-    n_layers, hq = cfg.num_hidden_layers, cfg.num_attention_heads
-    hkv = getattr(cfg, "num_key_value_heads", None) or hq
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    shape = head_shape(model.config)
+    n_layers, hq, hkv, d = shape.layers, shape.heads, shape.kv_heads, shape.head_dim
     method.validate(num_layers=n_layers)
     window = attention_window(model)
     if window is not None and capacity > window:

@@ -1,6 +1,6 @@
 """Batch invariance on a real model: every registered method's records at batch 50, in batches of 7 and alone.
 
-    python -m sparse_eval.invariance.check --out records.json      # see experiments/batch_invariance_h200/
+    python -m sparse_eval.checks.batch_invariance --out records.json      # see experiments/batch_invariance_h200/
 
 The model is SmolLM2-135M-Instruct when its GGUF is where ``conf/model/smollm2_135m.yaml`` looks (else the shipped
 stories260K), on CUDA when there is one, in its default dtype (bf16 on CUDA).  The samples are RULER prompts at two
@@ -246,7 +246,7 @@ def run_check(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m sparse_eval.invariance.check",
+        prog="python -m sparse_eval.checks.batch_invariance",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
