@@ -95,7 +95,7 @@ def register_configs(methods: bool = True) -> None:
 
     register_resolvers()
     if not OmegaConf.has_resolver("sparse_eval_help"):  # ``--help``'s text (conf/config.yaml: hydra.help.template)
-        from .help_text import app_help
+        from .cli.help_text import app_help
 
         OmegaConf.register_new_resolver("sparse_eval_help", app_help)
     cs = ConfigStore.instance()

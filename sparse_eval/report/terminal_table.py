@@ -56,7 +56,7 @@ def _interval(score: Any, lo: Any, hi: Any, sign: bool = False) -> str:
 
 def method_text(row: dict[str, Any]) -> str:
     """``magicpig K=10, L=150``: the method and its headline options (torch-free: ``method_facts``)."""
-    from .method_facts import headline_options
+    from ..method_facts import headline_options
 
     name = row.get("method")
     values = {k: row.get(f"method.{k}", row.get(k)) for k in headline_options(name)}  # sink, local: own columns
@@ -75,7 +75,7 @@ def configurations(df) -> list[dict[str, Any]]:
     """One row per configuration and length of ``collect``'s table (and per subtask for a run of one subtask, or
     ``full>=X`` subset): its seeds' rows pooled.  A run's rows per subtask are left to ``results.csv`` and ``--wide``
     where it has a row over all of them."""
-    from .method_facts import is_dense
+    from ..method_facts import is_dense
 
     records = df.to_dict("records")
     whole = {r.get("run_dir") for r in records if r.get("subtask") == "all"}  # runs with a row over all subtasks

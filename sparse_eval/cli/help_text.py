@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from .hydra_support import CONF_DIR
+from ..hydra_support import CONF_DIR
 
 WIDTH = 116  # the help's lines wrap at this width
 
@@ -81,7 +81,7 @@ def _default_choice(group: str) -> str | None:
 
 
 def methods_section() -> list[str]:
-    from .method_facts import method_summaries
+    from ..method_facts import method_summaries
 
     summaries = method_summaries()
     lines = ["== Methods (method=NAME; with no method=, every one of them, full attention first) =="]
@@ -101,7 +101,7 @@ def methods_section() -> list[str]:
 
 
 def tasks_section() -> list[str]:
-    from .tasks import TASKS
+    from ..tasks import TASKS
 
     default = _default_choice("task")
     lines = ["== Tasks (task=NAME) =="]
@@ -117,7 +117,7 @@ def tasks_section() -> list[str]:
 
 def limit_rows() -> list[str]:
     """What ``task.num_samples=N`` (the quick try, lm-eval's ``--limit``) keeps, per task."""
-    from .tasks import TASKS
+    from ..tasks import TASKS
 
     per_task = {}
     for name, cls in sorted(TASKS.items()):

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from .hydra_support import CONF_DIR, MADE
+from ..hydra_support import CONF_DIR, MADE
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 EXIT_DEADLINE = 124  # a multirun stopped at its deadline (as ``timeout``); the same command resumes it
@@ -182,7 +182,7 @@ def interrupted(exc: KeyboardInterrupt) -> None:
         print(f"\n{what} before a run started; nothing was written", file=sys.stderr)
         forget_hydra_output()
     else:
-        from .status import run_state
+        from ..status import run_state
 
         s = run_state(Path(run_dir))
         exp = "?" if s["expected"] is None else s["expected"]
