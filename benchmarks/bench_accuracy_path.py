@@ -14,8 +14,9 @@ per step, the GPU's busy time (the sum of its kernels' and copies' durations: wh
 but the device's work remained, i.e. the floor of a CUDA-graph capture that keeps the same kernels), the number
 of kernels and copies launched, the host syncs (``SYNC_EVENTS``: ``.item()``/``bool()`` of a tensor,
 ``torch.equal``, ``nonzero``, an explicit synchronize) and the kernels that take the most time.  The dense
-prefill of the batch is timed too (``prefill_ms``, stock sdpa, median over ``--repeats``): with the per-step
-times it is what ``benchmarks/project_ruler_hours.py`` projects a RULER evaluation's GPU-hours from.
+prefill of the batch is timed too (``prefill_ms``, stock sdpa, ``--prefill-chunk`` tokens per forward, median over
+``--repeats``): with the per-step times it is what ``benchmarks/project_ruler_hours.py`` projects a RULER
+evaluation's GPU-hours from.
 With ``--capture`` (GPU only), each plug-in method's steady step is also captured once in a CUDA graph and
 replayed (``captured_ms_per_step``): the same kernels without the host's launch work, the measured counterpart of
 the profile's GPU busy time; a step that waits for the device cannot be captured and is reported with the reason.
@@ -82,8 +83,19 @@ def _crop(cache, prefill_len: int) -> None:
         cache.crop(-extra)  # transformers 5: a negative count removes that many tokens
 
 
+def _prefill(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
+    """Last position's logits after feeding ``ids`` [B, N] into ``cache`` ``chunk`` tokens at a time (the same cache
+    as one pass: attention is causal; a chunk bounds the MLP's [B, chunk, d_ff] activations, which at batch 8 x 16K
+    do not fit an 80 GB card in one pass)."""
+    logits = None
+    for start in range(0, ids.shape[1], chunk or ids.shape[1]):
+        part = ids[:, start : start + (chunk or ids.shape[1])]
+        logits = model(input_ids=part, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits[:, -1]
+    return logits
+
+
 def _step(model, cache, tok: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+    logits = model(input_ids=tok, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits[:, -1]
     return logits.argmax(-1, keepdim=True)
 
 
@@ -313,6 +325,12 @@ def main(argv=None) -> int:
         help="conf/method names; 'stock' = transformers' own attention, no plug-in",
     )
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=4096,
+        help="prefill this many tokens per forward (0: all at once); bounds the MLP's activations",
+    )
     ap.add_argument("--profile", action="store_true", help="also profile --steps steps per method (GPU busy time)")
     ap.add_argument(
         "--capture",
@@ -360,7 +378,7 @@ def main(argv=None) -> int:
         sync(device)
         t0 = time.perf_counter()
         with torch.inference_mode(), mode():
-            logits = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+            logits = _prefill(model, ids, cache, args.prefill_chunk)
         sync(device)
         prefill_ms.append((time.perf_counter() - t0) * 1000.0)
     first = logits.argmax(-1, keepdim=True)
@@ -375,7 +393,7 @@ def main(argv=None) -> int:
 
         stock_cache = DynamicCache()
         with torch.inference_mode():
-            model(input_ids=ids, use_cache=True, **cache_kwargs(model, stock_cache))
+            _prefill(model, ids, stock_cache, args.prefill_chunk)
 
     # (label, method, eval.fused_attention): the fused variant of a method that declares the capability is a
     # method of its own in the round-robin ("name [fused]")
@@ -528,6 +546,7 @@ def main(argv=None) -> int:
         "fused": args.fused,
         "prefill_ms": statistics.median(prefill_ms),
         "prefill_all_ms": prefill_ms,
+        "prefill_chunk": args.prefill_chunk,
         "rows": rows,
     }
     if args.out:

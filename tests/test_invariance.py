@@ -411,6 +411,20 @@ def test_records_do_not_depend_on_the_batch_on_the_gpu(tmp_path):
     assert report["all_identical"], json.dumps(report["mismatches"], indent=1)[:4000]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_records_do_not_depend_on_the_batch_on_the_gpu(tmp_path):
+    """The same check with ``eval.fused_attention=auto`` (the kernel of ``kernels.selected_attention`` for every
+    method that declares it): records at batch 1, 7 and 50 identical, and the fused kernel keeps at least 97 % of the
+    greedy predictions of the unfused path per method (issue 51)."""
+    from sparse_eval.checks.batch_invariance import run_check
+
+    report = run_check(device="cuda", out=tmp_path / "fused.json", fused="auto", fast_path=())
+    assert report["all_identical"], json.dumps(report["mismatches"], indent=1)[:4000]
+    for label, m in report["methods"].items():
+        assert m["unfused_identical_tokens"] >= 0.97 * report["samples"], (label, m)
+
+
 def test_the_real_model_check_covers_every_registered_method(tmp_path):
     """The check the GPU test runs (``sparse_eval.checks.batch_invariance``) takes its runs from the registry: every
     registered method under its ``paper_configs`` (a method added as one file is checked with no list to edit).  Two
@@ -430,8 +444,10 @@ def test_the_real_model_check_covers_every_registered_method(tmp_path):
         max_new_tokens=3,
         methods=("snapkv", "h2o"),
         fast_path=(),
+        fused="auto",  # off on the CPU: the comparison with the unfused run must then find every sample unchanged
     )
     assert list(report["methods"]) == ["h2o", "snapkv"]
     assert report["all_identical"], json.dumps(report["mismatches"], indent=1)[:4000]
+    assert all(m["unfused_identical_tokens"] == report["samples"] for m in report["methods"].values())
     with pytest.raises(ValueError, match="not a label of the check"):
         run_check(device="cpu", out=tmp_path / "x.json", model="stories260k", methods=("nope",))

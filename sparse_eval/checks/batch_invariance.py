@@ -136,8 +136,13 @@ def run_check(
     data_dir: str | None = None,
     methods: tuple[str, ...] | None = None,
     fast_path: tuple[str, ...] = ("full", "magicpig"),
+    fused: str = "off",
 ) -> dict[str, Any]:
-    """Runs the comparison; returns (and writes to ``out``) a JSON report with ``all_identical``."""
+    """Runs the comparison; returns (and writes to ``out``) a JSON report with ``all_identical``.
+
+    ``fused`` is ``eval.fused_attention`` for every run (off | on | auto).  Other than off, each method's pool also
+    runs once with it off, and the report gives per method how many samples' greedy tokens the fused kernel left
+    unchanged (``unfused_identical_tokens``: issue 51's "records close to the pre-fusion records")."""
     from ..attention.plugin import Runtime, attach, detach
     from ..engine import Engine
     from ..methods import build_method, make_config
@@ -170,6 +175,7 @@ def run_check(
         "samples": n,
         "alone": len(alone_ids),
         "max_new_tokens": max_new_tokens,
+        "fused_attention": fused,
         "subtasks": sorted({s.data.get("subtask", "") for _, s, _ in pool}),
         "haystack": (pool[0][0].config.haystack or "RULER's per subtask") if pool else None,
         "setup_s": round(time.perf_counter() - t0, 1),
@@ -179,10 +185,10 @@ def run_check(
         "provenance": provenance(),
     }
 
-    def run(label, name, opts, invariant, sizes):
+    def run(label, name, opts, invariant, sizes, fused_mode=fused):
         method = build_method(make_config(name, opts))
         method.setup(lm, model)
-        session = attach(lm, method, Runtime("A", batch_invariant=invariant))
+        session = attach(lm, method, Runtime("A", batch_invariant=invariant, fused_attention=fused_mode))
         engine = Engine(lm, tok, session)
         res = {}
         try:
@@ -218,6 +224,9 @@ def run_check(
                 f"alone ({len(alone_ids)})": round(res[1][1], 1),
             },
         }
+        if fused != "off":
+            unfused = {r["id"]: r["tokens"] for r in run(label, name, opts, True, (n,), "off")[n][0]}
+            report["methods"][label]["unfused_identical_tokens"] = sum(unfused[r["id"]] == r["tokens"] for r in ref)
         print(
             f"{label}: {'identical' if not bad else f'{len(bad)} mismatches'} {report['methods'][label]['seconds']}",
             flush=True,
@@ -260,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=None, help="paths.data_dir (default: $SPARSE_EVAL_DATA_DIR)")
     p.add_argument("--methods", nargs="+", default=None, help="a subset of the labels")
     p.add_argument("--fast-path", nargs="*", default=["full", "magicpig"], help="methods also run without the mode")
+    p.add_argument(
+        "--fused",
+        choices=("off", "on", "auto"),
+        default="off",
+        help="eval.fused_attention for every run; other than off, also compares greedy tokens with it off",
+    )
     a = p.parse_args(argv)
     rep = run_check(
         a.device,
@@ -272,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         a.data_dir,
         tuple(a.methods) if a.methods else None,
         tuple(a.fast_path),
+        a.fused,
     )
     print(f"all identical: {rep['all_identical']} ({a.out})")
     return 0 if rep["all_identical"] else 1
