@@ -49,6 +49,9 @@ class ClaimConfig:
     where: dict[str, Any] = field(default_factory=dict)  # collect's rows: task, subtask, length
     note: Optional[str] = None  # a caveat printed with the verdict (e.g. a floor effect)
     summary: bool = True  # listed in experiments/README.md's summary table (false: the folder's README only)
+    # true: this claim was declared after its runs, in a file whose other claims were declared before (``post_hoc``
+    # of the file otherwise); tables mark it "(post hoc)"
+    post_hoc: Optional[bool] = None
 
 
 @dataclass

@@ -233,6 +233,7 @@ def _test(claim: ClaimConfig, a: list[dict], b: list[dict], n_boot: int, seed: i
         "alpha": claim.alpha,
         "note": claim.note,
         "summary": claim.summary,
+        "post_hoc": claim.post_hoc,
         "comparison": {k: _plain(a[0].get(k)) for k in COMPARISON_KEYS},
         "a": {"method_config": a[0].get("method_config"), "seeds": [_plain(r.get("seed")) for r in a]},
         "b": {"method_config": b[0].get("method_config"), "seeds": [_plain(r.get("seed")) for r in b]},
@@ -429,6 +430,10 @@ def _score(x: float | None) -> str:
 
 
 def test_text(r: dict[str, Any], post_hoc: bool) -> str:
+    """The test and its margin, "(post hoc)" where the margin was declared after the runs (the claim's own
+    ``post_hoc`` when it has one, else its file's)."""
+    if r.get("post_hoc") is not None:
+        post_hoc = r["post_hoc"]
     m = r.get("margin")
     unit = (lambda v: f"{100 * v:g} %") if r["scale"] == "relative" else (lambda v: f"{v:g}")
     if r["test"] == "equivalence":
@@ -503,6 +508,8 @@ def folder_section(data: dict[str, Any]) -> str:
         if data["post_hoc"]
         else f"declared before the runs, {data['declared']}"
     )
+    if not data["post_hoc"] and any(r.get("post_hoc") for r in data["claims"]):
+        when += "; those marked (post hoc) were declared after their runs"
     command = f"`python -m sparse_eval.verdicts experiments/{data['folder']} --write`"
     if data["claims"]:
         intro = [
