@@ -344,3 +344,17 @@ def test_claims_recorded_by_the_runs_are_tested_from_a_runs_folder(longbench_row
     out = capsys.readouterr().out
     assert "before the runs" in out and "Quest (16, 0.05) ≈ full" in out and "-> worse" in out
     assert "post hoc" not in out
+
+
+def test_a_claim_declared_after_its_run_is_marked_post_hoc_in_a_file_declared_before():
+    """``post_hoc`` on one claim of a file whose claims were declared before the runs: that claim's test says
+    "(post hoc)", the others do not, and the section's first line says such claims exist."""
+    from sparse_eval.verdicts import evaluate as v
+
+    data = v.read_verdicts(EXPERIMENTS / "ruler_qwen2_5_coder_1_5b")
+    assert data["post_hoc"] is False
+    marked = {r["name"]: v.test_text(r, data["post_hoc"]).endswith("(post hoc)") for r in data["claims"]}
+    assert marked["TopK 0.06 ≈ full"] and not marked["MagicPIG (10, 150) ≈ full"]
+    assert "those marked (post hoc) were declared after their runs" in v.folder_section(data)
+    plain = dict(data, claims=[dict(r, post_hoc=None) for r in data["claims"]])
+    assert "those marked (post hoc)" not in v.folder_section(plain)
