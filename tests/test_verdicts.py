@@ -196,6 +196,7 @@ def test_resampled_weights_are_reused_exactly():
         ({"name": "x", "a": "topk-*", "marjin": 2}, "marjin"),
         ({"name": "x", "a": "topk-*", "margin": "two"}, "two"),
         ({"name": "x", "a": "", "margin": 2}, "empty"),
+        ({"name": "x", "a": "topk-*", "margin": 2, "post_hoc": True}, "declared before its runs"),
     ],
 )
 def test_a_bad_claim_is_refused_at_start(claim, msg):

@@ -144,6 +144,12 @@ def check_claims(cfg: Any) -> list[ClaimConfig]:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"claims: two claims named {dup[0]!r}; give each its own name")
+    for c in claims:
+        if c.post_hoc is not None:
+            raise ValueError(
+                f"claims ({c.name}).post_hoc={c.post_hoc}: an experiment's claims are declared before its runs; "
+                "mark a claim post hoc in the experiments folder's claims.yaml"
+            )
     return claims
 
 
@@ -151,7 +157,7 @@ def claims_record(cfg: Any) -> list[dict[str, Any]]:
     """The claims as plain data for a run's summary.json (``claims``)."""
     import dataclasses
 
-    return [dataclasses.asdict(c) for c in check_claims(cfg)]
+    return [{k: v for k, v in dataclasses.asdict(c).items() if k != "post_hoc"} for c in check_claims(cfg)]
 
 
 def load_claims_file(path: Any) -> tuple[ClaimsFile, list[ClaimConfig]]:
