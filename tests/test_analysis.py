@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -491,3 +492,39 @@ def test_estimates_are_refused_on_a_sliding_layer(stories):
     assert common.full_context_layers(mistral, None, n, 4096) == list(range(n))
     with pytest.raises(ValueError, match="every layer attends within a window of 4096 keys"):
         common.full_context_layers(mistral, None, n, 4097)
+
+
+def test_error_vs_budget_resumes_where_it_stopped(stories, tmp_path, monkeypatch):
+    """A run stopped after its first passage keeps it (``error_records.partial.jsonl``); the same command measures
+    only the rest and gives the records of a run never stopped; the finished files replace the partial one, and
+    a partial file of other options is refused."""
+    model, tok = stories
+    model_cfg = common.ModelConfig(name="stories260k", path="", device="cpu", dtype="float32")
+    monkeypatch.setattr(common, "load", lambda cfg: (model, tok, 512))
+    monkeypatch.setattr(error_vs_budget, "figures", lambda *a, **k: [])
+    base = dict(length=48, num_queries=2, layers=[2], budgets=[0.1, 1.0], repeats=1, methods=["topk", "oracle"])
+    whole = error_vs_budget.run(model_cfg, error_vs_budget.ErrorOptions(**base, passages=2, out=str(tmp_path / "a")))
+    real, calls = error_vs_budget._measure_passage, []
+
+    def stop_at_second(*a, **k):
+        calls.append(a[8])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    opts = error_vs_budget.ErrorOptions(**base, passages=2, out=str(tmp_path / "b"))
+    monkeypatch.setattr(error_vs_budget, "_measure_passage", stop_at_second)
+    with pytest.raises(KeyboardInterrupt):
+        error_vs_budget.run(model_cfg, opts)
+    partial = tmp_path / "b" / error_vs_budget.PARTIAL
+    assert len(partial.read_text().splitlines()) == 1
+    calls.clear()
+    monkeypatch.setattr(error_vs_budget, "_measure_passage", lambda *a, **k: calls.append(a[8]) or real(*a, **k))
+    resumed = error_vs_budget.run(model_cfg, opts)
+    assert calls == [" (passage 2/2)"]
+    plain = lambda recs: json.loads(json.dumps(common.jsonable(recs)))  # noqa: E731
+    assert plain(resumed["records"]) == plain(whole["records"])
+    assert not partial.exists() and (tmp_path / "b" / "error_vs_budget.csv").is_file()
+    partial.write_text(json.dumps({"key": "other", "passage": 0, "records": []}) + "\n")
+    with pytest.raises(ValueError, match="other options"):
+        error_vs_budget.run(model_cfg, opts)

@@ -18,14 +18,23 @@ Static keys: ``sink`` and ``local`` default to 0, the pure estimators of §3 (Fi
 keys); set ``sink=4 local=64`` for the methods as deployed (§5.1).  Layers are all layers by default (the
 method's ``dense_layers`` do not apply to a single captured step), except those that attend within a window
 shorter than the passage (Gemma 3's sliding layers: ``common.full_context_layers``).
+
+Resumable: each passage's records are appended to ``error_records.partial.jsonl`` in the output folder as soon as
+they are measured, under a key of the model and the options other than ``out`` and ``passages`` (passage p is the
+same window whatever the count).  The same command, stopped (a deadline, Ctrl-C) and run again, measures only the
+passages not yet there.  The finished files replace the partial one (the commits its passages were measured at are in
+the JSON's provenance, ``passage_git``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -99,11 +108,18 @@ def oracle_bound(
 
 
 def measure(
-    model: Any, tokenizer: Any, context: int, opts: ErrorOptions, progress: bool = False
+    model: Any,
+    tokenizer: Any,
+    context: int,
+    opts: ErrorOptions,
+    progress: bool = False,
+    done: dict[int, list[dict[str, Any]]] | None = None,
+    on_passage: Callable[[int, list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Returns one record per (layer, method, setting, seed): error, cost2 and (oracle) unique count and bound.
     ``progress``: progress bars for the passage's forward and then every (layer, method, setting, seed), with the
-    time left."""
+    time left.  ``done``: passages measured before (their records, as ``on_passage`` got them), not measured again;
+    ``on_passage(p, records)`` is called after each passage measured here."""
     opts.validate()
     shape = model_shape(model)
     length = min(context, 16384) if opts.length is None else int(opts.length)
@@ -122,6 +138,9 @@ def measure(
     ) * len(seeds) * (MagicPIG.name in opts.methods)
     records: list[dict[str, Any]] = []
     for p in range(opts.passages):
+        if done and p in done:
+            records += [dict(r) for r in done[p]]
+            continue
         part = _measure_passage(
             model,
             ids[p : p + 1],
@@ -133,7 +152,10 @@ def measure(
             progress,
             f" (passage {p + 1}/{opts.passages})" if opts.passages > 1 else "",
         )
-        records += [dict(r, passage=p) for r in part]
+        part = [dict(r, passage=p) for r in part]
+        if on_passage is not None:
+            on_passage(p, part)
+        records += part
     for r in records:
         r["length"] = length
         r["text"] = origin
@@ -358,23 +380,70 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
     return paths
 
 
+PARTIAL = "error_records.partial.jsonl"
+
+
+def resume_key(model_cfg: Any, opts: ErrorOptions) -> str:
+    """What a passage's records depend on: the model config and every option but ``out`` and ``passages``."""
+    o = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("out", "passages")}
+    blob = json.dumps({"model": dataclasses.asdict(model_cfg), "options": o}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def read_partial(path: Path, key: str) -> tuple[dict[int, list[dict[str, Any]]], list[Any]]:
+    """(the passages ``path`` holds under ``key``, the distinct ``git`` entries they were measured at); a line of
+    other options is refused (another output folder is the fix); a line cut short (the process killed mid-write) is
+    dropped and its passage measured again."""
+    done: dict[int, list[dict[str, Any]]] = {}
+    gits: list[Any] = []
+    if not path.is_file():
+        return done, gits
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if entry.get("key") != key:
+            raise ValueError(
+                f"{path}:{i} holds passages measured with other options or another model; give analysis.out "
+                "another folder, or delete that file to start over"
+            )
+        done[int(entry["passage"])] = entry["records"]
+        if entry.get("git") not in gits:
+            gits.append(entry.get("git"))
+    return done, gits
+
+
 def run(model_cfg, opts: ErrorOptions) -> dict[str, Any]:
     opts.validate()
     started = common.provenance(model_cfg, opts)
-    model, tok, context = common.load(model_cfg)
-    records = measure(model, tok, context, opts, progress=True)
     out = common.out_dir(opts.out, "error_vs_budget", model_cfg.name)
+    key, partial = resume_key(model_cfg, opts), out / PARTIAL
+    done, gits = read_partial(partial, key)
+    model, tok, context = common.load(model_cfg)
+
+    def save(p: int, recs: list[dict[str, Any]]) -> None:
+        line = {"key": key, "passage": p, "git": started["git"], "records": common.jsonable(recs)}
+        with partial.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+
+    if done:
+        print(f"error_vs_budget: {len(done)} passage(s) already measured in {partial}; measuring the rest", flush=True)
+    records = measure(model, tok, context, opts, progress=True, done=done, on_passage=save)
     import pandas as pd
 
     pd.DataFrame(records).to_csv(out / "error_records.csv", index=False)
     summary = summarize(records)
     summary.attrs["length"] = records[0]["length"] if records else opts.length
     summary.to_csv(out / "error_vs_budget.csv", index=False)
-    common.write_json(
-        out / "error_vs_budget.json",
-        {"provenance": common.finished(started, records[0]["text"] if records else None), "records": records},
-    )
+    prov = common.finished(started, records[0]["text"] if records else None)
+    prov["resumed_passages"] = sorted(p for p in done if p < opts.passages)
+    prov["passage_git"] = gits + [g for g in [started["git"]] if g not in gits]
+    common.write_json(out / "error_vs_budget.json", {"provenance": prov, "records": records})
     paths = figures(summary, out, model_cfg.name, opts, model_shape(model)["num_layers"])
+    if all(p < opts.passages for p in done):
+        partial.unlink(missing_ok=True)  # everything is in the finished files now
     return {
         "out": out,
         "summary": summary,
