@@ -1,6 +1,6 @@
-"""A run's samples in batches: the processing order (``sparse_eval.ordering``), ``eval.batch_size=auto`` halving on
-out-of-memory, a failing batch rerun one sample at a time, and each sample's record (the task's fields and the
-session's statistics)."""
+"""A run's samples in batches: the processing order (``sparse_eval.ordering``), the batch halved on out-of-memory
+(``eval.batch_size=auto``, or any size in the batch-invariant mode), a failing batch rerun one sample at a time, and
+each sample's record (the task's fields and the session's statistics)."""
 
 from __future__ import annotations
 
@@ -30,15 +30,20 @@ class Batcher:
     """Yields the records of the samples still to run, batch by batch, in the order of ``sparse_eval.ordering``
     (subtasks interleaved so that a partial run is an unbiased subset; within windows of a few batches, samples of
     similar prompt length together; under protocol S with ``prefill_chunk`` only samples whose lengths agree modulo
-    the chunk share a batch, so each row sees its own chunk boundaries).  ``auto`` halves the batch on
-    out-of-memory; a batch that fails otherwise is rerun one sample at a time, so a failing sample is recorded
-    alone and the rest go on."""
+    the chunk share a batch, so each row sees its own chunk boundaries).  On out-of-memory the batch is halved, and
+    the smaller size kept for the rest of the run, when ``eval.batch_size=auto`` or when the run is batch-invariant
+    (``eval.batch_invariant``: a record does not depend on its batch, so a smaller batch changes only the time; a
+    GPU shared with other jobs otherwise sent every batch of a fixed size through one-at-a-time, 10x slower); a batch
+    that fails otherwise, or out of memory at a fixed size in the plain mode, is rerun one sample at a time, so a
+    failing sample is recorded alone and the rest go on."""
 
     def __init__(self, exp: Any, session: Any, engine: Any, todo: list[Any]):
         self.exp, self.session, self.engine = exp, session, engine
         self.task = exp.task
         want = exp.batch_size
         self.auto = want == "auto"
+        # a smaller batch after out-of-memory changes a record only where the kernels depend on the batch
+        self.halve_on_oom = self.auto or bool(exp.cfg.eval.get("batch_invariant", False))
         batched = self.task.batched and len(todo) > 1
         self.size = 1 if not batched else min(len(todo), AUTO_BATCH_START) if self.auto else want
         if self.auto:  # on the CPU: no larger than the rows that fit the host memory (sparse_eval.memory)
@@ -73,7 +78,7 @@ class Batcher:
             except Exception as exc:  # noqa: BLE001 - recorded per sample below
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
-                if self.auto and len(batch) > 1 and is_out_of_memory(exc):
+                if self.halve_on_oom and len(batch) > 1 and is_out_of_memory(exc):
                     self._free()
                     self.size = max(1, len(batch) // 2)
                     log.warning("batch of %d out of memory; trying %d", len(batch), self.size)

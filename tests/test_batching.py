@@ -210,3 +210,40 @@ def test_auto_batch_halves_on_out_of_memory(tmp_path, monkeypatch):
     summary = exp.run_method(exp.method_configs()[0])
     assert sizes == [5, 2, 2, 1] and summary["batch_size"] == 2
     assert summary["samples"] == 5 and summary["failed"] == 0
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_a_fixed_batch_halves_on_out_of_memory_only_where_records_do_not_depend_on_it(tmp_path, monkeypatch, invariant):
+    """eval.batch_size=4 out of memory: batch-invariant, the batch is halved and the smaller size kept (a GPU shared
+    with other jobs must not send every batch through one-at-a-time), the records those of an unhindered run; in the
+    plain mode, where a record depends on its batch, the failing batch runs one sample at a time as before."""
+    from test_runner import cfg_for
+
+    from sparse_eval.experiment import Experiment
+    from sparse_eval.store import SAMPLES_FILE, read_samples
+
+    args = ["method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=4"]
+    args.append(f"eval.batch_invariant={str(invariant).lower()}")
+    exp = Experiment(cfg_for(tmp_path / "a", *args))
+    orig, sizes = exp.task.run_batch, []
+
+    def small_memory(samples, engine):
+        sizes.append(len(samples))
+        if len(samples) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return orig(samples, engine)
+
+    monkeypatch.setattr(exp.task, "run_batch", small_memory)
+    _, run_dir = exp.run_dir(exp.method_configs()[0])
+    summary = exp.run_method(exp.method_configs()[0], run_dir)
+    assert summary["samples"] == 5 and summary["failed"] == 0
+    assert sizes == ([4, 2, 2, 1] if invariant else [4, 1, 1, 1, 1, 1])
+    if invariant:
+        ref = Experiment(cfg_for(tmp_path / "b", *args))
+        _, ref_dir = ref.run_dir(ref.method_configs()[0])
+        ref.run_method(ref.method_configs()[0], ref_dir)
+        got, want = read_samples(run_dir / SAMPLES_FILE), read_samples(ref_dir / SAMPLES_FILE)
+        drop = ("time_s", "batch")
+        assert {k: {f: v for f, v in r.items() if f not in drop} for k, r in got.items()} == {
+            k: {f: v for f, v in r.items() if f not in drop} for k, r in want.items()
+        }
