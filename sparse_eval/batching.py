@@ -13,6 +13,7 @@ import torch
 
 from .memory import auto_batch_cap
 from .ordering import ORDER_WINDOW_BATCHES, length_windows, sample_stratum, stratified_order
+from .run_spec import RunSpec
 
 log = logging.getLogger("sparse_eval")
 
@@ -37,24 +38,24 @@ class Batcher:
     that fails otherwise, or out of memory at a fixed size in the plain mode, is rerun one sample at a time, so a
     failing sample is recorded alone and the rest go on."""
 
-    def __init__(self, exp: Any, session: Any, engine: Any, todo: list[Any]):
-        self.exp, self.session, self.engine = exp, session, engine
-        self.task = exp.task
-        want = exp.batch_size
+    def __init__(self, spec: RunSpec, session: Any, engine: Any, todo: list[Any]):
+        self.spec, self.session, self.engine = spec, session, engine
+        self.task = spec.task
+        want = spec.batch_size
         self.auto = want == "auto"
         # a smaller batch after out-of-memory changes a record only where the kernels depend on the batch
-        self.halve_on_oom = self.auto or bool(exp.cfg.eval.get("batch_invariant", False))
+        self.halve_on_oom = self.auto or spec.eval.batch_invariant
         batched = self.task.batched and len(todo) > 1
         self.size = 1 if not batched else min(len(todo), AUTO_BATCH_START) if self.auto else want
         if self.auto:  # on the CPU: no larger than the rows that fit the host memory (sparse_eval.memory)
-            self.size = auto_batch_cap(exp, session.method.config, todo, self.size)
+            self.size = auto_batch_cap(spec, session.method.config, todo, self.size)
         self.used: int | None = None
         self.todo = self._order(todo)
 
     def _order(self, todo: list[Any]) -> list[Any]:
         """``todo`` in the task's processing order (``ordering``: computed over all the task's samples, so a
         resumed run continues the same order), then sorted by length within windows of batches."""
-        everything = self.exp.samples()
+        everything = self.spec.samples()
         want = {s.id for s in todo}
         ranked = [
             everything[i] for i in stratified_order([s.id for s in everything], [sample_stratum(s) for s in everything])
@@ -63,8 +64,8 @@ class Batcher:
         if self.size == 1:
             return order
         lengths = {s.id: len(self.task.request(s).input_ids) for s in order}
-        chunk = self.exp.cfg.eval.prefill_chunk
-        group = (lambda n: n % chunk) if chunk and self.exp.protocol == "S" else (lambda n: 0)
+        chunk = self.spec.eval.prefill_chunk
+        group = (lambda n: n % chunk) if chunk and self.spec.protocol == "S" else (lambda n: 0)
         return length_windows(
             order, self.size * ORDER_WINDOW_BATCHES, key=lambda s: (group(lengths[s.id]), -lengths[s.id])
         )
@@ -99,7 +100,7 @@ class Batcher:
                 if any(r.get("oom") for r in recs):  # not the samples' fault: stop, keeping what finished
                     yield [r for r in recs if not r.get("oom")]
                     raise RuntimeError(
-                        f"out of memory running one sample alone (eval.batch_size={self.exp.batch_size}); the run "
+                        f"out of memory running one sample alone (eval.batch_size={self.spec.batch_size}); the run "
                         "stopped with its finished samples kept. Free the device (other processes?) or shorten the "
                         "task, then run the same command to resume"
                     ) from exc
@@ -112,17 +113,17 @@ class Batcher:
         coincide with the rows' own (``Engine`` lays them from the first row's start, or under protocol B from the
         first context end)."""
         batch = self.todo[i : i + self.size]
-        chunk = self.exp.cfg.eval.prefill_chunk
+        chunk = self.spec.eval.prefill_chunk
         if not chunk or len(batch) == 1:
             return batch
         reqs = [self.task.request(s) for s in batch]
-        if self.exp.protocol == "S":  # never mix chunk alignments in one batch
+        if self.spec.protocol == "S":  # never mix chunk alignments in one batch
             r = len(reqs[0].input_ids) % chunk
             n = 1
             while n < len(batch) and len(reqs[n].input_ids) % chunk == r:
                 n += 1
             return batch[:n]
-        if self.exp.protocol == "B":  # a question longer than a chunk is split at its own boundaries: alone
+        if self.spec.protocol == "B":  # a question longer than a chunk is split at its own boundaries: alone
             long = [len(q.input_ids) - (q.context_len or 0) > chunk for q in reqs]
             if long[0]:
                 return batch[:1]

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .models.placement import main_device
+from .run_spec import RunSpec
 
 WARN_S = 3600.0
 
@@ -110,37 +111,37 @@ def warn_if_long(
     return est[0]
 
 
-def remaining_samples(exp: Any, methods: Sequence[Any]) -> list[list[Any]]:
+def remaining_samples(spec: RunSpec, methods: Sequence[Any]) -> list[list[Any]]:
     """Per method, the samples it still has to run (those not yet in its run directory's samples.jsonl; with
     ``eval.rerun_failed`` the failed ones too): a re-run on saved results costs nothing."""
     from .store import SAMPLES_FILE, read_samples
 
-    samples = exp.samples()
-    rerun = bool(exp.cfg.eval.get("rerun_failed", False))
+    samples = spec.samples()
+    rerun = spec.eval.rerun_failed
     out: list[list[Any]] = []
     for m in methods:
-        _, run_dir = exp.run_dir(m)
+        _, run_dir = spec.run_dir(m)
         done = read_samples(run_dir / SAMPLES_FILE)
         out.append([s for s in samples if s.id not in done or (rerun and done[s.id].get("status") != "ok")])
     return out
 
 
-def check_long(exp: Any, methods: Sequence[Any], log: Any) -> float | None:
+def check_long(spec: RunSpec, methods: Sequence[Any], log: Any) -> float | None:
     """At start, on the CPU: the rough time of the samples still to run; over ``WARN_S`` it refuses the run
     (ValueError, before anything is written) unless ``eval.allow_long=true``, which only warns."""
-    todo = [t for t in remaining_samples(exp, methods) if t]
+    todo = [t for t in remaining_samples(spec, methods) if t]
     if not todo:
         return None
     same = all([s.id for s in t] == [s.id for s in todo[0]] for t in todo)
-    invariant, request = bool(exp.cfg.eval.batch_invariant), exp.task.request
+    invariant, request = spec.eval.batch_invariant, spec.task.request
     est = (
-        cpu_estimate(exp.model, todo[0], len(todo), invariant, request)
+        cpu_estimate(spec.model, todo[0], len(todo), invariant, request)
         if same
-        else cpu_estimate(exp.model, [s for t in todo for s in t], 1, invariant, request)
+        else cpu_estimate(spec.model, [s for t in todo for s in t], 1, invariant, request)
     )
     if est is None or est[0] < WARN_S:
         return None if est is None else est[0]
-    if bool(exp.cfg.eval.get("allow_long", False)):
+    if spec.eval.allow_long:
         log.warning(
             "this will take roughly %.1f h on this CPU (%s); running it as eval.allow_long=true asks.",
             est[0] / 3600,

@@ -41,6 +41,7 @@ from .store import (
     write_progress,
     write_summary,
 )
+from .run_spec import RunSpec, eval_config
 from .tasks import build_task
 from .wandb_logger import WandbLogger
 
@@ -84,6 +85,19 @@ class Experiment:
                 self.model_cfg, self.model, to_plain(self.cfg.paths), tokenizer=self.tokenizer
             )
             self.sliding = sliding_layers(self.model)  # {layer: window} of the layers that attend within a window
+
+    def spec(self) -> RunSpec:
+        """The typed ``RunSpec`` that batching, the memory checks and the time estimate take (the model loaded)."""
+        self.load()
+        return RunSpec(
+            model=self.model,
+            task=self.task,
+            protocol=self.protocol,
+            batch_size=self.batch_size,
+            eval=eval_config(self.cfg.eval),
+            samples=self.samples,
+            run_dir=self.run_dir,
+        )
 
     def samples(self):
         if self._samples is None:
@@ -208,7 +222,7 @@ class Experiment:
         )
         engine = Engine(self.model, self.tokenizer, session, self.cfg.eval.prefill_chunk)
         logger = WandbLogger(self.cfg.logger, run_dir, identity)
-        batcher = Batcher(self, session, engine, todo)
+        batcher = Batcher(self.spec(), session, engine, todo)
         label = short_label(identity["method"])
         if todo:  # the bar below moves when a batch finishes: on a CPU the first one can take minutes
             longest = max((sample_tokens(s) for s in todo), default=0)

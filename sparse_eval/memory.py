@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .methods.registry import METHODS, is_dense
+from .run_spec import RunSpec
 
 log = logging.getLogger("sparse_eval")
 
@@ -223,15 +224,15 @@ def _work(task: Any, sample: Any) -> tuple[int, int, bool]:
     return len(req.input_ids), int(getattr(req, "max_new_tokens", 0) or 0), isinstance(req, LoglikelihoodRequest)
 
 
-def run_row_bytes(exp: Any, method: Any, samples: Sequence[Any]) -> tuple[float, int]:
-    """(estimated bytes of the largest row among ``samples``, with ``SAFETY``; its tokens) for ``exp``'s model,
+def run_row_bytes(spec: RunSpec, method: Any, samples: Sequence[Any]) -> tuple[float, int]:
+    """(estimated bytes of the largest row among ``samples``, with ``SAFETY``; its tokens) for the run's model,
     protocol and settings."""
-    shape = Shape.of(exp.model)
-    ev = exp.cfg.eval
+    shape = Shape.of(spec.model)
+    ev = spec.eval
     best, tokens = 0.0, 0
     seen: set[tuple[int, int, bool]] = set()
     for s in samples:
-        work = _work(exp.task, s)
+        work = _work(spec.task, s)
         if work in seen:
             continue
         seen.add(work)
@@ -241,9 +242,9 @@ def run_row_bytes(exp: Any, method: Any, samples: Sequence[Any]) -> tuple[float,
             prompt=work[0],
             new_tokens=work[1],
             loglik=work[2],
-            protocol=exp.protocol,
-            query_chunk=int(ev.get("query_chunk", 512)),
-            prefill_chunk=ev.get("prefill_chunk"),
+            protocol=spec.protocol,
+            query_chunk=int(ev.query_chunk),
+            prefill_chunk=ev.prefill_chunk,
         )
         total = sum(parts.values()) * SAFETY
         if total > best:
@@ -251,11 +252,11 @@ def run_row_bytes(exp: Any, method: Any, samples: Sequence[Any]) -> tuple[float,
     return best, tokens
 
 
-def _device(exp: Any):
+def _device(spec: RunSpec):
     """The run's device: the model's (``model.device_map``: its input embeddings' execution device)."""
     from .models.placement import main_device
 
-    return main_device(exp.model)
+    return main_device(spec.model)
 
 
 def check_index_fits(method: Any, shape: Shape, n: int, device: Any, building_rows: bool = False) -> None:
@@ -284,27 +285,27 @@ def check_index_fits(method: Any, shape: Shape, n: int, device: Any, building_ro
         )
 
 
-def check_tables(exp: Any, method: Any, samples: Sequence[Any]) -> None:
-    """``check_index_fits`` for the longest of ``samples`` on ``exp``'s model and device."""
+def check_tables(spec: RunSpec, method: Any, samples: Sequence[Any]) -> None:
+    """``check_index_fits`` for the longest of ``samples`` on the run's model and device."""
     cls = METHODS.get(_plain(method).get("name"))
     if cls is None or not cls.index_may_not_fit or not samples:
         return
-    n = max(sum(_work(exp.task, s)[:2]) for s in samples)
-    check_index_fits(method, Shape.of(exp.model), n, _device(exp), building_rows=exp.protocol in ("S", "B"))
+    n = max(sum(_work(spec.task, s)[:2]) for s in samples)
+    check_index_fits(method, Shape.of(spec.model), n, _device(spec), building_rows=spec.protocol in ("S", "B"))
 
 
-def check_batch(exp: Any, methods: Sequence[Any], samples: Sequence[Any]) -> None:
+def check_batch(spec: RunSpec, methods: Sequence[Any], samples: Sequence[Any]) -> None:
     """At start, on the CPU: refuses a run whose one row (its longest sample) does not fit the available host
     memory, or whose explicit ``eval.batch_size`` does not; names the batch that fits.  (On a GPU, ``auto``
     halves on out-of-memory instead.)"""
     for m in methods:
-        check_tables(exp, m, samples)
-    if _device(exp).type != "cpu" or not samples:
+        check_tables(spec, m, samples)
+    if _device(spec).type != "cpu" or not samples:
         return
     budget = HOST_FRACTION * host_memory_available()
     for m in methods:
-        per_row, tokens = run_row_bytes(exp, m, samples)
-        room = budget - fixed_bytes(Shape.of(exp.model), m)
+        per_row, tokens = run_row_bytes(spec, m, samples)
+        room = budget - fixed_bytes(Shape.of(spec.model), m)
         name = _plain(m).get("name")
         if per_row > room:
             raise ValueError(
@@ -312,8 +313,8 @@ def check_batch(exp: Any, methods: Sequence[Any], samples: Sequence[Any]) -> Non
                 f"activations, the method's index); this machine has {gb(host_memory_available())} available (a run "
                 f"plans with {HOST_FRACTION:.0%}); lower task.length or run it on a GPU"
             )
-        want = exp.batch_size
-        if isinstance(want, int) and want > 1 and exp.task.batched:
+        want = spec.batch_size
+        if isinstance(want, int) and want > 1 and spec.task.batched:
             rows = min(want, len(samples))
             if rows * per_row > room:
                 fit = max(1, int(room // per_row))
@@ -324,13 +325,13 @@ def check_batch(exp: Any, methods: Sequence[Any], samples: Sequence[Any]) -> Non
                 )
 
 
-def auto_batch_cap(exp: Any, method: Any, todo: Sequence[Any], size: int) -> int:
+def auto_batch_cap(spec: RunSpec, method: Any, todo: Sequence[Any], size: int) -> int:
     """``eval.batch_size=auto``'s first batch on the CPU: ``size`` (min(samples, 128)) capped by the rows whose
     estimated memory fits ``HOST_FRACTION`` of the available host memory (at least 1); ``size`` elsewhere."""
-    if size <= 1 or _device(exp).type != "cpu" or not todo:
+    if size <= 1 or _device(spec).type != "cpu" or not todo:
         return size
-    per_row, tokens = run_row_bytes(exp, method, todo)
-    room = HOST_FRACTION * host_memory_available() - fixed_bytes(Shape.of(exp.model), method)
+    per_row, tokens = run_row_bytes(spec, method, todo)
+    room = HOST_FRACTION * host_memory_available() - fixed_bytes(Shape.of(spec.model), method)
     fit = max(1, int(room // per_row)) if per_row > 0 else size
     if fit < size:
         log.info(

@@ -76,10 +76,9 @@ def _run(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
     exp = Experiment(cfg)
     methods = [exp.preflight(m) for m in exp.method_configs()]  # a run that cannot start writes nothing
-    check_batch(
-        exp, [m.config for m in methods], exp.samples()
-    )  # memory (MagicPIG's tables; on the CPU, the batch): refused here
-    check_long(exp, methods, log)  # on the CPU, over an hour: refused unless eval.allow_long=true
+    spec = exp.spec()
+    check_batch(spec, [m.config for m in methods], exp.samples())  # memory (MagicPIG's tables; on the CPU, the batch)
+    check_long(spec, methods, log)  # on the CPU, over an hour: refused unless eval.allow_long=true
     summaries, identities = [], []
     reused: list[tuple[int, int]] = []  # per run: (samples already saved at its start, expected)
     for m in methods:

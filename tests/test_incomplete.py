@@ -157,11 +157,9 @@ def test_batches_keep_the_strata_at_window_boundaries_and_length_inside():
         for i in range(n)
     ]
     task = SimpleNamespace(request=lambda s: SimpleNamespace(input_ids=[0] * s.data["n"]))
-    exp = SimpleNamespace(
-        samples=lambda: samples, cfg=SimpleNamespace(eval=SimpleNamespace(prefill_chunk=None)), protocol="A"
-    )
+    spec = SimpleNamespace(samples=lambda: samples, eval=SimpleNamespace(prefill_chunk=None), protocol="A")
     b = Batcher.__new__(Batcher)
-    b.exp, b.task, b.size = exp, task, 4
+    b.spec, b.task, b.size = spec, task, 4
     order = b._order(samples)
     window = b.size * ORDER_WINDOW_BATCHES
     total = len(samples)

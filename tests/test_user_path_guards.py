@@ -47,7 +47,7 @@ def _mock_memory(monkeypatch, available: float) -> None:
 def _per_row(exp: Experiment) -> float:
     (m,) = exp.method_configs()
     m = exp.preflight(m).config
-    return memory.run_row_bytes(exp, m, exp.samples())[0]
+    return memory.run_row_bytes(exp.spec(), m, exp.samples())[0]
 
 
 def test_auto_batch_is_sized_to_the_host_memory_on_the_cpu(tmp_path, monkeypatch):
@@ -70,7 +70,7 @@ def test_auto_batch_is_sized_to_the_host_memory_on_the_cpu(tmp_path, monkeypatch
     assert sizes == [2, 2, 1] and summary["batch_size"] == 2 and summary["samples"] == 5
     # plenty of memory: the usual start, min(samples, 128)
     _mock_memory(monkeypatch, 1e15)
-    assert memory.auto_batch_cap(exp, m, exp.samples(), 5) == 5
+    assert memory.auto_batch_cap(exp.spec(), m, exp.samples(), 5) == 5
 
 
 def test_a_run_whose_one_row_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
