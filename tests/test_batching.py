@@ -191,14 +191,10 @@ def test_out_of_memory_alone_stops_the_run_without_recording_a_failure(tmp_path,
     assert summary["samples"] == 4 and summary["failed"] == 0
 
 
-def test_auto_batch_halves_on_out_of_memory(tmp_path, monkeypatch):
-    from test_runner import cfg_for
-
-    from sparse_eval.experiment import Experiment
-
-    exp = Experiment(cfg_for(tmp_path, "method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=auto"))
-    orig = exp.task.run_batch
-    sizes = []
+def _room_for_two_rows(exp, monkeypatch) -> list[int]:
+    """``exp``'s task runs a batch of at most 2 rows; a larger one raises out-of-memory.  Returns the list that the
+    size of every batch tried is appended to."""
+    orig, sizes = exp.task.run_batch, []
 
     def small_memory(samples, engine):
         sizes.append(len(samples))
@@ -207,6 +203,16 @@ def test_auto_batch_halves_on_out_of_memory(tmp_path, monkeypatch):
         return orig(samples, engine)
 
     monkeypatch.setattr(exp.task, "run_batch", small_memory)
+    return sizes
+
+
+def test_auto_batch_halves_on_out_of_memory(tmp_path, monkeypatch):
+    from test_runner import cfg_for
+
+    from sparse_eval.experiment import Experiment
+
+    exp = Experiment(cfg_for(tmp_path, "method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=auto"))
+    sizes = _room_for_two_rows(exp, monkeypatch)
     summary = exp.run_method(exp.method_configs()[0])
     assert sizes == [5, 2, 2, 1] and summary["batch_size"] == 2
     assert summary["samples"] == 5 and summary["failed"] == 0
@@ -225,15 +231,7 @@ def test_a_fixed_batch_halves_on_out_of_memory_only_where_records_do_not_depend_
     args = ["method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=4"]
     args.append(f"eval.batch_invariant={str(invariant).lower()}")
     exp = Experiment(cfg_for(tmp_path / "a", *args))
-    orig, sizes = exp.task.run_batch, []
-
-    def small_memory(samples, engine):
-        sizes.append(len(samples))
-        if len(samples) > 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return orig(samples, engine)
-
-    monkeypatch.setattr(exp.task, "run_batch", small_memory)
+    sizes = _room_for_two_rows(exp, monkeypatch)
     _, run_dir = exp.run_dir(exp.method_configs()[0])
     summary = exp.run_method(exp.method_configs()[0], run_dir)
     assert summary["samples"] == 5 and summary["failed"] == 0
