@@ -41,8 +41,9 @@ class EvalConfig:
     # Default off until the kernel's records are checked on a GPU against the unfused ones (issue 51: pytest -m gpu,
     # the greedy predictions of RULER-4K's 650 samples); built and tested in Triton's interpreter only
     fused_attention: str = "off"
-    # samples per padded batch (a sample's record is the same in any batch with ``batch_invariant``); ``auto``:
-    # the largest that fits, from min(samples, 128) halving on out-of-memory (the size used is in the summary)
+    # samples per padded batch (a sample's record is the same in any batch with ``batch_invariant``, and then an int
+    # is halved on out-of-memory too); ``auto``: the largest that fits, from min(samples, 128) halving on
+    # out-of-memory (the size used is in the summary)
     batch_size: Any = 1
     # on the CPU, a run whose rough time estimate (``sparse_eval.estimate``) exceeds an hour is refused unless this
     # is true (it then only warns)
