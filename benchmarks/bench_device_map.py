@@ -96,7 +96,7 @@ def _run(label: str, overrides: list[str], methods: list[tuple[str, dict]]) -> d
     from hydra.core.global_hydra import GlobalHydra
 
     from sparse_eval.config import CONF_DIR, register_configs
-    from sparse_eval.experiment import Experiment
+    from sparse_eval.run.experiment import Experiment
     from sparse_eval.methods import make_config
     from sparse_eval.models.placement import device_map_of
 

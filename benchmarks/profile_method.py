@@ -17,7 +17,7 @@ from bench_accuracy_path import build_model, time_decode  # noqa: E402
 from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, make_cache  # noqa: E402
 from sparse_eval.methods import build_method, make_config  # noqa: E402
 from sparse_eval.models.inspection import head_shape  # noqa: E402
-from sparse_eval.run_config import method_options  # noqa: E402
+from sparse_eval.run.run_config import method_options  # noqa: E402
 
 
 def main() -> None:

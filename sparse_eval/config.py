@@ -45,7 +45,7 @@ class EvalConfig:
     # is halved on out-of-memory too); ``auto``: the largest that fits, from min(samples, 128) halving on
     # out-of-memory (the size used is in the summary)
     batch_size: Any = 1
-    # on the CPU, a run whose rough time estimate (``sparse_eval.estimate``) exceeds an hour is refused unless this
+    # on the CPU, a run whose rough time estimate (``sparse_eval.run.estimate``) exceeds an hour is refused unless this
     # is true (it then only warns)
     allow_long: bool = False
 

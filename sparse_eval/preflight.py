@@ -86,9 +86,9 @@ def check_job(cfg: Any, models: dict, local: bool, model_checked: bool = True) -
     """Everything a job's run checks at its start that needs neither the model's weights nor its tokenizer;
     raises the single run's error (ValueError / FileNotFoundError).  Without a readable model config
     (``model_checked`` false) only what does not depend on the model."""
-    from .experiment import Experiment
-    from .memory import Shape, check_index_fits
-    from .run_config import check_method
+    from .run.experiment import Experiment
+    from .run.memory import Shape, check_index_fits
+    from .run.run_config import check_method
 
     exp = Experiment(cfg)  # the task (options, data files), protocol, prefill chunk, batch size
     methods = exp.method_configs()  # every method's options

@@ -3,7 +3,7 @@ function of its config (so sweeps can skip and resume).
 
 ``run(cfg)`` answers a launch whose runs all finished from the launch cache (``sparse_eval.launch``) without
 importing torch or loading the model; otherwise it checks every method before any run starts (``Experiment``,
-``sparse_eval.experiment``: the model, the data, memory and time on the CPU), runs or reads back each method's run
+``sparse_eval.run.experiment``: the model, the data, memory and time on the CPU), runs or reads back each method's run
 under its run dir's lock, records a failure in the run dir, and prints the table (``sparse_eval.results_table``).
 
 The parts: ``run_config`` (the config's methods composed and checked), ``experiment`` (one run's work),
@@ -70,9 +70,9 @@ def run(cfg: Any, use_cache: bool = True) -> list[dict[str, Any]]:
 def _run(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``run`` the normal way: loads the model and the samples, runs or reads back each method's run; returns
     (summaries, identities)."""
-    from .estimate import check_long
-    from .experiment import Experiment
-    from .memory import check_batch
+    from .run.estimate import check_long
+    from .run.experiment import Experiment
+    from .run.memory import check_batch
 
     exp = Experiment(cfg)
     methods = [exp.preflight(m) for m in exp.method_configs()]  # a run that cannot start writes nothing

@@ -119,7 +119,7 @@ def test_oracle_draws_follow_the_sample_id(stories):
 def test_resume_after_kill_in_the_middle_of_a_batch(tmp_path, monkeypatch):
     from test_runner import cfg_for
 
-    from sparse_eval.experiment import Experiment
+    from sparse_eval.run.experiment import Experiment
 
     over = ("method=oracle", "task.num_samples=6", "task.window=64", "eval.batch_size=4")
     exp = Experiment(cfg_for(tmp_path, *over))
@@ -155,7 +155,7 @@ def test_resume_after_kill_in_the_middle_of_a_batch(tmp_path, monkeypatch):
 def test_batch_size_is_checked_at_start(tmp_path):
     from test_runner import cfg_for
 
-    from sparse_eval.experiment import Experiment
+    from sparse_eval.run.experiment import Experiment
 
     for bad in ("0", "many"):
         with pytest.raises(ValueError, match="eval.batch_size"):
@@ -167,7 +167,7 @@ def test_out_of_memory_alone_stops_the_run_without_recording_a_failure(tmp_path,
     stops with an error, the samples that finished are kept, and the same command resumes the rest."""
     from test_runner import cfg_for
 
-    from sparse_eval.experiment import Experiment
+    from sparse_eval.run.experiment import Experiment
     from sparse_eval.store import SAMPLES_FILE, read_samples
 
     cfg = cfg_for(tmp_path, "method=topk", "task.num_samples=4", "task.window=64", "eval.batch_size=2")
@@ -209,7 +209,7 @@ def _room_for_two_rows(exp, monkeypatch) -> list[int]:
 def test_auto_batch_halves_on_out_of_memory(tmp_path, monkeypatch):
     from test_runner import cfg_for
 
-    from sparse_eval.experiment import Experiment
+    from sparse_eval.run.experiment import Experiment
 
     exp = Experiment(cfg_for(tmp_path, "method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=auto"))
     sizes = _room_for_two_rows(exp, monkeypatch)
@@ -225,7 +225,7 @@ def test_a_fixed_batch_halves_on_out_of_memory_only_where_records_do_not_depend_
     plain mode, where a record depends on its batch, the failing batch runs one sample at a time as before."""
     from test_runner import cfg_for
 
-    from sparse_eval.experiment import Experiment
+    from sparse_eval.run.experiment import Experiment
     from sparse_eval.store import SAMPLES_FILE, read_samples
 
     args = ["method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=4"]

@@ -34,7 +34,7 @@ from sparse_eval.overlap import (
     words,
 )
 from sparse_eval.config import CONF_DIR
-from sparse_eval.experiment import Experiment
+from sparse_eval.run.experiment import Experiment
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "sparse_eval" / "calibration"

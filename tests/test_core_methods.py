@@ -305,7 +305,7 @@ def test_fused_attention_enters_the_identity_only_where_it_runs(tmp_path, monkey
     from hydra import compose, initialize_config_dir
 
     from sparse_eval.config import CONF_DIR, register_configs
-    from sparse_eval.experiment import Experiment
+    from sparse_eval.run.experiment import Experiment
 
     register_configs()
     monkeypatch.setenv("SPARSE_EVAL_CACHE_DIR", str(tmp_path / "cache"))

@@ -171,7 +171,7 @@ def test_a_run_over_a_map_files_its_records_where_the_one_device_run_does(tmp_pa
     of the run without it, and the same records (wall times apart)."""
     from test_runner import cfg_for
 
-    from sparse_eval.experiment import Experiment
+    from sparse_eval.run.experiment import Experiment
 
     over = (
         "method=topk",

@@ -17,7 +17,7 @@ import torch
 from sparse_eval.attention.plugin import Runtime, SparseCache, attach, cache_kwargs, detach, make_cache
 from sparse_eval.methods import build_method, make_config
 from sparse_eval.methods.base import CacheTrackedState
-from sparse_eval.run_config import method_options
+from sparse_eval.run.run_config import method_options
 
 STORIES = Path(__file__).resolve().parents[1] / "sparse_eval" / "models" / "stories260K"
 PACKAGE = str(Path(__file__).resolve().parents[1] / "sparse_eval")

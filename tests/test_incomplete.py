@@ -130,7 +130,7 @@ def _shares_ok(order_strata: list, sizes: dict, slack: float) -> bool:
 
 
 def test_every_prefix_of_the_order_holds_each_subtasks_share():
-    from sparse_eval.ordering import stratified_order
+    from sparse_eval.run.ordering import stratified_order
 
     sizes = {f"t{k}": n for k, n in enumerate([50] * 10 + [20, 7, 1])}
     ids = [f"{g}-{i:04d}" for g, n in sizes.items() for i in range(n)]  # the task's order: subtask by subtask
@@ -147,8 +147,8 @@ def test_every_prefix_of_the_order_holds_each_subtasks_share():
 def test_batches_keep_the_strata_at_window_boundaries_and_length_inside():
     """The runner's order (``Batcher``): stratified at every window of ORDER_WINDOW_BATCHES batches, each window
     sorted by prompt length, longest first; a resumed run keeps the same order for what is left."""
-    from sparse_eval.ordering import ORDER_WINDOW_BATCHES
-    from sparse_eval.batching import Batcher
+    from sparse_eval.run.ordering import ORDER_WINDOW_BATCHES
+    from sparse_eval.run.batching import Batcher
 
     sizes = {"a": 24, "b": 12, "c": 12}
     samples = [

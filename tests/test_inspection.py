@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sparse_eval.memory import Shape
+from sparse_eval.run.memory import Shape
 from sparse_eval.models.inspection import HeadShape, head_shape
 
 

@@ -433,7 +433,7 @@ def test_a_run_killed_in_a_batch_resumes_to_the_records_of_an_unbroken_run(tmp_p
     from conftest import records_by_id
     from test_runner import cfg_for
 
-    from sparse_eval.experiment import Experiment
+    from sparse_eval.run.experiment import Experiment
 
     over = (
         "method=full",

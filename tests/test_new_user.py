@@ -28,7 +28,7 @@ def cfg_for(runs: Path, *overrides):
 
 
 def _no_load(monkeypatch):
-    import sparse_eval.experiment as experiment
+    import sparse_eval.run.experiment as experiment
 
     def load_model(*a, **k):
         raise AssertionError("the model was loaded before the runs folder was checked")
@@ -106,7 +106,7 @@ def test_a_corrupt_sample_line_is_reported_recomputed_and_not_complete(tmp_path,
 
 def test_the_setup_says_what_it_does(tmp_path, caplog):
     """A RULER sample on the CPU took minutes with nothing on the screen: each step of the setup is now a log line."""
-    from sparse_eval.experiment import Experiment
+    from sparse_eval.run.experiment import Experiment
 
     ruler = ("task=ruler", "task.length=512", "task.haystack=noise", "task.subtasks=[niah_single_1]")
     with caplog.at_level(logging.INFO, logger="sparse_eval"):

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 
 from sparse_eval.config import register_configs
 from sparse_eval.config import CONF_DIR
-from sparse_eval.experiment import Experiment
+from sparse_eval.run.experiment import Experiment
 from sparse_eval.store import run_dir_for
 
 REPO = Path(__file__).resolve().parents[1]

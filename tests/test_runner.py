@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from conftest import jsonl_records
 from sparse_eval.config import register_configs
 from sparse_eval.config import CONF_DIR
-from sparse_eval.experiment import Experiment
+from sparse_eval.run.experiment import Experiment
 from sparse_eval.runner import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +87,7 @@ def test_single_method_run_writes_the_store(tmp_path):
     meta = json.loads((run_dir / "meta.json").read_text())
     assert "torch" in meta["versions"] and "cpu_count" in meta["hardware"] and "commit" in meta["git"]
     recs = read_samples(run_dir)
-    assert sorted(r["id"] for r in recs) == ["w00000", "w00001"]  # in the stratified order (sparse_eval.ordering)
+    assert sorted(r["id"] for r in recs) == ["w00000", "w00001"]  # in the stratified order (sparse_eval.run.ordering)
     assert all(r["status"] == "ok" and 0 < r["cost2"] < 1 and r["cost1"] == 0.5 for r in recs)
     assert summary["protocol"] == "S" and summary["dense_layers"] == [0, 1] and summary["sink"] == 4
 

@@ -14,7 +14,7 @@ import torch
 from test_runner import cfg_for
 
 from sparse_eval.methods import METHODS, attend, build_method, make_config
-from sparse_eval.experiment import Experiment
+from sparse_eval.run.experiment import Experiment
 from sparse_eval.runner import run
 
 VOLATILE = {"time_s"}

@@ -17,7 +17,7 @@ from sparse_eval.config import register_configs
 from sparse_eval.methods import build_method, make_config
 from sparse_eval.store import run_dir_for
 from sparse_eval.config import CONF_DIR
-from sparse_eval.experiment import Experiment
+from sparse_eval.run.experiment import Experiment
 from sparse_eval.runner import run
 
 REPO = Path(__file__).resolve().parents[1]

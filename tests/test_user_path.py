@@ -296,7 +296,7 @@ def test_read_only_store_prints_finished_runs_and_refuses_new_ones(tmp_path, mon
 
 
 def test_interrupt_says_where_the_run_stopped(tmp_path, monkeypatch, capsys):
-    import sparse_eval.experiment as experiment
+    import sparse_eval.run.experiment as experiment
     from sparse_eval.cli import EXIT_INTERRUPTED, interrupted
 
     def stop(self, m, run_dir=None, identity=None):
@@ -425,7 +425,7 @@ def test_progress_label_is_short():
 def test_cpu_estimate_over_an_hour_is_told(stories, caplog, monkeypatch):
     import logging
 
-    from sparse_eval import estimate
+    from sparse_eval.run import estimate
     from sparse_eval.tasks.base import Sample
 
     model, _ = stories
@@ -444,7 +444,7 @@ def test_cpu_estimate_over_an_hour_is_told(stories, caplog, monkeypatch):
 def test_cpu_estimate_counts_generated_tokens_and_measures_the_model(stories, monkeypatch):
     from types import SimpleNamespace
 
-    from sparse_eval import estimate
+    from sparse_eval.run import estimate
     from sparse_eval.tasks.base import Sample
 
     model, _ = stories

@@ -17,10 +17,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from sparse_eval import memory
+from sparse_eval.run import memory
 from sparse_eval.config import register_configs
 from sparse_eval.config import CONF_DIR
-from sparse_eval.experiment import Experiment
+from sparse_eval.run.experiment import Experiment
 from sparse_eval.runner import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def test_host_memory_is_read_within_the_cgroup_limit(monkeypatch):
 
 
 def test_a_long_cpu_run_asks_for_the_flag_and_a_finished_one_does_not(tmp_path, monkeypatch, caplog):
-    from sparse_eval import estimate
+    from sparse_eval.run import estimate
 
     monkeypatch.setattr(estimate, "model_flop_rate", lambda m, invariant=False: 1e3)  # 1 sample would take hours
     args = ("method=full", "task.num_samples=1", "task.window=64")
@@ -285,7 +285,7 @@ def test_a_failed_write_leaves_no_temporary_file_and_a_rerun_removes_stale_ones(
 
 
 def test_sigterm_stops_a_run_like_ctrl_c(tmp_path, monkeypatch, capsys):
-    import sparse_eval.experiment as experiment
+    import sparse_eval.run.experiment as experiment
     from sparse_eval import cli
 
     previous = signal.signal(signal.SIGTERM, cli._on_sigterm)  # as hydra_entry installs it

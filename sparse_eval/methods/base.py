@@ -459,7 +459,7 @@ class Method:
         each head read its own selection (the G heads of a KV group sharing reads is not deducted)."""
         return ctx.n_valid.squeeze(-1).to(torch.float32) * (ctx.k.shape[-1] * ctx.k.element_size())
 
-    # -- what the memory estimate asks (``sparse_eval.memory``), from a config ``params`` --------------------------
+    # -- what the memory estimate asks (``sparse_eval.run.memory``), from a config ``params`` --------------------------
     @classmethod
     def index_memory(
         cls, params: Mapping[str, Any], shape: Any, n: int, sparse_layers: int, building_rows: bool = False

@@ -21,8 +21,8 @@ GiB = 1 << 30
 
 def host_memory_available() -> float:
     """MemAvailable of /proc/meminfo in bytes, within the cgroup's limit (16 GiB where neither can be read): the
-    accuracy path's estimate reads the same (``sparse_eval.memory.host_memory_available``)."""
-    from ..memory import host_memory_available as available
+    accuracy path's estimate reads the same (``sparse_eval.run.memory.host_memory_available``)."""
+    from ..run.memory import host_memory_available as available
 
     return available()
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import EvalConfig
+from ..config import EvalConfig
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .attention.plugin import check_sparse_layers, layer_plan
-from .config import CONF_DIR, to_plain
-from .methods import Method, MethodConfig, build_method, compare_names
-from .methods.base import resolve_dense_layers
-from .seeds import seeded_configs
+from ..attention.plugin import check_sparse_layers, layer_plan
+from ..config import CONF_DIR, to_plain
+from ..methods import Method, MethodConfig, build_method, compare_names
+from ..methods.base import resolve_dense_layers
+from ..seeds import seeded_configs
 
 
 def method_options(name: str) -> dict[str, Any]:
@@ -27,7 +27,7 @@ def methods_options(names: list[str]) -> list[dict[str, Any]]:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import MissingConfigException
 
-    from .config import register_configs
+    from ..config import register_configs
 
     register_configs()
     overrides = [f"+method@method._m{i}={name}" for i, name in enumerate(names)]

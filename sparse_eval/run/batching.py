@@ -1,4 +1,4 @@
-"""A run's samples in batches: the processing order (``sparse_eval.ordering``), the batch halved on out-of-memory
+"""A run's samples in batches: the processing order (``sparse_eval.run.ordering``), the batch halved on out-of-memory
 (``eval.batch_size=auto``, or any size in the batch-invariant mode), a failing batch rerun one sample at a time, and
 each sample's record (the task's fields and the session's statistics)."""
 
@@ -28,7 +28,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 class Batcher:
-    """Yields the records of the samples still to run, batch by batch, in the order of ``sparse_eval.ordering``
+    """Yields the records of the samples still to run, batch by batch, in the order of ``sparse_eval.run.ordering``
     (subtasks interleaved so that a partial run is an unbiased subset; within windows of a few batches, samples of
     similar prompt length together; under protocol S with ``prefill_chunk`` only samples whose lengths agree modulo
     the chunk share a batch, so each row sees its own chunk boundaries).  On out-of-memory the batch is halved, and
@@ -47,7 +47,7 @@ class Batcher:
         self.halve_on_oom = self.auto or spec.eval.batch_invariant
         batched = self.task.batched and len(todo) > 1
         self.size = 1 if not batched else min(len(todo), AUTO_BATCH_START) if self.auto else want
-        if self.auto:  # on the CPU: no larger than the rows that fit the host memory (sparse_eval.memory)
+        if self.auto:  # on the CPU: no larger than the rows that fit the host memory (sparse_eval.run.memory)
             self.size = auto_batch_cap(spec, session.method.config, todo, self.size)
         self.used: int | None = None
         self.todo = self._order(todo)

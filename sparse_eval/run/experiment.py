@@ -14,24 +14,24 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan
+from ..attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan
 from .batching import RECORD_STATS, Batcher
-from .verdicts.claims import claims_record
-from .config import to_plain
-from .engine import Engine
+from ..verdicts.claims import claims_record
+from ..config import to_plain
+from ..engine import Engine
 from .estimate import sample_tokens
-from .fingerprint import file_sha256
-from .methods import Method, MethodConfig, build_method, make_config
-from .methods.core import fused_attention_used
-from .models.inspection import sliding_layers
-from .models.loading import ModelConfig, load_model, max_context, model_identity
-from .models.placement import device_map_of
-from .overlap import check_method as check_calibration_overlap
-from .results_table import short_label
+from ..fingerprint import file_sha256
+from ..methods import Method, MethodConfig, build_method, make_config
+from ..methods.core import fused_attention_used
+from ..models.inspection import sliding_layers
+from ..models.loading import ModelConfig, load_model, max_context, model_identity
+from ..models.placement import device_map_of
+from ..overlap import check_method as check_calibration_overlap
+from ..results_table import short_label
 from .run_config import check_batch_size, check_method, method_configs
-from .seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds
-from .statistics import score_interval
-from .store import (
+from ..seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds
+from ..statistics import score_interval
+from ..store import (
     SAMPLES_FILE,
     SampleLog,
     record_segment,
@@ -42,8 +42,8 @@ from .store import (
     write_summary,
 )
 from .run_spec import RunSpec, eval_config
-from .tasks import build_task
-from .wandb_logger import WandbLogger
+from ..tasks import build_task
+from ..wandb_logger import WandbLogger
 
 log = logging.getLogger("sparse_eval")
 

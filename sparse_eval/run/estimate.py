@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .models.placement import main_device
+from ..models.placement import main_device
 from .run_spec import RunSpec
 
 WARN_S = 3600.0
@@ -29,7 +29,7 @@ PROBE_TOKENS = 128
 def model_flop_rate(model: Any, batch_invariant: bool = False, tokens: int = PROBE_TOKENS) -> float:
     """FLOP/s of this model's own forward pass over ``tokens`` tokens on this CPU, in the run's kernel mode
     (``batch_invariant``): the faster of two passes, the first also warming up."""
-    from .invariance import batch_invariant as invariant_kernels
+    from ..invariance import batch_invariant as invariant_kernels
 
     cfg = model.config.get_text_config()
     limit = getattr(cfg, "max_position_embeddings", None) or tokens
@@ -114,7 +114,7 @@ def warn_if_long(
 def remaining_samples(spec: RunSpec, methods: Sequence[Any]) -> list[list[Any]]:
     """Per method, the samples it still has to run (those not yet in its run directory's samples.jsonl; with
     ``eval.rerun_failed`` the failed ones too): a re-run on saved results costs nothing."""
-    from .store import SAMPLES_FILE, read_samples
+    from ..store import SAMPLES_FILE, read_samples
 
     samples = spec.samples()
     rerun = spec.eval.rerun_failed

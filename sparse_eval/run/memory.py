@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .methods.registry import METHODS, is_dense
+from ..methods.registry import METHODS, is_dense
 from .run_spec import RunSpec
 
 log = logging.getLogger("sparse_eval")
@@ -115,7 +115,7 @@ class Shape:
 
     @classmethod
     def from_config(cls, config: Any, elem: int = 4) -> "Shape":
-        from .models.inspection import head_shape
+        from ..models.inspection import head_shape
 
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         hs = head_shape(cfg)
@@ -142,7 +142,7 @@ def _plain(method: Any) -> dict[str, Any]:
 
 
 def _sparse_layers(method: dict[str, Any], layers: int) -> int:
-    from .methods.base import resolve_dense_layers
+    from ..methods.base import resolve_dense_layers
 
     if is_dense(method.get("name")):
         return 0
@@ -214,7 +214,7 @@ def fixed_bytes(shape: Shape, method: Any) -> int:
 
 def _work(task: Any, sample: Any) -> tuple[int, int, bool]:
     """(prompt tokens, new tokens, log-likelihood?) of one sample."""
-    from .engine import LoglikelihoodRequest
+    from ..engine import LoglikelihoodRequest
     from .estimate import sample_tokens
 
     try:
@@ -254,7 +254,7 @@ def run_row_bytes(spec: RunSpec, method: Any, samples: Sequence[Any]) -> tuple[f
 
 def _device(spec: RunSpec):
     """The run's device: the model's (``model.device_map``: its input embeddings' execution device)."""
-    from .models.placement import main_device
+    from ..models.placement import main_device
 
     return main_device(spec.model)
 
