@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from sparse_eval.run import experiment, launch, runner
+from sparse_eval import launch, runner
+from sparse_eval.run import experiment
 from sparse_eval.config import CONF_DIR, register_configs
 from sparse_eval.store import SAMPLES_FILE, SUMMARY_FILE
 
