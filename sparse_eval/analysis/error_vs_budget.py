@@ -424,8 +424,9 @@ def run(model_cfg, opts: ErrorOptions) -> dict[str, Any]:
 
     def save(p: int, recs: list[dict[str, Any]]) -> None:
         line = {"key": key, "passage": p, "git": started["git"], "records": common.jsonable(recs)}
+        cut = partial.is_file() and partial.stat().st_size and not partial.read_bytes().endswith(b"\n")
         with partial.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(("\n" if cut else "") + json.dumps(line) + "\n")  # after a line cut short: a line of its own
             f.flush()
 
     if done:
