@@ -496,8 +496,8 @@ def test_estimates_are_refused_on_a_sliding_layer(stories):
 
 def test_error_vs_budget_resumes_where_it_stopped(stories, tmp_path, monkeypatch):
     """A run stopped after its first passage keeps it (``error_records.partial.jsonl``; a line cut short by the kill
-    is dropped); the same command measures only the rest and gives the records of a run never stopped; the finished files replace the partial one, and
-    a partial file of other options is refused."""
+    is dropped); the same command measures only the rest and gives the records of a run never stopped; the finished
+    files replace the partial one, and a partial file of other options is refused."""
     model, tok = stories
     model_cfg = common.ModelConfig(name="stories260k", path="", device="cpu", dtype="float32")
     monkeypatch.setattr(common, "load", lambda cfg: (model, tok, 512))
@@ -518,7 +518,8 @@ def test_error_vs_budget_resumes_where_it_stopped(stories, tmp_path, monkeypatch
         error_vs_budget.run(model_cfg, opts)
     partial = tmp_path / "b" / error_vs_budget.PARTIAL
     assert len(partial.read_text().splitlines()) == 1
-    partial.write_text(partial.read_text() + '{"key": "a line cut sh')  # killed while writing the second passage
+    # killed while writing the second passage: a line cut short
+    partial.write_text(partial.read_text() + '{"key": "a line cut sh')
     calls.clear()
     monkeypatch.setattr(error_vs_budget, "_measure_passage", lambda *a, **k: calls.append(a[8]) or real(*a, **k))
     resumed = error_vs_budget.run(model_cfg, opts)
