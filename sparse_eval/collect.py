@@ -468,8 +468,15 @@ def collect(
     return df.sort_values(
         ["task", "model", "method", "method_config", "subtask", "length"],
         na_position="first",
-        key=lambda s: s.astype(str),
+        key=_sort_key,
     ).reset_index(drop=True)
+
+
+def _sort_key(col: Any) -> Any:
+    """The table's order: lengths as numbers (4K before 16K), every other column as text."""
+    import pandas as pd
+
+    return pd.to_numeric(col, errors="coerce") if col.name == "length" else col.astype(str)
 
 
 # the rows a method is compared with full attention on: same model as loaded, task config, evaluation, subtask, length

@@ -156,3 +156,14 @@ def test_lm_eval_rows_count_documents_not_pieces(tmp_path):
     (short,) = run_rows(run_dir)
     done = sum(json.loads(line)["documents"] for line in lines[:6])
     assert short["samples"] == done < short["expected_samples"] == done + round(2 * done / 6)
+
+
+def test_lengths_are_ordered_as_numbers(tmp_path):
+    """The table's rows of one configuration run from the shortest context to the longest (4K before 16K), not in
+    the text order of the lengths: the committed Qwen2.5-Coder-1.5B RULER runs at 4K-32K."""
+    archive = Path(__file__).resolve().parents[1] / "experiments" / "ruler_qwen2_5_coder_1_5b" / "runs.tar.gz"
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path, members=[m for m in tar.getmembers() if m.name.startswith("runs/q/ruler/")])
+    df = collect(tmp_path / "runs" / "q")
+    full = df[(df["method"] == "full") & (df["subtask"] == "all")]
+    assert [int(x) for x in full["length"]] == [4096, 8192, 16384, 32768]
