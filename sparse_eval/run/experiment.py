@@ -15,11 +15,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan
-from .batching import RECORD_STATS, Batcher
-from ..verdicts.claims import claims_record
 from ..config import to_plain
 from ..engine import Engine
-from .estimate import sample_tokens
 from ..fingerprint import file_sha256
 from ..methods import Method, MethodConfig, build_method, make_config
 from ..methods.core import fused_attention_used
@@ -28,7 +25,6 @@ from ..models.loading import ModelConfig, load_model, max_context, model_identit
 from ..models.placement import device_map_of
 from ..overlap import check_method as check_calibration_overlap
 from ..results_table import short_label
-from .run_config import check_batch_size, check_method, method_configs
 from ..seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds
 from ..statistics import score_interval
 from ..store import (
@@ -41,9 +37,13 @@ from ..store import (
     write_progress,
     write_summary,
 )
-from .run_spec import RunSpec, eval_config
 from ..tasks import build_task
+from ..verdicts.claims import claims_record
 from ..wandb_logger import WandbLogger
+from .batching import RECORD_STATS, Batcher
+from .estimate import sample_tokens
+from .run_config import check_batch_size, check_method, method_configs
+from .run_spec import RunSpec, eval_config
 
 log = logging.getLogger("sparse_eval")
 
@@ -209,20 +209,22 @@ class Experiment:
             record_segment(run_dir, len(samples) - len(todo), first=first_start)
         self._provenance = method.provenance()
         torch.manual_seed(method_cfg.seed)
+        spec = self.spec()
+        ev = spec.eval
         session = attach(
             self.model,
             method,
             Runtime(
                 self.protocol,
-                self.cfg.eval.compute_error,
-                self.cfg.eval.query_chunk,
-                batch_invariant=self.cfg.eval.batch_invariant,
-                fused_attention=self.cfg.eval.get("fused_attention", "off"),
+                ev.compute_error,
+                ev.query_chunk,
+                batch_invariant=ev.batch_invariant,
+                fused_attention=ev.fused_attention,
             ),
         )
-        engine = Engine(self.model, self.tokenizer, session, self.cfg.eval.prefill_chunk)
+        engine = Engine(self.model, self.tokenizer, session, ev.prefill_chunk)
         logger = WandbLogger(self.cfg.logger, run_dir, identity)
-        batcher = Batcher(self.spec(), session, engine, todo)
+        batcher = Batcher(spec, session, engine, todo)
         label = short_label(identity["method"])
         if todo:  # the bar below moves when a batch finishes: on a CPU the first one can take minutes
             longest = max((sample_tokens(s) for s in todo), default=0)
