@@ -36,7 +36,7 @@ from sparse_eval.config import register_configs  # noqa: E402
 from sparse_eval.provenance import provenance  # noqa: E402
 from sparse_eval.config import CONF_DIR  # noqa: E402
 from sparse_eval.run.experiment import Experiment  # noqa: E402
-from sparse_eval.results_table import short_config  # noqa: E402
+from sparse_eval.results.results_table import short_config  # noqa: E402
 from sparse_eval.run.run_config import method_options  # noqa: E402
 from sparse_eval.methods import make_config  # noqa: E402
 from sparse_eval.tasks import ruler_data as rd  # noqa: E402

@@ -155,7 +155,7 @@ def bars(text: str) -> list[dict[str, Any]]:
 
 
 def _label(method: dict[str, Any]) -> str:
-    from sparse_eval.results_table import short_label
+    from sparse_eval.results.results_table import short_label
 
     return short_label(method)
 

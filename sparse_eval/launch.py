@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .hydra_support import CONF_DIR
-from .store import SUMMARY_FILE, read_json, write_json
+from .results.store import SUMMARY_FILE, read_json, write_json
 
 log = logging.getLogger("sparse_eval")
 
@@ -231,7 +231,7 @@ def watched_dirs(files: Iterable[str], data_dir: str | None) -> list[str]:
 
 def finished(run_dirs: list[str]) -> list[dict[str, Any]] | None:
     """The saved summaries of ``run_dirs`` when every one is ``done``; None otherwise."""
-    from .status import run_state
+    from .results.status import run_state
 
     out = []
     for d in run_dirs:
@@ -272,7 +272,7 @@ def reuse(cfg: Any) -> list[dict[str, Any]] | None:
         return None
     if cfg.get("print_table", True):
         from .config import to_plain
-        from .results_table import print_results
+        from .results.results_table import print_results
         from .tasks import build_task
 
         task = build_task(to_plain(cfg.task), data_dir=cfg.paths.data_dir)

@@ -63,7 +63,7 @@ def job_errors(cfg: Any, models: dict, local: bool) -> list[str]:
     (``check_job``), one line each; [] when it can start."""
     from .config import to_plain
     from .models.loading import ModelConfig
-    from .store import check_runs_dir
+    from .results.store import check_runs_dir
 
     errors = []
     try:

@@ -4,7 +4,7 @@ function of its config (so sweeps can skip and resume).
 ``run(cfg)`` answers a launch whose runs all finished from the launch cache (``sparse_eval.launch``) without
 importing torch or loading the model; otherwise it checks every method before any run starts (``Experiment``,
 ``sparse_eval.run.experiment``: the model, the data, memory and time on the CPU), runs or reads back each method's run
-under its run dir's lock, records a failure in the run dir, and prints the table (``sparse_eval.results_table``).
+under its run dir's lock, records a failure in the run dir, and prints the table (``results.results_table``).
 
 The parts: ``run_config`` (the config's methods composed and checked), ``experiment`` (one run's work),
 ``batching`` (order, batches, out-of-memory), ``wandb_logger``, ``results_table`` and ``statistics`` (the table
@@ -21,9 +21,9 @@ from typing import Any
 
 from . import launch
 from .fingerprint import recording
-from .results_table import print_results
-from .status import run_state
-from .store import (
+from .results.results_table import print_results
+from .results.status import run_state
+from .results.store import (
     PROGRESS_FILE,
     SUMMARY_FILE,
     RunsDirError,
@@ -103,7 +103,7 @@ def _run(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         except KeyboardInterrupt as exc:  # nothing to record: the run resumes at its next sample
             exc.run_dir = str(run_dir)  # type: ignore[attr-defined]
             raise
-        except Exception as exc:  # recorded in the run dir (failed.json) for sweeps and `sparse_eval.status`
+        except Exception as exc:  # recorded in the run dir (failed.json) for sweeps and `sparse_eval.results.status`
             try:
                 write_failure(run_dir, exc)
             except OSError as werr:  # the store went away or read-only: the run's own error is what matters

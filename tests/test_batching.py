@@ -168,7 +168,7 @@ def test_out_of_memory_alone_stops_the_run_without_recording_a_failure(tmp_path,
     from test_runner import cfg_for
 
     from sparse_eval.run.experiment import Experiment
-    from sparse_eval.store import SAMPLES_FILE, read_samples
+    from sparse_eval.results.store import SAMPLES_FILE, read_samples
 
     cfg = cfg_for(tmp_path, "method=topk", "task.num_samples=4", "task.window=64", "eval.batch_size=2")
     exp = Experiment(cfg)
@@ -226,7 +226,7 @@ def test_a_fixed_batch_halves_on_out_of_memory_only_where_records_do_not_depend_
     from test_runner import cfg_for
 
     from sparse_eval.run.experiment import Experiment
-    from sparse_eval.store import SAMPLES_FILE, read_samples
+    from sparse_eval.results.store import SAMPLES_FILE, read_samples
 
     args = ["method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=4"]
     args.append(f"eval.batch_invariant={str(invariant).lower()}")

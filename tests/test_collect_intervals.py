@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sparse_eval.collect import add_paired_differences, collect
-from sparse_eval.statistics import ScoreTerms
+from sparse_eval.results.collect import add_paired_differences, collect
+from sparse_eval.results.statistics import ScoreTerms
 
 RUNS = Path(__file__).resolve().parents[1] / "experiments" / "ruler_smollm2_intervals" / "runs_8k.tar.gz"
 
@@ -131,9 +131,9 @@ def test_lm_eval_rows_count_documents_not_pieces(tmp_path):
     every piece finished and at the finished pieces' mean before, so that a run cut short still shows as such."""
     import json
 
-    from sparse_eval.collect import _task, run_rows
-    from sparse_eval.results_table import pool_seeds
-    from sparse_eval.store import read_identity
+    from sparse_eval.results.collect import _task, run_rows
+    from sparse_eval.results.results_table import pool_seeds
+    from sparse_eval.results.store import read_identity
 
     folder = "runs_lm/lm_eval/smollm2_135m/full-e41f22d7ad"  # full attention on GSM8K-CoT
     with tarfile.open(LM_RUNS) as tar:

@@ -64,7 +64,7 @@ def test_a_limited_run_is_its_own_run_never_pooled_or_paired_with_another_limit(
     pools it with the 2-sample run of the same method."""
     from hydra import compose, initialize_config_dir
 
-    from sparse_eval.collect import collect
+    from sparse_eval.results.collect import collect
     from sparse_eval.config import CONF_DIR, register_configs
     from sparse_eval.runner import run
 

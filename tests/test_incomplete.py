@@ -23,9 +23,9 @@ def _lines(run_dir) -> list[str]:
 
 
 def test_failed_sample_is_never_done_and_the_same_command_retries_only_it(tmp_path, monkeypatch):
-    from sparse_eval.collect import collect
+    from sparse_eval.results.collect import collect
     from sparse_eval.report.tables import score_intervals, to_markdown
-    from sparse_eval.status import run_state
+    from sparse_eval.results.status import run_state
     from sparse_eval.tasks.wikitext import Wikitext as WikiText
 
     (full,) = run(cfg_for(tmp_path, "method=full", *OVER))
@@ -55,7 +55,7 @@ def test_failed_sample_is_never_done_and_the_same_command_retries_only_it(tmp_pa
     line = next(x for x in md.splitlines() if "| TopK" in x)
     assert "incomplete: 2/3" in line and " *" not in line and "never marked significant" in md
     out = subprocess.run(
-        [sys.executable, "-m", "sparse_eval.status", str(tmp_path)],
+        [sys.executable, "-m", "sparse_eval.results.status", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -78,7 +78,7 @@ def test_failed_sample_is_never_done_and_the_same_command_retries_only_it(tmp_pa
 
 def test_keeping_the_errors_leaves_the_run_incomplete(tmp_path, monkeypatch):
     """eval.rerun_failed=false keeps a failed sample's error: the run is read back as incomplete, not rerun."""
-    from sparse_eval.status import run_state
+    from sparse_eval.results.status import run_state
     from sparse_eval.tasks.wikitext import Wikitext as WikiText
 
     orig = WikiText.run
@@ -97,8 +97,8 @@ def test_keeping_the_errors_leaves_the_run_incomplete(tmp_path, monkeypatch):
 
 
 def test_comparisons_use_only_the_samples_both_finished():
-    from sparse_eval.collect import add_paired_differences
-    from sparse_eval.statistics import ScoreTerms
+    from sparse_eval.results.collect import add_paired_differences
+    from sparse_eval.results.statistics import ScoreTerms
 
     def terms(vals: dict[str, float]):
         return ScoreTerms(list(vals), list(vals.values()), [1.0] * len(vals), [0] * len(vals))

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from sparse_eval import launch, runner
 from sparse_eval.run import experiment
 from sparse_eval.config import CONF_DIR, register_configs
-from sparse_eval.store import SAMPLES_FILE, SUMMARY_FILE
+from sparse_eval.results.store import SAMPLES_FILE, SUMMARY_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "sparse_eval" / "models" / "stories260K"
@@ -117,7 +117,7 @@ def test_anything_changed_takes_the_normal_path(setup, monkeypatch, change):
         recs[0] = {"id": recs[0]["id"], "status": "error", "error": "boom", "time_s": 0.0}
         (run_dir / SAMPLES_FILE).write_text("".join(json.dumps(r) + "\n" for r in recs))
         os.utime(run_dir / SUMMARY_FILE)
-        from sparse_eval.status import run_state
+        from sparse_eval.results.status import run_state
 
         assert run_state(run_dir)["state"] == "incomplete"
     elif change == "failed":

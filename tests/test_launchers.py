@@ -153,7 +153,7 @@ def test_sweep_report_counts_stopped_jobs_and_exits_124(tmp_path):
     from omegaconf import OmegaConf
 
     from sparse_eval import sweep
-    from sparse_eval.store import write_json
+    from sparse_eval.results.store import write_json
 
     for num, status in enumerate(["ok", "stopped", "not started"]):
         write_json(tmp_path / str(num) / sweep.JOB_STATUS, {"job_num": num, "status": status, "overrides": []})

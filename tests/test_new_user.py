@@ -52,7 +52,7 @@ def test_a_read_only_runs_folder_is_refused_before_the_model_loads(tmp_path, mon
         run(cfg_for(store, "method=full", "task.num_samples=1", "task.window=64"))
     msg = str(err.value)
     assert msg.startswith(f"paths.runs_dir={store}: cannot write {store} (Permission denied)"), msg
-    assert "paths.runs_dir=runs" in msg and f"python -m sparse_eval.collect {store}" in msg and "\n" not in msg
+    assert "paths.runs_dir=runs" in msg and f"python -m sparse_eval.results.collect {store}" in msg and "\n" not in msg
     assert list(store.iterdir()) == []
 
 
@@ -66,8 +66,8 @@ def test_a_runs_folder_that_cannot_be_made_is_refused_before_the_model_loads(mon
 
 
 def test_a_corrupt_sample_line_is_reported_recomputed_and_not_complete(tmp_path, caplog):
-    from sparse_eval.status import format_states, run_state
-    from sparse_eval.store import SAMPLES_FILE
+    from sparse_eval.results.status import format_states, run_state
+    from sparse_eval.results.store import SAMPLES_FILE
 
     args = ("method=full", "task.num_samples=2", "task.window=64", "print_table=false")
     (first,) = run(cfg_for(tmp_path / "runs", *args))

@@ -32,7 +32,7 @@ def _summaries(task: str):
 
 
 def test_collected_table_and_runs_folder_agree(df, tmp_path):
-    from sparse_eval.collect import collect, write_table
+    from sparse_eval.results.collect import collect, write_table
 
     paths = write_table(collect(FIXTURE), tmp_path / "results")
     for p in paths:  # CSV, and parquet where pyarrow is installed
@@ -182,7 +182,7 @@ def test_ds_fig4_niah_variant(df, tmp_path):
 
 
 def test_cli(tmp_path, capsys):
-    from sparse_eval.collect import collect, write_table
+    from sparse_eval.results.collect import collect, write_table
 
     write_table(collect(FIXTURE / "lm_eval"), tmp_path / "results")
     assert report_main([str(tmp_path / "results.csv"), "--out", str(tmp_path / "rep")]) == 0
@@ -252,7 +252,7 @@ def test_ds_table3_random_column_is_the_mean_over_seeds(df):
 
 
 def test_several_inputs_are_reported_together(df, tmp_path):
-    from sparse_eval.collect import collect, write_table
+    from sparse_eval.results.collect import collect, write_table
 
     a = write_table(collect(FIXTURE / "lm_eval"), tmp_path / "a")[0]
     b = write_table(collect(FIXTURE / "wikitext"), tmp_path / "b")[0]

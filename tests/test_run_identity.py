@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from sparse_eval.config import register_configs
 from sparse_eval.config import CONF_DIR
 from sparse_eval.run.experiment import Experiment
-from sparse_eval.store import run_dir_for
+from sparse_eval.results.store import run_dir_for
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "sparse_eval" / "models" / "stories260K"
@@ -114,7 +114,7 @@ def test_calibrate_writes_to_the_user_folder_which_the_method_reads_first(tmp_pa
 
 
 def test_collect_labels_rows_by_the_loaded_model(tmp_path):
-    from sparse_eval.collect import collect
+    from sparse_eval.results.collect import collect
     from sparse_eval.runner import run
 
     other = tmp_path / "OtherModel"

@@ -130,7 +130,7 @@ def test_resume_after_interrupted_run(tmp_path, monkeypatch):
     assert {"git", "versions", "hardware", "argv", "started"} <= set(meta["resumes"][0])
     # each segment's counts at start and end: the interrupted first start stopped at 2, the restart at all 4
     assert (meta["done_at_start"], meta["done_at_end"], meta["resumes"][0]["done_at_end"]) == (0, 2, 4)
-    from sparse_eval.collect import run_rows
+    from sparse_eval.results.collect import run_rows
 
     row = run_rows(run_dir, by_subtask=False)[0]
     assert (row["segments"], row["mixed_provenance"]) == (2, False)

@@ -110,7 +110,7 @@ TASK = {"name": "ruler", "subtasks": SUBTASKS, "num_samples": 12, "length": 4096
 def _fake_run(
     root: Path, method: dict, seed: int, scores: dict[str, float], task=TASK, top_seed=None, expected=None, errors=()
 ):
-    from sparse_eval.store import config_hash, run_dir_for
+    from sparse_eval.results.store import config_hash, run_dir_for
 
     identity = {
         "model": {"name": "m", "path": "p"},
@@ -144,8 +144,8 @@ def _scores(rng, shift=0.0, ids=None):
 
 
 def test_collect_pools_exactly_the_runs_that_differ_only_in_seed(tmp_path, capsys):
-    from sparse_eval.collect import collect
-    from sparse_eval.statistics import seed_pooled_ci, seed_pooled_difference
+    from sparse_eval.results.collect import collect
+    from sparse_eval.results.statistics import seed_pooled_ci, seed_pooled_difference
     from sparse_eval.tasks import build_task
 
     rng = np.random.default_rng(0)
@@ -202,7 +202,7 @@ def test_collect_pools_exactly_the_runs_that_differ_only_in_seed(tmp_path, capsy
 
 
 def test_a_seed_still_running_is_left_out_while_others_are_complete(tmp_path):
-    from sparse_eval.collect import collect
+    from sparse_eval.results.collect import collect
     from sparse_eval.report.load import normalize
     from sparse_eval.report.tables import score_intervals
 
@@ -239,12 +239,12 @@ def test_a_seed_still_running_is_left_out_while_others_are_complete(tmp_path):
 
 
 def test_contrast_pairs_two_configurations_each_pooled_over_its_seeds(tmp_path, capsys):
-    """``python -m sparse_eval.contrast``: A (3 seeds) against B (3 seeds) is seed_pooled_contrast over their runs
-    in seed order; against full attention it is collect's pooled difference; a pattern of two configurations, a
+    """``python -m sparse_eval.results.contrast``: A (3 seeds) against B (3 seeds) is seed_pooled_contrast over their
+    runs in seed order; against full attention it is collect's pooled difference; a pattern of two configurations, a
     pattern that matches nothing and two tasks are refused by name; an incomplete run takes away the claim."""
-    from sparse_eval.collect import collect
-    from sparse_eval.contrast import contrast, main
-    from sparse_eval.statistics import seed_pooled_contrast
+    from sparse_eval.results.collect import collect
+    from sparse_eval.results.contrast import contrast, main
+    from sparse_eval.results.statistics import seed_pooled_contrast
     from sparse_eval.tasks import build_task
 
     rng = np.random.default_rng(3)

@@ -15,7 +15,7 @@ from sparse_eval.attention.plugin import Runtime, attach, detach, layer_plan, ma
 from sparse_eval.models.inspection import attention_window, layer_windows, sliding_layers
 from sparse_eval.config import register_configs
 from sparse_eval.methods import build_method, make_config
-from sparse_eval.store import run_dir_for
+from sparse_eval.results.store import run_dir_for
 from sparse_eval.config import CONF_DIR
 from sparse_eval.run.experiment import Experiment
 from sparse_eval.runner import run

@@ -1,5 +1,5 @@
-"""Start-up: ``python -m sparse_eval --help``, ``sparse_eval.status`` and ``sparse_eval.collect`` import neither
-torch nor transformers (checked with ``-X importtime`` in a fresh interpreter)."""
+"""Start-up: ``python -m sparse_eval --help``, ``sparse_eval.results.status`` and ``sparse_eval.results.collect``
+import neither torch nor transformers (checked with ``-X importtime`` in a fresh interpreter)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def heavy_imports(*args: str, cwd: Path = REPO) -> tuple[list[str], subprocess.C
     "args",
     [
         ["-m", "sparse_eval", "--help"],
-        ["-m", "sparse_eval.status", "{runs}"],
-        ["-m", "sparse_eval.collect", "{runs}", "--quiet"],
+        ["-m", "sparse_eval.results.status", "{runs}"],
+        ["-m", "sparse_eval.results.collect", "{runs}", "--quiet"],
     ],
     ids=["help", "status", "collect"],
 )
@@ -47,7 +47,7 @@ def test_no_torch_at_start_up(tmp_path, args):
 
 def test_status_reads_runs_without_torch(tmp_path):
     """A run directory written by a run (label from the method's own fields) is listed without torch."""
-    from sparse_eval.store import record_start, run_dir_for, write_progress
+    from sparse_eval.results.store import record_start, run_dir_for, write_progress
 
     ident = {
         "model": {"name": "m"},
@@ -67,14 +67,14 @@ def test_status_reads_runs_without_torch(tmp_path):
     d = run_dir_for(tmp_path / "runs", ident)
     record_start(d, ident)
     write_progress(d, 4, 0)
-    heavy, res = heavy_imports("-m", "sparse_eval.status", str(tmp_path / "runs"), cwd=tmp_path)
+    heavy, res = heavy_imports("-m", "sparse_eval.results.status", str(tmp_path / "runs"), cwd=tmp_path)
     assert not heavy and res.returncode == 0 and "topk-budget=0.06" in res.stdout, res.stderr[-2000:]
 
 
 def test_base_method_fields_match_the_method_config():
     """``store`` spells out the shared method fields (so it need not import the methods); they must stay equal."""
     from sparse_eval.methods.base import MethodConfig
-    from sparse_eval.store import BASE_METHOD_FIELDS
+    from sparse_eval.results.store import BASE_METHOD_FIELDS
 
     assert BASE_METHOD_FIELDS == tuple(f.name for f in dataclasses.fields(MethodConfig)), (
         "update store.BASE_METHOD_FIELDS to the fields of methods.base.MethodConfig"

@@ -1,11 +1,11 @@
-"""The run store's files (``sparse_eval.store``): JSON written whole or not at all and read back tolerantly, a
+"""The run store's files (``sparse_eval.results.store``): JSON written whole or not at all and read back tolerantly, a
 run's start record, its summary, failure records, and finding run directories."""
 
 from __future__ import annotations
 
 import json
 
-from sparse_eval import store
+from sparse_eval.results import store
 
 
 def test_json_written_whole_and_read_tolerantly(tmp_path):
@@ -32,7 +32,7 @@ def test_record_start_keeps_the_first_provenance(tmp_path):
 
 
 def test_a_restart_from_other_code_is_flagged(tmp_path):
-    from sparse_eval.collect import _provenance
+    from sparse_eval.results.collect import _provenance
 
     run_dir = tmp_path / "task" / "model" / "full-abc"
     store.record_start(run_dir, {"method": {"name": "full"}, "task": {"name": "wikitext"}, "model": {"name": "m"}})

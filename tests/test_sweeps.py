@@ -1,6 +1,6 @@
 """Sweeps: the experiment configs compose into valid jobs, smoke sweeps run, a failing job is recorded without
 stopping the sweep, an interrupted sweep resumes without recomputing or duplicating a sample, and the results
-gather into one table (``sparse_eval.collect``) and one status view (``sparse_eval.status``)."""
+gather into one table (``sparse_eval.results.collect``) and one status view (``sparse_eval.results.status``)."""
 
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def _run_jobs(compose, name: str, runs_dir: Path, first_only: bool = False) -> l
 
 
 def _check_collected(runs_dir: Path, summaries: list[dict]) -> None:
-    from sparse_eval.collect import collect
+    from sparse_eval.results.collect import collect
 
     df = collect(runs_dir)
     for s in summaries:
@@ -260,8 +260,8 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
     assert len(topk_runs) == 1
     topk_before = topk_runs[0].read_bytes()
 
-    from sparse_eval.status import run_state
-    from sparse_eval.store import find_run_dirs
+    from sparse_eval.results.status import run_state
+    from sparse_eval.results.store import find_run_dirs
 
     states = {
         d.name.split("-")[0] + ("-bad" if (d / "failed.json").exists() else ""): run_state(d, recent_s=0)["state"]
@@ -270,7 +270,7 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
     # the jobs with a missing model never started: they left no run dir (their error is in job_status.json)
     assert states == {"topk": "done", "oracle": "pending"}
     err = subprocess.run(
-        [sys.executable, "-m", "sparse_eval.status", str(runs)],
+        [sys.executable, "-m", "sparse_eval.results.status", str(runs)],
         cwd=REPO,
         env=_env(),
         capture_output=True,
@@ -300,7 +300,7 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
 
     # one table: one row per run, the task's own score
     out = subprocess.run(
-        [sys.executable, "-m", "sparse_eval.collect", str(runs), "--quiet"],
+        [sys.executable, "-m", "sparse_eval.results.collect", str(runs), "--quiet"],
         cwd=REPO,
         env=_env(),
         capture_output=True,
@@ -325,7 +325,7 @@ def test_multirun_records_failures_and_resumes_after_kill(tmp_path):
 
 
 def test_run_lock_serializes_two_writers(tmp_path):
-    from sparse_eval.store import lock_held, run_lock
+    from sparse_eval.results.store import lock_held, run_lock
 
     order = []
     with run_lock(tmp_path):
@@ -345,8 +345,8 @@ def test_run_lock_serializes_two_writers(tmp_path):
 
 
 def test_status_states(tmp_path):
-    from sparse_eval.status import run_state
-    from sparse_eval.store import find_run_dirs
+    from sparse_eval.results.status import run_state
+    from sparse_eval.results.store import find_run_dirs
 
     def make(name, records, expected, summary=False, failed=False, age=1000.0):
         d = tmp_path / "ruler" / "m" / name

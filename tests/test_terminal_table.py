@@ -1,6 +1,6 @@
-"""``python -m sparse_eval.collect`` prints a table that fits the terminal: one row per configuration (seeds pooled),
-one block per task, model and protocol, the least needed columns left out and the labels shortened when it must;
-``--wide`` prints the long view of every run, and ``results.csv`` holds every column."""
+"""``python -m sparse_eval.results.collect`` prints a table that fits the terminal: one row per configuration (seeds
+pooled), one block per task, model and protocol, the least needed columns left out and the labels shortened when it
+must; ``--wide`` prints the long view of every run, and ``results.csv`` holds every column."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sparse_eval import collect
+from sparse_eval.results import collect
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "results" / "runs"
 

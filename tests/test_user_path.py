@@ -277,7 +277,7 @@ def test_help_lists_choices_without_schemas(capsys):
 
 def test_read_only_store_prints_finished_runs_and_refuses_new_ones(tmp_path, monkeypatch, capsys):
     import sparse_eval.runner as runner
-    from sparse_eval import collect
+    from sparse_eval.results import collect
 
     args = ("method=full", "task.num_samples=1", "task.window=64")
     (first,) = run(cfg_for(tmp_path, *args))
@@ -374,7 +374,7 @@ def _fake_run(root: Path, name: str, identity: dict, host: str | None, age: floa
 
 
 def test_status_tells_killed_from_running_and_names_differ(tmp_path):
-    from sparse_eval.status import run_state
+    from sparse_eval.results.status import run_state
 
     ident = {
         "method": {"name": "magicpig", "K": 10, "L": 150, "dense_layers": [0, 2]},
@@ -403,7 +403,7 @@ def test_status_tells_killed_from_running_and_names_differ(tmp_path):
 
 
 def test_progress_label_is_short():
-    from sparse_eval.results_table import short_label
+    from sparse_eval.results.results_table import short_label
 
     assert (
         short_label(
@@ -572,9 +572,9 @@ TINY = {
     "analysis.passages=32": PAPER_SCALE,
     "python -m sparse_eval.calibrate model=llama2_7b": PAPER_SCALE,
     "python -m sparse_eval.calibrate model=llama2_7b_chat": PAPER_SCALE,
-    "python -m sparse_eval.status runs/": [],
-    "python -m sparse_eval.collect runs/": [],
-    "python -m sparse_eval.contrast runs/ --a 'magicpig-K=10-*' --b 'quest-*'": "needs runs of two "
+    "python -m sparse_eval.results.status runs/": [],
+    "python -m sparse_eval.results.collect runs/": [],
+    "python -m sparse_eval.results.contrast runs/ --a 'magicpig-K=10-*' --b 'quest-*'": "needs runs of two "
     "configurations (the smoke sweep's, a minute): tests/test_seeds.py::test_contrast_pairs_two_configurations_"
     "each_pooled_over_its_seeds",
     "python -m sparse_eval -m hydra/launcher=slurm +experiment=ruler_magicpig hydra.launcher.partition=gpu "

@@ -215,7 +215,7 @@ def test_label_bits_3_is_valid_on_the_accuracy_path_and_refused_by_the_system_pa
 
 
 def test_status_and_collect_flag_a_run_whose_config_cannot_be_read(tmp_path, capsys):
-    from sparse_eval import collect, status
+    from sparse_eval.results import collect, status
 
     (a,) = run(cfg_for(tmp_path, "method=full", "task.num_samples=1", "task.window=64"))
     (b,) = run(cfg_for(tmp_path, "method=topk", "task.num_samples=1", "task.window=64"))
@@ -240,7 +240,7 @@ def test_status_and_collect_flag_a_run_whose_config_cannot_be_read(tmp_path, cap
 
 
 def test_collect_help_names_both_files(capsys):
-    from sparse_eval import collect
+    from sparse_eval.results import collect
 
     with pytest.raises(SystemExit):
         collect.main(["--help"])
@@ -253,7 +253,7 @@ def test_collect_help_names_both_files(capsys):
 def test_a_failed_write_leaves_no_temporary_file_and_a_rerun_removes_stale_ones(tmp_path, monkeypatch):
     import errno
 
-    from sparse_eval import store
+    from sparse_eval.results import store
 
     real = Path.write_text
 
@@ -365,7 +365,7 @@ def test_table_wording_and_reuse(tmp_path, capsys):
 
 
 def test_reuse_note_tells_reused_from_resumed():
-    from sparse_eval.results_table import reuse_note
+    from sparse_eval.results.results_table import reuse_note
 
     s = [{"method": "full"}, {"method": "topk"}]
     assert reuse_note(s, [(0, 4), (0, 4)]) == ""

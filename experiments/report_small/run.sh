@@ -17,6 +17,6 @@ python -m sparse_eval -m +experiment=topk_vs_oracle "${ruler[@]}" method.budget=
 # Double Sparsity Table 2 (perplexity by sparsity level) on the shipped model (its calibration file is committed)
 python -m sparse_eval -m +experiment=ds_ppl model=stories260k task=wikitext_head task.window=512 task.num_samples=4 \
     method=full,double_sparsity_s2,double_sparsity_s4,double_sparsity_s8,double_sparsity_s16,double_sparsity_s32 "paths.runs_dir=$RUNS"
-python -m sparse_eval.collect "$RUNS"
+python -m sparse_eval.results.collect "$RUNS"
 python -m sparse_eval.report "$RUNS" --out "$OUT"
 cp "$RUNS/results.csv" "$OUT/results.csv"

@@ -58,7 +58,7 @@ timed python -m sparse_eval -m "${smol[@]}" method=full
 timed python -m sparse_eval -m "${smol[@]}" method=double_sparsity_s16 method.channel_type=qk,q,k
 timed python -m sparse_eval -m "${smol[@]}" method=double_sparsity_s16 method.channel_type=random method.seed=0,1,2
 
-timed python -m sparse_eval.collect "$RUNS" --quiet
+timed python -m sparse_eval.results.collect "$RUNS" --quiet
 cp "$RUNS/results.csv" "$OUT/results2.csv"
 # one report from both sweeps (run.sh's table is experiments/report_small/results.csv)
 python -m sparse_eval.report "$OUT/results.csv" "$OUT/results2.csv" --out "$OUT"

@@ -11,5 +11,5 @@ python -m sparse_eval "${common[@]}" task=ruler task.length=4096 task.num_sample
 python -m sparse_eval "${common[@]}" task=kv_retrieval task.source=published task.num_keys=75 task.num_samples=6 task.gold_position=original
 python -m sparse_eval "${common[@]}" task=longbench 'task.subtasks=[triviaqa]' task.num_samples=5
 python -m sparse_eval "${common[@]}" task=lm_eval 'task.tasks=[gsm8k_cot]' task.limit=3
-python -m sparse_eval.collect "$RUNS"
+python -m sparse_eval.results.collect "$RUNS"
 cp "$RUNS/results.csv" experiments/smollm2_full/results.csv

@@ -182,7 +182,7 @@ def interrupted(exc: KeyboardInterrupt) -> None:
         print(f"\n{what} before a run started; nothing was written", file=sys.stderr)
         forget_hydra_output()
     else:
-        from ..status import run_state
+        from ..results.status import run_state
 
         s = run_state(Path(run_dir))
         exp = "?" if s["expected"] is None else s["expected"]

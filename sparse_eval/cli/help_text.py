@@ -185,8 +185,9 @@ def app_help() -> str:
         "== Then ==",
         *_rows(
             {
-                "python -m sparse_eval.status runs/": "each run's state (done, incomplete, running, failed, pending)",
-                "python -m sparse_eval.collect runs/": "every run in one table fitted to the terminal (--wide: "
+                "python -m sparse_eval.results.status runs/": "each run's state (done, incomplete, running, failed, "
+                "pending)",
+                "python -m sparse_eval.results.collect runs/": "every run in one table fitted to the terminal (--wide: "
                 "the long view; runs/results.csv: every column)",
                 "python -m sparse_eval.verdicts": "the papers' claims tested on the committed records",
                 "python -m sparse_eval.report runs/": "the papers' tables and figures",

@@ -2,7 +2,7 @@
 
     python -m sparse_eval.report <collected table (.csv/.parquet) or runs folder> [--out DIR]
 
-``load_results(path)`` reads either into one DataFrame (``sparse_eval.collect``'s layout); ``build_tables`` and
+``load_results(path)`` reads either into one DataFrame (``sparse_eval.results.collect``'s layout); ``build_tables`` and
 ``build_figures`` make what the data allows and say what they skipped and why.  See ``docs/analysis.md``.
 """
 

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "path",
         nargs="+",
-        help="a table written by `python -m sparse_eval.collect` (.csv/.parquet) or "
+        help="a table written by `python -m sparse_eval.results.collect` (.csv/.parquet) or "
         "a runs folder; several: their rows are reported together",
     )
     ap.add_argument("--out", help="output folder (default: <first path's folder>/report)")
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         metavar="X",
         help="for a runs folder: also report each run on only the subtasks full attention scores at least X on "
-        "(as `python -m sparse_eval.collect --full-at-least X`)",
+        "(as `python -m sparse_eval.results.collect --full-at-least X`)",
     )
     args = ap.parse_args(argv)
     from . import write_report

@@ -1,6 +1,7 @@
-"""The results table the report reads: a collected table (``python -m sparse_eval.collect``) or a folder of runs.
+"""The results table the report reads: a collected table (``python -m sparse_eval.results.collect``) or a folder
+of runs.
 
-``load_results(path)`` returns one pandas DataFrame in ``sparse_eval.collect``'s layout (one row per model ×
+``load_results(path)`` returns one pandas DataFrame in ``sparse_eval.results.collect``'s layout (one row per model ×
 method with its parameters × task × subtask × length × protocol; ``subtask`` "all" = the whole run when it has
 several subtasks, None when it has none) plus a few derived columns the tables and figures use:
 
@@ -20,7 +21,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..collect import is_subset_label
+from ..results.collect import is_subset_label
 from ..methods import METHODS, is_dense
 
 TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
@@ -28,7 +29,7 @@ TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
 
 def load_results(path: str | Path | list | tuple, full_at_least: float | None = None):
     """A collected CSV/parquet file, a folder holding ``results.csv``/``results.parquet`` and no runs, or a
-    folder of runs (collected here with ``sparse_eval.collect.collect``, with ``full_at_least`` as
+    folder of runs (collected here with ``sparse_eval.results.collect.collect``, with ``full_at_least`` as
     ``collect --full-at-least``); or a list of those, whose rows are concatenated (e.g. two sweeps collected
     apart).  ``full_at_least`` with an already collected table is refused (collect it with the option)."""
     import pandas as pd
@@ -49,12 +50,12 @@ def load_results(path: str | Path | list | tuple, full_at_least: float | None = 
         if full_at_least is not None:
             raise ValueError(
                 f"{p} is already collected: --full-at-least applies to a runs folder; give the runs folder, or "
-                f"collect it with `python -m sparse_eval.collect <runs> --full-at-least {full_at_least:g}`"
+                f"collect it with `python -m sparse_eval.results.collect <runs> --full-at-least {full_at_least:g}`"
             )
         df = pd.read_csv(p) if p.suffix == ".csv" else pd.read_parquet(p)
     else:
-        from ..collect import collect
-        from ..store import find_run_dirs
+        from ..results.collect import collect
+        from ..results.store import find_run_dirs
 
         if find_run_dirs(p):
             df = collect(p, full_at_least=full_at_least)
@@ -166,15 +167,15 @@ def setting_label(row: Any) -> str:
 
 
 def normalize(df):
-    """Types and derived columns on a table in ``sparse_eval.collect``'s layout, without the runs ``collect`` left
-    out of their configuration's seed pooling (seeds not complete while others are: ``seeds_left_out``); the
+    """Types and derived columns on a table in ``sparse_eval.results.collect``'s layout, without the runs ``collect``
+    left out of their configuration's seed pooling (seeds not complete while others are: ``seeds_left_out``); the
     tables name those seeds."""
     import pandas as pd
 
     df = df.copy()
     missing = [c for c in ("model", "method", "task", "score") if c not in df.columns]
     if missing:
-        raise ValueError(f"the results table lacks column(s) {missing}; expected sparse_eval.collect's layout")
+        raise ValueError(f"the results table lacks column(s) {missing}; expected sparse_eval.results.collect's layout")
     for col in ("subtask", "length", "protocol", "cost1", "cost2", "est_error", "dense_layers", "sink", "local"):
         if col not in df.columns:
             df[col] = None

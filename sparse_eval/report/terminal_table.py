@@ -1,15 +1,15 @@
 """The collected table as a terminal reads it: one row per configuration (its seeds pooled), a few columns, no wider
 than the terminal.
 
-``collect``'s table (``sparse_eval.collect``) has a hundred columns, all in ``results.csv``; ``python -m
-sparse_eval.collect`` prints this view of it (``--wide``: the long view of every run), and so does a multirun at its
-end over the runs of its jobs (``sweep.SweepReport``).  Per configuration (``seed_group``: runs that differ only in
+``collect``'s table (``sparse_eval.results.collect``) has a hundred columns, all in ``results.csv``; ``python -m
+sparse_eval.results.collect`` prints this view of it (``--wide``: the long view of every run), and so does a multirun at
+its end over the runs of its jobs (``sweep.SweepReport``).  Per configuration (``seed_group``: runs that differ only in
 their seed) and length (the row over all subtasks; one per subtask in ``results.csv``): the method with its headline
-options (``Method.headline_options``, as the run's own table), the score pooled over the seeds with its 95 %
-interval, the paired difference against full attention with its interval (``*``: it excludes 0), the samples,
-Cost2, the estimation error and the state.  Columns whose value is one for every row (the task, the model, the
-protocol, the samples, the state) go to a header line; a table still too wide loses its least needed columns, then
-its method labels are shortened, and a note says which.
+options (``Method.headline_options``, as the run's own table), the score pooled over the seeds with its 95 % interval,
+the paired difference against full attention with its interval (``*``: it excludes 0), the samples, Cost2, the
+estimation error and the state.  Columns whose value is one for every row (the task, the model, the protocol, the
+samples, the state) go to a header line; a table still too wide loses its least needed columns, then its method labels
+are shortened, and a note says which.
 """
 
 from __future__ import annotations

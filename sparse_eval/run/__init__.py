@@ -6,6 +6,6 @@
 CPU-time checks).  The launcher (``runner``, ``sweep``, ``preflight``: a sweep's jobs checked before any starts)
 calls into this wing.
 
-May import: the ground floor (``config``, ``store``, ``provenance``, ``fingerprint``, ...), ``models``, ``methods``,
-``attention``, ``tasks``, ``invariance``, ``verdicts.claims``, ``results_table``'s labels; never the launcher
-(``runner``, ``sweep``, ``preflight``, ``cli``) nor ``collect`` or ``report``."""
+May import: the ground floor (``config``, ``provenance``, ``fingerprint``, ...), ``results.store``, ``models``,
+``methods``, ``attention``, ``tasks``, ``invariance``, ``verdicts.claims``, ``results.results_table``'s labels; never
+the launcher (``runner``, ``sweep``, ``preflight``, ``cli``) nor ``results.collect`` or ``report``."""

@@ -114,7 +114,7 @@ def warn_if_long(
 def remaining_samples(spec: RunSpec, methods: Sequence[Any]) -> list[list[Any]]:
     """Per method, the samples it still has to run (those not yet in its run directory's samples.jsonl; with
     ``eval.rerun_failed`` the failed ones too): a re-run on saved results costs nothing."""
-    from ..store import SAMPLES_FILE, read_samples
+    from ..results.store import SAMPLES_FILE, read_samples
 
     samples = spec.samples()
     rerun = spec.eval.rerun_failed

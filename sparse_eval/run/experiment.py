@@ -24,10 +24,10 @@ from ..models.inspection import sliding_layers
 from ..models.loading import ModelConfig, load_model, max_context, model_identity
 from ..models.placement import device_map_of
 from ..overlap import check_method as check_calibration_overlap
-from ..results_table import short_label
+from ..results.results_table import short_label
 from ..seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds
-from ..statistics import score_interval
-from ..store import (
+from ..results.statistics import score_interval
+from ..results.store import (
     SAMPLES_FILE,
     SampleLog,
     record_segment,
@@ -199,7 +199,7 @@ class Experiment:
             samples_log.drop_failed()
         samples = self.samples()
         todo = [s for s in samples if not samples_log.done(s.id)]
-        write_progress(run_dir, len(samples), len(samples) - len(todo))  # for `python -m sparse_eval.status`
+        write_progress(run_dir, len(samples), len(samples) - len(todo))  # for `python -m sparse_eval.results.status`
         if method.external_inputs(self.model_cfg.name) != identity["inputs"]:
             raise RuntimeError(
                 f"{run_dir}: a file the method reads changed after the run was named "

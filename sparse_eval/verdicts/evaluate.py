@@ -12,7 +12,7 @@ records made before claims could be declared with the experiment, after the runs
 so).  Its records (``records``: the run archive, ``root``: the runs folder inside it) are unpacked into a temporary
 folder and read as ``collect`` reads them; each claim selects its two configurations by collect's
 ``method_config`` and ``where`` (subtask, length, task), pools each over its complete seeds and tests the paired
-difference with ``sparse_eval.statistics`` (``seed_pooled_draws``, ``tost_interval``, ``claim_verdict``).  A
+difference with ``sparse_eval.results.statistics`` (``seed_pooled_draws``, ``tost_interval``, ``claim_verdict``).  A
 ``descriptive`` entry computes a ratio from an analysis table without a test (MagicPIG's error against the budget).
 
 ``--write`` writes ``verdicts.json`` (the numbers, rounded, and the sha256 of the claims file and of each record
@@ -48,7 +48,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .claims import ClaimConfig, ClaimsFile, DescriptiveConfig, as_claim, load_claims_file
-from ..statistics import N_BOOT, _interval, claim_verdict, seed_pooled_draws, tost_interval
+from ..results.statistics import N_BOOT, _interval, claim_verdict, seed_pooled_draws, tost_interval
 
 CLAIMS_FILE = "claims.yaml"
 VERDICTS_FILE = "verdicts.json"
@@ -119,8 +119,8 @@ def _norm(name: str) -> str:
 def gather_rows(root: Path, subsets: set[float]) -> list[dict[str, Any]]:
     """collect's rows of every run under ``root`` (per subtask, "all", and ``full>=X`` for each X in ``subsets``),
     each with its private ``_terms`` (the per-sample score terms)."""
-    from ..collect import add_subset_rows, run_rows
-    from ..store import find_run_dirs
+    from ..results.collect import add_subset_rows, run_rows
+    from ..results.store import find_run_dirs
 
     rows: list[dict[str, Any]] = []
     for d in find_run_dirs(root):
@@ -133,7 +133,7 @@ def gather_rows(root: Path, subsets: set[float]) -> list[dict[str, Any]]:
 
 
 def _subset_levels(claims: list[ClaimConfig]) -> set[float]:
-    from ..collect import SUBSET_PREFIX, is_subset_label
+    from ..results.collect import SUBSET_PREFIX, is_subset_label
 
     out = set()
     for c in claims:
@@ -162,7 +162,7 @@ def _same(value: Any, wanted: Any) -> bool:
 
 
 def _pair_key(row: dict[str, Any]) -> tuple:
-    from ..collect import PAIR_KEYS
+    from ..results.collect import PAIR_KEYS
 
     return tuple(str(row.get(k)) for k in ("task", *PAIR_KEYS))
 
@@ -170,7 +170,7 @@ def _pair_key(row: dict[str, Any]) -> tuple:
 def _side(rows: list[dict[str, Any]], what: str, claim: ClaimConfig) -> list[dict[str, Any]]:
     """The runs of one configuration a claim pools: one seed group, one run per seed (the one with the most
     samples), the complete ones when some are (as ``collect`` pools them), in seed order."""
-    from ..collect import seed_order
+    from ..results.collect import seed_order
 
     groups = sorted({str(r.get("seed_group")) for r in rows})
     if len(groups) != 1:
@@ -188,7 +188,7 @@ def _side(rows: list[dict[str, Any]], what: str, claim: ClaimConfig) -> list[dic
 
 
 def _higher_is_better(row: dict[str, Any]) -> bool:
-    from ..collect import _task
+    from ..results.collect import _task
 
     try:
         task = _task(json.loads(row.get("task_config") or "{}"))
@@ -527,7 +527,8 @@ def folder_section(data: dict[str, Any]) -> str:
             f" Each claim tests the paired difference A − B over the prompts both finished (a configuration run "
             f"over several seeds is pooled over them: two-level bootstrap), {data['n_boot']:,} bootstrap "
             f"replicates (seed {data['seed']}): its {levels} interval (α = {', '.join(f'{a:g}' for a in alpha)} "
-            "per side) with each end point's Monte Carlo error. Verdict (`sparse_eval.statistics.claim_verdict`): "
+            "per side) with each end point's Monte Carlo error. Verdict "
+            "(`sparse_eval.results.statistics.claim_verdict`): "
             "equivalent when the interval lies inside ±margin, better / worse when it lies wholly above / below 0, "
             "otherwise undecided; undecided also when an end point that decides lies within its Monte Carlo error "
             "of 0 or of the margin. Better / worse are one-sided tests at α each: a difference whose 95 % interval "
@@ -589,7 +590,8 @@ def summary_section(folders: list[dict[str, Any]]) -> str:
         "marked post hoc were declared after the runs.** A − B: the paired difference over the prompts both "
         "finished (× seeds: pooled over a stochastic configuration's seeds, two-level bootstrap), its 90 % "
         "interval (TOST at α = 0.05) and each end point's Monte Carlo error; verdict by "
-        "`sparse_eval.statistics.claim_verdict` (equivalent: the interval inside ±margin; better / worse: wholly "
+        "`sparse_eval.results.statistics.claim_verdict` (equivalent: the interval inside ±margin; better / worse: "
+        "wholly "
         "above / below 0; undecided otherwise, or when a deciding end point is within its Monte Carlo error of 0 "
         "or the margin; better / worse are one-sided tests at 5 % each, so a difference whose 95 % interval "
         "reaches 0 can be better or worse here). Perplexity: relative difference, lower is better."
@@ -661,7 +663,7 @@ def dump(data: dict[str, Any]) -> str:
 
 def declared_claims(root: Path) -> list[ClaimConfig]:
     """The claims the runs under ``root`` recorded (summary.json ``claims``), each once."""
-    from ..store import SUMMARY_FILE, find_run_dirs, read_json
+    from ..results.store import SUMMARY_FILE, find_run_dirs, read_json
 
     seen: dict[str, ClaimConfig] = {}
     for d in find_run_dirs(root):

@@ -19,8 +19,8 @@ config, the sha256 of the files the method reads (``inputs``), the task, the eva
         failed.json      written when the run raised (error, traceback, host, Slurm job id); removed when it restarts
         .lock            held (flock) while a process runs it, so two jobs never append to one samples.jsonl
 
-``python -m sparse_eval.status`` reads these files into a run's state; ``python -m sparse_eval.collect`` into a
-table.
+``python -m sparse_eval.results.status`` reads these files into a run's state; ``python -m
+sparse_eval.results.collect`` into a table.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def check_runs_dir(runs_dir: Any) -> None:
     except OSError as exc:
         where = "" if probe == path else f" at {probe}"
         read = (
-            f" (python -m sparse_eval.collect {runs_dir} --out <writable path> reads the finished runs there)"
+            f" (python -m sparse_eval.results.collect {runs_dir} --out <writable path> reads the finished runs there)"
             if probe == path
             else ""
         )
@@ -238,7 +238,7 @@ def record_start(run_dir: Path, identity: dict[str, Any]) -> bool:
     call wrote meta.json (the run's first start), False when it was there (a restart)."""
     from omegaconf import OmegaConf
 
-    from .provenance import provenance
+    from ..provenance import provenance
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -255,7 +255,7 @@ def record_resume(run_dir: Path, done_at_start: int) -> None:
     difference, versions, hardware, command line, start time) appended to ``meta.json``'s ``resumes``, so that a
     run whose samples were written by different code, libraries or hardware says so (``collect``'s ``segments``
     and ``mixed_provenance``)."""
-    from .provenance import provenance
+    from ..provenance import provenance
 
     path = Path(run_dir) / META_FILE
     meta = read_json(path) or {}

@@ -3,14 +3,13 @@
 ``collect`` compares every run with full attention.  This compares two chosen configurations of the same task and
 model, for instance MagicPIG (9, 120) seeds 0–2 against (10, 150) seeds 0–2:
 
-    python -m sparse_eval.contrast runs/b64 --a 'magicpig-K=9-*' --b 'magicpig-K=10-*'
-
-``--a`` and ``--b`` are shell patterns matched against run directory names (``<method>-<settings>-<hash>``) below
-the runs folder; each must select the runs of ONE configuration (one ``seed_group``: runs that differ only in their
-seed), and both must be of one task config.  The difference θ_A − θ_B, on the samples every run of both finished,
-gets the two-level paired interval of ``sparse_eval.statistics.seed_pooled_contrast`` (prompts resampled once for
-both sides, each side's seeds resampled).  A run that has not scored all its task's samples is named incomplete,
-and the difference is then given no significance, as in ``collect``.
+    python -m sparse_eval.results.contrast runs/b64 --a 'magicpig-K=9-*' --b 'magicpig-K=10-*'
+ ``--a`` and ``--b`` are shell patterns matched against run directory names (``<method>-<settings>-<hash>``) below the
+runs folder; each must select the runs of ONE configuration (one ``seed_group``: runs that differ only in their seed),
+and both must be of one task config.  The difference θ_A − θ_B, on the samples every run of both finished, gets the
+two-level paired interval of ``statistics.seed_pooled_contrast`` (prompts resampled once for both sides, each side's
+seeds resampled).  A run that has not scored all its task's samples is named incomplete, and the difference is then
+given no significance, as in ``collect``.
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ def contrast(root: Path, a: str, b: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sparse_eval.contrast", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sparse_eval.results.contrast", description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", help="a runs folder (paths.runs_dir) or any folder below it")
     ap.add_argument("--a", required=True, help="run directory name pattern of configuration A, e.g. 'magicpig-K=9-*'")
     ap.add_argument("--b", required=True, help="run directory name pattern of configuration B (the reference)")

@@ -1,12 +1,12 @@
 """The state of every run under a folder: done / incomplete / running / failed / pending / unreadable, and the run-dir
 files that say so.
 
-    python -m sparse_eval.status runs/                 # one line per run (config), then the totals
-    python -m sparse_eval.status runs/ --state failed  # only the failed ones, with their error
-    python -m sparse_eval.status runs/ --json
+    python -m sparse_eval.results.status runs/                 # one line per run (config), then the totals
+    python -m sparse_eval.results.status runs/ --state failed  # only the failed ones, with their error
+    python -m sparse_eval.results.status runs/ --json
 
 A run directory (``store.run_dir_for``: ``<runs_dir>/<task>/<model>/<method-params>-<hash>``) holds, besides the
-results (``samples.jsonl``, ``summary.json``), three small files the runner writes through ``sparse_eval.store``:
+results (``samples.jsonl``, ``summary.json``), three small files the runner writes through ``store``:
 
     progress.json   written when a run (re)starts: expected sample count, start time, host, pid, Slurm job id
     failed.json     written when the run raised (error, traceback, host, Slurm job id); removed when it restarts
@@ -80,7 +80,7 @@ def run_name(identity: dict[str, Any] | None, run_dir: Path) -> str:
     ``magicpig-K=10-L=150-dense=0,2-length=4096-1a2b3c4d5e``: runs that differ in those show different names."""
     if not identity or not isinstance(identity.get("method"), dict):
         return run_dir.name
-    from .method_facts import is_dense  # torch-free for the shipped methods
+    from ..method_facts import is_dense  # torch-free for the shipped methods
 
     method, task = identity["method"], identity.get("task") or {}
     parts = [method_label(method)]
@@ -201,7 +201,7 @@ def format_states(states: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sparse_eval.status", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sparse_eval.results.status", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "dir",
         nargs="?",

@@ -1,16 +1,16 @@
 """Every run under a folder gathered into one tidy table (CSV and parquet).
 
-    python -m sparse_eval.collect runs/                       # writes runs/results.csv and runs/results.parquet
-    python -m sparse_eval.collect runs/ --wide                # prints every run's row (22 columns), not the compact one
-    python -m sparse_eval.collect runs/ruler --out /tmp/ruler  # /tmp/ruler.csv, /tmp/ruler.parquet
-    python -m sparse_eval.collect runs/ --no-subtasks          # one row per run
-    python -m sparse_eval.collect runs/ --full-at-least 30     # + rows over the subtasks full attention solves
+    python -m sparse_eval.results.collect runs/                       # writes runs/results.csv and runs/results.parquet
+    python -m sparse_eval.results.collect runs/ --wide                # every run's row (22 columns), not the compact
+    python -m sparse_eval.results.collect runs/ruler --out /tmp/ruler  # /tmp/ruler.csv, /tmp/ruler.parquet
+    python -m sparse_eval.results.collect runs/ --no-subtasks          # one row per run
+    python -m sparse_eval.results.collect runs/ --full-at-least 30     # + rows over the subtasks full attention solves
 
 It prints the table fitted to the terminal (``sparse_eval.report.terminal_table``: one row per configuration, its seeds
 pooled) and writes every column to the files. One row per (model, method with its parameters, task with its
 parameters, subtask, length, protocol, seed). Rows of runs that differ only in their seed (``seeds.seed_group``: the
 same identity without the seed) also carry the scores pooled over those seeds (``pooled_*``, ``seed_*``): the mean
-over seeds with its two-level interval over prompts and seeds (``sparse_eval.statistics``), and the paired
+over seeds with its two-level interval over prompts and seeds (``sparse_eval.results.statistics``), and the paired
 difference against full attention the same way. A run (``<runs_dir>/<task>/<model>/<method>-<hash>``: config.yaml,
 samples.jsonl, summary.json, meta.json) gives one row per subtask and length found in its per-sample records (fields
 ``subtask`` -- or ``lm_eval_task`` -- and, for tasks with a ``length`` setting, ``length``), plus one row
@@ -43,7 +43,7 @@ Columns (see also docs/sweeps.md):
   seed_group, stochastic             the hash of the run's identity without its seed; whether the method draws at
                                      random (``Method.stochastic``)
   metric, score                      the task's headline metric name and value for this row
-  score_lo, score_hi                 its 95 % bootstrap interval over the row's samples (sparse_eval.statistics;
+  score_lo, score_hi                 its 95 % bootstrap interval over the row's samples (sparse_eval.results.statistics;
                                      None for a task whose samples are not units, e.g. lm_eval without documents)
   diff_vs_full, diff_lo, diff_hi,    the paired difference score − full attention's score over the samples both
   n_paired, significant              finished (same model, task config, protocol, subtask, length), its 95 % paired
@@ -71,7 +71,7 @@ Columns (see also docs/sweeps.md):
   expected_samples, complete         the run's expected sample count (in those units); every one of them
                                      finished without an error
                                      (run-level: a run with a failed sample is not complete)
-  state                              done / incomplete / running / failed / pending (sparse_eval.status)
+  state                              done / incomplete / running / failed / pending (sparse_eval.results.status)
   time_s                             sum of the row's per-sample times
   git_commit, git_dirty, sparse_eval_version, torch_version, transformers_version, python_version, hardware,
   started                            provenance from meta.json (the run's first start)
@@ -99,7 +99,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .seeds import effective_seed, is_stochastic, seed_group
+from ..seeds import effective_seed, is_stochastic, seed_group
 from .statistics import bootstrap_ci, paired_difference, seed_pooled_ci, seed_pooled_difference, seed_spread
 from .status import run_state
 from .store import (
@@ -166,7 +166,7 @@ def _task(task_cfg: dict[str, Any]):
     """The task, for its ``aggregate`` and ``score_terms`` (None when it is unknown here); built from its config
     alone, without looking for its data."""
     try:
-        from .tasks.base import task_class
+        from ..tasks.base import task_class
 
         cls = task_class(task_cfg["name"])
         task = cls.__new__(cls)  # no ``validate``: it looks for the task's data, which scoring needs not
@@ -402,7 +402,7 @@ def add_subset_rows(rows: list[dict[str, Any]], at_least: float) -> None:
     attention are computed as for any row (the task's own aggregate over those samples).  A
     comparison whose full attention run is incomplete gets no such row (the subtasks it solves are not known), nor
     one where it reaches ``at_least`` on no subtask; a warning says so."""
-    from .method_facts import is_dense
+    from ..method_facts import is_dense
 
     keys = [k for k in PAIR_KEYS if k != "subtask"]
     solved: dict[tuple, list[str] | None] = {}
@@ -498,7 +498,7 @@ PAIR_KEYS = (
 def _references(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
     """Full attention's row per ``PAIR_KEYS`` (the first found; full attention has no randomness): the rows of the
     dense reference method (``Method.dense``)."""
-    from .method_facts import is_dense  # torch-free for the shipped methods
+    from ..method_facts import is_dense  # torch-free for the shipped methods
 
     refs: dict[tuple, dict[str, Any]] = {}
     for r in rows:
@@ -694,7 +694,7 @@ def print_wide(df) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sparse_eval.collect", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sparse_eval.results.collect", description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", help="a runs folder (paths.runs_dir) or any folder below it")
     ap.add_argument(
         "--out",
@@ -737,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quiet and args.wide:
         print_wide(df)
     elif not args.quiet:
-        from .report.terminal_table import format_compact
+        from ..report.terminal_table import format_compact
 
         print(format_compact(df))
     out = Path(args.out) if args.out else root / "results"

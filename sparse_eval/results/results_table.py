@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .seeds import is_stochastic
+from ..seeds import is_stochastic
 from .store import SAMPLES_FILE, read_samples
 
 NO_VALUE = "–"  # a table cell without a value (full attention's own "vs full", a statistic a run did not have)
@@ -17,7 +17,7 @@ NO_VALUE = "–"  # a table cell without a value (full attention's own "vs full"
 
 def short_config(method: dict[str, Any]) -> str:
     """The method options a reader tells configs apart by (the method's ``headline_options``), e.g. ``K=10, L=150``."""
-    from .methods import METHODS
+    from ..methods import METHODS
 
     cls = METHODS.get(method.get("name"))
     keys = cls.headline_options if cls is not None else ()
@@ -38,7 +38,7 @@ def pool_seeds(task: Any, summaries: list[dict[str, Any]]) -> list[dict[str, Any
     spread, and, when full attention is among them, the paired difference against it on the samples both finished
     (``vs_full``, with ``n``; ``significant`` only between complete runs).  ``collect`` records the same for any
     set of runs."""
-    from .methods import is_dense
+    from ..methods import is_dense
     from .statistics import seed_pooled_ci, seed_pooled_difference, seed_spread
 
     def finished(summary: dict[str, Any]) -> list[dict[str, Any]]:

@@ -48,7 +48,7 @@ of the method only.
 
 Two configurations, each over its own seeds (``seed_pooled_contrast``, e.g. MagicPIG (9, 120) against (10, 150)),
 are compared the same way: θ_A − θ_B on the samples every run of both finished, one W for both sides, then A's
-seed draws, then B's (``python -m sparse_eval.contrast``).
+seed draws, then B's (``python -m sparse_eval.results.contrast``).
 
 Order of the draws (so that an independent implementation reproduces the intervals exactly):
 ``rng = numpy.random.default_rng(seed)``; for each group in increasing group id, ``rng.multinomial(n_g, [1/n_g]
@@ -409,7 +409,7 @@ def seed_pooled_draws(
 
 
 def score_interval(task: Any, records: list[dict[str, Any]], seed: int = 0) -> dict[str, Any] | None:
-    """The score's 95 % bootstrap interval over the finished samples (``sparse_eval.statistics``): {lo, hi, n,
+    """The score's 95 % bootstrap interval over the finished samples (``sparse_eval.results.statistics``): {lo, hi, n,
     level, n_boot}; None where the task's samples are not units an interval can be drawn over."""
     terms = task.score_terms(records)
     if terms is None:
