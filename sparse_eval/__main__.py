@@ -15,10 +15,10 @@ import sys
 
 import hydra
 
-from . import sweep
+from .launcher import sweep
 from .cli import EXIT_FAILED, EXIT_USAGE, check_choices, check_compare, fail, hydra_entry, names_a_method
 from .config import CONF_DIR, register_configs
-from .runner import run  # torch-free until a run starts: the launch cache answers a finished launch first
+from .launcher.runner import run  # torch-free until a run starts: the launch cache answers a finished launch first
 
 # the methods' schemas import torch: registered unless the command line cannot compose a method (``--help``,
 # the default experiment, whose ``compare`` list is composed later), so those start without torch

@@ -80,7 +80,7 @@ class Config:
     # runs each stochastic method once per seed; a deterministic method runs once (filed under seed 0)
     seed: Any = 0
     print_table: bool = True
-    # multirun (-m): check every job's config, model and data before launching any (``sparse_eval.preflight``);
+    # multirun (-m): check every job's config, model and data before launching any (``sparse_eval.launcher.preflight``);
     # false launches without the check
     preflight: bool = True
     # what the experiment claims, declared before its runs (``verdicts.claims``): each a comparison, its test

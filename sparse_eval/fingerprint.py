@@ -6,7 +6,7 @@ place (new size or mtime) is hashed again.  ``SPARSE_EVAL_CACHE_DIR`` sets the c
 ``$XDG_CACHE_HOME/sparse_eval``, else ``~/.cache/sparse_eval``); an unwritable cache only costs the re-hash.
 
 ``recording()`` collects every file fingerprinted while it is open, with its size, mtime and sha256: the launch
-cache (``sparse_eval.launch``) keeps them to tell, without loading anything, that a run's inputs are unchanged.
+cache (``launcher.launch_cache``) keeps them to tell, without loading anything, that a run's inputs are unchanged.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def test_fingerprint_finds_shared_text_across_releases_and_none_between_splits(s
 
 
 def test_wikitext_run_refuses_a_calibration_on_its_test_split(tmp_path, stories):
-    from sparse_eval.runner import run
+    from sparse_eval.launcher.runner import run
 
     cal = _calibration_file(
         stories, TEST_HEAD.read_text(encoding="utf-8"), tmp_path / "on_test.json", "file:wikitext2_test_head.txt"

@@ -66,7 +66,7 @@ def test_a_limited_run_is_its_own_run_never_pooled_or_paired_with_another_limit(
 
     from sparse_eval.results.collect import collect
     from sparse_eval.config import CONF_DIR, register_configs
-    from sparse_eval.runner import run
+    from sparse_eval.launcher.runner import run
 
     register_configs()
 

@@ -91,7 +91,7 @@ def test_the_graph_sees_function_level_imports():
     graph = import_graph()
     assert "sparse_eval.cli" in graph["sparse_eval.__main__"]  # module level
     # inside ``_run`` (lazy: a cache hit needs no torch)
-    assert "sparse_eval.run.experiment" in graph["sparse_eval.runner"]
+    assert "sparse_eval.run.experiment" in graph["sparse_eval.launcher.runner"]
     assert find_cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == ["a", "b", "c", "a"]
 
 

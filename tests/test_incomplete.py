@@ -13,7 +13,7 @@ import pytest
 
 from test_runner import REPO, cfg_for
 
-from sparse_eval.runner import run
+from sparse_eval.launcher.runner import run
 
 OVER = ("task.num_samples=3", "task.window=64")
 

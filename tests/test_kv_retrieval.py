@@ -157,7 +157,7 @@ def test_end_to_end_runner(tmp_path, monkeypatch):
     from hydra import compose, initialize_config_dir
 
     from sparse_eval.config import register_configs
-    from sparse_eval.runner import run
+    from sparse_eval.launcher.runner import run
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     register_configs()

@@ -1,5 +1,5 @@
-"""The launch cache (``sparse_eval.launch``): a relaunch whose runs all finished is answered from their saved
-results without loading the model or making samples; anything changed, missing or unfinished takes the normal
+"""The launch cache (``sparse_eval.launcher.launch_cache``): a relaunch whose runs all finished is answered from their
+saved results without loading the model or making samples; anything changed, missing or unfinished takes the normal
 path."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from sparse_eval import launch, runner
+from sparse_eval.launcher import launch_cache, runner
 from sparse_eval.run import experiment
 from sparse_eval.config import CONF_DIR, register_configs
 from sparse_eval.results.store import SAMPLES_FILE, SUMMARY_FILE
@@ -56,7 +56,7 @@ def setup(tmp_path):
 
 
 def _entries(cfg):
-    return sorted(Path(cfg.paths.runs_dir, launch.LAUNCH_DIR).glob("*.json"))
+    return sorted(Path(cfg.paths.runs_dir, launch_cache.LAUNCH_DIR).glob("*.json"))
 
 
 def _forbid_loading(monkeypatch):
@@ -165,12 +165,12 @@ def test_no_entry_without_files_to_stamp():
     """A hub model (no local files) or an input that is not a fingerprinted file: never cached."""
     files = {"/m/model.safetensors": {"size": 1, "mtime_ns": 1, "sha256": "a"}}
     local = {"model": {"fingerprint": {"files_sha256": "x"}}, "inputs": {"channels_file_sha256": "a"}}
-    assert launch.cacheable([local], files, 0) is None
-    assert launch.cacheable([{"model": {"fingerprint": {"hub_commit": "abc"}}}], files, 0)
-    assert launch.cacheable([dict(local, inputs={"channels_file_sha256": "missing"})], files, 0)
-    assert launch.cacheable([local], files, 1)  # data fetched from the hub
-    assert launch.launch_key({"logger": {"name": "wandb"}, "paths": {}}) is None
-    assert launch.launch_key({"model": {"trust_remote_code": True}, "paths": {}}) is None
+    assert launch_cache.cacheable([local], files, 0) is None
+    assert launch_cache.cacheable([{"model": {"fingerprint": {"hub_commit": "abc"}}}], files, 0)
+    assert launch_cache.cacheable([dict(local, inputs={"channels_file_sha256": "missing"})], files, 0)
+    assert launch_cache.cacheable([local], files, 1)  # data fetched from the hub
+    assert launch_cache.launch_key({"logger": {"name": "wandb"}, "paths": {}}) is None
+    assert launch_cache.launch_key({"model": {"trust_remote_code": True}, "paths": {}}) is None
 
 
 def test_unwritable_entry_and_torn_entry_are_misses(setup, monkeypatch):
@@ -219,12 +219,12 @@ def test_an_edit_of_the_report_code_keeps_the_key_any_other_edit_changes_it(tmp_
     (pkg / "engine.py").write_text("x = 1\n")
     (pkg / "report" / "tables.py").write_text("t = 1\n")
     (conf / "config.yaml").write_text("a: 1\n")
-    monkeypatch.setattr(launch, "PACKAGE_DIR", pkg)
-    monkeypatch.setattr(launch, "CONF_DIR", conf)
+    monkeypatch.setattr(launch_cache, "PACKAGE_DIR", pkg)
+    monkeypatch.setattr(launch_cache, "CONF_DIR", conf)
 
     def key():
-        monkeypatch.setattr(launch, "_SOURCE_SHA", None)
-        return launch.source_sha256()
+        monkeypatch.setattr(launch_cache, "_SOURCE_SHA", None)
+        return launch_cache.source_sha256()
 
     first = key()
     (pkg / "report" / "tables.py").write_text("t = 2\n")

@@ -117,7 +117,7 @@ def test_deadline_stops_the_sweep_and_the_same_command_resumes_it(tmp_path):
 
 
 def test_deadline_alarm_raises_in_the_block_and_is_disarmed_after(tmp_path):
-    from sparse_eval.sweep import DeadlineReached, deadline_alarm
+    from sparse_eval.launcher.sweep import DeadlineReached, deadline_alarm
 
     handler = signal.getsignal(signal.SIGALRM)
     t0 = time.monotonic()
@@ -136,7 +136,7 @@ def test_a_job_that_ignores_the_deadline_is_ended_after_the_grace(tmp_path):
     status says ``killed`` and its process exits with 124."""
     status = tmp_path / "job_status.json"
     code = (
-        "import signal, time; from pathlib import Path; from sparse_eval.sweep import deadline_alarm\n"
+        "import signal, time; from pathlib import Path; from sparse_eval.launcher.sweep import deadline_alarm\n"
         "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])\n"
         f"with deadline_alarm((time.time() + 0.2, 0.5), Path({str(status)!r}), {{'job_num': 3}}):\n"
         "    time.sleep(30)\n"
@@ -152,7 +152,7 @@ def test_a_job_that_ignores_the_deadline_is_ended_after_the_grace(tmp_path):
 def test_sweep_report_counts_stopped_jobs_and_exits_124(tmp_path):
     from omegaconf import OmegaConf
 
-    from sparse_eval import sweep
+    from sparse_eval.launcher import sweep
     from sparse_eval.results.store import write_json
 
     for num, status in enumerate(["ok", "stopped", "not started"]):
@@ -175,7 +175,7 @@ def test_sweep_report_counts_stopped_jobs_and_exits_124(tmp_path):
 
 
 def test_deadline_file_is_written_at_launch_and_removed_without_one(tmp_path):
-    from sparse_eval import sweep
+    from sparse_eval.launcher import sweep
 
     at = sweep.write_deadline(tmp_path, 100, 30)
     rec = json.loads((tmp_path / sweep.DEADLINE_FILE).read_text())
@@ -193,7 +193,7 @@ def test_deadline_file_is_written_at_launch_and_removed_without_one(tmp_path):
     [("0", 4, 4), ("0", 1, 1), ("0,1", 2, 1), ("0,1", 4, 2), ("0,1", 3, 2), ("0,1,2,3", 8, 2), ("", 3, 3)],
 )
 def test_jobs_per_gpu(monkeypatch, visible, n_jobs, per_gpu):
-    from sparse_eval.sweep import jobs_per_gpu
+    from sparse_eval.launcher.sweep import jobs_per_gpu
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert jobs_per_gpu(n_jobs) == per_gpu
@@ -203,7 +203,7 @@ def test_gpu_slots_spread_processes_over_gpus_and_cap_each(tmp_path):
     """Two GPUs, two slots each (n_jobs=4): four job processes take GPUs 0, 1, 0, 1; a fifth waits until one ends
     and then takes its GPU."""
     code = (
-        "import sys, time; from sparse_eval.sweep import claim_gpus; "
+        "import sys, time; from sparse_eval.launcher.sweep import claim_gpus; "
         f"print(claim_gpus(1, lock_dir={str(tmp_path)!r}, poll_s=0.1, slots=2), flush=True); "
         "time.sleep(float(sys.argv[1]))"
     )

@@ -76,7 +76,7 @@ def _run_toy_folder(tmp: Path, *overrides: str) -> list[dict]:
     from hydra import compose, initialize_config_dir
 
     from sparse_eval.config import register_configs
-    from sparse_eval.runner import run
+    from sparse_eval.launcher.runner import run
 
     register_configs()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
@@ -519,7 +519,7 @@ def test_generation_records_do_not_depend_on_the_batch_size(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from sparse_eval.config import register_configs
-    from sparse_eval.runner import run
+    from sparse_eval.launcher.runner import run
 
     tasks = _toy_task(tmp_path / "tasks")
     register_configs()

@@ -533,7 +533,7 @@ def test_high_empty_selection_rate_warns_once_and_is_recorded(tmp_path, caplog):
     from hydra import compose, initialize_config_dir
 
     from sparse_eval.config import CONF_DIR, register_configs
-    from sparse_eval.runner import run
+    from sparse_eval.launcher.runner import run
 
     register_configs()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):

@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from sparse_eval.config import CONF_DIR, register_configs
-from sparse_eval.runner import run
+from sparse_eval.launcher.runner import run
 
 register_configs()
 

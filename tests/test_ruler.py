@@ -312,7 +312,7 @@ def test_end_to_end_through_the_runner(tmp_path, request):
     from hydra import compose, initialize_config_dir
 
     from sparse_eval.config import CONF_DIR, register_configs
-    from sparse_eval.runner import run
+    from sparse_eval.launcher.runner import run
 
     register_configs()
     threads = torch.get_num_threads()

@@ -115,7 +115,7 @@ def test_calibrate_writes_to_the_user_folder_which_the_method_reads_first(tmp_pa
 
 def test_collect_labels_rows_by_the_loaded_model(tmp_path):
     from sparse_eval.results.collect import collect
-    from sparse_eval.runner import run
+    from sparse_eval.launcher.runner import run
 
     other = tmp_path / "OtherModel"
     shutil.copytree(STORIES, other)

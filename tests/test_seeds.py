@@ -15,7 +15,7 @@ from test_runner import cfg_for
 
 from sparse_eval.methods import METHODS, attend, build_method, make_config
 from sparse_eval.run.experiment import Experiment
-from sparse_eval.runner import run
+from sparse_eval.launcher.runner import run
 
 VOLATILE = {"time_s"}
 

@@ -18,7 +18,7 @@ from sparse_eval.methods import build_method, make_config
 from sparse_eval.results.store import run_dir_for
 from sparse_eval.config import CONF_DIR
 from sparse_eval.run.experiment import Experiment
-from sparse_eval.runner import run
+from sparse_eval.launcher.runner import run
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "sparse_eval" / "models" / "stories260K"

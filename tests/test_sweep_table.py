@@ -31,7 +31,7 @@ def _multirun(tmp_path, *args):
 
 
 def test_a_multirun_ends_with_one_table_of_its_runs(tmp_path, capsys):
-    from sparse_eval.sweep import print_sweep_table
+    from sparse_eval.launcher.sweep import print_sweep_table
 
     out = _multirun(tmp_path, "method=full,topk")
     combined = out.split("the sweep's 2 runs", 1)[1]  # after both jobs' own tables

@@ -57,7 +57,7 @@ def _data_dir() -> str | None:
 
 
 def _jobs(compose, name: str, extra: list[str] = ()) -> list[list[str]]:
-    from sparse_eval.sweep import sweep_jobs
+    from sparse_eval.launcher.sweep import sweep_jobs
 
     base = [f"+experiment={name}", *extra]
     cfg = compose(config_name="config", overrides=base, return_hydra_config=True)
@@ -170,7 +170,7 @@ def test_launcher_presets_compose(compose):
 
 
 def _run_jobs(compose, name: str, runs_dir: Path, first_only: bool = False) -> list[dict]:
-    from sparse_eval.runner import run
+    from sparse_eval.launcher.runner import run
 
     data = _data_dir()
     extra = [f"paths.runs_dir={runs_dir}", "print_table=false"] + ([f"paths.data_dir={data}"] if data else [])
@@ -392,7 +392,7 @@ def test_gpu_claims_are_distinct_per_process(tmp_path):
     """Two job processes on a 3-GPU machine (faked by CUDA_VISIBLE_DEVICES) take different GPUs; a claim lasts
     as long as its process; nothing is claimed when there is at most one GPU."""
     code = (
-        "import sys, time; from sparse_eval.sweep import claim_gpus; "
+        "import sys, time; from sparse_eval.launcher.sweep import claim_gpus; "
         f"print(claim_gpus(1, lock_dir={str(tmp_path)!r}, poll_s=0.1), flush=True); time.sleep(float(sys.argv[1]))"
     )
     env = _env(CUDA_VISIBLE_DEVICES="0,1,2")
@@ -416,7 +416,7 @@ def test_gpu_claims_are_distinct_per_process(tmp_path):
 
 
 def test_a_vanished_slurm_job_fails_instead_of_hanging(tmp_path, monkeypatch):
-    from sparse_eval import sweep
+    from sparse_eval.launcher import sweep
 
     class Paths:
         result_pickle = tmp_path / "never.pkl"
@@ -447,7 +447,7 @@ def _fake_slurm(tmp_path, monkeypatch, squeue_out: str, record: str) -> None:
 def test_a_job_squeue_does_not_list_is_alive_while_its_record_says_so(tmp_path, monkeypatch):
     """A requeued job that squeue does not list (seen on a loaded machine) counts as alive while the controller's
     record gives a state in which it may still run; a final state counts as gone and is named in the error."""
-    from sparse_eval import sweep
+    from sparse_eval.launcher import sweep
 
     _fake_slurm(tmp_path, monkeypatch, "RUNNING\n", "JobId=4 ArrayJobId=1 ArrayTaskId=2 JobState=RUNNING")
     assert sweep._queue_state("1_2") == "RUNNING"

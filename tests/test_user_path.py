@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from sparse_eval.config import register_configs
 from sparse_eval.methods.base import resolve_dense_layers
 from sparse_eval.config import CONF_DIR
-from sparse_eval.runner import run
+from sparse_eval.launcher.runner import run
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -276,7 +276,7 @@ def test_help_lists_choices_without_schemas(capsys):
 
 
 def test_read_only_store_prints_finished_runs_and_refuses_new_ones(tmp_path, monkeypatch, capsys):
-    import sparse_eval.runner as runner
+    import sparse_eval.launcher.runner as runner
     from sparse_eval.results import collect
 
     args = ("method=full", "task.num_samples=1", "task.window=64")

@@ -21,7 +21,7 @@ from sparse_eval.run import memory
 from sparse_eval.config import register_configs
 from sparse_eval.config import CONF_DIR
 from sparse_eval.run.experiment import Experiment
-from sparse_eval.runner import run
+from sparse_eval.launcher.runner import run
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "sparse_eval" / "models" / "stories260K"

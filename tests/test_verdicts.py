@@ -241,7 +241,7 @@ def test_claims_of_the_experiment_configs_are_valid_and_recorded():
 def test_a_run_with_a_bad_claim_is_refused_before_anything_runs(tmp_path):
     from omegaconf import OmegaConf
 
-    from sparse_eval.runner import run
+    from sparse_eval.launcher.runner import run
 
     cfg = OmegaConf.create(
         {"claims": [{"name": "x", "a": "topk-*", "margin": 0}], "paths": {"runs_dir": str(tmp_path)}}

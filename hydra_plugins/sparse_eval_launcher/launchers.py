@@ -1,8 +1,8 @@
 """``hydra/launcher=slurm`` (and ``submitit_tolerant_local``), ``hydra/launcher=local_gpus``: see
-``sparse_eval.sweep`` for what they add to hydra-submitit-launcher's and hydra-joblib-launcher's launchers.  Each is
+``sparse_eval.launcher.sweep`` for what they add to hydra-submitit-launcher's and hydra-joblib-launcher's launchers.  Each is
 absent (nothing to register) when its plugin is not installed."""
 
-from sparse_eval import sweep as _sweep
+from sparse_eval.launcher import sweep as _sweep
 
 if hasattr(_sweep, "TolerantSlurmLauncher"):
 

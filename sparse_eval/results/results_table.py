@@ -1,6 +1,6 @@
 """The results table a run prints (``python -m sparse_eval``): one row per method config, pooled over seeds, and
 the note on what was reused.  Free of torch and transformers, so a relaunch whose runs are all finished prints it
-without loading either (``sparse_eval.launch``)."""
+without loading either (``sparse_eval.launcher.launch_cache``)."""
 
 from __future__ import annotations
 

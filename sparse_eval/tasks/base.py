@@ -31,7 +31,7 @@ HUB_READS = [0]  # how many times this process fetched task data from the hub (`
 def from_hub(what: str, hub: str, expected: Path | str | None, fix: str = "") -> Iterator[None]:
     """Wraps a hub download of ``what``: a failure (no network, no ``datasets``, an unknown id) becomes one
     ``DataNotFoundError`` naming the local file expected under ``paths.data_dir`` and the alternatives ``fix``.
-    Counted in ``HUB_READS``: a launch that read hub data is not cached (``sparse_eval.launch``)."""
+    Counted in ``HUB_READS``: a launch that read hub data is not cached (``sparse_eval.launcher.launch_cache``)."""
     HUB_READS[0] += 1
     try:
         yield

@@ -1,7 +1,7 @@
 """Running model × method × task, as ``python -m sparse_eval`` and each multirun job do: every run is a pure
 function of its config (so sweeps can skip and resume).
 
-``run(cfg)`` answers a launch whose runs all finished from the launch cache (``sparse_eval.launch``) without
+``run(cfg)`` answers a launch whose runs all finished from the launch cache (``launch_cache``) without
 importing torch or loading the model; otherwise it checks every method before any run starts (``Experiment``,
 ``sparse_eval.run.experiment``: the model, the data, memory and time on the CPU), runs or reads back each method's run
 under its run dir's lock, records a failure in the run dir, and prints the table (``results.results_table``).
@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import launch
-from .fingerprint import recording
-from .results.results_table import print_results
-from .results.status import run_state
-from .results.store import (
+from . import launch_cache
+from ..fingerprint import recording
+from ..results.results_table import print_results
+from ..results.status import run_state
+from ..results.store import (
     PROGRESS_FILE,
     SUMMARY_FILE,
     RunsDirError,
@@ -46,33 +46,33 @@ def _reused(run_dir: Path) -> tuple[int, int]:
 
 def run(cfg: Any, use_cache: bool = True) -> list[dict[str, Any]]:
     """Run every method of ``cfg`` (or read back the finished ones) and print the table; returns the summaries.
-    A launch whose runs all finished before is answered from the launch cache (``sparse_eval.launch``) without
+    A launch whose runs all finished before is answered from the launch cache (``launch_cache``) without
     loading the model; ``use_cache=False`` skips that lookup (the caller made it).  After a launch whose every
     run finished, its cache entry is written."""
-    from .verdicts.claims import check_claims
+    from ..verdicts.claims import check_claims
 
     check_claims(cfg)  # a claim that cannot be tested is refused before anything runs (also when cached)
     if use_cache:
-        hit = launch.reuse(cfg)
+        hit = launch_cache.reuse(cfg)
         if hit is not None:
             return hit
-    from .tasks.base import HUB_READS  # the tasks (and torch) only once the cache did not answer
+    from ..tasks.base import HUB_READS  # the tasks (and torch) only once the cache did not answer
 
     check_runs_dir(cfg.paths.runs_dir)  # a runs folder that cannot be written: refused before the model loads
 
     started_ns, hub_reads = time.time_ns(), HUB_READS[0]
     with recording() as files:
         summaries, identities = _run(cfg)
-    launch.record(cfg, identities, summaries, files, HUB_READS[0] - hub_reads, started_ns)
+    launch_cache.record(cfg, identities, summaries, files, HUB_READS[0] - hub_reads, started_ns)
     return summaries
 
 
 def _run(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``run`` the normal way: loads the model and the samples, runs or reads back each method's run; returns
     (summaries, identities)."""
-    from .run.estimate import check_long
-    from .run.experiment import Experiment
-    from .run.memory import check_batch
+    from ..run.estimate import check_long
+    from ..run.experiment import Experiment
+    from ..run.memory import check_batch
 
     exp = Experiment(cfg)
     methods = [exp.preflight(m) for m in exp.method_configs()]  # a run that cannot start writes nothing

@@ -41,8 +41,8 @@ from typing import Any, Sequence
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from .cli import EXIT_DEADLINE
-from .results.store import read_json, slurm_job_id, write_json
+from ..cli import EXIT_DEADLINE
+from ..results.store import read_json, slurm_job_id, write_json
 
 log = logging.getLogger("sparse_eval")
 
@@ -128,7 +128,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         run_dir = getattr(exc, "run_dir", None)
         record.update(status="stopped" if run_dir else "not started", reason="deadline", run_dirs=[run_dir])
         if run_dir:
-            from .results.status import run_state
+            from ..results.status import run_state
 
             st = run_state(Path(run_dir))
             record["samples_written"], record["expected_samples"] = st["written"], st["expected"]
@@ -434,10 +434,10 @@ def print_sweep_table(records: list[dict[str, Any]]) -> None:
     """One table of every run the sweep's jobs wrote, after each job's own: ``collect`` over their run dirs, with full
     attention's runs of the same task, model and settings found beside them (so a sweep of one method is compared
     too), printed as ``report.terminal_table`` fits it to the terminal."""
-    from .results.collect import PAIR_KEYS, collect
-    from .report.terminal_table import format_compact
-    from .method_facts import is_dense
-    from .results.store import is_run_dir, read_identity
+    from ..results.collect import PAIR_KEYS, collect
+    from ..report.terminal_table import format_compact
+    from ..method_facts import is_dense
+    from ..results.store import is_run_dir, read_identity
 
     dirs = list(dict.fromkeys(str(d) for r in records for d in r.get("run_dirs") or [] if d and Path(d).is_dir()))
     if not dirs:

@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from .hydra_support import CONF_DIR
-from .results.store import SUMMARY_FILE, read_json, write_json
+from ..hydra_support import CONF_DIR
+from ..results.store import SUMMARY_FILE, read_json, write_json
 
 log = logging.getLogger("sparse_eval")
 
@@ -162,7 +162,7 @@ def _stamp(path: str | Path) -> dict[str, Any] | None:
 
 def _sha256(path: str | Path) -> str | None:
     """The file's sha256 (``fingerprint.file_sha256``: hashed once per new mtime, then cached), None if unreadable."""
-    from .fingerprint import file_sha256
+    from ..fingerprint import file_sha256
 
     try:
         return file_sha256(path)
@@ -208,7 +208,7 @@ def _unchanged(stamps: Iterable[dict[str, Any]]) -> str | None:
 def search_dirs() -> list[str]:
     """Folders searched for inputs by name, where a file appearing changes what a run reads: Double Sparsity's
     calibration folders (the user's before the shipped one)."""
-    from .methods.double_sparsity import calibration_dirs
+    from ..methods.double_sparsity import calibration_dirs
 
     return [str(d) for d in calibration_dirs()]
 
@@ -231,7 +231,7 @@ def watched_dirs(files: Iterable[str], data_dir: str | None) -> list[str]:
 
 def finished(run_dirs: list[str]) -> list[dict[str, Any]] | None:
     """The saved summaries of ``run_dirs`` when every one is ``done``; None otherwise."""
-    from .results.status import run_state
+    from ..results.status import run_state
 
     out = []
     for d in run_dirs:
@@ -271,9 +271,9 @@ def reuse(cfg: Any) -> list[dict[str, Any]] | None:
     if summaries is None:
         return None
     if cfg.get("print_table", True):
-        from .config import to_plain
-        from .results.results_table import print_results
-        from .tasks import build_task
+        from ..config import to_plain
+        from ..results.results_table import print_results
+        from ..tasks import build_task
 
         task = build_task(to_plain(cfg.task), data_dir=cfg.paths.data_dir)
         print_results(task, summaries, [(s["samples"], s["samples"]) for s in summaries])

@@ -34,7 +34,7 @@ def _local_launcher(config: DictConfig) -> bool:
 def _model_info(model_cfg: Any, cache: dict) -> Any:
     """(config, device) of a model config, read once per distinct config (the model's config file, not its
     weights); raises the single run's error."""
-    from .models.loading import load_config, resolve_dtype, resolve_placement
+    from ..models.loading import load_config, resolve_dtype, resolve_placement
 
     key = tuple(sorted((k, str(v)) for k, v in dataclasses.asdict(model_cfg).items()))
     if key not in cache:
@@ -61,9 +61,9 @@ def _first_line(exc: BaseException) -> str:
 def job_errors(cfg: Any, models: dict, local: bool) -> list[str]:
     """The errors a job's run would stop at before starting: its model's (``_model_info``) and its config's
     (``check_job``), one line each; [] when it can start."""
-    from .config import to_plain
-    from .models.loading import ModelConfig
-    from .results.store import check_runs_dir
+    from ..config import to_plain
+    from ..models.loading import ModelConfig
+    from ..results.store import check_runs_dir
 
     errors = []
     try:
@@ -85,9 +85,9 @@ def check_job(cfg: Any, models: dict, local: bool, model_checked: bool = True) -
     """Everything a job's run checks at its start that needs neither the model's weights nor its tokenizer;
     raises the single run's error (ValueError / FileNotFoundError).  Without a readable model config
     (``model_checked`` false) only what does not depend on the model."""
-    from .run.experiment import Experiment
-    from .run.memory import Shape, check_index_fits
-    from .run.run_config import check_method
+    from ..run.experiment import Experiment
+    from ..run.memory import Shape, check_index_fits
+    from ..run.run_config import check_method
 
     exp = Experiment(cfg)  # the task (options, data files), protocol, prefill chunk, batch size
     methods = exp.method_configs()  # every method's options
@@ -116,7 +116,7 @@ def check_sweep(config: DictConfig) -> list[tuple[str, list[int], int]]:
     from hydra import compose
     from hydra.core.global_hydra import GlobalHydra
 
-    from .launch import lookup
+    from .launch_cache import lookup
     from .sweep import sweep_jobs
 
     jobs = sweep_jobs(OmegaConf.select(config, "hydra.sweeper.params"), list(config.hydra.overrides.task))
@@ -164,7 +164,7 @@ class SweepPreflight(Callback):
     ``error:`` line and exit status 2 (nothing written under ``paths.runs_dir``)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from .cli import EXIT_USAGE, fail
+        from ..cli import EXIT_USAGE, fail
         from .sweep import launcher_problem
 
         problem = launcher_problem(config)  # the launcher's own options (a deadline), even with preflight=false
