@@ -5,7 +5,7 @@ The facts they ask: whether a run's method is the dense reference (``Method.dens
 its configs are told apart by (``headline_options``: ``collect``'s config column) and its one-line ``summary``
 (``--help``).  The registry answers once the methods are imported; before that, the shipped methods' class bodies
 are read from their source (class-level assignments of literals such as ``name = "..."``, ``dense = True``, by
-``ast``), which gives the same answer in a few milliseconds (``tests/test_startup_imports.py`` checks that they
+``ast``), which gives the same answer in a few milliseconds (``tests/cli/test_startup_imports.py`` checks that they
 agree).  A name no shipped module declares (a user's method from ``SPARSE_EVAL_PLUGINS`` or an entry point) is
 asked of the registry, importing the methods then; so is the help's list while a plugin is configured."""
 

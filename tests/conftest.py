@@ -149,15 +149,15 @@ def records_by_id(path, drop=("time_s",)) -> dict[str, dict]:
 # ties, oracle sampling's draws) and `-m slow` runs the rest. Each entry: test function -> parameter ids kept in the
 # default run (every other id of it is marked slow), with what covers the moved ones.
 DEFAULT_VARIANTS = {
-    # the resume machinery is the runner's (also tests/test_runner.py::test_resume_after_interrupted_run); the kept
-    # methods carry state across a kill (hash tables, eviction, labels)
+    # the resume machinery is the runner's (also tests/launcher/test_runner.py::test_resume_after_interrupted_run);
+    # the kept methods carry state across a kill (hash tables, eviction, labels)
     "test_a_run_killed_in_a_batch_resumes_to_the_records_of_an_unbroken_run": {
         "magicpig-0",
         "h2o-0",
         "double_sparsity-0",
     },
-    # the fixed-order kernels are shared (tests/test_invariance.py's kernel tests); every method under protocol A,
-    # protocols B and S through MagicPIG (sampled selections) and TopK (ties)
+    # the fixed-order kernels are shared (tests/checks/test_invariance.py's kernel tests); every method under
+    # protocol A, protocols B and S through MagicPIG (sampled selections) and TopK (ties)
     "test_records_do_not_depend_on_the_batch": {
         "A-None-double_sparsity-0",
         "A-None-full-0",

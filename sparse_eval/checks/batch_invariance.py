@@ -9,7 +9,7 @@ lengths mixed in one pool, so every batch is left-padded.  For each registered m
 ``eval.batch_invariant`` on as one batch of 50, in batches of 7 and, for ``--alone`` samples, one at a time; a
 sample's record (greedy tokens, stop reason, its score and every recorded statistic, per layer and head) must be the
 same in all three.  With ``--fast-path`` the same comparison is made with the stock kernels for a few methods, to
-show what the mode removes.  ``tests/test_invariance.py`` runs it on the GPU (``gpu`` marker)."""
+show what the mode removes.  ``tests/checks/test_invariance.py`` runs it on the GPU (``gpu`` marker)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ use ``scaled_dot_product_attention`` in this mode (its kernels split keys by bat
 reduction or product that is not routed through an invariant kernel (a new method's ``torch.prod`` or
 ``index_add`` of fractions, say), so a code path can be audited on the CPU for the GPU too.
 
-What stays variable: nothing measured on the CPU or the H200 (``tests/test_invariance.py``,
+What stays variable: nothing measured on the CPU or the H200 (``tests/checks/test_invariance.py``,
 ``experiments/batch_invariance_h200``).  The cost is measured in ``benchmarks/bench_invariance.py``.
 """
 
@@ -272,8 +272,8 @@ def _sort(x, dim=-1, descending=False):
 # -- CPU pointwise functions ------------------------------------------------------------------------------------------
 # torch's CPU kernels compute transcendental functions with SIMD code (Sleef) in the vectorised part of a loop and
 # with scalar libm calls for the remainder of each thread's chunk; the two round differently in the last bit (silu,
-# sigmoid, log1p, softplus, gelu-tanh, pow, sinh, ...: measured, ``tests/test_invariance.py``), so an element's value
-# depended on where the batch put it.  Inside ``batch_invariant()`` they run on one thread (one chunk) over the
+# sigmoid, log1p, softplus, gelu-tanh, pow, sinh, ...: measured, ``tests/checks/test_invariance.py``), so an element's
+# value depended on where the batch put it.  Inside ``batch_invariant()`` they run on one thread (one chunk) over the
 # flattened operands padded to a multiple of 64 elements, so every element takes the vectorised loop.
 CPU_POINTWISE = (
     "exp",

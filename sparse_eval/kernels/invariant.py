@@ -19,8 +19,8 @@ Two implementations of each function, both with this property (they agree with e
 * ``*_reference`` (torch, every device; the CPU path): sums are pairwise trees of elementwise additions over the
   row end-aligned in a power-of-two length (``tree_sum``); products go through torch/MKL in fixed-size pieces:
   rows and columns padded to multiples of ``MKL_BLOCK`` (MKL's per-element result is independent of the other
-  rows and columns from 16 of them on, and differs below: measured, ``tests/test_invariance.py``), and the reduced
-  axis cut into end-aligned tiles of ``K_TILE`` entries (within one MKL k-block, where leading zeros change
+  rows and columns from 16 of them on, and differs below: measured, ``tests/checks/test_invariance.py``), and the
+  reduced axis cut into end-aligned tiles of ``K_TILE`` entries (within one MKL k-block, where leading zeros change
   nothing; a longer reduction is blocked from its start), the tiles' partial products then summed by ``tree_sum``;
 * Triton kernels (``_tl_invariant``, CUDA): one fixed tile configuration per dtype for every shape, no split-K,
   the K loop and the row loops over end-aligned tiles.

@@ -23,7 +23,7 @@ mask (decode, one query row), the bias per list entry.
 splits chosen from the batch), laid from the end of the key axis (the mask form: left padding only adds splits
 before a row's keys) or from the start of the index list, and merge a row's splits one after the other in a fixed
 order.  A row's reduction order therefore depends only on its own length: its outputs are bit for bit the same
-alone and inside any batch (``tests/test_kernels_triton.py``).
+alone and inside any batch (``tests/kernels/test_kernels_triton.py``).
 
 ``backend="auto"``: Triton for CUDA tensors, the torch reference otherwise.
 """

@@ -301,7 +301,7 @@ class Method:
         self.config = config
         self.validate()
 
-    # -- what the contract suite checks (tests/test_method_contract.py) --------------------------------------------
+    # -- what the contract suite checks (tests/methods/test_method_contract.py) ----------------------------------------
     @classmethod
     def contract_configs(cls) -> list[dict[str, Any]]:
         """The option sets the contract suite checks this method under (config fields over the defaults), on
@@ -322,7 +322,7 @@ class Method:
     def system_contract_configs(cls) -> dict[str, dict[str, Any]]:
         """For a method with a system layer (``sparse_eval.system.layers``): labelled configs (each with its
         ``name``) whose greedy tokens the system path must reproduce from the accuracy path on the test model's
-        260-token prompts, eagerly and with the static step of ``cuda_graph=true`` (tests/test_system.py); chosen
+        260-token prompts, eagerly and with the static step of ``cuda_graph=true`` (tests/system/test_system.py); chosen
         so that they differ from full attention's tokens (equality is then not trivial).  Default: none."""
         return {}
 
@@ -335,7 +335,7 @@ class Method:
     @classmethod
     def paper_configs(cls) -> dict[str, dict[str, Any]]:
         """Labelled option sets (over the defaults) that the real-model batch-invariance check
-        (``sparse_eval.checks.batch_invariance``, on the GPU in ``tests/test_invariance.py``) runs at the paper's
+        (``sparse_eval.checks.batch_invariance``, on the GPU in ``tests/checks/test_invariance.py``) runs at the paper's
         settings on RULER prompts of 2-4K tokens.  Default: the defaults alone, labelled with the method's name."""
         return {cls.name: {}}
 

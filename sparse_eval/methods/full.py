@@ -31,7 +31,7 @@ class Full(Method):
 
     @classmethod
     def static_step_contract_configs(cls):
-        """Full attention's own static step (its eager decode: tests/test_system.py's full-attention test)."""
+        """Full attention's own static step (its eager decode: tests/system/test_system.py's full-attention test)."""
         return {"full": {"name": "full"}}
 
     @classmethod

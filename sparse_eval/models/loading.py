@@ -374,7 +374,7 @@ def model_identity(
     ``model.tokenizer`` and ``model.check_tokenizer`` enter only when set away from their defaults.  Where the model
     is placed (``model.device``, ``model.device_map``, ``model.max_memory``, ``model.offload_folder``) does not
     enter beyond ``device`` as configured: a map's records are those of the model on one device
-    (``models.placement``; ``tests/test_device_map.py``), as a batch's are those of its samples alone."""
+    (``models.placement``; ``tests/models/test_device_map.py``), as a batch's are those of its samples alone."""
     from ..fingerprint import combined_sha256, files_sha256
     from .tokenizer_check import tokenizer_identity
 

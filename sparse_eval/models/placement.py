@@ -16,8 +16,8 @@ on one device; every per-layer state of the attention plug-in and the methods fo
 key tensors (``attention.plugin``), and what is gathered across layers (the recorder's sums, the engine's logits,
 sampling and stopping) is gathered on one device in a fixed order (the recorder on the host, the engine on
 ``main_device``).  A run's records are then those of the same model on one device, and the map is no part of a
-run's identity (``loading.model_identity``), like the batch size; ``tests/test_device_map.py`` checks it for every
-registered method.
+run's identity (``loading.model_identity``), like the batch size; ``tests/models/test_device_map.py`` checks it for
+every registered method.
 
 torch is imported lazily: the checks run in a sweep's preflight before any model loads."""
 

@@ -280,7 +280,7 @@ def record_segment_end(run_dir: Path, done_at_end: int) -> None:
     """The end (finished, interrupted or failed) of the process that ``record_segment`` recorded last: the run's
     sample count then, as its segment's ``done_at_end``.  With every segment's counts on record, the next one
     starts where the last one stopped and the last one stops at the samples the run holds
-    (tests/test_experiments_record.py checks this of every archived run), so a segment missing from meta.json
+    (tests/verdicts/test_experiments_record.py checks this of every archived run), so a segment missing from meta.json
     shows.  A write that fails is logged, not raised: it must not hide the run's own error."""
     path = Path(run_dir) / META_FILE
     try:

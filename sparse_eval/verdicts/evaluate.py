@@ -19,7 +19,7 @@ difference with ``sparse_eval.results.statistics`` (``seed_pooled_draws``, ``tos
 file they came from) and the folder README's section between ``<!-- verdicts:begin -->`` and
 ``<!-- verdicts:end -->``; with ``--all``, also ``experiments/README.md``'s summary table between
 ``<!-- verdicts-summary:begin -->`` and ``<!-- verdicts-summary:end -->`` (made from the folders' verdicts.json;
-``--summary-only`` rewrites just that).  Text outside the markers is left as it is.  ``tests/test_verdicts.py``
+``--summary-only`` rewrites just that).  Text outside the markers is left as it is.  ``tests/verdicts/test_verdicts.py``
 checks that the committed sections are what this writes.
 
 A runs folder (``paths.runs_dir``) holds no claims.yaml: the claims are those its runs recorded in summary.json

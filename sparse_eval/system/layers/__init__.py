@@ -14,7 +14,7 @@ module of this folder is imported here (``sparse_eval.discovery``), so a new lay
 * ``magicpig.MagicPIGLayer``: KV cache and hash tables in CPU memory, sink and local window on the GPU, the two
   parts merged by log-sum-exp (MagicPIG §4.4, eq. 11).
 
-Each reproduces the selection of its ``sparse_eval.methods`` class (``tests/test_system.py`` checks the greedy
+Each reproduces the selection of its ``sparse_eval.methods`` class (``tests/system/test_system.py`` checks the greedy
 tokens against the accuracy path).  Every layer also decodes with a ``base.StaticStep`` (shapes fixed by the cache
 capacity; the position, row lengths and budgets on the device), the step the decoder captures in a CUDA graph.
 

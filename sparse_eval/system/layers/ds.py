@@ -7,7 +7,7 @@
   side CUDA stream into a double buffer while layer l−1 computes; the current token's key joins the top-k exactly
   (see ``_include_new``).
 
-Both select the keys of ``methods.double_sparsity`` (``tests/test_system.py``) and keep no static keys.
+Both select the keys of ``methods.double_sparsity`` (``tests/system/test_system.py``) and keep no static keys.
 """
 
 from __future__ import annotations
