@@ -102,3 +102,17 @@ def test_a_step_without_host_syncs_is_captured_and_one_with_them_says_why(tmp_pa
     # nothing left behind by a step that could not be captured: the CUDA generator draws outside a graph again
     # (a capture that fails midway leaves it marked as capturing, and the next draw fails)
     torch.randn(3, device="cuda")
+
+
+def test_time_limit_writes_the_repeats_it_finished(tmp_path, capsys):
+    """--time-limit: a repeat that would end past the limit does not start, the profile is skipped likewise, and the
+    record holds the repeats done (so a device call with a hard limit still leaves its figures)."""
+    out = tmp_path / "limited"
+    argv = ["--model", "stories260k", "--context", "64", "--batch", "1", "--steps", "2", "--repeats", "4"]
+    extra = ["--methods", "full,topk", "--fused", "off", "--profile", "--time-limit", "0.001", "--out", str(out)]
+    assert bench.main([*argv, *extra]) == 0
+    rec = json.loads((out / "accuracy_path_stories260k_64_b1.json").read_text())
+    assert rec["repeats_done"] == 1 and rec["args"]["repeats"] == 4
+    assert all(len(r["all_ms"]) == 1 and "aten_ops_per_step" not in r for r in rec["rows"])  # no profile
+    text = capsys.readouterr().out
+    assert "stopping after 1 repeats" in text and "--profile skipped" in text and "medians of 1" in text

@@ -420,9 +420,12 @@ def test_fused_records_do_not_depend_on_the_batch_on_the_gpu(tmp_path):
     from sparse_eval.checks.batch_invariance import run_check
 
     report = run_check(device="cuda", out=tmp_path / "fused.json", fused="auto", fast_path=())
+    n, methods = report["samples"], report["methods"]
+    unchanged = {label: f"{m['unfused_identical_tokens']}/{n}" for label, m in methods.items()}
+    print("greedy tokens the fused kernel left unchanged, per method:", unchanged)  # every method's, before asserting
     assert report["all_identical"], json.dumps(report["mismatches"], indent=1)[:4000]
-    for label, m in report["methods"].items():
-        assert m["unfused_identical_tokens"] >= 0.97 * report["samples"], (label, m)
+    short = {k: v for k, v in unchanged.items() if methods[k]["unfused_identical_tokens"] < 0.97 * n}
+    assert not short, f"below 97 % of the unfused path's greedy tokens: {short} (all: {unchanged})"
 
 
 def test_the_real_model_check_covers_every_registered_method(tmp_path):
