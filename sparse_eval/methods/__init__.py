@@ -18,13 +18,27 @@ from typing import Any
 import torch
 
 from ..discovery import import_package_modules, load_plugins
-from .base import AttentionContext, Method, MethodConfig, Selection
+from .base import (
+    AttentionContext,
+    Method,
+    MethodConfig,
+    Selection,
+    budget_bound,
+    check_budget,
+    resolve_budget,
+    token_budget,
+)
 from .core import key_validity, sparse_attention
 from .registry import METHODS, build_method, compare_names, is_dense, make_config, method_class, register
 
 # every module of this folder registers its method (``@register``): a new method is one new module here
 INFRASTRUCTURE = ("base", "core", "registry", "labels")
 import_package_modules(__name__, skip=INFRASTRUCTURE)
+
+# the rules a method of one's own needs, each in its one home: the token budget, the k highest keys (ties by index),
+# the counter-based uniforms (a draw that depends on its keys, not on the batch)
+from .random import uniforms  # noqa: E402
+from .topk import topk_mask  # noqa: E402
 
 
 def attend(
@@ -95,13 +109,19 @@ __all__ = [
     "MethodConfig",
     "Selection",
     "attend",
+    "budget_bound",
     "build_method",
+    "check_budget",
     "compare_names",
     "is_dense",
     "make_config",
     "method_class",
     "register",
+    "resolve_budget",
     "sparse_attention",
+    "token_budget",
+    "topk_mask",
+    "uniforms",
 ]
 
 

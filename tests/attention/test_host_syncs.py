@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from sparse_eval.attention.plugin import Runtime, SparseCache, attach, cache_kwargs, detach, make_cache
+from sparse_eval.methods import METHODS as REGISTRY
 from sparse_eval.methods import build_method, make_config
 from sparse_eval.methods.base import CacheTrackedState
 from sparse_eval.run.run_config import method_options
 
 STORIES = Path(__file__).resolve().parents[2] / "sparse_eval" / "models" / "stories260K"
 PACKAGE = str(Path(__file__).resolve().parents[2] / "sparse_eval")
-METHODS = ("full", "topk", "oracle", "quest", "double_sparsity", "magicpig", "h2o", "snapkv", "streaming_llm")
+METHODS = sorted(REGISTRY)  # every registered method, a user's plugin included
 TENSOR_READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero")
 
 

@@ -51,6 +51,27 @@ def test_shipped_modules_are_registered_without_an_import_list():
     assert {"wikitext", "ruler", "kv_retrieval", "longbench", "lm_eval"} <= set(TASKS)
 
 
+def test_a_methods_rules_are_exported_from_one_place():
+    """What a method of one's own needs comes from ``sparse_eval.methods``, and is what the shipped methods call: the
+    token budget (TopK, oracle sampling, Quest, DS), the k highest keys with ties by index, the counter-based draws."""
+    import torch
+
+    import sparse_eval.methods as api
+    from sparse_eval.methods import base, quest, topk
+    from sparse_eval.methods import random as draws
+
+    assert api.resolve_budget is base.resolve_budget and topk.resolve_budget is base.resolve_budget
+    assert api.topk_mask is topk.topk_mask and api.uniforms is draws.uniforms
+    assert quest.token_budget is api.token_budget
+    rules = {"resolve_budget", "token_budget", "budget_bound", "check_budget", "topk_mask", "uniforms"}
+    assert rules <= set(api.__all__)
+    score = torch.tensor([[1.0, 3.0, 3.0, 2.0, float("-inf")]])
+    k = api.resolve_budget(0.5, torch.tensor([4]))  # ⌊0.5 · 4⌋ = 2 keys of the row's 4 valid ones
+    assert api.topk_mask(score, k.view(1, 1)).tolist() == [[False, True, True, False, False]]
+    u = api.uniforms(0, torch.arange(3))
+    assert u.dtype == torch.float64 and torch.equal(u, api.uniforms(0, torch.arange(3))) and ((u > 0) & (u < 1)).all()
+
+
 def test_plugin_from_the_environment_variable_runs_end_to_end(tmp_path):
     """``SPARSE_EVAL_PLUGINS=pkg.module``: the method registers, ``method=<name>`` selects it with its dataclass's
     defaults (no YAML of its own), its options are overridable and checked, and the run records it."""
