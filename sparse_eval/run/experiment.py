@@ -39,7 +39,7 @@ from ..results.store import (
 )
 from ..tasks import build_task
 from ..verdicts.claims import claims_record
-from ..wandb_logger import WandbLogger
+from .wandb_logger import WandbLogger
 from .batching import RECORD_STATS, Batcher
 from .estimate import sample_tokens
 from .run_config import check_batch_size, check_method, method_configs
