@@ -86,13 +86,16 @@ def _mm(a, b):
     return kinv.mm(a, b, out_dtype=a.dtype)
 
 
-def _addmm(bias, a, b, *, beta=1, alpha=1):
-    out = kinv.mm(a, b, out_dtype=a.dtype)
-    if alpha != 1:
-        out = out * alpha
+def _scaled_add(base, product, beta, alpha):
+    """``beta · base + alpha · product`` as aten's addmm/baddbmm define it (``base`` ignored when beta = 0)."""
+    out = product * alpha if alpha != 1 else product
     if beta == 0:
         return out
-    return out + (bias if beta == 1 else bias * beta)
+    return out + (base if beta == 1 else base * beta)
+
+
+def _addmm(bias, a, b, *, beta=1, alpha=1):
+    return _scaled_add(bias, kinv.mm(a, b, out_dtype=a.dtype), beta, alpha)
 
 
 def _bmm(a, b):
@@ -100,12 +103,7 @@ def _bmm(a, b):
 
 
 def _baddbmm(base, a, b, *, beta=1, alpha=1):
-    out = kinv.bmm(a, b, out_dtype=a.dtype)
-    if alpha != 1:
-        out = out * alpha
-    if beta == 0:
-        return out
-    return out + (base if beta == 1 else base * beta)
+    return _scaled_add(base, kinv.bmm(a, b, out_dtype=a.dtype), beta, alpha)
 
 
 def _mv(a, v):

@@ -115,6 +115,24 @@ from .store import (
 
 SUBTASK_FIELDS = ("subtask", "lm_eval_task")
 SINGLE_SEED_MARK = "†"
+POOLED_COLUMNS = (
+    "seeds",
+    "seed_values",
+    "seed_std",
+    "seed_min",
+    "seed_max",
+    "pooled_score",
+    "pooled_lo",
+    "pooled_hi",
+    "pooled_n",
+    "pooled_diff",
+    "pooled_diff_lo",
+    "pooled_diff_hi",
+    "pooled_n_paired",
+    "pooled_significant",
+    "interval_omits_seeds",
+    "seeds_left_out",
+)
 MEAN_FIELDS = ("cost1", "cost2", "kv_bytes", "est_error", "mass", "topk_recall", "static_frac", "empty_selections")
 LEAD_COLUMNS = [
     "model",
@@ -136,21 +154,7 @@ LEAD_COLUMNS = [
     "n_paired",
     "significant",
     "seed",
-    "seeds",
-    "seed_std",
-    "seed_min",
-    "seed_max",
-    "pooled_score",
-    "pooled_lo",
-    "pooled_hi",
-    "pooled_n",
-    "pooled_diff",
-    "pooled_diff_lo",
-    "pooled_diff_hi",
-    "pooled_n_paired",
-    "pooled_significant",
-    "interval_omits_seeds",
-    "seeds_left_out",
+    *(c for c in POOLED_COLUMNS if c != "seed_values"),
     "pooled",
     "cost1",
     "cost2",
@@ -526,26 +530,6 @@ def add_paired_differences(rows: list[dict[str, Any]]) -> None:
         d = r.pop("_diff")
         r["diff_vs_full"], r["diff_lo"], r["diff_hi"] = d.get("diff"), d.get("lo"), d.get("hi")
         r["n_paired"], r["significant"] = d.get("n"), d.get("significant")
-
-
-POOLED_COLUMNS = (
-    "seeds",
-    "seed_values",
-    "seed_std",
-    "seed_min",
-    "seed_max",
-    "pooled_score",
-    "pooled_lo",
-    "pooled_hi",
-    "pooled_n",
-    "pooled_diff",
-    "pooled_diff_lo",
-    "pooled_diff_hi",
-    "pooled_n_paired",
-    "pooled_significant",
-    "interval_omits_seeds",
-    "seeds_left_out",
-)
 
 
 def seed_order(row: dict[str, Any]) -> tuple:
