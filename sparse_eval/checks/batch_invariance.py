@@ -142,7 +142,9 @@ def run_check(
 
     ``fused`` is ``eval.fused_attention`` for every run (off | on | auto).  Other than off, each method's pool also
     runs once with it off, and the report gives per method how many samples' greedy tokens the fused kernel left
-    unchanged (``unfused_identical_tokens``: issue 51's "records close to the pre-fusion records")."""
+    unchanged (``unfused_identical_tokens``: issue 51's "records close to the pre-fusion records"), and, as the
+    yardstick of that count, how many the unfused path leaves unchanged when it runs outside the batch-invariant
+    mode (``plain_identical_tokens``: the same arithmetic in the stock kernels' summation order)."""
     from ..attention.plugin import Runtime, attach, detach
     from ..engine import Engine
     from ..methods import build_method, make_config
@@ -227,6 +229,11 @@ def run_check(
         if fused != "off":
             unfused = {r["id"]: r["tokens"] for r in run(label, name, opts, True, (n,), "off")[n][0]}
             report["methods"][label]["unfused_identical_tokens"] = sum(unfused[r["id"]] == r["tokens"] for r in ref)
+            # the yardstick: the same unfused path outside the batch-invariant mode (stock kernels: the same
+            # arithmetic in another summation order), i.e. how many greedy sequences a rounding-level change of the
+            # attention's inputs leaves unchanged for this method on this model
+            plain = run(label, name, opts, False, (n,), "off")[n][0]
+            report["methods"][label]["plain_identical_tokens"] = sum(unfused[r["id"]] == r["tokens"] for r in plain)
         print(
             f"{label}: {'identical' if not bad else f'{len(bad)} mismatches'} {report['methods'][label]['seconds']}",
             flush=True,
