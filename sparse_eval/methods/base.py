@@ -271,9 +271,14 @@ class Method:
     summary: ClassVar[str] = ""
     # the report's name of the method (tables, legends), e.g. "TopK"; "" = ``name``
     display_name: ClassVar[str] = ""
-    # the config field of the method's token budget (float: a ratio of the context, int: tokens), if it has one:
-    # the report's config label and sparsity level of a run read it (``label``, ``level``)
+    # the config field of the method's token budget (float: a ratio of the row's valid keys, int: tokens;
+    # ``token_budget``'s rule), if it has one.  A budgeted method gets from here its start-time check (``validate``:
+    # ``check_budget``, against the context unless ``budget_may_exceed_context``), its per-row count
+    # (``budget_tokens``) and that count's host-side bound (``budget_host_bound``); the report's config label and
+    # sparsity level of a run read it too (``label``, ``level``)
     budget_field: ClassVar[str | None] = None
+    # an int budget larger than the context is valid (SnapKV: the prompt is then kept whole)
+    budget_may_exceed_context: ClassVar[bool] = False
     # the options a reader tells this method's configs apart by (the printed table's config column, progress bars)
     headline_options: ClassVar[tuple[str, ...]] = ()
     # parts of ``index_memory`` allocated once per run, whatever its batch, on the host first (MagicPIG's projections)
@@ -381,6 +386,9 @@ class Method:
                 f"method.gqa={c.gqa!r} is not supported by method {self.name!r}; valid: {list(self.supported_gqa)}"
             )
         check_dense_layers(c.dense_layers)
+        if self.budget_field is not None:
+            within = None if self.budget_may_exceed_context else context
+            check_budget(getattr(c, self.budget_field), f"method.{self.budget_field}", within)
         if c.sliding_layers not in SLIDING_LAYERS:
             raise ValueError(
                 f"method.sliding_layers={c.sliding_layers!r}; valid: {list(SLIDING_LAYERS)} (dense: layers "
@@ -388,6 +396,14 @@ class Method:
             )
         if num_layers is not None:
             resolve_dense_layers(c.dense_layers, num_layers)
+
+    def budget_tokens(self, ctx: AttentionContext) -> torch.Tensor:
+        """Each row's budget in keys, long [B, 1, Q, 1]: ``token_budget`` of the row's valid keys (``budget_field``)."""
+        return resolve_budget(getattr(self.config, self.budget_field), ctx.n_valid, f"method.{self.budget_field}")
+
+    def budget_host_bound(self, n: int) -> int:
+        """The largest ``budget_tokens`` of rows of at most ``n`` keys, from Python numbers (no device sync)."""
+        return budget_bound(getattr(self.config, self.budget_field), n)
 
     def dense_layer_set(self, num_layers: int, sliding: Iterable[int] = ()) -> set[int]:
         """The layers this method leaves dense in a model of ``num_layers`` layers whose sliding-window layers are

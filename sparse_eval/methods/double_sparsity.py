@@ -67,7 +67,7 @@ from sparse_eval.kernels.ds import (
     pseudo_quantize,
 )  # the query-label quantization, shared with the system path's kernels
 
-from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget, token_budget
+from .base import AttentionContext, Method, MethodConfig, Selection, token_budget
 from .labels import budget_label, budget_level, count_label, fraction_label
 from .registry import register
 from .topk import topk_mask
@@ -195,6 +195,7 @@ class DoubleSparsity(Method):
     config_class = DoubleSparsityConfig
     index_reads_keys = False
     display_name = "DS"
+    budget_field = "beta"  # the token budget (the report's label and level are DS's own: ``label``, ``level``)
     headline_options = ("alpha", "beta")
 
     @property
@@ -278,7 +279,6 @@ class DoubleSparsity(Method):
         c = self.config
         if isinstance(c.alpha, bool) or not isinstance(c.alpha, (int, float)) or not 0.0 < float(c.alpha) <= 1.0:
             raise ValueError(f"method.alpha={c.alpha!r}: the channel ratio must lie in (0, 1] (paper default 1/4)")
-        check_budget(c.beta, "method.beta", context)
         if c.label_bits not in LABEL_BITS:
             raise ValueError(f"method.label_bits={c.label_bits!r}; valid: {list(LABEL_BITS)} (16 = not quantized)")
         if c.channel_type not in CHANNEL_TYPES:
@@ -638,7 +638,7 @@ class DoubleSparsity(Method):
         b, hq, ql, d = ctx.q.shape
         ch, ch_floor = self._layer_channels(ctx.layer_idx, hq, ctx.k.shape[1], d, ctx.q.device)
         labels = self._label_cache(ctx, ch)
-        tokens = resolve_budget(self.config.beta, ctx.n_valid, "method.beta")  # [B, 1, Q, 1]
+        tokens = self.budget_tokens(ctx)  # [B, 1, Q, 1]
         tok_floor = (tokens < 1) & (ctx.n_valid > 0)
         want = tokens.clamp_min(1)
         stats: dict[str, Any] = {

@@ -87,7 +87,7 @@ from typing import Any
 
 import torch
 
-from .base import AttentionContext, Method, MethodConfig, Selection, budget_bound, check_budget, resolve_budget
+from .base import AttentionContext, Method, MethodConfig, Selection
 from .core import masked_softmax, scores_gqa
 from .labels import budget_label
 from .registry import register
@@ -145,7 +145,6 @@ class H2O(Method):
 
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
-        check_budget(self.config.heavy, "method.heavy", context)
         if self.config.scores not in SCORES:
             raise ValueError(
                 f"method.scores={self.config.scores!r}; valid: {list(SCORES)} (kept: the attention over "
@@ -199,8 +198,8 @@ class H2O(Method):
         c = self.config
         b, hq, ql, n = ctx.scores.shape
         score, alive = self._state(ctx.state, b, hq, n, ctx.scores.device)
-        budget = resolve_budget(c.heavy, ctx.n_valid, "method.heavy")  # long [B, 1, Q, 1]
-        kmax = budget_bound(c.heavy, n)
+        budget = self.budget_tokens(ctx)  # long [B, 1, Q, 1]
+        kmax = self.budget_host_bound(n)
         cand, static, valid = ctx.candidates, ctx.static, ctx.valid  # bool [B, 1, Q, N]
         fallback = c.sink == 0 and c.local == 0 and c.scores == "kept"  # the core's newest-key fallback can apply
         # bool [B, 1, Q, N]: each row's own key (the core's fallback; the key that enters the cache after the row)

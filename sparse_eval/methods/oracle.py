@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .base import AttentionContext, Method, MethodConfig, Selection, budget_bound, check_budget, resolve_budget
+from .base import AttentionContext, Method, MethodConfig, Selection
 from .random import finish, key_hash, mix, start
 from .registry import register
 
@@ -63,19 +63,15 @@ class OracleSampling(Method):
         attention w_i, so no budget makes the output exact."""
         return None
 
-    def validate(self, num_layers=None, context=None):
-        super().validate(num_layers, context)
-        check_budget(self.config.budget, "method.budget", context)
-
     def select(self, ctx: AttentionContext) -> Selection:
-        draws = resolve_budget(self.config.budget, ctx.n_valid, "method.budget")  # [B, 1, Q, 1]
+        draws = self.budget_tokens(ctx)  # [B, 1, Q, 1]
         s = ctx.scores.masked_fill(ctx.not_candidates, float("-inf"))  # [B, Hq, Q, N]
         lse = torch.logsumexp(s, dim=-1, keepdim=True)  # log Z_c  (-inf when no candidate)
         has = torch.isfinite(lse)
         w = torch.exp(s - torch.where(has, lse, torch.zeros_like(lse))).to(torch.float64)
         cdf = w.cumsum(-1)
         b, hq, ql, n = s.shape
-        bmax = budget_bound(self.config.budget, n)  # host-side bound: no device sync
+        bmax = self.budget_host_bound(n)  # host-side bound: no device sync
         if bmax == 0:
             empty = torch.zeros_like(s, dtype=torch.bool)
             return Selection(keep=empty, stats={"draws": torch.zeros(b, hq, ql, device=s.device)})

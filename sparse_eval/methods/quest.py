@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, resolve_budget, token_budget
+from .base import AttentionContext, Method, MethodConfig, Selection, token_budget
 from .labels import budget_label, count_label
 from .registry import register
 from .topk import topk_mask
@@ -206,7 +206,6 @@ class Quest(Method):
         ps = self.config.page_size
         if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1:
             raise ValueError(f"method.page_size={ps!r}: must be an int >= 1 (Quest default 16; MagicPIG 16, 32, 64)")
-        check_budget(self.config.budget, "method.budget", context)
         mp = self.config.min_pages
         if isinstance(mp, bool) or not isinstance(mp, int) or mp < 1:
             raise ValueError(
@@ -367,7 +366,7 @@ class Quest(Method):
             u = ctx.group_sum(torch.where(cand_pages, u, torch.zeros_like(u)))
         u = u.masked_fill(~cand_pages, float("-inf"))
 
-        tokens = resolve_budget(cfg.budget, ctx.n_valid, "method.budget")  # [B, 1, Q, 1]
+        tokens = self.budget_tokens(ctx)  # [B, 1, Q, 1]
         floor = (tokens < cfg.min_pages * ps) & (ctx.n_valid > 0)
         want = page_budget(tokens, ps, cfg.min_pages)
         # host bound on the rows' page budgets (no device sync): the budget at n keys, n ≥ every row's n_valid

@@ -75,7 +75,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionContext, Method, MethodConfig, Selection, check_budget, token_budget
+from .base import AttentionContext, Method, MethodConfig, Selection, token_budget
 from .core import masked_softmax, scores_gqa
 from .labels import budget_label, budget_level, count_label
 from .registry import register
@@ -109,6 +109,7 @@ class SnapKV(Method):
     config_class = SnapKVConfig
     display_name = "SnapKV"
     budget_field = "max_capacity_prompt"
+    budget_may_exceed_context = True  # a prompt shorter than the capacity is kept whole
     headline_options = ("max_capacity_prompt", "window_size")
     observes_dense = True  # protocol A's and B's dense prompt rows carry the window's queries
     index_reads_keys = False  # decoding reads the kept keys' K and V only
@@ -136,7 +137,6 @@ class SnapKV(Method):
     def validate(self, num_layers=None, context=None):
         super().validate(num_layers, context)
         c = self.config
-        check_budget(c.max_capacity_prompt, "method.max_capacity_prompt")  # larger than the context: kept whole
         if isinstance(c.window_size, bool) or not isinstance(c.window_size, int) or c.window_size < 1:
             raise ValueError(f"method.window_size={c.window_size!r}: an int >= 1 (the observation window's queries)")
         if isinstance(c.max_capacity_prompt, int) and c.max_capacity_prompt <= c.window_size:

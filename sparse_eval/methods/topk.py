@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import AttentionContext, Method, MethodConfig, Selection, budget_bound, check_budget, resolve_budget
+from .base import AttentionContext, Method, MethodConfig, Selection
 from .registry import register
 
 
@@ -61,18 +61,14 @@ class TopK(Method):
         """budget = 1.0: ⌊1.0·n⌋ = n keys, every candidate."""
         return {"budget": 1.0}
 
-    def validate(self, num_layers=None, context=None):
-        super().validate(num_layers, context)
-        check_budget(self.config.budget, "method.budget", context)
-
     def select(self, ctx: AttentionContext) -> Selection:
-        k = resolve_budget(self.config.budget, ctx.n_valid, "method.budget")  # [B, 1, Q, 1]
+        k = self.budget_tokens(ctx)  # [B, 1, Q, 1]
         score = ctx.scores.masked_fill(ctx.not_candidates, float("-inf"))
         if self.config.gqa == "kv_head":
             score = ctx.group_sum(torch.softmax(ctx.scores, -1).nan_to_num(0.0)).masked_fill(
                 ctx.not_candidates, float("-inf")
             )
-        return Selection(keep=topk_mask(score, k, budget_bound(self.config.budget, score.shape[-1])))
+        return Selection(keep=topk_mask(score, k, self.budget_host_bound(score.shape[-1])))
 
     def cost1(self, ctx, sel):
         return 0.5

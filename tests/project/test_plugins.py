@@ -52,7 +52,7 @@ def test_shipped_modules_are_registered_without_an_import_list():
 
 
 def test_a_methods_rules_are_exported_from_one_place():
-    """What a method of one's own needs comes from ``sparse_eval.methods``, and is what the shipped methods call: the
+    """What a method of one's own needs comes from ``sparse_eval.methods`` and is what the shipped methods use: the
     token budget (TopK, oracle sampling, Quest, DS), the k highest keys with ties by index, the counter-based draws."""
     import torch
 
@@ -60,9 +60,12 @@ def test_a_methods_rules_are_exported_from_one_place():
     from sparse_eval.methods import base, quest, topk
     from sparse_eval.methods import random as draws
 
-    assert api.resolve_budget is base.resolve_budget and topk.resolve_budget is base.resolve_budget
+    assert api.resolve_budget is base.resolve_budget and api.token_budget is quest.token_budget
     assert api.topk_mask is topk.topk_mask and api.uniforms is draws.uniforms
-    assert quest.token_budget is api.token_budget
+    # a budgeted method names its budget's field; the base checks it at start and resolves it per row
+    for name in ("topk", "oracle", "quest", "double_sparsity", "h2o", "snapkv"):
+        cls = api.METHODS[name]
+        assert cls.budget_field and cls.budget_tokens is base.Method.budget_tokens, name
     rules = {"resolve_budget", "token_budget", "budget_bound", "check_budget", "topk_mask", "uniforms"}
     assert rules <= set(api.__all__)
     score = torch.tensor([[1.0, 3.0, 3.0, 2.0, float("-inf")]])
