@@ -146,7 +146,7 @@ def stock_generate(exp: Experiment, batch: int) -> dict[str, Any]:
 def warmup(exp: Experiment, mcfg: Any) -> None:
     """One small batch of ``mcfg`` through the engine in the experiment's current mode, nothing recorded."""
     from sparse_eval.attention.plugin import Runtime, attach, detach
-    from sparse_eval.engine import Engine
+    from sparse_eval.generation.engine import Engine
     from sparse_eval.methods import build_method
 
     method = build_method(mcfg)

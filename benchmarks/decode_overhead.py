@@ -79,7 +79,7 @@ def loop_vs_generate(
 ) -> dict[str, float]:
     """ms per generated step: ``Engine.generate_batch`` with full attention attached vs ``model.generate`` (sdpa);
     ``invariant``: the Engine's batch-invariant evaluation mode (``Runtime.batch_invariant``, a run's default)."""
-    from sparse_eval.engine import Engine, GenerationRequest
+    from sparse_eval.generation.engine import Engine, GenerationRequest
 
     g = torch.Generator().manual_seed(1)
     lens = [prompt - 3 * i for i in range(batch)]  # ragged, left padded

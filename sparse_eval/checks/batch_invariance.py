@@ -146,7 +146,7 @@ def run_check(
     yardstick of that count, how many the unfused path leaves unchanged when it runs outside the batch-invariant
     mode (``plain_identical_tokens``: the same arithmetic in the stock kernels' summation order)."""
     from ..attention.plugin import Runtime, attach, detach
-    from ..engine import Engine
+    from ..generation.engine import Engine
     from ..methods import build_method, make_config
     from ..models.loading import load_model, max_context
     from ..provenance import provenance

@@ -6,6 +6,6 @@ their order from ``ordering``, out-of-memory), ``memory`` and ``estimate`` (the 
 ``wandb_logger`` (optional logging of a run's samples and summary).  The launcher (``launcher``: ``runner``, ``sweep``,
 ``preflight``) calls into this wing.
 
-May import: the ground floor (``config``, ``provenance``, ``fingerprint``, ...), ``results.store``, ``models``,
-``methods``, ``attention``, ``tasks``, ``invariance``, ``verdicts.claims``, ``results.results_table``'s labels; never
-the launcher (``runner``, ``sweep``, ``preflight``, ``cli``) nor ``results.collect`` or ``report``."""
+May import: the ground floor (``config``, ``provenance``, ``fingerprint``, ...), ``results.store``, ``generation``,
+``models``, ``methods``, ``attention``, ``tasks``, ``invariance``, ``verdicts.claims``, ``results.results_table``'s
+labels; never the launcher (``runner``, ``sweep``, ``preflight``, ``cli``) nor ``results.collect`` or ``report``."""

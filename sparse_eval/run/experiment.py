@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from ..attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan
 from ..config import to_plain
-from ..engine import Engine
+from ..generation.engine import Engine
 from ..fingerprint import file_sha256
 from ..methods import Method, MethodConfig, build_method, make_config
 from ..methods.core import fused_attention_used

@@ -214,7 +214,7 @@ def fixed_bytes(shape: Shape, method: Any) -> int:
 
 def _work(task: Any, sample: Any) -> tuple[int, int, bool]:
     """(prompt tokens, new tokens, log-likelihood?) of one sample."""
-    from ..engine import LoglikelihoodRequest
+    from ..generation.engine import LoglikelihoodRequest
     from .estimate import sample_tokens
 
     try:

@@ -149,7 +149,7 @@ def dataclass_dict(c: Any) -> dict[str, Any]:
 def _compare(model, tok, method, name, ids, tokens, new) -> dict[str, Any]:
     """Greedy decode of each row through the accuracy path (same method config and seed, protocol A)."""
     from ..attention.plugin import Runtime, attach, detach
-    from ..engine import Engine
+    from ..generation.engine import Engine
 
     same_rows, same_tokens = 0, 0
     acc = build_method(method.config)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine, GenerationRequest, LoglikelihoodRequest
+    from ..generation.engine import Engine, GenerationRequest, LoglikelihoodRequest
     from ..results.statistics import ScoreTerms
 
 

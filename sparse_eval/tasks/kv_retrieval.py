@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..requests import GenerationRequest, GenerationResult
+from ..generation.requests import GenerationRequest, GenerationResult
 from .base import Sample, Task, TaskConfig, register_task
 from .prompting import CHAT_MODES, context_split, encode, render_chat, use_chat
 

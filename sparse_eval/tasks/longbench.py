@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ..metrics.longbench import DATASET_METRIC, score_sample
-from ..requests import GenerationRequest, GenerationResult
+from ..generation.requests import GenerationRequest, GenerationResult
 from .base import Sample, Task, TaskConfig, register_task
 from .prompting import CHAT_MODES, context_split, encode, middle_truncate, render_chat, use_chat
 

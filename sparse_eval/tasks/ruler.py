@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..metrics.ruler import metric_fn, postprocess_pred
-from ..requests import GenerationRequest, GenerationResult
+from ..generation.requests import GenerationRequest, GenerationResult
 from .base import Sample, Task, TaskConfig, register_task
 from . import ruler_data as rd
 

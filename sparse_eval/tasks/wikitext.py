@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..requests import LoglikelihoodRequest, LoglikelihoodResult
+from ..generation.requests import LoglikelihoodRequest, LoglikelihoodResult
 from .base import Sample, Task, TaskConfig, from_hub, register_task
 
 BUNDLED = Path(__file__).resolve().parents[1] / "data" / "wikitext2_test_head.txt"

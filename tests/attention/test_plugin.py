@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_model
 from sparse_eval.attention.plugin import Runtime, attach, detach, make_cache
-from sparse_eval.engine import Engine
+from sparse_eval.generation.engine import Engine
 from sparse_eval.methods import build_method, make_config
 
 
@@ -149,7 +149,7 @@ def test_full_records_per_pass_sums_as_per_layer(protocol):
     """Full attention's statistics, computed once per forward pass and added by every layer, equal those computed
     layer by layer (padded batch, rows stopping at different steps, protocol B's per-row phase)."""
     from sparse_eval.attention.plugin import SparseSession
-    from sparse_eval.engine import GenerationRequest
+    from sparse_eval.generation.engine import GenerationRequest
 
     model = tiny_model("llama", layers=3)
     g = torch.Generator().manual_seed(3)

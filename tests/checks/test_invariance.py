@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from sparse_eval import invariance
 from sparse_eval.attention.plugin import Runtime, attach, detach
-from sparse_eval.engine import Engine, GenerationRequest, LoglikelihoodRequest
+from sparse_eval.generation.engine import Engine, GenerationRequest, LoglikelihoodRequest
 from sparse_eval.invariance import InvarianceViolation, batch_invariant, checker, deterministic_topk
 from sparse_eval.checks.batch_invariance import STATS  # the statistics every invariance check compares
 from sparse_eval.kernels import invariant as kinv

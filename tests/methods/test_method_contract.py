@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, make_cache
-from sparse_eval.engine import Engine, LoglikelihoodRequest
+from sparse_eval.generation.engine import Engine, LoglikelihoodRequest
 from sparse_eval.methods import METHODS, Method, MethodConfig, Selection, attend, build_method, make_config
 
 CASES = [

@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_model
 from sparse_eval.attention.plugin import Runtime, attach, detach
-from sparse_eval.engine import Engine
+from sparse_eval.generation.engine import Engine
 from sparse_eval.methods.base import Method, MethodConfig, Selection
 
 

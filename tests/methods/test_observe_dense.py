@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from sparse_eval.attention.plugin import Runtime, attach, detach
-from sparse_eval.engine import Engine, GenerationRequest
+from sparse_eval.generation.engine import Engine, GenerationRequest
 from sparse_eval.methods import Method, MethodConfig, Selection
 
 

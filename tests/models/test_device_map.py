@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sparse_eval.attention.plugin import Runtime, attach, detach
-from sparse_eval.engine import Engine, GenerationRequest, LoglikelihoodRequest
+from sparse_eval.generation.engine import Engine, GenerationRequest, LoglikelihoodRequest
 from sparse_eval.methods import METHODS, build_method, make_config
 from sparse_eval.models.loading import ModelConfig, load_model, model_identity, resolve_placement
 from sparse_eval.models.placement import device_map_of, main_device

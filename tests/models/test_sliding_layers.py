@@ -141,7 +141,7 @@ def test_every_dense_path_attends_within_the_sliding_window(meth, invariant, chu
     sdpa, whole or in prefill chunks, for full attention and for the dense sliding layers of a sparse method (TopK
     keeping every key elsewhere): a left-padded batch of windows longer than the 8-key window gets each window's own
     stock NLL, which attends within the window, and not the NLL of the same weights without a window."""
-    from sparse_eval.engine import Engine, LoglikelihoodRequest
+    from sparse_eval.generation.engine import Engine, LoglikelihoodRequest
 
     model = tiny_gemma3()
     wide = tiny_gemma3(window=1024)

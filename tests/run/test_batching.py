@@ -11,7 +11,7 @@ import torch
 
 from conftest import jsonl_records
 from sparse_eval.attention.plugin import Runtime, attach, detach
-from sparse_eval.engine import Engine, GenerationRequest, LoglikelihoodRequest
+from sparse_eval.generation.engine import Engine, GenerationRequest, LoglikelihoodRequest
 from sparse_eval.methods import METHODS, build_method, make_config
 
 # every registered method under the configs it declares for the end-to-end checks (``Method.model_contract_configs``:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sparse_eval.attention.plugin import Runtime, attach, detach
-from sparse_eval.engine import Engine
+from sparse_eval.generation.engine import Engine
 from sparse_eval.methods import METHODS
 from sparse_eval.methods.registry import build_method
 from sparse_eval.system import DecodeOptions, decode

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparse_eval.attention.plugin import Runtime, attach, detach
-from sparse_eval.engine import Engine
+from sparse_eval.generation.engine import Engine
 from sparse_eval.methods import build_method, make_config
 from sparse_eval.tasks.base import build_task
 from sparse_eval.tasks.wikitext import load_text

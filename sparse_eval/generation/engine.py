@@ -29,9 +29,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .attention.plugin import SparseSession, cache_kwargs, make_cache
-from .invariance import batch_invariant
-from .models.placement import main_device
+from ..attention.plugin import SparseSession, cache_kwargs, make_cache
+from ..invariance import batch_invariant
+from ..models.placement import main_device
 from .requests import (
     GenerationRequest,
     GenerationResult,
