@@ -87,9 +87,9 @@ def check_job(cfg: Any, models: dict, local: bool, model_checked: bool = True) -
     (``model_checked`` false) only what does not depend on the model."""
     from ..run.experiment import Experiment
     from ..run.memory import Shape, check_index_fits
-    from ..run.run_config import check_method
+    from ..run.run_config import check_method, run_config
 
-    exp = Experiment(cfg)  # the task (options, data files), protocol, prefill chunk, batch size
+    exp = Experiment(run_config(cfg))  # the task (options, data files), protocol, prefill chunk, batch size
     methods = exp.method_configs()  # every method's options
     if not model_checked:
         return

@@ -73,8 +73,9 @@ def _run(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from ..run.estimate import check_long
     from ..run.experiment import Experiment
     from ..run.memory import check_batch
+    from ..run.run_config import run_config
 
-    exp = Experiment(cfg)
+    exp = Experiment(run_config(cfg))  # the config typed and checked once: nothing below reads it raw
     methods = [exp.preflight(m) for m in exp.method_configs()]  # a run that cannot start writes nothing
     spec = exp.spec()
     check_batch(spec, [m.config for m in methods], exp.samples())  # memory (MagicPIG's tables; on the CPU, the batch)

@@ -1,7 +1,7 @@
-"""One run's work: ``Experiment`` loads the model and the task's samples once, checks each method against them
-(``preflight``: the one place a run's Method is built, validated and set up), names each run (``identity``,
-``run_dir``), runs a method over the samples its run dir lacks (``run_method``) and summarizes the records
-(``summarize``)."""
+"""One run's work: ``Experiment``, given the run's frozen ``RunConfig`` (``run_config``), loads the model and the
+task's samples once, checks each method against them (``preflight``: the one place a run's Method is built, validated
+and set up), names each run (``identity``, ``run_dir``), runs a method over the samples its run dir lacks
+(``run_method``) and summarizes the records (``summarize``)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..attention.plugin import PROTOCOLS, Runtime, attach, detach, layer_plan
-from ..config import to_plain
+from ..attention.plugin import Runtime, attach, detach, layer_plan
 from ..generation.engine import Engine
 from ..fingerprint import file_sha256
 from ..methods import Method, MethodConfig, build_method, make_config
 from ..methods.core import fused_attention_used
 from ..models.inspection import sliding_layers
-from ..models.loading import ModelConfig, load_model, max_context, model_identity
+from ..models.loading import load_model, max_context, model_identity
 from ..models.placement import device_map_of
 from ..overlap import check_method as check_calibration_overlap
 from ..results.results_table import short_label
@@ -38,12 +37,11 @@ from ..results.store import (
     write_summary,
 )
 from ..tasks import build_task
-from ..verdicts.claims import claims_record
 from .wandb_logger import WandbLogger
 from .batching import RECORD_STATS, Batcher
 from .estimate import sample_tokens
-from .run_config import check_batch_size, check_method, method_configs
-from .run_spec import RunSpec, eval_config
+from .run_config import RunConfig, check_method
+from .run_spec import RunSpec
 
 log = logging.getLogger("sparse_eval")
 
@@ -53,28 +51,25 @@ EMPTY_SELECTION_WARN = 0.05  # a run whose rows select no key of their own more 
 class Experiment:
     """Loads the model and the task's samples once; runs one or several methods over them."""
 
-    def __init__(self, cfg: Any):
-        self.cfg = cfg
-        self.model_cfg = ModelConfig(**to_plain(cfg.model))
-        self.task_opts = to_plain(cfg.task)
-        if not self.task_opts:
-            raise ValueError("no task given; e.g. task=wikitext")
-        self.task = build_task(self.task_opts, data_dir=cfg.paths.data_dir)
-        self.protocol = cfg.eval.protocol or self.task.default_protocol
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(
-                f"eval.protocol={self.protocol!r}; valid: {list(PROTOCOLS)} (or null for the task's default)"
+    def __init__(self, run: RunConfig):
+        if not isinstance(run, RunConfig):
+            raise TypeError(
+                f"Experiment takes a RunConfig, not {type(run).__name__}: build it from Hydra's config with "
+                "sparse_eval.run.run_config.run_config(cfg)"
             )
-        if cfg.eval.prefill_chunk is not None and cfg.eval.prefill_chunk < 1:
-            raise ValueError(f"eval.prefill_chunk={cfg.eval.prefill_chunk}: must be >= 1 or null")
-        self.batch_size = check_batch_size(cfg.eval.get("batch_size", 1))
-        self.claims = claims_record(cfg)  # checked at start (``sparse_eval.verdicts.claims``); recorded in the summary
+        self.run = run
+        self.model_cfg = run.model
+        self.task_opts = run.task
+        self.task = build_task(self.task_opts, data_dir=run.paths.data_dir)
+        self.protocol = run.protocol
+        self.batch_size = run.batch_size
+        self.claims = list(run.claims)  # checked by ``run_config``; recorded in the summary
         self.model = self.tokenizer = None
         self._samples = None
 
     def method_configs(self) -> list[MethodConfig]:
         """The methods to run, as config dataclasses (``run_config.method_configs``)."""
-        return method_configs(self.cfg)
+        return list(self.run.methods)
 
     def load(self) -> None:
         if self.model is None:
@@ -82,7 +77,7 @@ class Experiment:
             self.context = max_context(self.model_cfg, self.model)
             self.num_layers = self.model.config.get_text_config().num_hidden_layers
             self.model_identity = model_identity(
-                self.model_cfg, self.model, to_plain(self.cfg.paths), tokenizer=self.tokenizer
+                self.model_cfg, self.model, dataclasses.asdict(self.run.paths), tokenizer=self.tokenizer
             )
             self.sliding = sliding_layers(self.model)  # {layer: window} of the layers that attend within a window
 
@@ -94,7 +89,7 @@ class Experiment:
             task=self.task,
             protocol=self.protocol,
             batch_size=self.batch_size,
-            eval=eval_config(self.cfg.eval),
+            eval=self.run.eval,
             samples=self.samples,
             run_dir=self.run_dir,
         )
@@ -131,14 +126,14 @@ class Experiment:
         set from the run's ``seed`` by ``method_configs``; recorded as ``seed`` and in the method).
         ``sliding_layers`` enters only for a model that has sliding layers: elsewhere it cannot change a result (and
         the runs made before it existed keep their directories)."""
-        ev = self.cfg.eval
+        ev = self.run.eval
         built = method if isinstance(method, Method) else None  # a run's method (``preflight``): not built again
         if built is not None:
             method = built.config
         if dataclasses.is_dataclass(method):
             method = dataclasses.asdict(method)
         if method.get("seed") is None:  # options not from method_configs(): the seed it would give them
-            method = dict(method, seed=run_seeds(self.cfg.seed)[0] if is_stochastic(method) else DETERMINISTIC_SEED)
+            method = dict(method, seed=run_seeds(self.run.seed)[0] if is_stochastic(method) else DETERMINISTIC_SEED)
         self.load()
         if not self.sliding:
             method = {k: v for k, v in method.items() if k != "sliding_layers"}
@@ -170,13 +165,13 @@ class Experiment:
         """Whether ``method``'s sparse calls take the fused kernel on this model's device and dtype
         (``eval.fused_attention`` resolved by ``core.fused_attention_used``; raises for ``on`` where it cannot run)."""
         self.load()
-        setting = self.cfg.eval.get("fused_attention", "off")
+        setting = self.run.eval.fused_attention
         return fused_attention_used(setting, method, self.model.device, self.model.dtype)
 
     def run_dir(self, method: Method | MethodConfig) -> tuple[dict[str, Any], Path]:
         """(identity, run directory) of one method's run: the one place both are computed."""
         identity = self.identity(method)
-        return identity, run_dir_for(self.cfg.paths.runs_dir, identity)
+        return identity, run_dir_for(self.run.paths.runs_dir, identity)
 
     def run_method(
         self, method: Method | MethodConfig, run_dir: Path | None = None, identity: dict[str, Any] | None = None
@@ -195,7 +190,7 @@ class Experiment:
         method_cfg = method.config
         first_start = record_start(run_dir, identity)
         samples_log = SampleLog(run_dir / SAMPLES_FILE)
-        if self.cfg.eval.rerun_failed:
+        if self.run.eval.rerun_failed:
             samples_log.drop_failed()
         samples = self.samples()
         todo = [s for s in samples if not samples_log.done(s.id)]
@@ -223,7 +218,7 @@ class Experiment:
             ),
         )
         engine = Engine(self.model, self.tokenizer, session, ev.prefill_chunk)
-        logger = WandbLogger(self.cfg.logger, run_dir, identity)
+        logger = WandbLogger(self.run.logger, run_dir, identity)
         batcher = Batcher(spec, session, engine, todo)
         label = short_label(identity["method"])
         if todo:  # the bar below moves when a batch finishes: on a CPU the first one can take minutes
@@ -289,7 +284,7 @@ class Experiment:
             else sorted(set(range(self.num_layers)) - layer_plan(method, self.num_layers, self.sliding)[0]),
             "sink": identity["method"].get("sink"),
             "local": identity["method"].get("local"),
-            "prefill_chunk": self.cfg.eval.prefill_chunk,
+            "prefill_chunk": self.run.eval.prefill_chunk,
             "batch_size": getattr(self, "_batch_used", None),
             "metric": self.task.metric,
             "score": metrics.get(self.task.metric),

@@ -1,17 +1,22 @@
-"""A run's config composed and checked before anything runs: the methods it asks for (``method_configs``: ``method``
-or the ``compare`` list, each composed from ``conf/method/`` by Hydra so its schema checks it, one per seed), a
-method against the model (``check_method``) and ``eval.batch_size``."""
+"""A run's config composed and checked before anything runs, and frozen: ``RunConfig``, built once from Hydra's
+config by ``run_config`` at the launcher, is what the ``Experiment`` and everything below it take (never the raw
+config).  Here too: the methods it asks for (``method_configs``: ``method`` or the ``compare`` list, each composed
+from ``conf/method/`` by Hydra so its schema checks it, one per seed), a method against the model
+(``check_method``) and ``eval.batch_size``."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from ..attention.plugin import check_sparse_layers, layer_plan
-from ..config import CONF_DIR, to_plain
+from ..config import CONF_DIR, EvalConfig, LoggerConfig, PathsConfig, to_plain
 from ..methods import Method, MethodConfig, build_method, compare_names
 from ..methods.base import resolve_dense_layers
+from ..models.loading import ModelConfig
 from ..seeds import seeded_configs
+from ..verdicts.claims import claims_record
 
 
 def method_options(name: str) -> dict[str, Any]:
@@ -84,3 +89,70 @@ def check_batch_size(value: Any) -> int | str:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"eval.batch_size={value!r}: give an integer >= 1 or 'auto' (the largest batch that fits)")
     return value
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run's config, typed, checked and frozen (``run_config``): what the ``Experiment`` takes."""
+
+    model: ModelConfig
+    task: dict[str, Any]  # the task's options (``conf/task/<name>``, composed and checked by its schema)
+    methods: tuple[MethodConfig, ...]  # ``method_configs``: one per method and seed, each checked
+    eval: EvalConfig
+    paths: PathsConfig
+    logger: LoggerConfig
+    seed: Any  # ``seed``: an int, or a list of them (a stochastic method runs once per seed)
+    protocol: str  # ``eval.protocol`` resolved: the task's default where it is null
+    batch_size: int | str  # ``eval.batch_size`` checked: an int >= 1 or "auto"
+    claims: tuple[dict[str, Any], ...]  # the claims declared for the run (``verdicts.claims``), checked
+
+
+def _typed(node: Any, cls: type) -> Any:
+    """A config node as its schema's dataclass (a structured config's own object, or a mapping's fields)."""
+    from omegaconf import OmegaConf
+
+    if isinstance(node, cls):
+        return node
+    if OmegaConf.is_config(node):
+        obj = OmegaConf.to_object(node)
+        if isinstance(obj, cls):
+            return obj
+        node = obj
+    plain = dict(node or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(plain) - known)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a {cls.__name__} field; valid: {sorted(known)}")
+    return cls(**plain)
+
+
+def run_config(cfg: Any) -> RunConfig:
+    """Hydra's config of one run as a ``RunConfig``: every part typed and checked now (a bad value fails here,
+    naming it, before a model loads), so nothing below the launcher reads the raw config."""
+    from ..attention.plugin import PROTOCOLS
+    from ..tasks import task_class
+
+    from .run_spec import eval_config
+
+    task = to_plain(cfg.task)
+    if not task:
+        raise ValueError("no task given; e.g. task=wikitext")
+    ev = eval_config(cfg.eval)
+    protocol = ev.protocol or task_class(task["name"]).default_protocol
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"eval.protocol={protocol!r}; valid: {list(PROTOCOLS)} (or null for the task's default)")
+    if ev.prefill_chunk is not None and ev.prefill_chunk < 1:
+        raise ValueError(f"eval.prefill_chunk={ev.prefill_chunk}: must be >= 1 or null")
+    seed = to_plain(cfg.seed)
+    return RunConfig(
+        model=_typed(cfg.model, ModelConfig),
+        task=task,
+        methods=tuple(method_configs(cfg)),
+        eval=ev,
+        paths=_typed(cfg.paths, PathsConfig),
+        logger=_typed(cfg.logger, LoggerConfig),
+        seed=tuple(seed) if isinstance(seed, list) else seed,
+        protocol=protocol,
+        batch_size=check_batch_size(ev.batch_size),
+        claims=tuple(claims_record(cfg)),
+    )

@@ -14,6 +14,7 @@ from conftest import jsonl_records
 from helpers import cfg_for
 from sparse_eval.config import register_configs
 from sparse_eval.run.experiment import Experiment
+from sparse_eval.run.run_config import run_config
 from sparse_eval.launcher.runner import run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +91,7 @@ def test_resume_after_interrupted_run(tmp_path, monkeypatch):
     over = ("method=oracle", "task.num_samples=4", "task.window=128")
     full = run(cfg_for(tmp_path / "a", *over))[0]
 
-    exp = Experiment(cfg_for(tmp_path / "b", *over))
+    exp = Experiment(run_config(cfg_for(tmp_path / "b", *over)))
     orig = exp.task.run
     calls = []
 
@@ -109,7 +110,7 @@ def test_resume_after_interrupted_run(tmp_path, monkeypatch):
     with open(run_dir / "samples.jsonl", "a") as f:
         f.write('{"id": "w00002", "sta')
 
-    exp2 = Experiment(cfg_for(tmp_path / "b", *over))
+    exp2 = Experiment(run_config(cfg_for(tmp_path / "b", *over)))
     seen = []
     orig2 = exp2.task.run
     monkeypatch.setattr(exp2.task, "run", lambda s, e: seen.append(s.id) or orig2(s, e))
@@ -133,7 +134,7 @@ def test_resume_after_interrupted_run(tmp_path, monkeypatch):
 
 
 def test_failing_sample_is_recorded_and_run_goes_on(tmp_path, monkeypatch):
-    exp = Experiment(cfg_for(tmp_path, "method=full", "task.num_samples=3", "task.window=64"))
+    exp = Experiment(run_config(cfg_for(tmp_path, "method=full", "task.num_samples=3", "task.window=64")))
     orig = exp.task.run
 
     def flaky(sample, engine):

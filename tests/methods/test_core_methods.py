@@ -306,6 +306,7 @@ def test_fused_attention_enters_the_identity_only_where_it_runs(tmp_path, monkey
 
     from sparse_eval.config import CONF_DIR, register_configs
     from sparse_eval.run.experiment import Experiment
+    from sparse_eval.run.run_config import run_config
 
     register_configs()
     monkeypatch.setenv("SPARSE_EVAL_CACHE_DIR", str(tmp_path / "cache"))
@@ -317,7 +318,7 @@ def test_fused_attention_enters_the_identity_only_where_it_runs(tmp_path, monkey
                 config_name="config",
                 overrides=[f"paths.runs_dir={tmp_path / 'runs'}", "task.window=64", "task.num_samples=1", *overrides],
             )
-        exp = Experiment(cfg)
+        exp = Experiment(run_config(cfg))
         return exp.identity(exp.method_configs()[0])["eval"]
 
     before = {"protocol", "compute_error", "prefill_chunk", "batch_invariant"}

@@ -435,6 +435,8 @@ def test_a_run_killed_in_a_batch_resumes_to_the_records_of_an_unbroken_run(tmp_p
 
     from sparse_eval.run.experiment import Experiment
 
+    from sparse_eval.run.run_config import run_config
+
     over = (
         "method=full",
         "task=kv_retrieval",
@@ -448,7 +450,7 @@ def test_a_run_killed_in_a_batch_resumes_to_the_records_of_an_unbroken_run(tmp_p
     def records(run_dir):  # one record per sample, every line a record: else an assertion names what is wrong
         return records_by_id(Path(run_dir, "samples.jsonl"))
 
-    killed = Experiment(cfg_for(tmp_path / "killed", *over))
+    killed = Experiment(run_config(cfg_for(tmp_path / "killed", *over)))
     score, scored = killed.task.score, []
 
     def dying(sample, result):
@@ -464,9 +466,9 @@ def test_a_run_killed_in_a_batch_resumes_to_the_records_of_an_unbroken_run(tmp_p
     assert len(records(run_dir)) == 2  # the first batch is stored; nothing of the killed one
     monkeypatch.undo()
 
-    resumed = Experiment(cfg_for(tmp_path / "killed", *over))
+    resumed = Experiment(run_config(cfg_for(tmp_path / "killed", *over)))
     assert resumed.run_method(make_config(name, opts))["samples"] == 3
-    unbroken = Experiment(cfg_for(tmp_path / "unbroken", *over))
+    unbroken = Experiment(run_config(cfg_for(tmp_path / "unbroken", *over)))
     unbroken.run_method(make_config(name, opts))
     _, ref_dir = unbroken.run_dir(make_config(name, opts))
     got, want = records(run_dir), records(ref_dir)

@@ -173,6 +173,8 @@ def test_a_run_over_a_map_files_its_records_where_the_one_device_run_does(tmp_pa
 
     from sparse_eval.run.experiment import Experiment
 
+    from sparse_eval.run.run_config import run_config
+
     over = (
         "method=topk",
         "method.budget=8",
@@ -187,7 +189,7 @@ def test_a_run_over_a_map_files_its_records_where_the_one_device_run_does(tmp_pa
     dm = "{" + ",".join(f"{k}:{v}" for k, v in _map(lambda i: "disk" if i >= 3 else "cpu").items()) + "}"
     runs = {}
     for label, extra in (("one", ()), ("map", (f"model.device_map={dm}", f"model.offload_folder={tmp_path / 'off'}"))):
-        exp = Experiment(cfg_for(tmp_path / label, *over, *extra))
+        exp = Experiment(run_config(cfg_for(tmp_path / label, *over, *extra)))
         summary = exp.run_method(make_config("topk", {"budget": 8, "local": 8}))
         assert summary["samples"] == 2
         lines = Path(summary["run_dir"], "samples.jsonl").read_text().splitlines()

@@ -19,6 +19,7 @@ from sparse_eval.methods import build_method, make_config
 from sparse_eval.results.store import run_dir_for
 from sparse_eval.config import CONF_DIR
 from sparse_eval.run.experiment import Experiment
+from sparse_eval.run.run_config import run_config
 from sparse_eval.launcher.runner import run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -241,12 +242,12 @@ def test_the_setting_is_in_the_run_identity_and_the_summary(tmp_path, monkeypatc
     assert sparse["method_config"]["sliding_layers"] == "sparse" and sparse["sliding_dense_layers"] == []
     assert dense["cost2_per_layer"].keys() == {"3"} and sparse["cost2_per_layer"].keys() == {"0", "2", "3"}
     # a model without sliding layers: the setting cannot change a result and stays out of its identity
-    exp = Experiment(_cfg(tmp_path, "method=topk", "method.sliding_layers=sparse"))
+    exp = Experiment(run_config(_cfg(tmp_path, "method=topk", "method.sliding_layers=sparse")))
     ident = exp.identity(exp.method_configs()[0])
     assert "sliding_layers" not in ident["method"]
     assert run_dir_for(tmp_path, ident) == run_dir_for(
         tmp_path,
-        Experiment(_cfg(tmp_path, "method=topk")).identity(
-            Experiment(_cfg(tmp_path, "method=topk")).method_configs()[0]
+        Experiment(run_config(_cfg(tmp_path, "method=topk"))).identity(
+            Experiment(run_config(_cfg(tmp_path, "method=topk"))).method_configs()[0]
         ),
     )

@@ -107,10 +107,11 @@ def test_a_corrupt_sample_line_is_reported_recomputed_and_not_complete(tmp_path,
 def test_the_setup_says_what_it_does(tmp_path, caplog):
     """A RULER sample on the CPU took minutes with nothing on the screen: each step of the setup is now a log line."""
     from sparse_eval.run.experiment import Experiment
+    from sparse_eval.run.run_config import run_config
 
     ruler = ("task=ruler", "task.length=512", "task.haystack=noise", "task.subtasks=[niah_single_1]")
     with caplog.at_level(logging.INFO, logger="sparse_eval"):
-        Experiment(cfg_for(tmp_path / "runs", *ruler, "task.num_samples=1", "method=full")).samples()
+        Experiment(run_config(cfg_for(tmp_path / "runs", *ruler, "task.num_samples=1", "method=full"))).samples()
         run(cfg_for(tmp_path / "runs", "method=full", "task.num_samples=1", "task.window=64", "print_table=false"))
     said = [r.getMessage() for r in caplog.records]
     steps = [

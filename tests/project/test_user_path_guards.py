@@ -21,6 +21,7 @@ from sparse_eval.run import memory
 from sparse_eval.config import register_configs
 from sparse_eval.config import CONF_DIR
 from sparse_eval.run.experiment import Experiment
+from sparse_eval.run.run_config import run_config
 from sparse_eval.launcher.runner import run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +54,9 @@ def _per_row(exp: Experiment) -> float:
 def test_auto_batch_is_sized_to_the_host_memory_on_the_cpu(tmp_path, monkeypatch):
     """With room for 2 rows (a mocked MemAvailable), ``auto`` starts at 2, not at min(samples, 128): on the CPU
     there is no out-of-memory error to halve on, the kernel kills the process."""
-    exp = Experiment(cfg_for(tmp_path, "method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=auto"))
+    exp = Experiment(
+        run_config(cfg_for(tmp_path, "method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=auto"))
+    )
     per_row = _per_row(exp)
     _mock_memory(monkeypatch, 2.5 * per_row / memory.HOST_FRACTION)
     sizes = []
@@ -85,7 +88,7 @@ def test_a_run_whose_one_row_cannot_fit_is_refused_before_writing(tmp_path, monk
 
 
 def test_an_explicit_batch_that_does_not_fit_names_the_one_that_does(tmp_path, monkeypatch):
-    exp = Experiment(cfg_for(tmp_path, "method=topk", "task.num_samples=4", "task.window=64"))
+    exp = Experiment(run_config(cfg_for(tmp_path, "method=topk", "task.num_samples=4", "task.window=64")))
     _mock_memory(monkeypatch, 2.5 * _per_row(exp) / memory.HOST_FRACTION)
     with pytest.raises(
         ValueError, match=r"eval.batch_size=4: 4 rows .* give eval.batch_size=2 or eval.batch_size=auto"
@@ -270,7 +273,7 @@ def test_a_failed_write_leaves_no_temporary_file_and_a_rerun_removes_stale_ones(
     monkeypatch.setattr(Path, "write_text", real)
 
     args = ("method=full", "task.num_samples=1", "task.window=64")
-    exp = Experiment(cfg_for(tmp_path, *args))
+    exp = Experiment(run_config(cfg_for(tmp_path, *args)))
     (m,) = exp.method_configs()
     _, run_dir = exp.run_dir(exp.preflight(m))
     run_dir.mkdir(parents=True)

@@ -121,8 +121,10 @@ def test_resume_after_kill_in_the_middle_of_a_batch(tmp_path, monkeypatch):
 
     from sparse_eval.run.experiment import Experiment
 
+    from sparse_eval.run.run_config import run_config
+
     over = ("method=oracle", "task.num_samples=6", "task.window=64", "eval.batch_size=4")
-    exp = Experiment(cfg_for(tmp_path, *over))
+    exp = Experiment(run_config(cfg_for(tmp_path, *over)))
     orig = exp.task.score
     scored = []
 
@@ -139,14 +141,14 @@ def test_resume_after_kill_in_the_middle_of_a_batch(tmp_path, monkeypatch):
     first = [r["id"] for r in jsonl_records(Path(run_dir, "samples.jsonl"))]
     assert len(first) == 4  # the first batch is stored; nothing of the killed batch is
 
-    exp2 = Experiment(cfg_for(tmp_path, *over))
+    exp2 = Experiment(run_config(cfg_for(tmp_path, *over)))
     summary = exp2.run_method(exp2.method_configs()[0])
     ids = [r["id"] for r in jsonl_records(Path(run_dir, "samples.jsonl"))]
     assert sorted(ids) == [f"w{i:05d}" for i in range(6)]  # no sample lost or duplicated
     assert summary["samples"] == 6 and summary["batch_size"] == 2
 
     # the same run at batch 1 gives the same records
-    one = Experiment(cfg_for(tmp_path / "one", *over[:-1]))
+    one = Experiment(run_config(cfg_for(tmp_path / "one", *over[:-1])))
     s1 = one.run_method(one.method_configs()[0])
     assert s1["score"] == pytest.approx(summary["score"], rel=1e-5)
     assert s1["est_error"] == pytest.approx(summary["est_error"], rel=1e-5)
@@ -157,9 +159,11 @@ def test_batch_size_is_checked_at_start(tmp_path):
 
     from sparse_eval.run.experiment import Experiment
 
+    from sparse_eval.run.run_config import run_config
+
     for bad in ("0", "many"):
         with pytest.raises(ValueError, match="eval.batch_size"):
-            Experiment(cfg_for(tmp_path, "method=full", f"eval.batch_size={bad}"))
+            Experiment(run_config(cfg_for(tmp_path, "method=full", f"eval.batch_size={bad}")))
 
 
 def test_out_of_memory_alone_stops_the_run_without_recording_a_failure(tmp_path, monkeypatch):
@@ -168,10 +172,12 @@ def test_out_of_memory_alone_stops_the_run_without_recording_a_failure(tmp_path,
     from helpers import cfg_for
 
     from sparse_eval.run.experiment import Experiment
+
+    from sparse_eval.run.run_config import run_config
     from sparse_eval.results.store import SAMPLES_FILE, read_samples
 
     cfg = cfg_for(tmp_path, "method=topk", "task.num_samples=4", "task.window=64", "eval.batch_size=2")
-    exp = Experiment(cfg)
+    exp = Experiment(run_config(cfg))
     orig = exp.task.run_batch
 
     def full_device(samples, engine):
@@ -211,7 +217,11 @@ def test_auto_batch_halves_on_out_of_memory(tmp_path, monkeypatch):
 
     from sparse_eval.run.experiment import Experiment
 
-    exp = Experiment(cfg_for(tmp_path, "method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=auto"))
+    from sparse_eval.run.run_config import run_config
+
+    exp = Experiment(
+        run_config(cfg_for(tmp_path, "method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=auto"))
+    )
     sizes = _room_for_two_rows(exp, monkeypatch)
     summary = exp.run_method(exp.method_configs()[0])
     assert sizes == [5, 2, 2, 1] and summary["batch_size"] == 2
@@ -226,18 +236,20 @@ def test_a_fixed_batch_halves_on_out_of_memory_only_where_records_do_not_depend_
     from helpers import cfg_for
 
     from sparse_eval.run.experiment import Experiment
+
+    from sparse_eval.run.run_config import run_config
     from sparse_eval.results.store import SAMPLES_FILE, read_samples
 
     args = ["method=topk", "task.num_samples=5", "task.window=64", "eval.batch_size=4"]
     args.append(f"eval.batch_invariant={str(invariant).lower()}")
-    exp = Experiment(cfg_for(tmp_path / "a", *args))
+    exp = Experiment(run_config(cfg_for(tmp_path / "a", *args)))
     sizes = _room_for_two_rows(exp, monkeypatch)
     _, run_dir = exp.run_dir(exp.method_configs()[0])
     summary = exp.run_method(exp.method_configs()[0], run_dir)
     assert summary["samples"] == 5 and summary["failed"] == 0
     assert sizes == ([4, 2, 2, 1] if invariant else [4, 1, 1, 1, 1, 1])
     if invariant:
-        ref = Experiment(cfg_for(tmp_path / "b", *args))
+        ref = Experiment(run_config(cfg_for(tmp_path / "b", *args)))
         _, ref_dir = ref.run_dir(ref.method_configs()[0])
         ref.run_method(ref.method_configs()[0], ref_dir)
         got, want = read_samples(run_dir / SAMPLES_FILE), read_samples(ref_dir / SAMPLES_FILE)

@@ -35,6 +35,7 @@ from sparse_eval.overlap import (
 )
 from sparse_eval.config import CONF_DIR
 from sparse_eval.run.experiment import Experiment
+from sparse_eval.run.run_config import run_config
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "sparse_eval" / "calibration"
@@ -61,13 +62,16 @@ def _calibration_file(stories, text: str, path: Path, origin: str) -> Path:
     )
 
 
-def _experiment(tmp_path, *overrides) -> Experiment:
+def _config(tmp_path, *overrides):
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        cfg = compose(
+        return compose(
             config_name="config",
             overrides=[f"paths.runs_dir={tmp_path / 'runs'}", "task.window=256", "task.num_samples=4", *overrides],
         )
-    return Experiment(cfg)
+
+
+def _experiment(tmp_path, *overrides) -> Experiment:
+    return Experiment(run_config(_config(tmp_path, *overrides)))
 
 
 # -- the fingerprint ---------------------------------------------------------------------------------------
@@ -120,7 +124,7 @@ def test_wikitext_run_refuses_a_calibration_on_its_test_split(tmp_path, stories)
     ):
         assert part in msg, part
     with pytest.raises(CalibrationOverlapError):  # the whole run: nothing is written
-        run(exp.cfg)
+        run(_config(tmp_path, "method=double_sparsity", f"method.channels_file={cal}"))
     assert not (tmp_path / "runs" / "wikitext").exists()
 
 

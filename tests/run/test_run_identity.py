@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from sparse_eval.config import register_configs
 from sparse_eval.config import CONF_DIR
 from sparse_eval.run.experiment import Experiment
+from sparse_eval.run.run_config import run_config
 from sparse_eval.results.store import run_dir_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ def _cfg(tmp_path, *overrides):
 
 
 def _run_dir(cfg) -> Path:
-    exp = Experiment(cfg)
+    exp = Experiment(run_config(cfg))
     return run_dir_for(cfg.paths.runs_dir, exp.identity(exp.method_configs()[0]))
 
 
@@ -52,7 +53,7 @@ def test_overridden_model_path_is_filed_under_what_was_loaded(tmp_path):
     shipped = _run_dir(_cfg(tmp_path, "method=full"))
     assert shipped.parent.name == "stories260k"
     cfg = _cfg(tmp_path, "method=full", f"model.path={other}")  # model.name is still stories260k
-    exp = Experiment(cfg)
+    exp = Experiment(run_config(cfg))
     ident = exp.identity(exp.method_configs()[0])
     assert ident["model"]["name"] == "OtherModel" and ident["model"]["given_name"] == "stories260k"
     assert ident["model"]["path"] == str(other)
@@ -60,7 +61,7 @@ def test_overridden_model_path_is_filed_under_what_was_loaded(tmp_path):
     # the same bytes: the same fingerprint; new weights in place under the same name and path: a new run
     assert (
         ident["model"]["fingerprint"]
-        == Experiment(_cfg(tmp_path, "method=full")).identity({"name": "full"})["model"]["fingerprint"]
+        == Experiment(run_config(_cfg(tmp_path, "method=full"))).identity({"name": "full"})["model"]["fingerprint"]
     )
     named = _run_dir(_cfg(tmp_path, "method=full", f"model.path={other}", "model.name=mine"))
     assert named.parent.name == "mine"
@@ -107,7 +108,7 @@ def test_calibrate_writes_to_the_user_folder_which_the_method_reads_first(tmp_pa
     assert str(expected.resolve()) in capsys.readouterr().out
     assert default_channels_file("stories260k") == expected  # the user's file before the shipped one
     cfg = _cfg(tmp_path, "method=double_sparsity")
-    exp = Experiment(cfg)
+    exp = Experiment(run_config(cfg))
     from sparse_eval.fingerprint import file_sha256
 
     assert exp.identity(exp.method_configs()[0])["inputs"] == {"channels_file_sha256": file_sha256(expected)}
@@ -151,11 +152,11 @@ def test_task_data_files_are_part_of_the_identity(tmp_path):
         "task.num_samples=1",
         f"paths.data_dir={tmp_path / 'data'}",
     ]
-    exp = Experiment(_cfg(tmp_path, *over))
+    exp = Experiment(run_config(_cfg(tmp_path, *over)))
     ident = exp.identity(exp.method_configs()[0])
     assert list(ident["data"]) == ["text"]
     first = _run_dir(_cfg(tmp_path, *over))
     (data / "wikitext-test.txt").write_text(text.replace(" the ", " a "))
     assert _run_dir(_cfg(tmp_path, *over)) != first
-    bundled = Experiment(_cfg(tmp_path, "method=full"))
+    bundled = Experiment(run_config(_cfg(tmp_path, "method=full")))
     assert "data" not in bundled.identity(bundled.method_configs()[0])

@@ -15,6 +15,7 @@ from helpers import cfg_for
 
 from sparse_eval.methods import METHODS, attend, build_method, make_config
 from sparse_eval.run.experiment import Experiment
+from sparse_eval.run.run_config import run_config
 from sparse_eval.launcher.runner import run
 
 VOLATILE = {"time_s"}
@@ -30,7 +31,7 @@ def test_the_seed_reaches_the_method(tmp_path, method):
     """seed=0 and seed=1 give different records (and run directories, each recording its seed); the same seed
     again gives identical records."""
     over = (f"method={method}", "task.num_samples=1", "task.window=128")
-    exp = Experiment(cfg_for(tmp_path / "a", *over, "seed=[0,1]"))
+    exp = Experiment(run_config(cfg_for(tmp_path / "a", *over, "seed=[0,1]")))
     configs = exp.method_configs()
     assert [c.seed for c in configs] == [0, 1]
     s0, s1 = (exp.run_method(c) for c in configs)
@@ -43,7 +44,7 @@ def test_the_seed_reaches_the_method(tmp_path, method):
     for sid in r0:
         assert r0[sid]["est_error"] != r1[sid]["est_error"]
         assert r0[sid] != r1[sid]
-    again = Experiment(cfg_for(tmp_path / "b", *over, "seed=0"))
+    again = Experiment(run_config(cfg_for(tmp_path / "b", *over, "seed=0")))
     (c,) = again.method_configs()
     assert again.run_dir(c)[1].name == Path(s0["run_dir"]).name  # one identity per seed
     assert _records(again.run_method(c)["run_dir"]) == r0
@@ -51,13 +52,13 @@ def test_the_seed_reaches_the_method(tmp_path, method):
 
 def test_deterministic_method_runs_once_filed_under_seed_0(tmp_path):
     over = ("task.num_samples=1", "task.window=64")
-    topk = Experiment(cfg_for(tmp_path, "method=topk", *over, "seed=[0,1,2]"))
+    topk = Experiment(run_config(cfg_for(tmp_path, "method=topk", *over, "seed=[0,1,2]")))
     (c,) = topk.method_configs()
     assert c.seed == 0
-    plain = Experiment(cfg_for(tmp_path, "method=topk", *over))
+    plain = Experiment(run_config(cfg_for(tmp_path, "method=topk", *over)))
     assert topk.run_dir(c)[1] == plain.run_dir(plain.method_configs()[0])[1]
-    assert Experiment(cfg_for(tmp_path, "method=topk", *over, "seed=5")).method_configs()[0].seed == 0
-    oracle = Experiment(cfg_for(tmp_path, "method=oracle", *over, "seed=[0,1,2]"))
+    assert Experiment(run_config(cfg_for(tmp_path, "method=topk", *over, "seed=5"))).method_configs()[0].seed == 0
+    oracle = Experiment(run_config(cfg_for(tmp_path, "method=oracle", *over, "seed=[0,1,2]")))
     dirs = {oracle.run_dir(c)[1] for c in oracle.method_configs()}
     assert len(dirs) == 3
 
