@@ -97,6 +97,7 @@ def _run(label: str, overrides: list[str], methods: list[tuple[str, dict]]) -> d
 
     from sparse_eval.config import CONF_DIR, register_configs
     from sparse_eval.run.experiment import Experiment
+    from sparse_eval.run.run_config import run_config
     from sparse_eval.methods import make_config
     from sparse_eval.models.placement import device_map_of
 
@@ -104,7 +105,7 @@ def _run(label: str, overrides: list[str], methods: list[tuple[str, dict]]) -> d
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
         cfg = compose(config_name="config", overrides=overrides)
-    exp = Experiment(cfg)
+    exp = Experiment(run_config(cfg))
     t0 = time.perf_counter()
     exp.load()
     out = {"load_s": time.perf_counter() - t0, "device_map": device_map_of(exp.model), "runs": {}}

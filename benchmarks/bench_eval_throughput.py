@@ -36,6 +36,7 @@ from sparse_eval.config import register_configs  # noqa: E402
 from sparse_eval.provenance import provenance  # noqa: E402
 from sparse_eval.config import CONF_DIR  # noqa: E402
 from sparse_eval.run.experiment import Experiment  # noqa: E402
+from sparse_eval.run.run_config import run_config  # noqa: E402
 from sparse_eval.results.results_table import short_config  # noqa: E402
 from sparse_eval.run.run_config import method_options  # noqa: E402
 from sparse_eval.methods import make_config  # noqa: E402
@@ -151,9 +152,9 @@ def warmup(exp: Experiment, mcfg: Any) -> None:
 
     method = build_method(mcfg)
     method.setup(exp.model, exp.model_cfg.name)
-    session = attach(exp.model, method, Runtime(exp.protocol, batch_invariant=exp.cfg.eval.batch_invariant))
+    session = attach(exp.model, method, Runtime(exp.protocol, batch_invariant=exp.run.eval.batch_invariant))
     try:
-        engine = Engine(exp.model, exp.tokenizer, session, exp.cfg.eval.prefill_chunk)
+        engine = Engine(exp.model, exp.tokenizer, session, exp.run.eval.prefill_chunk)
         engine.run_batch([exp.task.request(s) for s in exp.samples()[:2]])
     finally:
         detach(exp.model)
@@ -164,7 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     runs_dir = out / f"runs-{time.strftime('%Y%m%d-%H%M%S')}"  # fresh: nothing is resumed or skipped
     cfg = compose_config(args, runs_dir)
-    exp = Experiment(cfg)
+    exp = Experiment(run_config(cfg))
     t0 = time.perf_counter()
     samples = exp.samples()
     gen_s = time.perf_counter() - t0
@@ -178,7 +179,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             make_config(opts["name"], opts)
         ).config  # dense layers resolved for this model, as a run does
         for invariant in modes:
-            exp.cfg.eval.batch_invariant = invariant
+            # the run's config is frozen: this mode's copy (the identity, and so the run dir, follow it)
+            exp.run = dataclasses.replace(exp.run, eval=dataclasses.replace(exp.run.eval, batch_invariant=invariant))
             if invariant not in warmed:  # Triton compiles the invariant kernels at their first use: not timed
                 warmup(exp, mcfg)
                 warmed.add(invariant)
