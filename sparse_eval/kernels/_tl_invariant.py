@@ -104,12 +104,9 @@ def _bmm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if INTERP:  # the interpreter (numpy >= 2.4) cannot take tensor loop bounds: a constexpr trip count there
-        for t in range(0, NT):
-            acc = _bmm_step(t, k0, a_ptrs, b_ptrs, sak, sbk, mmask, nmask, acc, BLOCK_K, IEEE, F64)
-    else:
-        for t in range(0, n_tiles):
-            acc = _bmm_step(t, k0, a_ptrs, b_ptrs, sak, sbk, mmask, nmask, acc, BLOCK_K, IEEE, F64)
+    # the interpreter (numpy >= 2.4) cannot take tensor loop bounds: a constexpr trip count there
+    for t in range(0, NT if INTERP else n_tiles):
+        acc = _bmm_step(t, k0, a_ptrs, b_ptrs, sak, sbk, mmask, nmask, acc, BLOCK_K, IEEE, F64)
     c = C + bat * scb + offs_m.to(tl.int64)[:, None] * scm + offs_n.to(tl.int64)[None, :] * scn
     tl.store(c, acc.to(OUT), mask=mmask[:, None] & nmask[None, :])
 
@@ -191,12 +188,8 @@ def _row_sum_kernel(
         acc = tl.zeros([1], dtype=tl.float64)
     else:
         acc = tl.zeros([1], dtype=tl.float32)
-    if INTERP:  # a constexpr trip count under the interpreter
-        for t in range(0, NT):
-            acc = _sum_step(base, start, t, acc, BLOCK, SQUARE, F64)
-    else:
-        for t in range(0, n_tiles):
-            acc = _sum_step(base, start, t, acc, BLOCK, SQUARE, F64)
+    for t in range(0, NT if INTERP else n_tiles):  # a constexpr trip count under the interpreter
+        acc = _sum_step(base, start, t, acc, BLOCK, SQUARE, F64)
     tl.store(OUT + row + tl.arange(0, 1), acc)
 
 
@@ -250,20 +243,12 @@ def _softmax_kernel(
     else:
         m = tl.full([1], float("-inf"), dtype=tl.float32)
         s = tl.zeros([1], dtype=tl.float32)
-    if INTERP:  # a constexpr trip count under the interpreter
-        for t in range(0, NT):
-            m = _max_step(base, start, t, m, BLOCK, F64)
-        for t in range(0, NT):
-            s = _sum_exp_step(base, start, t, m, s, BLOCK, F64)
-        for t in range(0, NT):
-            _softmax_out_step(base, obase, start, t, m, s, BLOCK, LOG, F64)
-    else:
-        for t in range(0, n_tiles):
-            m = _max_step(base, start, t, m, BLOCK, F64)
-        for t in range(0, n_tiles):
-            s = _sum_exp_step(base, start, t, m, s, BLOCK, F64)
-        for t in range(0, n_tiles):
-            _softmax_out_step(base, obase, start, t, m, s, BLOCK, LOG, F64)
+    for t in range(0, NT if INTERP else n_tiles):  # a constexpr trip count under the interpreter
+        m = _max_step(base, start, t, m, BLOCK, F64)
+    for t in range(0, NT if INTERP else n_tiles):
+        s = _sum_exp_step(base, start, t, m, s, BLOCK, F64)
+    for t in range(0, NT if INTERP else n_tiles):
+        _softmax_out_step(base, obase, start, t, m, s, BLOCK, LOG, F64)
 
 
 @on_tensor_device
@@ -395,60 +380,33 @@ def _attention_kernel(
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     kbase = K + b * skb + hk * skh
     vbase = V + b * svb + hk * svh
-    if INTERP:  # the interpreter cannot take tensor loop bounds: every tile there, those outside [t0, t1) masked
-        for t in range(0, NT):
-            m_i, l_i, acc = _attention_step(
-                t,
-                t0,
-                t1,
-                start,
-                N,
-                q,
-                qcol,
-                K,
-                V,
-                kbase,
-                vbase,
-                skn,
-                skd,
-                svn,
-                svd,
-                offs_d,
-                scale,
-                WINDOW,
-                m_i,
-                l_i,
-                acc,
-                BLOCK_N,
-                IEEE,
-            )
-    else:
-        for t in range(t0, t1):
-            m_i, l_i, acc = _attention_step(
-                t,
-                t0,
-                t1,
-                start,
-                N,
-                q,
-                qcol,
-                K,
-                V,
-                kbase,
-                vbase,
-                skn,
-                skd,
-                svn,
-                svd,
-                offs_d,
-                scale,
-                WINDOW,
-                m_i,
-                l_i,
-                acc,
-                BLOCK_N,
-                IEEE,
-            )
+    # the interpreter cannot take tensor loop bounds: every tile there, those outside [t0, t1) masked
+    for t in range(0 if INTERP else t0, NT if INTERP else t1):
+        m_i, l_i, acc = _attention_step(
+            t,
+            t0,
+            t1,
+            start,
+            N,
+            q,
+            qcol,
+            K,
+            V,
+            kbase,
+            vbase,
+            skn,
+            skd,
+            svn,
+            svd,
+            offs_d,
+            scale,
+            WINDOW,
+            m_i,
+            l_i,
+            acc,
+            BLOCK_N,
+            IEEE,
+        )
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(
         O + b * sob + head[:, None] * soh + qi.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,

@@ -105,24 +105,17 @@ def _attend_merge_kernel(
     v1 = V1 + b * stride_v1b + kvh * stride_v1h
     k2 = K2 + b * stride_k2b + kvh * stride_k2h
     v2 = V2 + b * stride_v2b + kvh * stride_v2h
-    if INTERP:  # the interpreter takes no tensor loop bounds: constexpr trip counts, masked tails
-        for it in range(0, IT1):
-            m_i, l_i, acc = _attend_block(
-                q, k1, v1, stride_k1n, stride_v1n, it * BLOCK_N, N1, offs_d, dmask, scale, m_i, l_i, acc, BLOCK_N
-            )
-        for it in range(0, IT2):
-            m_i, l_i, acc = _attend_block(
-                q, k2, v2, stride_k2n, stride_v2n, it * BLOCK_N, N2, offs_d, dmask, scale, m_i, l_i, acc, BLOCK_N
-            )
-    else:
-        for start in range(0, N1, BLOCK_N):
-            m_i, l_i, acc = _attend_block(
-                q, k1, v1, stride_k1n, stride_v1n, start, N1, offs_d, dmask, scale, m_i, l_i, acc, BLOCK_N
-            )
-        for start in range(0, N2, BLOCK_N):
-            m_i, l_i, acc = _attend_block(
-                q, k2, v2, stride_k2n, stride_v2n, start, N2, offs_d, dmask, scale, m_i, l_i, acc, BLOCK_N
-            )
+    # the interpreter takes no tensor loop bounds: constexpr trip counts, masked tails
+    for it in range(0, IT1 if INTERP else N1, 1 if INTERP else BLOCK_N):
+        start = it * BLOCK_N if INTERP else it
+        m_i, l_i, acc = _attend_block(
+            q, k1, v1, stride_k1n, stride_v1n, start, N1, offs_d, dmask, scale, m_i, l_i, acc, BLOCK_N
+        )
+    for it in range(0, IT2 if INTERP else N2, 1 if INTERP else BLOCK_N):
+        start = it * BLOCK_N if INTERP else it
+        m_i, l_i, acc = _attend_block(
+            q, k2, v2, stride_k2n, stride_v2n, start, N2, offs_d, dmask, scale, m_i, l_i, acc, BLOCK_N
+        )
     lse = m_i + tl.log(l_i)  # N1 + N2 ≥ 1: finite
     o = acc / l_i[:, None]
     lo = tl.load(LO + b * stride_lb + heads, mask=gmask, other=float("-inf")).to(tl.float32)

@@ -476,60 +476,32 @@ def _merge(
     mud = tl.zeros([1], tl.float32)
     one = tl.arange(0, 1)
     # the interpreter (numpy >= 2.4) cannot take tensor loop bounds: a constexpr trip count there
-    if INTERP:
-        for jj in range(0, NS):
-            M, Ls, A, Md, Ld, Lk, Ad, cnt, hits, mu, mud = _merge_split(
-                PM,
-                PL,
-                PA,
-                PMD,
-                PLD,
-                PLK,
-                PAD,
-                PCNT,
-                row * n_splits + jj,
-                M,
-                Ls,
-                A,
-                Md,
-                Ld,
-                Lk,
-                Ad,
-                cnt,
-                hits,
-                mu,
-                mud,
-                offs_d,
-                BLOCK_D,
-                DENSE,
-            )
-    else:
-        for jj in range(0, n_splits):
-            M, Ls, A, Md, Ld, Lk, Ad, cnt, hits, mu, mud = _merge_split(
-                PM,
-                PL,
-                PA,
-                PMD,
-                PLD,
-                PLK,
-                PAD,
-                PCNT,
-                row * n_splits + jj,
-                M,
-                Ls,
-                A,
-                Md,
-                Ld,
-                Lk,
-                Ad,
-                cnt,
-                hits,
-                mu,
-                mud,
-                offs_d,
-                BLOCK_D,
-                DENSE,
-            )
+    for jj in range(0, NS if INTERP else n_splits):
+        M, Ls, A, Md, Ld, Lk, Ad, cnt, hits, mu, mud = _merge_split(
+            PM,
+            PL,
+            PA,
+            PMD,
+            PLD,
+            PLK,
+            PAD,
+            PCNT,
+            row * n_splits + jj,
+            M,
+            Ls,
+            A,
+            Md,
+            Ld,
+            Lk,
+            Ad,
+            cnt,
+            hits,
+            mu,
+            mud,
+            offs_d,
+            BLOCK_D,
+            DENSE,
+        )
     has = Ls > 0
     o = A / tl.where(has, Ls, 1.0)
     o_st = o.to(O.dtype.element_ty)

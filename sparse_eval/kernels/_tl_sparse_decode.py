@@ -153,49 +153,28 @@ def _sparse_decode_split(
     k_base = K + b64 * stride_kb + kvh * stride_kh
     v_base = V + b64 * stride_vb + kvh * stride_vh
     i_base = IDX + b64 * stride_ib + hi * stride_ih
-    if INTERP:
-        # the interpreter (numpy >= 2.4) cannot take tensor loop bounds: a constexpr trip count, masked tails
-        for it in range(0, N_ITER):
-            m_i, l_i, acc = _attend_tile(
-                start + it * BLOCK_N,
-                end,
-                i_base,
-                k_base,
-                v_base,
-                stride_kn,
-                stride_vn,
-                q,
-                qk_scale,
-                m_i,
-                l_i,
-                acc,
-                offs_d,
-                dmask,
-                BLOCK_N,
-                UPCAST,
-                DENSE,
-            )
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                n0,
-                end,
-                i_base,
-                k_base,
-                v_base,
-                stride_kn,
-                stride_vn,
-                q,
-                qk_scale,
-                m_i,
-                l_i,
-                acc,
-                offs_d,
-                dmask,
-                BLOCK_N,
-                UPCAST,
-                DENSE,
-            )
+    # the interpreter (numpy >= 2.4) cannot take tensor loop bounds: a constexpr trip count, masked tails
+    for it in range(0 if INTERP else start, N_ITER if INTERP else end, 1 if INTERP else BLOCK_N):
+        n0 = start + it * BLOCK_N if INTERP else it
+        m_i, l_i, acc = _attend_tile(
+            n0,
+            end,
+            i_base,
+            k_base,
+            v_base,
+            stride_kn,
+            stride_vn,
+            q,
+            qk_scale,
+            m_i,
+            l_i,
+            acc,
+            offs_d,
+            dmask,
+            BLOCK_N,
+            UPCAST,
+            DENSE,
+        )
 
     heads = h0 + offs_q
     if SINGLE:
