@@ -107,8 +107,9 @@ class RunConfig:
     claims: tuple[dict[str, Any], ...]  # the claims declared for the run (``verdicts.claims``), checked
 
 
-def _typed(node: Any, cls: type) -> Any:
-    """A config node as its schema's dataclass (a structured config's own object, or a mapping's fields)."""
+def _typed(node: Any, cls: type, key: str) -> Any:
+    """The config node ``key`` as its schema's dataclass ``cls`` (a structured config's own object, or a plain
+    mapping's fields); a field the schema lacks is refused, naming the valid ones."""
     from omegaconf import OmegaConf
 
     if isinstance(node, cls):
@@ -122,7 +123,7 @@ def _typed(node: Any, cls: type) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(plain) - known)
     if unknown:
-        raise ValueError(f"{unknown[0]}: not a {cls.__name__} field; valid: {sorted(known)}")
+        raise ValueError(f"{key}.{unknown[0]}: no such {key} setting; valid: {sorted(known)}")
     return cls(**plain)
 
 
@@ -132,12 +133,10 @@ def run_config(cfg: Any) -> RunConfig:
     from ..attention.plugin import PROTOCOLS
     from ..tasks import task_class
 
-    from .run_spec import eval_config
-
     task = to_plain(cfg.task)
     if not task:
         raise ValueError("no task given; e.g. task=wikitext")
-    ev = eval_config(cfg.eval)
+    ev = _typed(cfg.eval, EvalConfig, "eval")
     protocol = ev.protocol or task_class(task["name"]).default_protocol
     if protocol not in PROTOCOLS:
         raise ValueError(f"eval.protocol={protocol!r}; valid: {list(PROTOCOLS)} (or null for the task's default)")
@@ -145,12 +144,12 @@ def run_config(cfg: Any) -> RunConfig:
         raise ValueError(f"eval.prefill_chunk={ev.prefill_chunk}: must be >= 1 or null")
     seed = to_plain(cfg.seed)
     return RunConfig(
-        model=_typed(cfg.model, ModelConfig),
+        model=_typed(cfg.model, ModelConfig, "model"),
         task=task,
         methods=tuple(method_configs(cfg)),
         eval=ev,
-        paths=_typed(cfg.paths, PathsConfig),
-        logger=_typed(cfg.logger, LoggerConfig),
+        paths=_typed(cfg.paths, PathsConfig, "paths"),
+        logger=_typed(cfg.logger, LoggerConfig, "logger"),
         seed=tuple(seed) if isinstance(seed, list) else seed,
         protocol=protocol,
         batch_size=check_batch_size(ev.batch_size),

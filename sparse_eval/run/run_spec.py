@@ -5,7 +5,6 @@ Imports: ``config`` only."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -22,23 +21,3 @@ class RunSpec:
     eval: EvalConfig  # every eval setting, typed
     samples: Callable[[], list[Any]]  # the task's samples (made once and kept by the experiment)
     run_dir: Callable[[Any], tuple[dict[str, Any], Path]]  # a method or its config -> (identity, run directory)
-
-
-def eval_config(node: Any) -> EvalConfig:
-    """``cfg.eval`` as an ``EvalConfig`` (a structured config's own object, or a plain mapping's fields); a key that
-    is no eval setting is refused, naming the valid ones."""
-    from omegaconf import OmegaConf
-
-    if isinstance(node, EvalConfig):
-        return node
-    if OmegaConf.is_config(node):
-        obj = OmegaConf.to_object(node)
-        if isinstance(obj, EvalConfig):
-            return obj
-        node = obj
-    plain = dict(node or {})
-    known = {f.name for f in dataclasses.fields(EvalConfig)}
-    unknown = sorted(set(plain) - known)
-    if unknown:
-        raise ValueError(f"eval.{unknown[0]}: not an eval setting; valid: {sorted(known)}")
-    return EvalConfig(**plain)
