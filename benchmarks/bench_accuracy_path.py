@@ -56,7 +56,7 @@ from sparse_eval.attention.plugin import Runtime, attach, cache_kwargs, detach, 
 from sparse_eval.kernels._common import triton_available, triton_interpret  # noqa: E402
 from sparse_eval.methods import build_method, make_config  # noqa: E402
 from sparse_eval.models.inspection import head_shape  # noqa: E402
-from sparse_eval.provenance import hardware, versions  # noqa: E402
+from sparse_eval.identity.provenance import hardware, versions  # noqa: E402
 from sparse_eval.run.run_config import method_options  # noqa: E402
 from sparse_eval.spans import PREFIX as SPAN_PREFIX  # noqa: E402
 from sparse_eval.system.models import random_model  # noqa: E402

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sparse_eval.config import register_configs  # noqa: E402
-from sparse_eval.provenance import provenance  # noqa: E402
+from sparse_eval.identity.provenance import provenance  # noqa: E402
 from sparse_eval.config import CONF_DIR  # noqa: E402
 from sparse_eval.run.experiment import Experiment  # noqa: E402
 from sparse_eval.run.run_config import run_config  # noqa: E402

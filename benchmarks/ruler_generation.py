@@ -32,7 +32,7 @@ from sparse_eval.tasks import ruler_data as rd  # noqa: E402
 
 
 def hardware() -> dict:
-    from sparse_eval.provenance import hardware as machine
+    from sparse_eval.identity.provenance import hardware as machine
 
     return machine()
 

@@ -75,7 +75,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    # the one seed of a run's random draws (``sparse_eval.seeds``): the method's (MagicPIG's projections, oracle
+    # the one seed of a run's random draws (``identity.seeds``): the method's (MagicPIG's projections, oracle
     # sampling's draws, DS's random channels), not the task's prompts (``task.seed``).  A list (e.g. [0, 1, 2])
     # runs each stochastic method once per seed; a deterministic method runs once (filed under seed 0)
     seed: Any = 0

@@ -206,7 +206,7 @@ def provenance(model: ModelConfig, options: Any, text_origin: str | None = None)
     """What made an analysis's numbers: model, options, text, the package's commit (and whether the tree was
     dirty) and versions, taken when it is called: call it before measuring (``started``), so that a change to the
     tree while an analysis runs is not credited to it, then ``finished(prov, text)``."""
-    from ..provenance import git_commit, versions
+    from ..identity.provenance import git_commit, versions
 
     return {
         "model": dataclasses.asdict(model),

@@ -149,7 +149,7 @@ def run_check(
     from ..generation.engine import Engine
     from ..methods import build_method, make_config
     from ..models.loading import load_model, max_context
-    from ..provenance import provenance
+    from ..identity.provenance import provenance
 
     runs = method_runs()
     if methods and set(methods) - {r[0] for r in runs}:

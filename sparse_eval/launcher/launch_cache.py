@@ -162,7 +162,7 @@ def _stamp(path: str | Path) -> dict[str, Any] | None:
 
 def _sha256(path: str | Path) -> str | None:
     """The file's sha256 (``fingerprint.file_sha256``: hashed once per new mtime, then cached), None if unreadable."""
-    from ..fingerprint import file_sha256
+    from ..identity.fingerprint import file_sha256
 
     try:
         return file_sha256(path)

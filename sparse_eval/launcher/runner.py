@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import launch_cache
-from ..fingerprint import recording
+from ..identity.fingerprint import recording
 from ..results.results_table import print_results
 from ..results.status import run_state
 from ..results.store import (

@@ -50,7 +50,7 @@ class MethodConfig:
     # selection per query head (paper setting for all methods) or shared per KV group
     gqa: str = "query_head"
     # seed of the method's own randomness (sampling, random projections).  In a run the runner sets it from the
-    # top-level ``seed`` (``sparse_eval.seeds``; ``method.seed`` is refused there); None elsewhere (``attend()``,
+    # top-level ``seed`` (``identity.seeds``; ``method.seed`` is refused there); None elsewhere (``attend()``,
     # the system path) means 0
     seed: int | None = None
 
@@ -262,7 +262,7 @@ class Method:
     # not read a second time, only their V rows (``core.kv_bytes_read``)
     index_reads_keys: ClassVar[bool] = True
     # whether the method draws at random (from ``config.seed``): its records then depend on the seed, and a run
-    # over several seeds (``seed=[0,1,2]``) runs it once per seed (``sparse_eval.seeds``).  A method whose
+    # over several seeds (``seed=[0,1,2]``) runs it once per seed (``sparse_eval.identity.seeds``).  A method whose
     # randomness depends on its options overrides this with a property (Double Sparsity's random channels), so
     # generic code asks an instance (``build_method(config).stochastic``), never the class or the method's name
     stochastic: ClassVar[bool] = False

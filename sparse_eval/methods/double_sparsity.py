@@ -361,7 +361,7 @@ class DoubleSparsity(Method):
 
     def external_inputs(self, model_name: str) -> dict[str, Any]:
         """The calibration file's sha256 (``missing`` when absent: ``setup`` then refuses, naming the command)."""
-        from ..fingerprint import file_sha256
+        from ..identity.fingerprint import file_sha256
 
         path = self.channels_path(model_name)
         if path is None:

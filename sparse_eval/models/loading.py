@@ -366,7 +366,7 @@ def model_identity(
 ) -> dict[str, Any]:
     """What identifies the loaded model in a run's identity (its run directory's hash and its records): the
     path or hub id, revision, GGUF file and the dtype actually used, the fingerprint of its config and, when it
-    is local, of its files (sha256 each, cached by path, size and mtime: ``sparse_eval.fingerprint``); for a
+    is local, of its files (sha256 each, cached by path, size and mtime: ``sparse_eval.identity.fingerprint``); for a
     hub id the hub's commit of the files when transformers reports it; and the tokenizer's behaviour
     (``tokenizer_check.tokenizer_identity``: its ids of the canary text, and what it was checked against), since
     one file under two transformers versions can tokenize two ways.  ``name`` is the label results are filed
@@ -375,7 +375,7 @@ def model_identity(
     is placed (``model.device``, ``model.device_map``, ``model.max_memory``, ``model.offload_folder``) does not
     enter beyond ``device`` as configured: a map's records are those of the model on one device
     (``models.placement``; ``tests/models/test_device_map.py``), as a batch's are those of its samples alone."""
-    from ..fingerprint import combined_sha256, files_sha256
+    from ..identity.fingerprint import combined_sha256, files_sha256
     from .tokenizer_check import tokenizer_identity
 
     out = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("how_to_get", *PLACEMENT_FIELDS)}

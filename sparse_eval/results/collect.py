@@ -77,7 +77,7 @@ Columns (see also docs/sweeps.md):
   started                            provenance from meta.json (the run's first start)
   git_diff_sha256, provenance_version
                                      the hash of a dirty checkout's difference from its commit, and the record's
-                                     version (sparse_eval.provenance; none before version 2)
+                                     version (sparse_eval.identity.provenance; none before version 2)
   segments, git_commits, mixed_provenance
                                      the starts that wrote the run's samples (the first and each restart that added
                                      some: meta.json's ``resumes``), their commits in order (";"), and whether a
@@ -99,7 +99,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..seeds import effective_seed, is_stochastic, seed_group
+from ..identity.seeds import effective_seed, is_stochastic, seed_group
 from .statistics import bootstrap_ci, paired_difference, seed_pooled_ci, seed_pooled_difference, seed_spread
 from .status import run_state
 from .store import (

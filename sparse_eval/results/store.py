@@ -238,7 +238,7 @@ def record_start(run_dir: Path, identity: dict[str, Any]) -> bool:
     call wrote meta.json (the run's first start), False when it was there (a restart)."""
     from omegaconf import OmegaConf
 
-    from ..provenance import provenance
+    from ..identity.provenance import provenance
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -255,7 +255,7 @@ def record_resume(run_dir: Path, done_at_start: int) -> None:
     difference, versions, hardware, command line, start time) appended to ``meta.json``'s ``resumes``, so that a
     run whose samples were written by different code, libraries or hardware says so (``collect``'s ``segments``
     and ``mixed_provenance``)."""
-    from ..provenance import provenance
+    from ..identity.provenance import provenance
 
     path = Path(run_dir) / META_FILE
     meta = read_json(path) or {}

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from ..attention.plugin import Runtime, attach, detach, layer_plan
 from ..generation.engine import Engine
-from ..fingerprint import file_sha256
+from ..identity.fingerprint import file_sha256
 from ..methods import Method, MethodConfig, build_method, make_config
 from ..methods.core import fused_attention_used
 from ..models.inspection import sliding_layers
@@ -24,7 +24,7 @@ from ..models.loading import load_model, max_context, model_identity
 from ..models.placement import device_map_of
 from ..overlap import check_method as check_calibration_overlap
 from ..results.results_table import short_label
-from ..seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds
+from ..identity.seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds
 from ..results.statistics import score_interval
 from ..results.store import (
     SAMPLES_FILE,

@@ -15,7 +15,7 @@ from ..config import CONF_DIR, EvalConfig, LoggerConfig, PathsConfig, to_plain
 from ..methods import Method, MethodConfig, build_method, compare_names
 from ..methods.base import resolve_dense_layers
 from ..models.loading import ModelConfig
-from ..seeds import seeded_configs
+from ..identity.seeds import seeded_configs
 from ..verdicts.claims import claims_record
 
 

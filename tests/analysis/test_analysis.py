@@ -405,7 +405,7 @@ def test_magicpig_top_keys_by_hand():
 def test_analysis_provenance_is_taken_before_measuring(monkeypatch, tmp_path):
     """An analysis names the commit its run started at: a commit made while it measures (the tree changing under
     a long run) is not credited to it; the record also says when it finished."""
-    import sparse_eval.provenance as prov
+    import sparse_eval.identity.provenance as prov
 
     head = {"commit": "a" * 40, "dirty": False}
     monkeypatch.setattr(prov, "git_commit", lambda *a, **k: dict(head))

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from sparse_eval.provenance import PROVENANCE_VERSION, git_commit
+from sparse_eval.identity.provenance import PROVENANCE_VERSION, git_commit
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs the git command")
 

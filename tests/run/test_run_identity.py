@@ -109,7 +109,7 @@ def test_calibrate_writes_to_the_user_folder_which_the_method_reads_first(tmp_pa
     assert default_channels_file("stories260k") == expected  # the user's file before the shipped one
     cfg = _cfg(tmp_path, "method=double_sparsity")
     exp = Experiment(run_config(cfg))
-    from sparse_eval.fingerprint import file_sha256
+    from sparse_eval.identity.fingerprint import file_sha256
 
     assert exp.identity(exp.method_configs()[0])["inputs"] == {"channels_file_sha256": file_sha256(expected)}
 

@@ -135,7 +135,7 @@ def test_run_records_are_clean_or_carry_a_diff_hash():
     """Records made since provenance version 2 come from a clean tree or carry ``diff_sha256``; the older ones
     (no version, mostly dirty without a hash) cannot be fixed after the fact and are listed as legacy in
     experiments/README.md, so a new record without the hash cannot be added unnoticed."""
-    from sparse_eval.provenance import PROVENANCE_VERSION
+    from sparse_eval.identity.provenance import PROVENANCE_VERSION
 
     records = list(_git_records())
     assert records, "found no provenance records under experiments/"
@@ -148,7 +148,7 @@ def test_run_records_are_clean_or_carry_a_diff_hash():
             bad.append(f"{label}: provenance version {version} is newer than this code's {PROVENANCE_VERSION}")
         elif git.get("dirty") is not False and not re.fullmatch(r"[0-9a-f]{64}", str(git.get("diff_sha256"))):
             bad.append(f"{label}: from a dirty tree (commit {git.get('commit')}) without diff_sha256")
-    assert bad == [], "re-run from a clean checkout, or with sparse_eval.provenance recording the diff hash"
+    assert bad == [], "re-run from a clean checkout, or with sparse_eval.identity.provenance recording the diff hash"
     listed = _legacy_listed()
     assert sorted(legacy - listed) == [], (
         f"legacy records (no provenance version) not listed under '{LEGACY_HEADING}' in experiments/README.md"

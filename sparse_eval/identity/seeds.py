@@ -54,7 +54,7 @@ def seeded_configs(options: Mapping[str, Any], seed: Any) -> list[Any]:
     """The method configs of one method's options for the run's ``seed``: one per seed for a stochastic method,
     one (seed ``DETERMINISTIC_SEED``) for a deterministic one.  Refuses ``method.seed`` (the run's seed is the
     top-level ``seed``).  Each config is built once here, so a bad value fails before anything runs."""
-    from .methods import build_method, make_config
+    from ..methods import build_method, make_config
 
     seeds = run_seeds(seed)
     if options.get("seed") is not None:
@@ -93,7 +93,7 @@ def seedless(identity: Mapping[str, Any]) -> dict[str, Any]:
 
 def seed_group(identity: Mapping[str, Any]) -> str:
     """The hash of ``seedless(identity)``: runs with one value differ at most in their seed."""
-    from .results.store import config_hash
+    from ..results.store import config_hash
 
     return config_hash(seedless(identity))
 
@@ -101,7 +101,7 @@ def seed_group(identity: Mapping[str, Any]) -> str:
 def is_stochastic(method: Mapping[str, Any]) -> bool | None:
     """Whether a recorded method config draws at random (``Method.stochastic``); None when it cannot be built here
     (an unknown method or an option of an older version)."""
-    from .methods import build_method, make_config
+    from ..methods import build_method, make_config
 
     try:
         return bool(build_method(make_config(method["name"], {k: v for k, v in method.items()})).stochastic)
