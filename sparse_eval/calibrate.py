@@ -6,7 +6,7 @@ as the authors: 256 x 512-token blocks of Pile validation text).  The text is by
 folder has it (the tokenized release, rare words as ``<unk>``), else the hub's ``Salesforce/wikitext``
 ``wikitext-2-raw-v1`` validation split through ``datasets`` (``source=`` auto | local | hub picks); or any text file
 (``data=<path>``).  Never the test split, which the wikitext task evaluates: a run whose evaluated text overlaps
-the calibration text is refused (``sparse_eval.overlap``).  For every layer and head, the channels are ranked by
+the calibration text is refused (``identity.overlap``).  For every layer and head, the channels are ranked by
 the mean over all tokens of
 
     qk:  |q_c · k_c|   of each token's query with its own key (the authors' "Method 1"; the paper's choice),
@@ -20,7 +20,7 @@ the file has no time stamp, so the output is a deterministic function of (model,
 
 The file (JSON) records the model's name and shape, the data (origin and sha256; ``text``: dataset, split,
 variant, origin), the number of tokens and blocks, a content fingerprint of the text those tokens decode to
-(``text_fingerprint``, ``sparse_eval.overlap.fingerprint``), the settings, the command, and for each statistic
+(``text_fingerprint``, ``sparse_eval.identity.overlap.fingerprint``), the settings, the command, and for each statistic
 the channel order [layer][head][channel] (best first) and the mean values.  It is written to ``output`` or, by
 default, to the user's calibration folder (``$SPARSE_EVAL_CALIBRATION_DIR``, else
 ``$XDG_DATA_HOME/sparse_eval/calibration``, else ``~/.local/share/sparse_eval/calibration``), never into the
@@ -230,7 +230,7 @@ def calibrate(
     progress bar."""
     import transformers
 
-    from .overlap import fingerprint
+    from .identity.overlap import fingerprint
 
     if block_size < 2:
         raise ValueError(f"block_size={block_size}: must be >= 2")

@@ -428,7 +428,7 @@ class Method:
         return {}
 
     def calibration_text(self) -> Any:
-        """After ``setup``: the text the loaded state was computed from, a ``sparse_eval.overlap.CalibrationText``
+        """After ``setup``: the text the loaded state was computed from, an ``identity.overlap.CalibrationText``
         (file, dataset and split, content fingerprint), which the runner checks against the task's evaluated
         text before a run starts.  Default: None (the method learned nothing from text)."""
         return None

@@ -15,7 +15,7 @@ Algorithm 1 (DS Decode), per query head, with C the head's r = α·d calibrated 
   random without replacement (the first r of a permutation of the d channels from a generator seeded by
   (``seed``, layer)), shared by the query heads of that KV head.  The calibration file records the text it was
   computed from (dataset, split, tokens, a content fingerprint: ``calibration_text``); a run whose task evaluates
-  text that overlaps it is refused at start (``sparse_eval.overlap``).  The statistic is taken on the keys and
+  text that overlaps it is refused at start (``sparse_eval.identity.overlap``).  The statistic is taken on the keys and
   queries *after* RoPE for "qk", as the authors' calibration did, and the channels index the post-RoPE cache
   at decode, as the authors' simulation and kernels did (their label cache is cut from the rotated keys).
 * Label cache (§4.2): K[:, C] per query head, kept in the layer's ``state`` and appended as keys arrive;
@@ -383,7 +383,7 @@ class DoubleSparsity(Method):
     def calibration_text(self):
         """The text the loaded calibration file was computed from, with its content fingerprint (None for
         channels given directly or drawn at random)."""
-        from ..overlap import CalibrationText
+        from ..identity.overlap import CalibrationText
 
         if self._calibration is None or self._channels_source is None:
             return None

@@ -22,7 +22,7 @@ from ..methods.core import fused_attention_used
 from ..models.inspection import sliding_layers
 from ..models.loading import load_model, max_context, model_identity
 from ..models.placement import device_map_of
-from ..overlap import check_method as check_calibration_overlap
+from ..identity.overlap import check_method as check_calibration_overlap
 from ..results.results_table import short_label
 from ..identity.seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds
 from ..results.statistics import score_interval
@@ -112,7 +112,7 @@ class Experiment:
         _, method = check_method(method_cfg, self.num_layers, self.context, self.sliding, self.model_cfg.name)
         method.setup(self.model, self.model_cfg.name)
         self.fused_attention(method)  # eval.fused_attention=on where it cannot run: refused now
-        # calibration text (DS's channels) disjoint from the evaluated text, by content (sparse_eval.overlap)
+        # calibration text (DS's channels) disjoint from the evaluated text, by content (sparse_eval.identity.overlap)
         check_calibration_overlap(method, self.task, self.samples(), self.tokenizer)
         return method
 

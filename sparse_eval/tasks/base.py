@@ -147,7 +147,7 @@ class Task:
         )
 
     def evaluated_texts(self, samples: list[Sample], tokenizer: Any) -> list[str] | None:
-        """The text the run evaluates, which calibration text must not overlap (``sparse_eval.overlap``): by
+        """The text the run evaluates, which calibration text must not overlap (``sparse_eval.identity.overlap``): by
         default each sample's request decoded with the model's tokenizer (WikiText's windows, the RULER,
         LongBench and key-value prompts with their haystacks).  None: the task cannot say (lm_eval, whose prompts
         lm-eval builds), and the check is skipped with a warning."""

@@ -1,6 +1,6 @@
 """Calibration text never overlaps evaluated text (issue 26, part 3).
 
-* the content fingerprint (``sparse_eval.overlap``) finds a shared passage across WikiText's tokenized (<unk>) and
+* the content fingerprint (``identity.overlap``) finds a shared passage across WikiText's tokenized (<unk>) and
   raw releases and across tokenizers, and finds none between the validation and test splits;
 * a wikitext run whose Double Sparsity calibration was made from the test split is refused at start, with a
   message naming the file, its text, the task and the fix; one calibrated on validation text runs; a file with
@@ -21,7 +21,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from sparse_eval.config import register_configs
-from sparse_eval.overlap import (
+from sparse_eval.identity.overlap import (
     KEEP_ONE_IN,
     MIN_SHARED,
     SHINGLE_WORDS,

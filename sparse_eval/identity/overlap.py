@@ -40,7 +40,7 @@ import numpy as np
 
 log = logging.getLogger("sparse_eval")
 
-SCHEME = "sparse_eval.overlap.shingles/1"
+SCHEME = "sparse_eval.overlap.shingles/1"  # a format name (calibration files carry it), not the path
 SHINGLE_WORDS = 13
 KEEP_ONE_IN = 16
 MIN_SHARED = 2
@@ -172,7 +172,7 @@ def check_method(method: Any, task: Any, samples: list[Any], tokenizer: Any) -> 
     evaluated = _evaluated(task, samples, tokenizer, fp)
     if evaluated is None:
         log.warning(
-            "task=%s gives no evaluated text: %s was not checked against it (see sparse_eval.overlap)",
+            "task=%s gives no evaluated text: %s was not checked against it (see sparse_eval.identity.overlap)",
             task_name,
             cal.label,
         )
