@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -41,6 +42,19 @@ def model_config(name: str = "stories260k", overrides: Mapping[str, Any] | None 
             raise ValueError(f"model.{key}: unknown model option; valid: {sorted(fields)}")
         node[key] = val
     return ModelConfig(**node)
+
+
+@dataclass
+class TextOptions:
+    """What every analysis reads and where it writes: its text (``load_text``) and its output folder."""
+
+    text: str = "bundled"  # bundled | local (paths.data_dir); text_path overrides
+    text_path: str | None = None
+    data_dir: str | None = None  # paths.data_dir
+    out: str | None = None  # output folder; null: analysis/<name>/<model>
+
+    def load_text(self) -> tuple[str, str]:
+        return load_text(self.text, self.data_dir, self.text_path)
 
 
 # -- model and text -----------------------------------------------------------------------------------------

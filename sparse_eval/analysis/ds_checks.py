@@ -34,7 +34,7 @@ DEFAULT_RATIOS = [0.03125, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0]
 
 
 @dataclass
-class DSCheckOptions:
+class DSCheckOptions(common.TextOptions):
     channel_type: str = "qk"  # qk (the paper's choice) | q | k
     ratios: list[float] = field(default_factory=lambda: list(DEFAULT_RATIOS))  # channel ratio r/d
     block_size: int | None = None  # calibration / online window (tokens); null: min(context, 512) (authors: 512)
@@ -43,11 +43,7 @@ class DSCheckOptions:
     num_queries: int = 32  # decoding steps per online window (its last query rows)
     hidden_blocks: int = 2  # windows for Fig. 8
     rope: str = "authors"  # calibrate.py's setting: qk after RoPE, q/k before (authors' script)
-    text: str = "bundled"
-    text_path: str | None = None
-    data_dir: str | None = None
     seed: int = 0
-    out: str | None = None
 
     def validate(self) -> None:
         if self.channel_type not in CHANNEL_TYPES:
@@ -157,7 +153,7 @@ def measure(model: Any, tokenizer: Any, context: int, opts: DSCheckOptions, show
         raise ValueError(f"block_size={block}: must lie in [2, {context}]")
     if opts.num_queries >= block:
         raise ValueError(f"num_queries={opts.num_queries} must be smaller than block_size={block}")
-    text, origin = common.load_text(opts.text, opts.data_dir, opts.text_path)
+    text, origin = opts.load_text()
     calib = common.token_windows(tokenizer, text, block, opts.calib_blocks)
     online = common.token_windows(tokenizer, text, block, opts.online_blocks, skip=opts.calib_blocks)
     off = offline_scores(model, calib, opts.channel_type, opts.rope, progress=show)  # [L, H, D]

@@ -52,7 +52,7 @@ METHOD_NAMES = (TopK.name, OracleSampling.name, MagicPIG.name)
 
 
 @dataclass
-class ErrorOptions:
+class ErrorOptions(common.TextOptions):
     length: int | None = None  # context (tokens, BOS included); null: min(model context, 16384) (paper: 16K)
     passages: int = 1  # consecutive non-overlapping windows of the text; means and 95 % bands over them
     num_queries: int = 4  # decoding steps: the passage's last query rows
@@ -66,11 +66,7 @@ class ErrorOptions:
     sink: int = 0
     local: int = 0
     plot_layers: Any = None  # layers drawn one panel each (Fig. 6a/b); null: ~1/3 and ~3/5 of the depth (8B: 11, 19)
-    text: str = "bundled"
-    text_path: str | None = None
-    data_dir: str | None = None
     seed: int = 0
-    out: str | None = None
 
     def validate(self) -> None:
         bad = [m for m in self.methods if m not in METHOD_NAMES]
@@ -128,7 +124,7 @@ def measure(
     layers = common.full_context_layers(model, opts.layers, shape["num_layers"], length)
     if opts.num_queries >= length:
         raise ValueError(f"num_queries={opts.num_queries} must be smaller than length={length}")
-    text, origin = common.load_text(opts.text, opts.data_dir, opts.text_path)
+    text, origin = opts.load_text()
     ids = common.token_windows(tokenizer, text, length, opts.passages)  # [passages, length]
     n_min = length - opts.num_queries + 1  # keys of the first query row
     seeds = [opts.seed + r for r in range(opts.repeats)]

@@ -45,7 +45,7 @@ DEFAULT_FRACTIONS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0]
 
 
 @dataclass
-class GeometryOptions:
+class GeometryOptions(common.TextOptions):
     num_random: int = 32  # Fig. 5a: inputs of random tokens (paper: 32)
     random_len: int = 16  # tokens per random input (k_0 depends on the first token only: causal, RoPE(0) = I)
     num_sentences: int = 50  # Fig. 5b: text windows (paper: 50 sentences)
@@ -56,12 +56,8 @@ class GeometryOptions:
     fractions: list[float] = field(default_factory=lambda: list(DEFAULT_FRACTIONS))  # top-x of the keys (0, 1]
     sink_tokens: int = 1  # keys dropped for "without the sink" (Fig. 2b)
     spread_layer: int | None = None  # layer drawn in Fig. 10b; null: the middle layer
-    text: str = "bundled"  # bundled | local (paths.data_dir) ; text_path overrides
-    text_path: str | None = None
-    data_dir: str | None = None  # paths.data_dir
     batch: int = 8  # windows per forward
     seed: int = 0
-    out: str | None = None  # output folder; null: analysis/geometry/<model>
 
     def validate(self) -> None:
         for name in ("num_random", "random_len", "num_sentences", "num_queries", "batch", "passages"):
@@ -169,7 +165,7 @@ def measure(model: Any, tokenizer: Any, context: int, opts: GeometryOptions, sho
     opts.validate()
     shape = model_shape(model)
     nl = shape["num_layers"]
-    text, origin = common.load_text(opts.text, opts.data_dir, opts.text_path)
+    text, origin = opts.load_text()
     if opts.sentence_len > context:
         raise ValueError(f"sentence_len={opts.sentence_len} exceeds the model's context ({context})")
     length = min(context, 4096) if opts.length is None else int(opts.length)

@@ -48,7 +48,7 @@ from .geometry import attention_probs
 
 
 @dataclass
-class MagicPIGKLOptions:
+class MagicPIGKLOptions(common.TextOptions):
     target_cost2: float = 0.02  # the paper's (10, 150) on Llama-3.1-8B: about 2 % (Table 9)
     Ks: list[int] = field(default_factory=lambda: [6, 7, 8, 9, 10, 11, 12])
     max_L: int = 600
@@ -62,10 +62,6 @@ class MagicPIGKLOptions:
     repeats: int = 2  # hash seeds of the check through the method
     pairs: list[list[int]] = field(default_factory=lambda: [[10, 150], [9, 120], [8, 75]])  # also checked (Table 3)
     top_frac: float = 0.01  # the heaviest candidate keys of a row (by attention weight) whose sampling is reported
-    text: str = "bundled"
-    text_path: str | None = None
-    data_dir: str | None = None
-    out: str | None = None
 
     def validate(self) -> None:
         if not 0 < self.target_cost2 < 1:
@@ -221,7 +217,7 @@ def measure(model: Any, tokenizer: Any, context: int, opts: MagicPIGKLOptions, p
         layers = sparse_layers(model, nl)
     if not layers:
         raise ValueError("no sparse layer on this model for MagicPIG's defaults: give analysis.layers=[...]")
-    text, origin = common.load_text(opts.text, opts.data_dir, opts.text_path)
+    text, origin = opts.load_text()
     ids = common.token_windows(tokenizer, text, length, opts.passages)  # [P, length]
     caps, passage = [], []
     with common.progress(opts.passages, "magicpig_kl: forwards", "passage", progress) as bar:

@@ -422,6 +422,19 @@ _EXACT_REDUCTIONS = {
     "count_nonzero",
     "_local_scalar_dense",
 }
+# the accumulating index and scatter operators: their order of accumulation is their kernel's, which changes nothing
+# while every value they add is integral (a count), so they pass when it is
+_INTEGRAL_OK = {
+    "index_add",
+    "index_add_",
+    "scatter_add",
+    "scatter_add_",
+    "scatter_reduce",
+    "scatter_reduce_",
+    "index_put",
+    "index_put_",
+    "_index_put_impl_",
+}
 _ORDER_DEPENDENT = {  # not tagged as reductions, but sum in an order their kernel picks
     "cumprod",
     "logcumsumexp",
@@ -447,16 +460,7 @@ _ORDER_DEPENDENT = {  # not tagged as reductions, but sum in an order their kern
     "_addmm_activation",
     "_int_mm",
     "_weight_int4pack_mm",
-    "index_add",
-    "index_add_",
-    "scatter_add",
-    "scatter_add_",
-    "scatter_reduce",
-    "scatter_reduce_",
     "index_reduce",
-    "index_put",
-    "index_put_",
-    "_index_put_impl_",
     "embedding_bag",
     "_embedding_bag",
     "trace",
@@ -465,17 +469,7 @@ _ORDER_DEPENDENT = {  # not tagged as reductions, but sum in an order their kern
     "tensordot",
     "_fused_rms_norm",
     "scaled_dot_product_attention",
-}
-_INTEGRAL_OK = {
-    "index_add",
-    "index_add_",
-    "scatter_add",
-    "scatter_add_",
-    "scatter_reduce",
-    "scatter_reduce_",
-    "index_put",
-    "index_put_",
-    "_index_put_impl_",
+    *_INTEGRAL_OK,
 }
 
 
