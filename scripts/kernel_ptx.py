@@ -8,7 +8,7 @@
 of a top-level kernel: its module and name, each argument's Triton type (a pointer's element type, an integer's
 width) or constexpr value, and the launch's warps and stages.  ``digest`` compiles each launch ahead of time for
 sm_90 (H100/H200) with ``INTERP=False`` (the GPU's loop form) and hashes its PTX with the debug lines (``.loc``,
-``.file``, debug sections) left out, so that moving code between lines or files does not count.  A refactor whose
+``.file``, debug sections and the ``$L__tmpN:`` scope labels only they name) left out, so that moving code between lines or files does not count.  A refactor whose
 ``diff`` is empty gives the GPU the same instructions: its records stay bit-identical there without a GPU run.
 The launches are the tests' shapes, not every shape a run makes; integers are typed by value, without Triton's
 specialisation of 1 and of multiples of 16 (the same for both sides of a diff).
@@ -130,6 +130,7 @@ def record(out: Path, pytest_args: list[str]) -> int:
 
 
 _DEBUG = re.compile(r"^\s*(\.loc|\.file|//)")
+_SCOPE_LABEL = re.compile(r"^(\$L__tmp\d+):$")
 
 
 def _ptx_digest(ptx: str) -> str:
@@ -144,6 +145,10 @@ def _ptx_digest(ptx: str) -> str:
             continue
         if not _DEBUG.match(line):
             keep.append(line)
+    # the scope labels LLVM places for the debug sections ($L__tmpN: where an inlined helper's lines begin and end):
+    # left out where no kept line names them, so inlining a helper by hand does not count
+    named = set(re.findall(r"\$L__tmp\d+\b(?!:)", "\n".join(keep)))
+    keep = [line for line in keep if not ((m := _SCOPE_LABEL.match(line)) and m.group(1) not in named)]
     return hashlib.sha256("\n".join(keep).encode()).hexdigest()
 
 

@@ -22,7 +22,10 @@ PTX = """//
 {
 \t.loc 1 12 0
 \tld.global.b32 %r1, [%rd1];
+$L__tmp0:
 \tadd.s32 %r2, %r1, 1;
+$L__BB0_1:
+\tbra.uni $L__BB0_1;
 }
 \t.section\t.debug_abbrev
 \t{
@@ -35,6 +38,10 @@ def test_digest_ignores_debug_lines_and_sees_instructions():
     moved = PTX.replace(".loc 1 12 0", ".loc 1 40 0").replace("/a/b/_tl_x.py", "/c/_tl_y.py").replace(".b8 1", ".b8 7")
     assert kernel_ptx._ptx_digest(moved) == kernel_ptx._ptx_digest(PTX)
     assert kernel_ptx._ptx_digest(PTX.replace("%r1, 1;", "%r1, 2;")) != kernel_ptx._ptx_digest(PTX)
+    # a helper inlined by hand: LLVM's debug scope labels go, the instructions stay
+    assert kernel_ptx._ptx_digest(PTX.replace("$L__tmp0:\n", "")) == kernel_ptx._ptx_digest(PTX)
+    # a branch target is code
+    assert kernel_ptx._ptx_digest(PTX.replace("$L__BB0_1:\n", "")) != kernel_ptx._ptx_digest(PTX)
 
 
 def test_diff_names_the_launches_that_differ(tmp_path, capsys):
