@@ -102,10 +102,14 @@ def resolve_cpu_backend(backend: str) -> str:
     return backend
 
 
+def unit_last(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor with a unit last stride, as the kernels index their last dim (a copy only where it has not)."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
+
+
 def as_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """x [..., D] -> (x2 [M, D] with a unit last stride, the leading shape) for a kernel over rows."""
-    x2 = x.reshape(-1, x.shape[-1])
-    return (x2 if x2.stride(-1) == 1 else x2.contiguous()), tuple(x.shape[:-1])
+    return unit_last(x.reshape(-1, x.shape[-1]))[0], tuple(x.shape[:-1])
 
 
 def next_pow2(x: int) -> int:

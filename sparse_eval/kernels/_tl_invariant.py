@@ -267,56 +267,6 @@ def softmax(x: torch.Tensor, log: bool) -> torch.Tensor:
 
 
 @triton.jit
-def _attention_step(
-    t,
-    t0,
-    t1,
-    start,
-    N,
-    q,
-    qcol,
-    K,
-    V,
-    kbase,
-    vbase,
-    skn,
-    skd,
-    svn,
-    svd,
-    offs_d,
-    scale,
-    WINDOW,
-    m_i,
-    l_i,
-    acc,
-    BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    offs_n = start + t * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = (offs_n >= 0) & (offs_n < N) & (t >= t0) & (t < t1)  # a tile outside [t0, t1) changes nothing
-    nn = tl.where(nmask, offs_n, 0).to(tl.int64)
-    k = tl.load(kbase + nn[None, :] * skn + offs_d[:, None] * skd, mask=nmask[None, :], other=0.0)  # [D, BLOCK_N]
-    if IEEE:
-        s = tl.dot(q, k, input_precision="ieee") * scale
-    else:
-        s = tl.dot(q, k) * scale
-    ok = nmask[None, :] & (offs_n[None, :] >= start) & (offs_n[None, :] <= qcol[:, None])
-    ok = ok & ((WINDOW <= 0) | (offs_n[None, :] > qcol[:, None] - WINDOW))
-    s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no NaN, exact zeros
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(vbase + nn[:, None] * svn + offs_d[None, :] * svd, mask=nmask[:, None], other=0.0)  # [BLOCK_N, D]
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _attention_kernel(
     Q,
     K,
@@ -382,31 +332,28 @@ def _attention_kernel(
     vbase = V + b * svb + hk * svh
     # the interpreter cannot take tensor loop bounds: every tile there, those outside [t0, t1) masked
     for t in range(0 if INTERP else t0, NT if INTERP else t1):
-        m_i, l_i, acc = _attention_step(
-            t,
-            t0,
-            t1,
-            start,
-            N,
-            q,
-            qcol,
-            K,
-            V,
-            kbase,
-            vbase,
-            skn,
-            skd,
-            svn,
-            svd,
-            offs_d,
-            scale,
-            WINDOW,
-            m_i,
-            l_i,
-            acc,
-            BLOCK_N,
-            IEEE,
-        )
+        offs_n = start + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = (offs_n >= 0) & (offs_n < N) & (t >= t0) & (t < t1)  # a tile outside [t0, t1) changes nothing
+        nn = tl.where(nmask, offs_n, 0).to(tl.int64)
+        k = tl.load(kbase + nn[None, :] * skn + offs_d[:, None] * skd, mask=nmask[None, :], other=0.0)  # [D, BLOCK_N]
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, k) * scale
+        ok = nmask[None, :] & (offs_n[None, :] >= start) & (offs_n[None, :] <= qcol[:, None])
+        ok = ok & ((WINDOW <= 0) | (offs_n[None, :] > qcol[:, None] - WINDOW))
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no NaN, exact zeros
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vbase + nn[:, None] * svn + offs_d[None, :] * svd, mask=nmask[:, None], other=0.0)  # [BLOCK_N, D]
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(
         O + b * sob + head[:, None] * soh + qi.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,

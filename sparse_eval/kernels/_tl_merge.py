@@ -9,7 +9,7 @@ softmax: running max m, sum l, accumulator), then lse = m + log l, and the merge
 
 with an empty other part (lse_other = −inf) contributing nothing, whatever its o.
 
-The products are elementwise in IEEE fp32 rather than ``_tl_sparse_decode._attend_tile``'s ``tl.dot`` (which
+The products are elementwise in IEEE fp32 rather than ``_tl_sparse_decode._sparse_decode_split``'s ``tl.dot`` (which
 pads the query rows to 16 and runs P·V in the cache dtype), so that the result matches the fp32 torch reference
 to rounding; the work is a few query rows against ~70 keys (the two were not timed against each other).
 """
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, on_tensor_device, triton_interpret
+from ._common import next_pow2, on_tensor_device, triton_interpret, unit_last
 
 
 @triton.jit
@@ -136,15 +136,13 @@ def attend_and_merge(
     b, hq, d = q.shape
     hkv = k1.shape[1]
     g = hq // hkv
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    parts = [x if x.stride(-1) == 1 else x.contiguous() for x in (k1, v1, k2, v2)]
+    q, k1c, v1c, k2c, v2c = unit_last(q, k1, v1, k2, v2)
     oo = o_other.to(device=q.device, dtype=torch.float32).contiguous()
     lo = lse_other.to(device=q.device, dtype=torch.float32).contiguous()
     out = torch.empty((b, hq, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq), dtype=torch.float32, device=q.device)
     n1, n2 = k1.shape[2], k2.shape[2]
     interp = triton_interpret()
-    k1c, v1c, k2c, v2c = parts
     _attend_merge_kernel[(b * hkv,)](
         q,
         k1c,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, on_tensor_device
+from ._common import next_pow2, on_tensor_device, unit_last
 
 
 @triton.jit
@@ -207,9 +207,7 @@ def page_scores(q, kmin, kmax, *, reduce, n_pages, block_p, num_warps):
     hkv, p = kmin.shape[1], kmin.shape[2]
     g = hq // hkv
     dev = q.device
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    kmin = kmin if kmin.stride(-1) == 1 else kmin.contiguous()
-    kmax = kmax if kmax.stride(-1) == 1 else kmax.contiguous()
+    q, kmin, kmax = unit_last(q, kmin, kmax)
     out = torch.empty((b, hkv if reduce else hq, p), dtype=torch.float32, device=dev)
     npg = n_pages.to(device=dev, dtype=torch.int32).contiguous() if n_pages is not None else out
     block_d = max(16, next_pow2(d))

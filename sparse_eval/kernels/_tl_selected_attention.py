@@ -391,48 +391,6 @@ def _merge_step(M, Lsum, A, m_j, l_j, a_j):
     return m_new, m_use, s_old, s_new, Lsum * s_old + l_j * s_new, A * s_old + a_j * s_new
 
 
-@triton.jit
-def _merge_split(
-    PM,
-    PL,
-    PA,
-    PMD,
-    PLD,
-    PLK,
-    PAD,
-    PCNT,
-    p,
-    M,
-    Ls,
-    A,
-    Md,
-    Ld,
-    Lk,
-    Ad,
-    cnt,
-    hits,
-    mu,
-    mud,
-    offs_d,
-    BLOCK_D: tl.constexpr,
-    DENSE: tl.constexpr,
-):
-    """Split p's partials merged into the running state (``_merge``)."""
-    one = tl.arange(0, 1)
-    M, mu, _, _, Ls, A = _merge_step(
-        M, Ls, A, tl.load(PM + p + one), tl.load(PL + p + one), tl.load(PA + p * BLOCK_D + offs_d)
-    )
-    cnt += tl.load(PCNT + p * 2 + one)
-    hits += tl.load(PCNT + p * 2 + 1 + one)
-    if DENSE:
-        m_j = tl.load(PMD + p + one)
-        Md, mud, s_old, s_new, Ld, Ad = _merge_step(
-            Md, Ld, Ad, m_j, tl.load(PLD + p + one), tl.load(PAD + p * BLOCK_D + offs_d)
-        )
-        Lk = Lk * s_old + tl.load(PLK + p + one) * s_new
-    return M, Ls, A, Md, Ld, Lk, Ad, cnt, hits, mu, mud
-
-
 @triton.jit(do_not_specialize=["n_splits"])
 def _merge(
     PM,
@@ -477,31 +435,18 @@ def _merge(
     one = tl.arange(0, 1)
     # the interpreter (numpy >= 2.4) cannot take tensor loop bounds: a constexpr trip count there
     for jj in range(0, NS if INTERP else n_splits):
-        M, Ls, A, Md, Ld, Lk, Ad, cnt, hits, mu, mud = _merge_split(
-            PM,
-            PL,
-            PA,
-            PMD,
-            PLD,
-            PLK,
-            PAD,
-            PCNT,
-            row * n_splits + jj,
-            M,
-            Ls,
-            A,
-            Md,
-            Ld,
-            Lk,
-            Ad,
-            cnt,
-            hits,
-            mu,
-            mud,
-            offs_d,
-            BLOCK_D,
-            DENSE,
+        p = row * n_splits + jj  # split p's partials merged into the running state
+        M, mu, _, _, Ls, A = _merge_step(
+            M, Ls, A, tl.load(PM + p + one), tl.load(PL + p + one), tl.load(PA + p * BLOCK_D + offs_d)
         )
+        cnt += tl.load(PCNT + p * 2 + one)
+        hits += tl.load(PCNT + p * 2 + 1 + one)
+        if DENSE:
+            m_j = tl.load(PMD + p + one)
+            Md, mud, s_old, s_new, Ld, Ad = _merge_step(
+                Md, Ld, Ad, m_j, tl.load(PLD + p + one), tl.load(PAD + p * BLOCK_D + offs_d)
+            )
+            Lk = Lk * s_old + tl.load(PLK + p + one) * s_new
     has = Ls > 0
     o = A / tl.where(has, Ls, 1.0)
     o_st = o.to(O.dtype.element_ty)

@@ -15,68 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, on_tensor_device, split_plan, triton_interpret
+from ._common import next_pow2, on_tensor_device, split_plan, triton_interpret, unit_last
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _attend_tile(
-    n0,
-    end,
-    i_base,
-    k_base,
-    v_base,
-    stride_kn,
-    stride_vn,
-    q,
-    qk_scale,
-    m_i,
-    l_i,
-    acc,
-    offs_d,
-    dmask,
-    BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DENSE: tl.constexpr,
-):
-    """One online-softmax step over BLOCK_N gathered rows (scores in log2 units).  UPCAST: K/V tiles in float32
-    (the interpreter, fp32 caches); else the cache dtype goes to the tensor cores, P in that dtype for P·V (the
-    flash-attention practice), accumulation in float32.  DENSE: the rows are the positions n0 .. n0+BLOCK_N−1
-    themselves (no index list), valid below ``end``."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    if DENSE:
-        valid = offs_n < end
-        rows = tl.where(valid, offs_n, 0).to(tl.int64)
-    else:
-        ids = tl.load(i_base + offs_n, mask=offs_n < end, other=-1)
-        valid = ids >= 0
-        rows = tl.where(valid, ids, 0).to(tl.int64)
-    kv_mask = valid[:, None] & dmask[None, :]
-    kt = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-    vt = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
-        kt = kt.to(tl.float32)
-        vt = vt.to(tl.float32)
-    # scaled after the product: q and k enter the product exactly (same dtype).  Float32 tiles (UPCAST) multiply in
-    # IEEE float32: Triton's default for them on the GPU is TF32 (10-bit mantissa, ~1e-3 relative error per score),
-    # which on an fp32 model moves label-score near-ties and so the selected keys away from the torch reference
-    if UPCAST:
-        s = tl.dot(q, tl.trans(kt), input_precision="ieee") * qk_scale  # [BLOCK_Q, BLOCK_N], log2 units
-    else:
-        s = tl.dot(q, tl.trans(kt)) * qk_scale
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -155,26 +97,42 @@ def _sparse_decode_split(
     i_base = IDX + b64 * stride_ib + hi * stride_ih
     # the interpreter (numpy >= 2.4) cannot take tensor loop bounds: a constexpr trip count, masked tails
     for it in range(0 if INTERP else start, N_ITER if INTERP else end, 1 if INTERP else BLOCK_N):
-        n0 = start + it * BLOCK_N if INTERP else it
-        m_i, l_i, acc = _attend_tile(
-            n0,
-            end,
-            i_base,
-            k_base,
-            v_base,
-            stride_kn,
-            stride_vn,
-            q,
-            qk_scale,
-            m_i,
-            l_i,
-            acc,
-            offs_d,
-            dmask,
-            BLOCK_N,
-            UPCAST,
-            DENSE,
-        )
+        # one online-softmax step over BLOCK_N gathered rows (scores in log2 units).  UPCAST: K/V tiles in float32
+        # (the interpreter, fp32 caches); else the cache dtype goes to the tensor cores, P in that dtype for P·V (the
+        # flash-attention practice), accumulation in float32.  DENSE: the rows are the positions n0 .. n0+BLOCK_N−1
+        # themselves (no index list), valid below ``end``
+        offs_n = (start + it * BLOCK_N if INTERP else it) + tl.arange(0, BLOCK_N)
+        if DENSE:
+            valid = offs_n < end
+            rows = tl.where(valid, offs_n, 0).to(tl.int64)
+        else:
+            ids = tl.load(i_base + offs_n, mask=offs_n < end, other=-1)
+            valid = ids >= 0
+            rows = tl.where(valid, ids, 0).to(tl.int64)
+        kv_mask = valid[:, None] & dmask[None, :]
+        kt = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        vt = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        # scaled after the product: q and k enter the product exactly (same dtype).  Float32 tiles (UPCAST) multiply in
+        # IEEE float32: Triton's default for them on the GPU is TF32 (10-bit mantissa, ~1e-3 relative error per score),
+        # which on an fp32 model moves label-score near-ties and so the selected keys away from the torch reference
+        if UPCAST:
+            s = tl.dot(q, tl.trans(kt), input_precision="ieee") * qk_scale  # [BLOCK_Q, BLOCK_N], log2 units
+        else:
+            s = tl.dot(q, tl.trans(kt)) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
 
     heads = h0 + offs_q
     if SINGLE:
@@ -245,14 +203,9 @@ def run(q, k, v, idx, *, scaling, count, out_dtype, block_n, num_splits, num_war
     scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     out_dtype = out_dtype or q.dtype
     dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
-    if not dense and idx.stride(-1) != 1:
-        idx = idx.contiguous()
+    q, k, v = unit_last(q, k, v)
+    if not dense:
+        (idx,) = unit_last(idx)
     o = torch.empty((b, hq, d), dtype=out_dtype, device=dev)
     lse = torch.empty((b, hq), dtype=torch.float32, device=dev)
     if s_len == 0 or b == 0:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import check_heads, next_pow2, on_tensor_device, resolve_gpu_backend, triton_interpret
+from ._common import check_heads, next_pow2, on_tensor_device, resolve_gpu_backend, triton_interpret, unit_last
 
 __all__ = [
     "SPLIT",
@@ -236,6 +236,12 @@ def _u8(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.view(torch.uint8)
 
 
+# each split's partial state, in the kernels' argument order: running max, sum and weighted values of the kept keys,
+# the same three over every valid key and the kept keys' sum under the dense max (``dense``), and the two counts
+PARTIALS = ("PM", "PL", "PA", "PMD", "PLD", "PLK", "PAD", "PCNT")
+PARTIALS_SPARSE = ("PM", "PL", "PA", "PCNT")  # the index form's (no dense statistics)
+
+
 def _partials(rows: int, splits: int, block_d: int, dense: bool, dev) -> dict[str, torch.Tensor]:
     n = rows * splits
     f = dict(dtype=torch.float32, device=dev)
@@ -258,6 +264,15 @@ def _partials(rows: int, splits: int, block_d: int, dense: bool, dev) -> dict[st
     return out
 
 
+def _empty_state(part: dict[str, torch.Tensor]) -> None:
+    """Every split's partials the empty state (no key): m = −inf, the sums and counts 0."""
+    for name, t in part.items():
+        if name in ("PM", "PMD"):
+            t.fill_(float("-inf"))
+        else:
+            t.zero_()
+
+
 def _merge(tl_mod, part, rows, splits, d, block_d, dense, out_dtype, dev) -> Result:
     o = torch.empty(rows, d, dtype=out_dtype, device=dev)
     lse = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -266,14 +281,7 @@ def _merge(tl_mod, part, rows, splits, d, block_d, dense, out_dtype, dev) -> Res
     lsed, mass, err = (torch.empty(rows, dtype=torch.float32, device=dev) for _ in range(3)) if dense else (lse,) * 3
     interp = triton_interpret()
     tl_mod._merge[(rows,)](
-        part["PM"],
-        part["PL"],
-        part["PA"],
-        part["PMD"],
-        part["PLD"],
-        part["PLK"],
-        part["PAD"],
-        part["PCNT"],
+        *(part[x] for x in PARTIALS),
         o,
         lse,
         od,
@@ -310,12 +318,7 @@ def _run_mask(q, k, v, keep, *, scaling, bias, scores, valid, dense, kth, out_dt
     scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     out_dtype = out_dtype or q.dtype
     dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
+    q, k, v = unit_last(q, k, v)
     keep5 = _as_rows(_u8(keep), b, hq, hkv, ql, n, "keep")
     bias5 = _as_rows(None if bias is None else bias.float(), b, hq, hkv, ql, n, "bias")
     sc5 = _as_rows(None if scores is None else scores.float(), b, hq, hkv, ql, n, "scores")
@@ -339,14 +342,7 @@ def _run_mask(q, k, v, keep, *, scaling, bias, scores, valid, dense, kth, out_dt
             dummy if sc5 is None else sc5,
             dummy if val5 is None else val5,
             dummy if kth4 is None else kth4,
-            part["PM"],
-            part["PL"],
-            part["PA"],
-            part["PMD"],
-            part["PLD"],
-            part["PLK"],
-            part["PAD"],
-            part["PCNT"],
+            *(part[x] for x in PARTIALS),
             n,
             ql,
             hq,
@@ -382,15 +378,7 @@ def _run_mask(q, k, v, keep, *, scaling, bias, scores, valid, dense, kth, out_dt
             num_warps=8,
         )
     elif rows:  # no keys: every partial is the empty state
-        part["PM"].fill_(float("-inf"))
-        part["PL"].zero_()
-        part["PA"].zero_()
-        part["PCNT"].zero_()
-        if dense:
-            part["PMD"].fill_(float("-inf"))
-            part["PLD"].zero_()
-            part["PLK"].zero_()
-            part["PAD"].zero_()
+        _empty_state(part)
     res = _merge(tlm, part, rows, splits, d, block_d, dense, out_dtype, dev)
     shape = (b, hq, ql)
     res = Result(
@@ -505,12 +493,7 @@ def _run_index(q, k, v, idx, *, count, bias, scores, scaling, out_dtype, split) 
     scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     out_dtype = out_dtype or q.dtype
     dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
+    q, k, v = unit_last(q, k, v)
     rows = b * hq
     block_d = max(16, next_pow2(d))
     splits = max(1, -(-s_len // split))
@@ -529,10 +512,7 @@ def _run_index(q, k, v, idx, *, count, bias, scores, scaling, out_dtype, split) 
             dummy if cnt is None else cnt,
             dummy if bias is None else bias,
             dummy if scores is None else scores,
-            part["PM"],
-            part["PL"],
-            part["PA"],
-            part["PCNT"],
+            *(part[x] for x in PARTIALS_SPARSE),
             s_len,
             hq,
             hi,
@@ -564,9 +544,6 @@ def _run_index(q, k, v, idx, *, count, bias, scores, scaling, out_dtype, split) 
             num_warps=8,
         )
     elif rows:
-        part["PM"].fill_(float("-inf"))
-        part["PL"].zero_()
-        part["PA"].zero_()
-        part["PCNT"].zero_()
+        _empty_state(part)
     res = _merge(tlm, part, rows, splits, d, block_d, False, out_dtype, dev)
     return Result(o=res.o.view(b, hq, d), lse=res.lse.view(b, hq), kept=res.kept.reshape(b, hq))
