@@ -254,6 +254,11 @@ class Quest(Method):
         # the rows' earliest first valid key, on the host: read once when the pages are built (a host sync), then
         # kept, so that the page count needs no sync in later calls
         first_min = (int(first.min()) if b else 0) if fresh else st["first_min"]
+
+        def _stored(**pages: Any) -> dict[str, Any]:  # this call's state: what the next call compares against
+            ctx.state["quest"] = {"n": n, "batch": b, "page_size": ps, "first": first, "first_min": first_min, **pages}
+            return ctx.state["quest"]
+
         if not self.config.update_pages:
             if fresh:
                 # MagicPIG parity: pages over the keys present before this (first sparse) call, whole pages only,
@@ -264,18 +269,7 @@ class Quest(Method):
                 pid = page_ids(first, n, ps)
                 pid = torch.where((pid >= 0) & (pid < whole.unsqueeze(1)), pid, torch.full_like(pid, -1))
                 kmin, kmax = build_pages(k, pid, pages)
-                st = {
-                    "n": n,
-                    "batch": b,
-                    "page_size": ps,
-                    "first": first,
-                    "first_min": first_min,
-                    "kmin": kmin,
-                    "kmax": kmax,
-                    "frozen_end": first + whole * ps,
-                    "last_key": k[:, :, n - 1].clone(),
-                }
-                ctx.state["quest"] = st
+                st = _stored(kmin=kmin, kmax=kmax, frozen_end=first + whole * ps, last_key=k[:, :, n - 1].clone())
             return st
         pages = (max(0, n - first_min) + ps - 1) // ps if b else 0  # max over rows of ⌈(n − first) / ps⌉
         if fresh:
@@ -297,20 +291,8 @@ class Quest(Method):
             old = st["n"]
             pid_new = page_ids(first, n, ps)[:, old:]
             kmin, kmax = _absorb(kmin, kmax, k[:, :, old:], pid_new)  # the new keys, the last partial page included
-        st = {
-            "n": n,
-            "batch": b,
-            "page_size": ps,
-            "first": first,
-            "first_min": first_min,
-            "kmin": kmin,
-            "kmax": kmax,
-            "bufs": bufs,
-            "frozen_end": None,
-            "last_key": k[:, :, n - 1].clone() if n else None,
-        }
-        ctx.state["quest"] = st
-        return st
+        last_key = k[:, :, n - 1].clone() if n else None
+        return _stored(kmin=kmin, kmax=kmax, bufs=bufs, frozen_end=None, last_key=last_key)
 
     # -- selection -------------------------------------------------------------------------------
     def select(self, ctx: AttentionContext) -> Selection:
