@@ -232,10 +232,6 @@ def load_model(cfg: ModelConfig, attn_implementation: str = "sdpa") -> tuple[Any
     accelerate, tokenizer (``load_tokenizer``: checked before the weights load))."""
     from transformers import AutoModelForCausalLM
 
-    from ..attention.plugin import register
-
-    register()  # the plug-in's attention function, by name, before the model is built
-
     device, device_map, max_memory = resolve_placement(cfg)
     dtype = resolve_dtype(cfg.dtype, device)
     path = resolve_path(cfg)

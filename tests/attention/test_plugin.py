@@ -272,7 +272,7 @@ def test_recorder_archive_pools_rows_whatever_their_batching():
 
 
 def test_registration_is_explicit_and_idempotent():
-    """Importing the plug-in registers nothing; ``register()`` (called by ``load_model`` and ``attach``) registers
+    """Importing the plug-in registers nothing; ``register()`` (called by ``attach``) registers
     the attention function and its mask under ``ATTENTION_NAME``, and again changes nothing."""
     import subprocess
     import sys
