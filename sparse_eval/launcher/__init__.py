@@ -6,5 +6,5 @@ model loads), ``sweep`` (a multirun's jobs: the launchers' callbacks, the deadli
 and ``preflight`` (every job of a sweep checked before any starts).
 
 May import everything below it: ``run``, ``results``, ``models``, ``tasks``, ``verdicts.claims``, the ground floor
-(``config``, ``fingerprint``, ``hydra_support``, ...), ``cli`` (exit codes) and ``report.terminal_table``; nothing
+(``config``, ``fingerprint``, ``hydra_support``, ...), ``cli`` (exit codes); nothing
 imports the launcher but ``__main__`` and the Hydra configs (``conf/config.yaml``'s callbacks)."""

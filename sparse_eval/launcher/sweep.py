@@ -433,9 +433,9 @@ class SweepReport(Callback):
 def print_sweep_table(records: list[dict[str, Any]]) -> None:
     """One table of every run the sweep's jobs wrote, after each job's own: ``collect`` over their run dirs, with full
     attention's runs of the same task, model and settings found beside them (so a sweep of one method is compared
-    too), printed as ``report.terminal_table`` fits it to the terminal."""
+    too), printed as ``results.terminal_table`` fits it to the terminal."""
     from ..results.collect import PAIR_KEYS, collect
-    from ..report.terminal_table import format_compact
+    from ..results.terminal_table import format_compact
     from ..method_facts import is_dense
     from ..results.store import is_run_dir, read_identity
 

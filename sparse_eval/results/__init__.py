@@ -3,9 +3,9 @@
 ``store`` (a run directory's layout, lock, progress and failure records, samples and summary), ``status`` (a run's
 state: done, running, failed, pending), ``collect`` (every run under a folder as one table with intervals),
 ``statistics`` (bootstrap intervals, paired differences, equivalence verdicts), ``contrast`` (two methods' paired
-difference over seeds) and ``results_table`` (the table a launch prints).  ``python -m sparse_eval.results.collect``
-and ``python -m sparse_eval.results.status`` are the user's commands.
+difference over seeds), ``results_table`` (the table a launch prints) and ``terminal_table`` (the collected table
+fitted to a terminal).  ``python -m sparse_eval.results.collect`` and ``python -m sparse_eval.results.status`` are the
+user's commands.
 
-May import: the ground floor (``provenance``, ``seeds``, ``method_facts``), ``tasks.base`` and ``methods`` for
-labels, ``report.terminal_table`` for the terminal layout; never the launcher (``runner``, ``sweep``, ``preflight``,
-``cli``) nor the run wing (``run``)."""
+May import: the ground floor (``identity``, ``method_facts``), ``tasks.base`` and ``methods`` for labels; never the
+launcher (``runner``, ``sweep``, ``preflight``, ``cli``), the run wing (``run``) nor ``report``, which reads it."""

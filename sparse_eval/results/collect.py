@@ -6,7 +6,7 @@
     python -m sparse_eval.results.collect runs/ --no-subtasks          # one row per run
     python -m sparse_eval.results.collect runs/ --full-at-least 30     # + rows over the subtasks full attention solves
 
-It prints the table fitted to the terminal (``sparse_eval.report.terminal_table``: one row per configuration, its seeds
+It prints the table fitted to the terminal (``sparse_eval.results.terminal_table``: one row per configuration, its seeds
 pooled) and writes every column to the files. One row per (model, method with its parameters, task with its
 parameters, subtask, length, protocol, seed). Rows of runs that differ only in their seed (``seeds.seed_group``: the
 same identity without the seed) also carry the scores pooled over those seeds (``pooled_*``, ``seed_*``): the mean
@@ -721,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quiet and args.wide:
         print_wide(df)
     elif not args.quiet:
-        from ..report.terminal_table import format_compact
+        from .terminal_table import format_compact
 
         print(format_compact(df))
     out = Path(args.out) if args.out else root / "results"

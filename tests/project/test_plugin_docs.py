@@ -34,7 +34,7 @@ def test_the_plugin_page_names_the_config_attributes_and_the_import():
 
 
 def test_headline_options_fill_the_run_tables_config_column(monkeypatch):
-    from sparse_eval.report.terminal_table import method_text
+    from sparse_eval.results.terminal_table import method_text
     from sparse_eval.results.results_table import short_config
 
     params = {"name": "strided_doc", "stride": 3, "budget": 0.1, "sink": 4}

@@ -29,7 +29,7 @@ def test_compact_rows_are_configurations_with_their_seeds_pooled(tmp_path, monke
     """Three seeds of one configuration are one row, with the seed-pooled score and its seeds listed."""
     import pandas as pd
 
-    from sparse_eval.report.terminal_table import format_compact
+    from sparse_eval.results.terminal_table import format_compact
 
     base = {
         "task": "wikitext",
