@@ -7,7 +7,11 @@ its configs are told apart by (``headline_options``: ``collect``'s config column
 are read from their source (class-level assignments of literals such as ``name = "..."``, ``dense = True``, by
 ``ast``), which gives the same answer in a few milliseconds (``tests/cli/test_startup_imports.py`` checks that they
 agree).  A name no shipped module declares (a user's method from ``SPARSE_EVAL_PLUGINS`` or an entry point) is
-asked of the registry, importing the methods then; so is the help's list while a plugin is configured."""
+asked of the registry, importing the methods then; so is the help's list while a plugin is configured.
+
+``is_stochastic`` (whether a recorded method config draws at random) depends on the config (Double Sparsity's
+random channels), so it builds the method, importing the methods (``collect`` asks it only of a record whose summary
+lacks the ``stochastic`` field)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import ast
 import functools
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 METHODS_DIR = Path(__file__).resolve().parent / "methods"
 
@@ -90,3 +94,14 @@ def headline_options(name: Any) -> tuple[str, ...]:
 
     cls = METHODS.get(name) if isinstance(name, str) else None
     return tuple(cls.headline_options) if cls is not None else ()
+
+
+def is_stochastic(method: Mapping[str, Any]) -> bool | None:
+    """Whether a recorded method config draws at random (``Method.stochastic``); None when it cannot be built here
+    (an unknown method or an option of an older version)."""
+    from .methods import build_method, make_config
+
+    try:
+        return bool(build_method(make_config(method["name"], {k: v for k, v in method.items()})).stochastic)
+    except Exception:  # noqa: BLE001 - a record of another version: unknown
+        return None

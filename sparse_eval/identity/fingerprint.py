@@ -7,6 +7,8 @@ place (new size or mtime) is hashed again.  ``SPARSE_EVAL_CACHE_DIR`` sets the c
 
 ``recording()`` collects every file fingerprinted while it is open, with its size, mtime and sha256: the launch
 cache (``launcher.launch_cache``) keeps them to tell, without loading anything, that a run's inputs are unchanged.
+
+``config_hash(obj)``: the short hash of a run's identity (its directory's name ends with it).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 CACHE_ENV = "SPARSE_EVAL_CACHE_DIR"
 _RECORDINGS: list[dict[str, dict[str, object]]] = []  # open ``recording()`` blocks, innermost last
@@ -98,3 +100,10 @@ def files_sha256(paths: Iterable[str | Path]) -> dict[str, str]:
 def combined_sha256(parts: dict[str, str]) -> str:
     """One sha256 of a {name: sha256} mapping (order-independent)."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def config_hash(obj: Any) -> str:
+    """The first 10 hex digits of the sha256 of ``obj`` as sorted JSON: a run directory's name ends with it (the run's
+    identity), and ``seeds.seed_group`` is it over an identity without its seed."""
+    blob = json.dumps(obj, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:10]

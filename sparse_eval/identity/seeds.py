@@ -20,7 +20,8 @@ interval is a function of the records alone).  Decoding is greedy; no task sampl
 ``Method.stochastic`` is true: MagicPIG, oracle sampling, Double Sparsity with random channels) runs once per
 seed, each a run of its own.  A deterministic method's records do not depend on the seed: it runs once, filed
 under seed 0 (``DETERMINISTIC_SEED``) whatever ``seed`` says, so a sweep over seeds never recomputes it and its
-run keeps one directory.
+run keeps one directory.  The run's configs per seed are built by ``run.run_config.seeded_configs``; whether a
+recorded method is stochastic, ``method_facts.is_stochastic``.
 
 **Which runs differ only in their seed.**  ``seed_group(identity)``: the hash of a run's identity without its
 seed, so ``collect`` pools exactly the runs that agree in everything else (model as loaded, method config,
@@ -29,11 +30,9 @@ method inputs, task config, data files, evaluation settings).
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from typing import Any, Mapping
 
-log = logging.getLogger("sparse_eval")
+from .fingerprint import config_hash
 
 DETERMINISTIC_SEED = 0
 
@@ -48,32 +47,6 @@ def run_seeds(value: Any) -> list[int]:
             "seed=[0,1,2] (a stochastic method runs once per seed, a deterministic one once)"
         )
     return [int(v) for v in vals]
-
-
-def seeded_configs(options: Mapping[str, Any], seed: Any) -> list[Any]:
-    """The method configs of one method's options for the run's ``seed``: one per seed for a stochastic method,
-    one (seed ``DETERMINISTIC_SEED``) for a deterministic one.  Refuses ``method.seed`` (the run's seed is the
-    top-level ``seed``).  Each config is built once here, so a bad value fails before anything runs."""
-    from ..methods import build_method, make_config
-
-    seeds = run_seeds(seed)
-    if options.get("seed") is not None:
-        raise ValueError(
-            f"method.seed={options['seed']!r}: a run's random draws come from the top-level seed; "
-            f"drop method.seed and give seed={options['seed']!r} (or a list, e.g. seed=[0,1,2])"
-        )
-    base = make_config(options["name"], dict(options, seed=seeds[0]))
-    method = build_method(base)
-    if not method.stochastic:
-        if seeds != [DETERMINISTIC_SEED]:
-            log.info(
-                "%s is deterministic: seed=%s reaches none of its draws; it runs once, filed under seed %d",
-                base.name,
-                seeds if len(seeds) > 1 else seeds[0],
-                DETERMINISTIC_SEED,
-            )
-        return [dataclasses.replace(base, seed=DETERMINISTIC_SEED)]
-    return [dataclasses.replace(base, seed=s) for s in seeds]
 
 
 def effective_seed(identity: Mapping[str, Any]) -> Any:
@@ -93,17 +66,4 @@ def seedless(identity: Mapping[str, Any]) -> dict[str, Any]:
 
 def seed_group(identity: Mapping[str, Any]) -> str:
     """The hash of ``seedless(identity)``: runs with one value differ at most in their seed."""
-    from ..results.store import config_hash
-
     return config_hash(seedless(identity))
-
-
-def is_stochastic(method: Mapping[str, Any]) -> bool | None:
-    """Whether a recorded method config draws at random (``Method.stochastic``); None when it cannot be built here
-    (an unknown method or an option of an older version)."""
-    from ..methods import build_method, make_config
-
-    try:
-        return bool(build_method(make_config(method["name"], {k: v for k, v in method.items()})).stochastic)
-    except Exception:  # noqa: BLE001 - a record of another version: unknown
-        return None

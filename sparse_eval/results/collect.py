@@ -99,7 +99,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..identity.seeds import effective_seed, is_stochastic, seed_group
+from ..identity.seeds import effective_seed, seed_group
+from ..method_facts import is_stochastic
 from .statistics import bootstrap_ci, paired_difference, seed_pooled_ci, seed_pooled_difference, seed_spread
 from .status import run_state
 from .store import (

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..identity.seeds import is_stochastic
+from ..method_facts import is_stochastic
 from .store import SAMPLES_FILE, read_samples
 
 NO_VALUE = "–"  # a table cell without a value (full attention's own "vs full", a statistic a run did not have)

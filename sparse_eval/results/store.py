@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import math
@@ -38,6 +37,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+from ..identity.fingerprint import config_hash
 
 log = logging.getLogger("sparse_eval")
 
@@ -55,11 +56,6 @@ BASE_METHOD_FIELDS = ("name", "sink", "local", "dense_layers", "sliding_layers",
 
 
 # -- layout ----------------------------------------------------------------------------------------------------
-
-
-def config_hash(obj: Any) -> str:
-    blob = json.dumps(obj, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:10]
 
 
 def _short(v: Any) -> str:

@@ -24,7 +24,8 @@ from ..models.loading import load_model, max_context, model_identity
 from ..models.placement import device_map_of
 from ..identity.overlap import check_method as check_calibration_overlap
 from ..results.results_table import short_label
-from ..identity.seeds import DETERMINISTIC_SEED, is_stochastic, run_seeds
+from ..identity.seeds import DETERMINISTIC_SEED, run_seeds
+from ..method_facts import is_stochastic
 from ..results.statistics import score_interval
 from ..results.store import (
     SAMPLES_FILE,

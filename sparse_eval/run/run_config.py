@@ -7,16 +7,20 @@ from ``conf/method/`` by Hydra so its schema checks it, one per seed), a method 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from ..attention.plugin import check_sparse_layers, layer_plan
 from ..config import CONF_DIR, EvalConfig, LoggerConfig, PathsConfig, to_plain
 from ..methods import Method, MethodConfig, build_method, compare_names
 from ..methods.base import resolve_dense_layers
+from ..identity.seeds import DETERMINISTIC_SEED, run_seeds
+from ..methods import make_config
 from ..models.loading import ModelConfig
-from ..identity.seeds import seeded_configs
 from ..verdicts.claims import claims_record
+
+log = logging.getLogger("sparse_eval")
 
 
 def method_options(name: str) -> dict[str, Any]:
@@ -53,7 +57,7 @@ def method_configs(cfg: Any) -> list[MethodConfig]:
     """The methods a run's config asks for, as config dataclasses, each built once to check its values before any
     work (a bad value fails at start, naming it): ``method``, or else every entry of ``compare`` (every registered
     method when it is null), one per seed of ``seed`` for a stochastic method, one for a deterministic one
-    (``seeds.seeded_configs``)."""
+    (``seeded_configs``)."""
     if cfg.method is not None:
         opts = [to_plain(cfg.method)]
     else:
@@ -64,6 +68,30 @@ def method_configs(cfg: Any) -> list[MethodConfig]:
             for e, o in zip(entries, methods_options(names) if names else [])
         ]
     return [c for o in opts for c in seeded_configs(o, cfg.seed)]
+
+
+def seeded_configs(options: Mapping[str, Any], seed: Any) -> list[Any]:
+    """The method configs of one method's options for the run's ``seed``: one per seed for a stochastic method,
+    one (seed ``DETERMINISTIC_SEED``) for a deterministic one.  Refuses ``method.seed`` (the run's seed is the
+    top-level ``seed``).  Each config is built once here, so a bad value fails before anything runs."""
+    seeds = run_seeds(seed)
+    if options.get("seed") is not None:
+        raise ValueError(
+            f"method.seed={options['seed']!r}: a run's random draws come from the top-level seed; "
+            f"drop method.seed and give seed={options['seed']!r} (or a list, e.g. seed=[0,1,2])"
+        )
+    base = make_config(options["name"], dict(options, seed=seeds[0]))
+    method = build_method(base)
+    if not method.stochastic:
+        if seeds != [DETERMINISTIC_SEED]:
+            log.info(
+                "%s is deterministic: seed=%s reaches none of its draws; it runs once, filed under seed %d",
+                base.name,
+                seeds if len(seeds) > 1 else seeds[0],
+                DETERMINISTIC_SEED,
+            )
+        return [dataclasses.replace(base, seed=DETERMINISTIC_SEED)]
+    return [dataclasses.replace(base, seed=s) for s in seeds]
 
 
 def check_method(
