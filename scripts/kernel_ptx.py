@@ -8,8 +8,9 @@
 of a top-level kernel: its module and name, each argument's Triton type (a pointer's element type, an integer's
 width) or constexpr value, and the launch's warps and stages.  ``digest`` compiles each launch ahead of time for
 sm_90 (H100/H200) with ``INTERP=False`` (the GPU's loop form) and hashes its PTX with the debug lines (``.loc``,
-``.file``, debug sections and the ``$L__tmpN:`` scope labels only they name) left out, so that moving code between lines or files does not count.  A refactor whose
-``diff`` is empty gives the GPU the same instructions: its records stay bit-identical there without a GPU run.
+``.file``, debug sections and the ``$L__tmpN:`` scope labels only they name) left out, so that moving code between
+lines or files, or inlining a helper, does not count.  A refactor whose ``diff`` is empty gives the GPU the same
+instructions: its records stay bit-identical there without a GPU run.
 The launches are the tests' shapes, not every shape a run makes; integers are typed by value, without Triton's
 specialisation of 1 and of multiples of 16 (the same for both sides of a diff).
 """
