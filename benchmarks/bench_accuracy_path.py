@@ -173,6 +173,13 @@ def _span_ms(events, cuda: bool, steps: int) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
+def device_work(events) -> list:
+    """The kernels and copies of a profile: its device events without the spans' own ranges.  A span
+    (``record_function``) is mirrored on the device timeline as an annotation from the first to the last kernel
+    launched inside it; counted as work, it would count those kernels twice, and the gaps between them."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(SPAN_PREFIX)]
+
+
 def profile_methods(
     model, cache, stock_cache, args, first, device, methods, mode=lambda method: contextlib.nullcontext()
 ) -> dict[tuple[str, bool], dict]:
@@ -206,7 +213,7 @@ def profile_methods(
                     "span_host_ms_per_step": spans,
                 }
                 continue
-            dev = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+            dev = device_work(events)
             per_kernel: dict[str, list[float]] = {}
             for e in dev:
                 per_kernel.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e3)

@@ -116,3 +116,19 @@ def test_time_limit_writes_the_repeats_it_finished(tmp_path, capsys):
     assert all(len(r["all_ms"]) == 1 and "aten_ops_per_step" not in r for r in rec["rows"])  # no profile
     text = capsys.readouterr().out
     assert "stopping after 1 repeats" in text and "--profile skipped" in text and "medians of 1" in text
+
+
+def test_device_work_leaves_out_the_spans_device_ranges():
+    """A span's device-side range (its kernels' first start to last end) is not work of its own: counted, it would
+    count its kernels twice (as the first profiles on an H100 did: busy time above the step's wall time)."""
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [
+        SimpleNamespace(name=f"{bench.SPAN_PREFIX}select", device_type=cuda),
+        SimpleNamespace(name="_mask_split", device_type=cuda),
+        SimpleNamespace(name="Memcpy DtoD (Device -> Device)", device_type=cuda),
+        SimpleNamespace(name=f"{bench.SPAN_PREFIX}select", device_type=cpu),
+        SimpleNamespace(name="aten::mm", device_type=cpu),
+    ]
+    assert [e.name for e in bench.device_work(events)] == ["_mask_split", "Memcpy DtoD (Device -> Device)"]
