@@ -106,7 +106,7 @@ def passage_band(values: Any, seed: int = 0) -> tuple[float, float, float, int]:
     passages (``statistics.bootstrap_ci``, passages resampled); one passage: lo = hi = the value."""
     import numpy as np
 
-    from ..results.statistics import ScoreTerms, bootstrap_ci
+    from ..metrics.statistics import ScoreTerms, bootstrap_ci
 
     v = np.asarray(list(values), dtype=np.float64)
     v = v[np.isfinite(v)]

@@ -13,7 +13,7 @@ It does **not** feed the benchmark's prompts.  The samples a task builds (RULER'
 key-value retrieval's generated pairs and gold positions, lm-eval's few-shot examples) are the benchmark: they are
 fixed by the task's own ``task.seed`` (RULER's ``--random_seed`` 42, key-value retrieval 0, lm-eval 0), a field of
 the task config, so every method and every method seed is scored on the same prompts and comparisons between them
-stay paired.  Nor does it feed the bootstrap intervals (``sparse_eval.results.statistics``: a fixed generator, so an
+stay paired.  Nor does it feed the bootstrap intervals (``sparse_eval.metrics.statistics``: a fixed generator, so an
 interval is a function of the records alone).  Decoding is greedy; no task samples while it evaluates.
 
 **Which methods it runs several times.**  ``seed`` is an int or a list of ints.  A *stochastic* method (one whose

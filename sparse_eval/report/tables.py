@@ -787,7 +787,7 @@ def score_intervals(df, runs=None, name: str = "score_intervals", title: str | N
         "within each subtask). A stochastic method run over several seeds (Seeds: their number and the range "
         "of their scores) is scored by the mean over its seeds on the samples every seed finished (over its "
         "complete seeds while others are not complete: those are named and left out), and its "
-        "interval is a two-level bootstrap over prompts and seeds (sparse_eval.results.statistics). Δ vs full: the "
+        "interval is a two-level bootstrap over prompts and seeds (sparse_eval.metrics.statistics). Δ vs full: the "
         "score minus full attention's on the n paired samples both finished, with its 95 % paired bootstrap "
         "interval (over seeds too); * marks a difference whose interval excludes 0 (significant at the 5 % "
         "level). KV KiB/row: the KV-cache bytes the method's system reads per sparse layer, query head and step "

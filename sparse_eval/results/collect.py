@@ -10,7 +10,7 @@ It prints the table fitted to the terminal (``sparse_eval.results.terminal_table
 pooled) and writes every column to the files. One row per (model, method with its parameters, task with its
 parameters, subtask, length, protocol, seed). Rows of runs that differ only in their seed (``seeds.seed_group``: the
 same identity without the seed) also carry the scores pooled over those seeds (``pooled_*``, ``seed_*``): the mean
-over seeds with its two-level interval over prompts and seeds (``sparse_eval.results.statistics``), and the paired
+over seeds with its two-level interval over prompts and seeds (``sparse_eval.metrics.statistics``), and the paired
 difference against full attention the same way. A run (``<runs_dir>/<task>/<model>/<method>-<hash>``: config.yaml,
 samples.jsonl, summary.json, meta.json) gives one row per subtask and length found in its per-sample records (fields
 ``subtask`` -- or ``lm_eval_task`` -- and, for tasks with a ``length`` setting, ``length``), plus one row
@@ -43,7 +43,7 @@ Columns (see also docs/sweeps.md):
   seed_group, stochastic             the hash of the run's identity without its seed; whether the method draws at
                                      random (``Method.stochastic``)
   metric, score                      the task's headline metric name and value for this row
-  score_lo, score_hi                 its 95 % bootstrap interval over the row's samples (sparse_eval.results.statistics;
+  score_lo, score_hi                 its 95 % bootstrap interval over the row's samples (sparse_eval.metrics.statistics;
                                      None for a task whose samples are not units, e.g. lm_eval without documents)
   diff_vs_full, diff_lo, diff_hi,    the paired difference score − full attention's score over the samples both
   n_paired, significant              finished (same model, task config, protocol, subtask, length), its 95 % paired
@@ -101,7 +101,7 @@ from typing import Any
 
 from ..identity.seeds import effective_seed, seed_group
 from ..method_facts import is_stochastic
-from .statistics import bootstrap_ci, paired_difference, seed_pooled_ci, seed_pooled_difference, seed_spread
+from ..metrics.statistics import bootstrap_ci, paired_difference, seed_pooled_ci, seed_pooled_difference, seed_spread
 from .status import run_state
 from .store import (
     META_FILE,

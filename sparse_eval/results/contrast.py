@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .collect import PAIR_KEYS, run_rows, seed_order
-from .statistics import N_BOOT, seed_pooled_contrast
+from ..metrics.statistics import N_BOOT, seed_pooled_contrast
 from .store import find_run_dirs
 
 

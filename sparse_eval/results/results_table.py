@@ -39,7 +39,7 @@ def pool_seeds(task: Any, summaries: list[dict[str, Any]]) -> list[dict[str, Any
     (``vs_full``, with ``n``; ``significant`` only between complete runs).  ``collect`` records the same for any
     set of runs."""
     from ..methods import is_dense
-    from .statistics import seed_pooled_ci, seed_pooled_difference, seed_spread
+    from ..metrics.statistics import seed_pooled_ci, seed_pooled_difference, seed_spread
 
     def finished(summary: dict[str, Any]) -> list[dict[str, Any]]:
         recs = read_samples(Path(summary["run_dir"]) / SAMPLES_FILE).values()

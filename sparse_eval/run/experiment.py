@@ -26,7 +26,7 @@ from ..identity.overlap import check_method as check_calibration_overlap
 from ..results.results_table import short_label
 from ..identity.seeds import DETERMINISTIC_SEED, run_seeds
 from ..method_facts import is_stochastic
-from ..results.statistics import score_interval
+from ..metrics.statistics import score_interval
 from ..results.store import (
     SAMPLES_FILE,
     SampleLog,

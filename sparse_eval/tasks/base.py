@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..generation.engine import Engine, GenerationRequest, LoglikelihoodRequest
-    from ..results.statistics import ScoreTerms
+    from ..metrics.statistics import ScoreTerms
 
 
 class DataNotFoundError(FileNotFoundError):
@@ -136,10 +136,10 @@ class Task:
         return expected
 
     def score_terms(self, records: list[dict[str, Any]]) -> "ScoreTerms | None":
-        """The per-sample terms of the headline score (``sparse_eval.results.statistics``), from which its confidence
+        """The per-sample terms of the headline score (``sparse_eval.metrics.statistics``), from which its confidence
         interval and paired differences are bootstrapped; ``terms.score()`` equals ``aggregate``'s.  The default:
         the plain mean of ``score``.  None: the task's samples are not exchangeable units (no interval)."""
-        from ..results.statistics import ScoreTerms
+        from ..metrics.statistics import ScoreTerms
 
         scored = [r for r in records if r.get("score") is not None]
         return ScoreTerms(

@@ -984,7 +984,7 @@ class LmEval(Task):
         """Per document: the headline metric of each document under the headline filter, one bootstrap group per
         lm-eval task (the score is the mean of the tasks' means).  None when a task's headline is not the mean of
         its documents' values (then no interval is claimed)."""
-        from ..results.statistics import ScoreTerms
+        from ..metrics.statistics import ScoreTerms
 
         ids, vals, groups = [], [], []
         group_of: dict[str, int] = {}

@@ -220,6 +220,6 @@ class Ruler(Task):
 
     def score_terms(self, records: list[dict[str, Any]]):
         """The mean of the subtasks' means: one bootstrap group per subtask (each keeps its sample count)."""
-        from ..results.statistics import ScoreTerms
+        from ..metrics.statistics import ScoreTerms
 
         return ScoreTerms.mean_of_subtask_means(records, self.config.subtasks)

@@ -118,7 +118,7 @@ class Wikitext(Task):
 
     def score_terms(self, records: list[dict[str, Any]]):
         """Perplexity exp(Σ NLL / Σ tokens) over windows: the bootstrap resamples windows."""
-        from ..results.statistics import ScoreTerms
+        from ..metrics.statistics import ScoreTerms
 
         return ScoreTerms(
             [r["id"] for r in records],

@@ -5,7 +5,7 @@ wrong key or value refuses the run with one line, exit status 2: ``check_claims`
 ``summary.json`` (``claims``), so the margin a verdict uses is the one the runs were made under.  For the records
 made before this existed, the claims are declared afterwards in ``experiments/<folder>/claims.yaml``
 (``ClaimsFile``), and every table made from them says so (post hoc).  ``python -m sparse_eval.verdicts`` tests
-them (``sparse_eval.results.statistics.claim_verdict``).
+them (``sparse_eval.metrics.statistics.claim_verdict``).
 
 A claim, e.g.::
 
@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from ..results.statistics import ALPHA, N_BOOT, TESTS
+from ..metrics.statistics import ALPHA, N_BOOT, TESTS
 
 SCALES = ("absolute", "relative")
 WHERE_KEYS = ("task", "subtask", "length")  # collect's columns a claim may select rows by
@@ -39,7 +39,7 @@ WHERE_KEYS = ("task", "subtask", "length")  # collect's columns a claim may sele
 @dataclass
 class ClaimConfig:
     name: str = MISSING  # what is claimed, as tables show it, e.g. "MagicPIG (10, 150) ≈ full"
-    test: str = "equivalence"  # equivalence | non_inferiority | superiority (sparse_eval.results.statistics)
+    test: str = "equivalence"  # equivalence | non_inferiority | superiority (sparse_eval.metrics.statistics)
     a: str = MISSING  # the configuration tested: a shell pattern of collect's method_config
     b: str = "full"  # the reference configuration: a pattern of method_config
     margin: Optional[float] = None  # > 0 for equivalence / non_inferiority, on the tested scale; none for superiority

@@ -12,7 +12,7 @@ records made before claims could be declared with the experiment, after the runs
 so).  Its records (``records``: the run archive, ``root``: the runs folder inside it) are unpacked into a temporary
 folder and read as ``collect`` reads them; each claim selects its two configurations by collect's
 ``method_config`` and ``where`` (subtask, length, task), pools each over its complete seeds and tests the paired
-difference with ``sparse_eval.results.statistics`` (``seed_pooled_draws``, ``tost_interval``, ``claim_verdict``).  A
+difference with ``sparse_eval.metrics.statistics`` (``seed_pooled_draws``, ``tost_interval``, ``claim_verdict``).  A
 ``descriptive`` entry computes a ratio from an analysis table without a test (MagicPIG's error against the budget).
 
 ``--write`` writes ``verdicts.json`` (the numbers, rounded, and the sha256 of the claims file and of each record
@@ -48,7 +48,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .claims import ClaimConfig, ClaimsFile, DescriptiveConfig, as_claim, load_claims_file
-from ..results.statistics import N_BOOT, _interval, claim_verdict, seed_pooled_draws, tost_interval
+from ..metrics.statistics import N_BOOT, _interval, claim_verdict, seed_pooled_draws, tost_interval
 
 CLAIMS_FILE = "claims.yaml"
 VERDICTS_FILE = "verdicts.json"
@@ -528,7 +528,7 @@ def folder_section(data: dict[str, Any]) -> str:
             f"over several seeds is pooled over them: two-level bootstrap), {data['n_boot']:,} bootstrap "
             f"replicates (seed {data['seed']}): its {levels} interval (α = {', '.join(f'{a:g}' for a in alpha)} "
             "per side) with each end point's Monte Carlo error. Verdict "
-            "(`sparse_eval.results.statistics.claim_verdict`): "
+            "(`sparse_eval.metrics.statistics.claim_verdict`): "
             "equivalent when the interval lies inside ±margin, better / worse when it lies wholly above / below 0, "
             "otherwise undecided; undecided also when an end point that decides lies within its Monte Carlo error "
             "of 0 or of the margin. Better / worse are one-sided tests at α each: a difference whose 95 % interval "
@@ -590,7 +590,7 @@ def summary_section(folders: list[dict[str, Any]]) -> str:
         "marked post hoc were declared after the runs.** A − B: the paired difference over the prompts both "
         "finished (× seeds: pooled over a stochastic configuration's seeds, two-level bootstrap), its 90 % "
         "interval (TOST at α = 0.05) and each end point's Monte Carlo error; verdict by "
-        "`sparse_eval.results.statistics.claim_verdict` (equivalent: the interval inside ±margin; better / worse: "
+        "`sparse_eval.metrics.statistics.claim_verdict` (equivalent: the interval inside ±margin; better / worse: "
         "wholly "
         "above / below 0; undecided otherwise, or when a deciding end point is within its Monte Carlo error of 0 "
         "or the margin; better / worse are one-sided tests at 5 % each, so a difference whose 95 % interval "

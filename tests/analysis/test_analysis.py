@@ -190,7 +190,7 @@ def test_error_vs_budget_over_passages(stories, tmp_path):
     import numpy as np
 
     from sparse_eval.analysis import common
-    from sparse_eval.results.statistics import N_BOOT
+    from sparse_eval.metrics.statistics import N_BOOT
 
     model, tok = stories
     opts = error_vs_budget.ErrorOptions(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sparse_eval.results.collect import add_paired_differences, collect
-from sparse_eval.results.statistics import ScoreTerms
+from sparse_eval.metrics.statistics import ScoreTerms
 
 RUNS = Path(__file__).resolve().parents[2] / "experiments" / "ruler_smollm2_intervals" / "runs_8k.tar.gz"
 

@@ -98,7 +98,7 @@ def test_keeping_the_errors_leaves_the_run_incomplete(tmp_path, monkeypatch):
 
 def test_comparisons_use_only_the_samples_both_finished():
     from sparse_eval.results.collect import add_paired_differences
-    from sparse_eval.results.statistics import ScoreTerms
+    from sparse_eval.metrics.statistics import ScoreTerms
 
     def terms(vals: dict[str, float]):
         return ScoreTerms(list(vals), list(vals.values()), [1.0] * len(vals), [0] * len(vals))

@@ -146,7 +146,7 @@ def _scores(rng, shift=0.0, ids=None):
 
 def test_collect_pools_exactly_the_runs_that_differ_only_in_seed(tmp_path, capsys):
     from sparse_eval.results.collect import collect
-    from sparse_eval.results.statistics import seed_pooled_ci, seed_pooled_difference
+    from sparse_eval.metrics.statistics import seed_pooled_ci, seed_pooled_difference
     from sparse_eval.tasks import build_task
 
     rng = np.random.default_rng(0)
@@ -245,7 +245,7 @@ def test_contrast_pairs_two_configurations_each_pooled_over_its_seeds(tmp_path, 
     pattern that matches nothing and two tasks are refused by name; an incomplete run takes away the claim."""
     from sparse_eval.results.collect import collect
     from sparse_eval.results.contrast import contrast, main
-    from sparse_eval.results.statistics import seed_pooled_contrast
+    from sparse_eval.metrics.statistics import seed_pooled_contrast
     from sparse_eval.tasks import build_task
 
     rng = np.random.default_rng(3)

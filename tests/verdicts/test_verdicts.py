@@ -1,4 +1,4 @@
-"""Claims and their verdicts: the rule of sparse_eval.results.statistics.claim_verdict on constructed intervals
+"""Claims and their verdicts: the rule of sparse_eval.metrics.statistics.claim_verdict on constructed intervals
 (boundaries included), the Monte Carlo error of an interval's end points, the claims' schema, and the generated verdicts
 of experiments/ (each folder's section and the summary table are what ``python -m sparse_eval.verdicts`` writes from the
 committed records)."""
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparse_eval.results import statistics as st
-from sparse_eval.results.statistics import claim_verdict, quantile_mc_error, tost_interval
+from sparse_eval.metrics import statistics as st
+from sparse_eval.metrics.statistics import claim_verdict, quantile_mc_error, tost_interval
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"

@@ -1,4 +1,4 @@
-"""Confidence intervals and paired differences (sparse_eval.results.statistics): coverage on synthetic data with a known
+"""Confidence intervals and paired differences (sparse_eval.metrics.statistics): coverage on synthetic data with a known
 answer, pairing, and each task's score terms reproducing its own aggregate."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from sparse_eval.results.statistics import ScoreTerms, bootstrap_ci, paired_difference, seed_spread
+from sparse_eval.metrics.statistics import ScoreTerms, bootstrap_ci, paired_difference, seed_spread
 
 
 def _mean_terms(values, groups=None, prefix="s"):
@@ -202,7 +202,7 @@ def _brute_two_level(runs, reference, n_boot, seed, level=0.95):
 def test_two_level_interval_equals_brute_force(transform):
     """seed_pooled_ci / seed_pooled_difference reproduce an independent, loop-by-loop implementation of the same
     resampling (same generator seed) to 1e-12; the reference is paired on samples and not resampled over seeds."""
-    from sparse_eval.results.statistics import seed_pooled_ci, seed_pooled_difference
+    from sparse_eval.metrics.statistics import seed_pooled_ci, seed_pooled_difference
 
     rng = np.random.default_rng(11)
     n, seeds, n_boot = 17, 3, 200
@@ -236,7 +236,7 @@ def test_contrast_of_two_seed_pooled_configurations_equals_brute_force():
     """seed_pooled_contrast (setting A's seeds against setting B's, paired on prompts) reproduces the plain
     implementation (one set of sample weights, A's seed draws, then B's) to 1e-12 on the samples all six runs
     finished; with one reference run it is seed_pooled_difference exactly."""
-    from sparse_eval.results.statistics import seed_pooled_contrast, seed_pooled_difference
+    from sparse_eval.metrics.statistics import seed_pooled_contrast, seed_pooled_difference
 
     rng = np.random.default_rng(21)
     n, n_boot = 23, 300
@@ -266,7 +266,7 @@ def test_contrast_of_two_seed_pooled_configurations_equals_brute_force():
 
 
 def test_two_level_with_one_seed_is_the_one_level_bootstrap():
-    from sparse_eval.results.statistics import seed_pooled_ci, seed_pooled_difference
+    from sparse_eval.metrics.statistics import seed_pooled_ci, seed_pooled_difference
 
     rng = np.random.default_rng(12)
     a, b = _mean_terms(rng.normal(50, 10, 40)), _mean_terms(rng.normal(48, 10, 40))
@@ -286,7 +286,7 @@ def test_two_level_interval_covers_a_mean_with_seed_variance():
     """Crossed prompts × seeds, x[s, i] = μ + a_i + b_s + e: the two-level interval holds μ in about 95 % of the
     repetitions; the prompts-only interval of the same seed-averaged score misses far more often (it leaves out
     the seed variance σ_b²/S)."""
-    from sparse_eval.results.statistics import seed_pooled_ci
+    from sparse_eval.metrics.statistics import seed_pooled_ci
 
     rng = np.random.default_rng(13)
     n, seeds, mu, reps = 60, 5, 50.0, 200

@@ -409,7 +409,7 @@ def seed_pooled_draws(
 
 
 def score_interval(task: Any, records: list[dict[str, Any]], seed: int = 0) -> dict[str, Any] | None:
-    """The score's 95 % bootstrap interval over the finished samples (``sparse_eval.results.statistics``): {lo, hi, n,
+    """The score's 95 % bootstrap interval over the finished samples (``sparse_eval.metrics.statistics``): {lo, hi, n,
     level, n_boot}; None where the task's samples are not units an interval can be drawn over."""
     terms = task.score_terms(records)
     if terms is None:
