@@ -21,23 +21,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._tl_sparse_decode import _online
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _online(m_i, l_i, acc, lg, v, UPCAST: tl.constexpr):
-    """One online-softmax step: lg [R, BN] logits (log2 units, −inf = not attended), v [BN, BD]."""
-    m_new = tl.maximum(m_i, tl.max(lg, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(lg - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, m_use, alpha, p, l_i, acc
 
 
 # Triton compiles a variant per divisibility-by-16 of each integer argument.  The key count and the strides over rows

@@ -22,6 +22,21 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _online(m_i, l_i, acc, lg, v, UPCAST: tl.constexpr):
+    """One online-softmax step: lg [R, BN] logits (log2 units, −inf = not attended), v [BN, BD]."""
+    m_new = tl.maximum(m_i, tl.max(lg, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(lg - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, m_use, alpha, p, l_i, acc
+
+
+@triton.jit
 def _sparse_decode_split(
     Q,
     K,
@@ -123,16 +138,7 @@ def _sparse_decode_split(
         else:
             s = tl.dot(q, tl.trans(kt)) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        m_i = m_new
+        m_i, _, _, _, l_i, acc = _online(m_i, l_i, acc, s, vt, UPCAST)
 
     heads = h0 + offs_q
     if SINGLE:
