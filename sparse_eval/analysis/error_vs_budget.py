@@ -43,6 +43,7 @@ from ..methods.core import key_validity, scores_gqa, static_keys
 from ..methods.magicpig import MagicPIG
 from ..methods.oracle import OracleSampling
 from ..methods.topk import TopK
+from ..models.loading import model_identity
 from . import common
 from .capture import capture_qkv, model_shape
 
@@ -379,10 +380,13 @@ def figures(summary, out: Path, model_name: str, opts: ErrorOptions, num_layers:
 PARTIAL = "error_records.partial.jsonl"
 
 
-def resume_key(model_cfg: Any, opts: ErrorOptions) -> str:
-    """What a passage's records depend on: the model config and every option but ``out`` and ``passages``."""
+def resume_key(model_cfg: Any, opts: ErrorOptions, model: Any, tokenizer: Any) -> str:
+    """What a passage's records depend on: the model as loaded (``models.loading.model_identity``: its files'
+    fingerprint, the dtype it runs in, its tokenizer's behaviour; not the config's ``dtype=auto``, which is bfloat16 on
+    a GPU and float32 on a CPU) and every option but ``out`` and ``passages``."""
     o = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("out", "passages")}
-    blob = json.dumps({"model": dataclasses.asdict(model_cfg), "options": o}, sort_keys=True, default=str)
+    ident = model_identity(model_cfg, model, tokenizer=tokenizer)
+    blob = json.dumps({"model": ident, "options": o}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -401,8 +405,8 @@ def read_partial(path: Path, key: str) -> tuple[dict[int, list[dict[str, Any]]],
             continue
         if entry.get("key") != key:
             raise ValueError(
-                f"{path}:{i} holds passages measured with other options or another model; give analysis.out "
-                "another folder, or delete that file to start over"
+                f"{path}:{i} holds passages measured with other options or another model (its files, the dtype it "
+                "ran in or its tokenizer); give analysis.out another folder, or delete that file to start over"
             )
         done[int(entry["passage"])] = entry["records"]
         if entry.get("git") not in gits:
@@ -414,9 +418,9 @@ def run(model_cfg, opts: ErrorOptions) -> dict[str, Any]:
     opts.validate()
     started = common.provenance(model_cfg, opts)
     out = common.out_dir(opts.out, "error_vs_budget", model_cfg.name)
-    key, partial = resume_key(model_cfg, opts), out / PARTIAL
-    done, gits = read_partial(partial, key)
     model, tok, context = common.load(model_cfg)
+    key, partial = resume_key(model_cfg, opts, model, tok), out / PARTIAL
+    done, gits = read_partial(partial, key)
 
     def save(p: int, recs: list[dict[str, Any]]) -> None:
         line = {"key": key, "passage": p, "git": started["git"], "records": common.jsonable(recs)}

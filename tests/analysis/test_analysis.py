@@ -409,7 +409,7 @@ def test_analysis_provenance_is_taken_before_measuring(monkeypatch, tmp_path):
 
     head = {"commit": "a" * 40, "dirty": False}
     monkeypatch.setattr(prov, "git_commit", lambda *a, **k: dict(head))
-    model_cfg = common.ModelConfig(name="stories260k", path="", device="cpu", dtype="float32")
+    model_cfg = common.ModelConfig(device="cpu", dtype="float32")
 
     def measure(model, tok, context, opts):
         head["commit"] = "b" * 40  # a commit lands while the analysis measures
@@ -499,7 +499,7 @@ def test_error_vs_budget_resumes_where_it_stopped(stories, tmp_path, monkeypatch
     is dropped); the same command measures only the rest and gives the records of a run never stopped; the finished
     files replace the partial one, and a partial file of other options is refused."""
     model, tok = stories
-    model_cfg = common.ModelConfig(name="stories260k", path="", device="cpu", dtype="float32")
+    model_cfg = common.ModelConfig(device="cpu", dtype="float32")
     monkeypatch.setattr(common, "load", lambda cfg: (model, tok, 512))
     monkeypatch.setattr(error_vs_budget, "figures", lambda *a, **k: [])
     base = dict(length=48, num_queries=2, layers=[2], budgets=[0.1, 1.0], repeats=1, methods=["topk", "oracle"])
@@ -529,4 +529,43 @@ def test_error_vs_budget_resumes_where_it_stopped(stories, tmp_path, monkeypatch
     assert not partial.exists() and (tmp_path / "b" / "error_vs_budget.csv").is_file()
     partial.write_text(json.dumps({"key": "other", "passage": 0, "records": []}) + "\n")
     with pytest.raises(ValueError, match="other options"):
+        error_vs_budget.run(model_cfg, opts)
+
+
+def test_error_vs_budget_refuses_to_resume_passages_of_another_dtype(stories, tmp_path, monkeypatch):
+    """``dtype=auto`` is float32 on a CPU and bfloat16 on a GPU: passages measured in one are not resumed in the
+    other (the key is the model as loaded, not its config)."""
+    import copy
+
+    model, tok = stories
+    model_cfg = common.ModelConfig(device="cpu")
+    monkeypatch.setattr(error_vs_budget, "figures", lambda *a, **k: [])
+    opts = error_vs_budget.ErrorOptions(
+        length=48,
+        num_queries=2,
+        layers=[2],
+        budgets=[1.0],
+        repeats=1,
+        methods=["topk"],
+        passages=2,
+        out=str(tmp_path / "c"),
+    )
+    real = error_vs_budget._measure_passage
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_second(*a, **k):
+        if "2/2" in a[8]:
+            raise Stop
+        return real(*a, **k)
+
+    monkeypatch.setattr(common, "load", lambda cfg: (model, tok, 512))
+    monkeypatch.setattr(error_vs_budget, "_measure_passage", stop_at_second)
+    with pytest.raises(Stop):
+        error_vs_budget.run(model_cfg, opts)
+    assert (tmp_path / "c" / error_vs_budget.PARTIAL).is_file()
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    monkeypatch.setattr(common, "load", lambda cfg: (half, tok, 512))
+    with pytest.raises(ValueError, match="the dtype it ran in"):
         error_vs_budget.run(model_cfg, opts)
