@@ -47,7 +47,7 @@ log = logging.getLogger("sparse_eval")
 LAUNCH_DIR = ".launch"  # under paths.runs_dir
 ENTRY_VERSION = 1
 OUTPUT_ONLY_KEYS = ("print_table", "hydra")  # settings that change what is printed, never a result
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # sparse_eval/, whose every module may compute a result
 # package folders that only read finished results (tables and figures) and are never imported by a run: an edit
 # there changes no result, so it leaves finished launches cached
 OUTPUT_ONLY_SOURCES = ("report",)

@@ -210,6 +210,15 @@ def test_a_calibration_file_appearing_in_the_user_folder_is_a_miss(tmp_path, mon
     assert made and again["run_dir"] != first["run_dir"]
 
 
+def test_the_key_covers_the_whole_package():
+    """The source hashed is the package's, not the launcher wing's folder (where this module lives since the house
+    moved it: until then an edit to a method or a task left every finished launch cached)."""
+    import sparse_eval
+
+    assert launch_cache.PACKAGE_DIR == Path(sparse_eval.__file__).resolve().parent
+    assert all((launch_cache.PACKAGE_DIR / d).is_dir() for d in launch_cache.OUTPUT_ONLY_SOURCES)
+
+
 def test_an_edit_of_the_report_code_keeps_the_key_any_other_edit_changes_it(tmp_path, monkeypatch):
     """The report only reads finished results (never imported by a run): editing it must not send every finished
     launch down the normal path (on the H200 that cost a model load, 49 s, per finished job)."""
