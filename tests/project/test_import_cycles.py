@@ -103,3 +103,22 @@ def test_no_import_cycle_in_the_package():
         + " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:]))
         + f" -> {cycle[-1]}"
     )
+
+
+def wing(module: str) -> str:
+    """The wing a module belongs to: its top-level folder of the package, or the top-level module itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_no_import_runs_back_up_between_wings():
+    """The wings (``sparse_eval/<folder>/`` or a top-level module) stand on floors: a wing imports only wings below
+    it, so no two wings import each other, even through others (``docs/layout.md``)."""
+    graph = import_graph()
+    wings: dict[str, dict[str, int]] = {}
+    for mod, deps in graph.items():
+        for dep, line in deps.items():
+            if wing(dep) != wing(mod):
+                wings.setdefault(wing(mod), {}).setdefault(wing(dep), line)
+    cycle = find_cycle(wings)
+    assert cycle is None, "wings that import each other: " + " -> ".join(cycle)
