@@ -132,3 +132,19 @@ def test_device_work_leaves_out_the_spans_device_ranges():
         SimpleNamespace(name="aten::mm", device_type=cpu),
     ]
     assert [e.name for e in bench.device_work(events)] == ["_mask_split", "Memcpy DtoD (Device -> Device)"]
+
+
+def test_invariant_gemm_bench_runs_its_candidates_and_restores_the_shipped_config(tmp_path):
+    """benchmarks/bench_invariant_gemm.py (small shapes in the interpreter without a GPU): every candidate tile shape
+    gives the product, the record is written, and the shipped configuration is back afterwards."""
+    import bench_invariant_gemm as gemm
+
+    from sparse_eval.kernels import _tl_invariant as tli
+
+    shipped = dict(tli._MM_CONFIG)
+    assert gemm.main(["--out", str(tmp_path)]) == 0
+    assert tli._MM_CONFIG == shipped
+    rec = json.loads((tmp_path / "invariant_gemm_rows8.json").read_text())
+    kernels = [r for r in rec["rows"] if r["kernel"].startswith("invariant")]
+    assert len(kernels) == sum(len(v) for v in gemm.CANDIDATES.values())
+    assert sum("shipped" in r["kernel"] for r in kernels) == 2
