@@ -43,19 +43,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 64,
     },
     # Llama-2-7B: 32 layers, 32 heads (no GQA), 4K context (the Double Sparsity paper's system model)
-    "llama2_7b": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        head_dim=128,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-    ),
+    "llama2_7b": {
+        **_LLAMA3_1_8B,
+        "vocab_size": 32000,
+        "intermediate_size": 11008,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
 }
 
 
