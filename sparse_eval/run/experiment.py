@@ -318,6 +318,9 @@ class Experiment:
             )
             log.warning(msg)
             out["warnings"].append(msg)
+        for msg in self.task.summary_warnings(ok):
+            log.warning("%s: %s", run_dir.name, msg)
+            out["warnings"].append(f"{run_dir.name}: {msg}")
         for key in ("cost1", "cost2", "est_error"):
             layers: dict[str, list[float]] = {}
             for r in ok:

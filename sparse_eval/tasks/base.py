@@ -135,6 +135,11 @@ class Task:
         count): ``expected`` when a record is one unit."""
         return expected
 
+    def summary_warnings(self, records: list[dict[str, Any]]) -> list[str]:
+        """What the finished sample records say is wrong with the measurement itself (a run's summary.json
+        ``warnings``, also logged): none by default."""
+        return []
+
     def score_terms(self, records: list[dict[str, Any]]) -> "ScoreTerms | None":
         """The per-sample terms of the headline score (``sparse_eval.metrics.statistics``), from which its confidence
         interval and paired differences are bootstrapped; ``terms.score()`` equals ``aggregate``'s.  The default:

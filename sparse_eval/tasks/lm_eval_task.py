@@ -56,6 +56,7 @@ log = logging.getLogger("sparse_eval")
 
 CONFIG_DIR = Path(__file__).resolve().parent / "lm_eval_configs"
 PAPER_TASKS = ("gsm8k_cot", "mmlu_flan_cot_fewshot", "coqa")  # MagicPIG Table 1
+UNSTOPPED_WARN = 0.5  # a run's share of generations without a stop sequence above which its summary warns
 OFFLINE_CHOICES = ("auto", "true", "false")
 # the headline metric of each task ("<metric>,<filter>" as lm-eval names result keys); the paper does not
 # say which it read: strict-match is gsm8k_cot's first filter (assumed); CoQA's values look like f1 (assumed)
@@ -748,6 +749,7 @@ class LmEval(Task):
         from lm_eval.models.huggingface import HFLM
 
         session = engine.session
+        task = self
 
         class _PatchedLM(HFLM):
             def get_model_info(self) -> dict[str, Any]:  # HFLM's asks the hub for a sha; the instance has none
@@ -768,7 +770,16 @@ class LmEval(Task):
                     self._model.register_forward_hook(rows.after),
                 )
                 try:
-                    return super()._model_generate(context, max_length, stop, **generation_kwargs)
+                    out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+                    new = out[:, context.shape[1] :]  # [B, generated]
+                    texts = self.tokenizer.batch_decode(new, skip_special_tokens=False)
+                    stopped = [
+                        any(s in text for s in stop) or bool(rows.eos & set(ids))
+                        for text, ids in zip(texts, new.tolist())
+                    ]
+                    task.generations["rows"] += len(stopped)
+                    task.generations["unstopped"] += stopped.count(False)
+                    return out
                 finally:
                     for h in handles:
                         h.remove()
@@ -832,6 +843,7 @@ class LmEval(Task):
         if self._manager is None:
             self._resolve()
         task_name = sample.data["lm_eval_task"]
+        self.generations = {"rows": 0, "unstopped": 0}  # counted by the patched HFLM's _model_generate
         doc_ids = sample.data.get("doc_ids")  # a piece of the task's documents (task.shards > 1), else None
         requested = sample.data.get("requested", sample.id)
         c = self.config
@@ -899,6 +911,10 @@ class LmEval(Task):
             "higher_is_better": _plain(out.get("higher_is_better", {})),
             "group_subtasks": _plain(out.get("group_subtasks", {})),
             "documents": len({(d["task"], d["doc_id"]) for d in docs}),
+            # generate_until requests, and those whose generation contains none of lm-eval's stop sequences (EOS
+            # included): they ran to the length limit, and the filter reads an answer that may run on or be cut
+            "generations": self.generations["rows"],
+            "unstopped_generations": self.generations["unstopped"],
             "docs": docs,
             "lm_eval": {
                 "version": getattr(lm_eval, "__version__", None),
@@ -965,6 +981,20 @@ class LmEval(Task):
         out["score"] = sum(scores) / len(scores) if scores else None
         out["tasks"] = len(scores)
         return out
+
+    def summary_warnings(self, records: list[dict[str, Any]]) -> list[str]:
+        """More than ``UNSTOPPED_WARN`` of the run's generations ran to the length limit without any of lm-eval's
+        stop sequences (EOS included): the model does not end its answers where the task expects, so the filter
+        reads answers that run on (or are cut off) and the score measures the format, not the method."""
+        rows = sum(r.get("generations") or 0 for r in records)
+        unstopped = sum(r.get("unstopped_generations") or 0 for r in records)
+        if not rows or unstopped / rows <= UNSTOPPED_WARN:
+            return []
+        return [
+            f"{unstopped} of {rows} generations ran to the length limit without a stop sequence (lm-eval's `until` "
+            f"and EOS): the answers its filter reads run on; for an instruct model set "
+            f"task.apply_chat_template=true, or give the stop sequences with task.gen_kwargs (until=...)"
+        ]
 
     def units(self, records: list[dict[str, Any]]) -> int:
         """Documents: a record is a requested task, or a piece of one (``task.shards``), holding many (its

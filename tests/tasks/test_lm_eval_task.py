@@ -492,3 +492,19 @@ def test_report_shows_lm_eval_scores_in_percent_under_their_lm_eval_task(tmp_pat
     assert row["Task"] == "lm_eval: toy_story" and row["n"] == 3  # n in documents, not in pieces
     assert row["Score"] == pytest.approx(100 * pooled)  # lm-eval's fraction shown in %, as Table 1 shows it
     assert "in % (×100)" in t.caption
+
+
+def test_generations_without_a_stop_sequence_are_counted_and_warned(tmp_path):
+    """A generation that contains none of lm-eval's stop sequences (nor EOS) ran to the length limit: each record
+    counts them, and a run where most did says so in its summary's warnings (Qwen2.5-Coder on MMLU flan-CoT without
+    its chat template: the answers ran on and full attention scored 0)."""
+    never, always = "task.gen_kwargs='max_gen_toks=8,until=@@@'", "task.gen_kwargs='max_gen_toks=8,until=a'"
+    counts, warned = {}, {}
+    for name, gen in (("never", never), ("always", always)):
+        (s,) = run_toy_folder(tmp_path / name, "task.tasks=[toy_story]", "task.offline=true", gen, "method=full")
+        rec = _records(s)["toy_story"]
+        counts[name] = (rec["generations"], rec["unstopped_generations"])
+        warned[name] = [w for w in s["warnings"] if "without a stop sequence" in w]
+    assert counts == {"never": (len(TOY_DOCS), len(TOY_DOCS)), "always": (len(TOY_DOCS), 0)}
+    assert len(warned["never"]) == 1 and "task.apply_chat_template=true" in warned["never"][0]
+    assert warned["always"] == []
