@@ -6,12 +6,13 @@ against cuBLAS (``torch.matmul``), and the same kernel under other tile shapes.
 
 In the batch-invariant mode (``eval.batch_invariant``, a run's default) every product of the model runs in
 ``_tl_invariant._bmm_kernel`` with one tile shape per dtype (``_MM_CONFIG``), whatever the shape.  A decode step's
-products have few rows (the batch): per shape this times cuBLAS, the shipped tile shape and a few others (each a
-candidate for a configuration keyed by (N, K), never by the row count M, which would keep a row's result independent
-of its batch), and says whether each candidate's output is bit for bit the shipped one's (a tile shape can change
-the order of a row's sums).  Shapes: the 8B layer's q/o (K 4096, N 4096), k/v (4096, 1024), gate/up (4096, 14336)
-and down (14336, 4096) projections at ``--rows`` rows, and Double Sparsity's label scores (256 query rows of 16
-channels against ``--context`` keys, float32).  Medians of ``--reps`` CUDA-event timings after ``--warmup`` calls.
+products have few rows (the batch): per shape this times cuBLAS, the shipped tile shape and a few others, says
+whether each candidate's output is bit for bit the shipped one's, and whether a row computed alone equals that row
+in the batch.  A candidate with the shipped bits may be chosen by the row count M (small tiles for decode) without a
+row's result depending on its batch; one with other bits (another BLOCK_K, a split of K) only by (N, K).  Shapes: the 8B layer's q/o (K 4096, N 4096), k/v (4096, 1024), gate/up (4096, 14336)
+and down (14336, 4096) projections at ``--rows`` rows, Double Sparsity's label scores (256 query rows of 16
+channels against ``--context`` keys, float32), and the q/o projection in float32.  Medians of ``--reps``
+CUDA-event timings after ``--warmup`` calls.
 Without CUDA it runs small shapes in Triton's interpreter (a check of the script, no timing worth reading).
 """
 
@@ -51,6 +52,8 @@ CANDIDATES = {
         (16, 128, 16, 4, 3),
         (32, 64, 32, 4, 3),
         (16, 256, 16, 4, 3),
+        (16, 128, 32, 4, 3),
+        (16, 256, 32, 4, 3),
     ],
 }
 
@@ -89,6 +92,8 @@ def shapes(rows: int, context: int, small: bool) -> list[dict]:
         dict(name="gate/up proj", bt=1, m=rows, k=4096, n=14336, dtype=torch.bfloat16),
         dict(name="down proj", bt=1, m=rows, k=14336, n=4096, dtype=torch.bfloat16),
         dict(name="DS label scores", bt=rows * 32, m=1, k=16, n=context, dtype=torch.float32),
+        # a float32 product of many K tiles: whether BLOCK_K (16 against 32) changes the bits where K spans tiles
+        dict(name="fp32 q/o proj", bt=1, m=rows, k=4096, n=4096, dtype=torch.float32),
     ]
 
 
