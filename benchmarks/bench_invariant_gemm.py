@@ -9,10 +9,10 @@ In the batch-invariant mode (``eval.batch_invariant``, a run's default) every pr
 products have few rows (the batch): per shape this times cuBLAS, the shipped tile shape and a few others, says
 whether each candidate's output is bit for bit the shipped one's, and whether a row computed alone equals that row
 in the batch.  A candidate with the shipped bits may be chosen by the row count M (small tiles for decode) without a
-row's result depending on its batch; one with other bits (another BLOCK_K, a split of K) only by (N, K).  Shapes: the 8B layer's q/o (K 4096, N 4096), k/v (4096, 1024), gate/up (4096, 14336)
-and down (14336, 4096) projections at ``--rows`` rows, Double Sparsity's label scores (256 query rows of 16
-channels against ``--context`` keys, float32), and the q/o projection in float32.  Medians of ``--reps``
-CUDA-event timings after ``--warmup`` calls.
+row's result depending on its batch; one with other bits (another BLOCK_K, a split of K) only by (N, K).
+Shapes: the 8B layer's q/o (K 4096, N 4096), k/v (4096, 1024), gate/up (4096, 14336) and down (14336, 4096)
+projections at ``--rows`` rows, Double Sparsity's label scores (256 query rows of 16 channels against ``--context``
+keys, float32), and the q/o projection in float32.  Medians of ``--reps`` CUDA-event timings after ``--warmup`` calls.
 Without CUDA it runs small shapes in Triton's interpreter (a check of the script, no timing worth reading).
 """
 
