@@ -293,6 +293,9 @@ def run_rows(run_dir: Path, by_subtask: bool = True, recent_s: float = 300.0) ->
         "expected_samples": state["expected"],
         "complete": state["complete"],
         "state": state["state"],
+        # what the run found wrong with its own measurement (summary.json ``warnings``, e.g. lm-eval generations
+        # that never stopped); None: nothing, or a run without a summary yet
+        "warnings": " | ".join(summary.get("warnings") or []) or None,
         **_provenance(meta),
         "run_dir": str(run_dir),
         "config_hash": run_dir.name.rsplit("-", 1)[-1],
@@ -735,6 +738,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     print(f"{len(df)} rows from {df['run_dir'].nunique()} runs, every column -> " + ", ".join(str(p) for p in paths))
+    if "warnings" in df:  # a score the run itself flags: said beside the table, not only in its summary.json
+        for run_dir, text in df.dropna(subset=["warnings"]).groupby("run_dir")["warnings"].first().items():
+            print(f"warning: {run_dir}: {text}", file=sys.stderr)
     bad = df[df["state"] == "unreadable"]["run_dir"].unique() if "state" in df else []
     if len(bad):  # the table lacks those runs' results: say so, and not with exit status 0
         print(

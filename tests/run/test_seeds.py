@@ -285,3 +285,30 @@ def test_contrast_pairs_two_configurations_each_pooled_over_its_seeds(tmp_path, 
     _fake_run(tmp_path, dict(mp, K=7, L=40), 0, _scores(rng), expected=30)  # 24 of 30 samples: incomplete
     partial = contrast(tmp_path, "magicpig-K=7-*", "full-*")
     assert partial["significant"] is None and len(partial["incomplete"]) == 1
+
+
+def test_contrast_of_one_configuration_in_two_runs_folders_counts_the_same_predictions(tmp_path, capsys):
+    """``--b-dir``: the same configuration run on two paths (e.g. the fused and the unfused kernels), one runs folder
+    each: the paired difference of their scores and, per seed, how many samples got the same prediction."""
+    from sparse_eval.results.contrast import contrast, main
+
+    rng = np.random.default_rng(4)
+    mp = {"name": "magicpig", "K": 10, "L": 150, "sink": 4, "local": 64, "dense_layers": [0, 16]}
+    scores = {s: _scores(rng) for s in (0, 1)}
+    for s in (0, 1):
+        _fake_run(tmp_path / "a", mp, s, scores[s])
+        d = _fake_run(tmp_path / "b", mp, s, scores[s])
+        if s == 1:  # three of seed 1's predictions differ on path B
+            lines = [json.loads(x) for x in (d / "samples.jsonl").read_text().splitlines()]
+            for r in lines[:3]:
+                r["prediction"] = "y"
+            (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    n = len(scores[0])
+    c = contrast(tmp_path / "a", "magicpig-*", "magicpig-*", tmp_path / "b")
+    assert c["diff"] == 0 and c["same_predictions"] == [
+        {"seed": 0, "same": n, "n": n},
+        {"seed": 1, "same": n - 3, "n": n},
+    ]
+    assert main([str(tmp_path / "a"), "--a", "magicpig-*", "--b", "magicpig-*", "--b-dir", str(tmp_path / "b")]) == 0
+    assert f"same prediction, seed 1: {n - 3} of {n} samples" in capsys.readouterr().out
+    assert main([str(tmp_path / "a"), "--a", "m*", "--b", "m*", "--b-dir", str(tmp_path / "nowhere")]) == 2

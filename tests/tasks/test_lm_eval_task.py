@@ -494,7 +494,7 @@ def test_report_shows_lm_eval_scores_in_percent_under_their_lm_eval_task(tmp_pat
     assert "in % (×100)" in t.caption
 
 
-def test_generations_without_a_stop_sequence_are_counted_and_warned(tmp_path):
+def test_generations_without_a_stop_sequence_are_counted_and_warned(tmp_path, capsys):
     """A generation that contains none of lm-eval's stop sequences (nor EOS) ran to the length limit: each record
     counts them, and a run where most did says so in its summary's warnings (Qwen2.5-Coder on MMLU flan-CoT without
     its chat template: the answers ran on and full attention scored 0)."""
@@ -508,3 +508,11 @@ def test_generations_without_a_stop_sequence_are_counted_and_warned(tmp_path):
     assert counts == {"never": (len(TOY_DOCS), len(TOY_DOCS)), "always": (len(TOY_DOCS), 0)}
     assert len(warned["never"]) == 1 and "task.apply_chat_template=true" in warned["never"][0]
     assert warned["always"] == []
+    # collect says it beside the table and keeps it in a column
+    from sparse_eval.results.collect import main as collect_main
+
+    capsys.readouterr()
+    assert collect_main([str(tmp_path / "never" / "runs"), "--quiet"]) == 0
+    assert "without a stop sequence" in capsys.readouterr().err
+    assert collect_main([str(tmp_path / "always" / "runs"), "--quiet"]) == 0
+    assert "warning" not in capsys.readouterr().err
