@@ -992,8 +992,8 @@ class LmEval(Task):
             return []
         return [
             f"{unstopped} of {rows} generations ran to the length limit without a stop sequence (lm-eval's `until` "
-            f"and EOS): the answers its filter reads run on; for an instruct model set "
-            f"task.apply_chat_template=true, or give the stop sequences with task.gen_kwargs (until=...)"
+            f"and EOS): the answers its filter reads run on; try task.apply_chat_template=true for an instruct "
+            f"model, or give the stop sequences with task.gen_kwargs (until=...), declared before the scored run"
         ]
 
     def units(self, records: list[dict[str, Any]]) -> int:
