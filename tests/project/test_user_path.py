@@ -577,6 +577,9 @@ TINY = {
     "python -m sparse_eval.results.contrast runs/ --a 'magicpig-K=10-*' --b 'quest-*'": "needs runs of two "
     "configurations (the smoke sweep's, a minute): tests/run/test_seeds.py::test_contrast_pairs_two_configurations_"
     "each_pooled_over_its_seeds",
+    "python -m sparse_eval.results.contrast runs/fused --a 'topk-*' --b 'topk-*' --b-dir runs/unfused": "needs one "
+    "configuration run in two runs folders: tests/run/test_seeds.py::test_contrast_of_one_configuration_in_two_runs_"
+    "folders_counts_the_same_predictions",
     "python -m sparse_eval -m hydra/launcher=slurm +experiment=ruler_magicpig hydra.launcher.partition=gpu "
     "hydra.launcher.gpus_per_node=1 hydra.launcher.cpus_per_task=8 hydra.launcher.mem_gb=64 "
     "hydra.launcher.timeout_min=720 hydra.launcher.array_parallelism=16 "
